@@ -1,0 +1,275 @@
+"""Level sets V_lambda^k, the rounding R, the canonical distribution rho, and bin keys.
+
+Notation (Bairaktari & Nguyen, *Sample-efficient Multiclass Calibration under lp Error*, Sec. 2):
+
+* ``beta = eps^(p/(p-1)) / 2^(1/(p-1))`` (``beta = eps`` for ``p = inf``) is the per-(bin, class)
+  error the algorithm aims for; ``lambda = ceil(1/beta)`` is the discretisation.
+* ``R(u)_i = floor(u_i * lambda) / lambda`` rounds a probability vector down coordinatewise. Its
+  image is the set of *level sets* ``V_lambda^k``: integer vectors ``c = lambda * R(u)`` with
+  ``c >= 0`` and ``lambda - k < sum(c) <= lambda`` (the upper bound because ``u`` sums to one,
+  the lower one because each coordinate loses less than ``1/lambda``).
+* ``rho(v)`` is the point of the simplex closest to ``v`` in l_inf with ``R(rho(v)) = v``; in closed
+  form the deficit ``1 - sum(v)`` is spread evenly over the ``k`` coordinates.
+
+A *bin* is the integer vector ``c``. It has at most ``lambda`` nonzero entries, so it is keyed
+sparsely: the canonical key is the string ``"i:c_i,j:c_j,..."`` over the nonzero entries in
+increasing index order (``""`` for the zero vector, which is a level set only when ``k > lambda``).
+The same key is used in memory, in bin-map artifacts and in the daemon's pools, so ``k`` up to
+10,000 classes costs only ``O(lambda)`` per bin.
+
+For bulk work (millions of rows) bins are identified by a 64-bit linear row hash
+``h(c) = sum_j c_j * W_j mod 2^64`` with fixed pseudo-random odd weights ``W``; every lookup and
+grouping built on it verifies exact equality of the rows, so a hash collision raises instead of
+silently merging two bins.
+
+Floating point: ``(c/lambda)*lambda`` can land one ulp below ``c``; the floor therefore adds
+``FLOOR_TOL`` (in units of bins) before flooring. ``lambda = ceil(1/beta)`` snaps ``1/beta`` to the
+nearest integer when it is within a relative ``1e-9`` of it, so that ``0.1**2/2`` (which is
+``0.005000000000000001``) gives ``lambda = 200``, not 201.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from lpcal.errors import InputError
+
+FLOOR_TOL = 1e-9
+_SNAP_REL = 1e-9
+_HASH_SEED = 0x6C70_6361_6C21  # "lpcal!"
+_CHUNK_ELEMS = 1 << 22
+
+
+def beta_for(eps: float, p: float) -> float:
+    """Return ``beta = eps^(p/(p-1)) / 2^(1/(p-1))``, or ``eps`` for ``p = inf``."""
+    if not (0.0 < eps < 1.0) or not math.isfinite(eps):
+        raise InputError(f"eps must lie in (0, 1), got {eps!r}")
+    if not (p > 1.0):
+        raise InputError(f"p must be > 1 (use math.inf for p = inf), got {p!r}")
+    if math.isinf(p):
+        return float(eps)
+    return float(eps ** (p / (p - 1.0)) / 2.0 ** (1.0 / (p - 1.0)))
+
+
+def lambda_for(beta: float) -> int:
+    """Return ``ceil(1/beta)``, snapping ``1/beta`` to an integer within a relative 1e-9."""
+    if not (0.0 < beta <= 1.0):
+        raise InputError(f"beta must lie in (0, 1], got {beta!r}")
+    x = 1.0 / beta
+    r = round(x)
+    if abs(x - r) <= _SNAP_REL * x:
+        return max(1, int(r))
+    return int(math.ceil(x))
+
+
+def level_set_bound(lam: int, k: int) -> int:
+    """The paper's bound ``|V_lambda^k| <= C(lambda + k, k)`` (Lemma size-of-V)."""
+    return math.comb(lam + k, k)
+
+
+def level_set_count(lam: int, k: int) -> int:
+    """Exact ``|V_lambda^k|``: integer vectors ``c >= 0`` with ``lambda - k < sum(c) <= lambda``.
+
+    Equals the bound ``C(lambda + k, k)`` only when ``k > lambda`` (then every ``c`` with
+    ``sum(c) <= lambda`` is a level set); otherwise it is smaller.
+    """
+    lo = max(0, lam - k + 1)
+    return sum(math.comb(s + k - 1, k - 1) for s in range(lo, lam + 1))
+
+
+def bin_counts(probs: np.ndarray, lam: int) -> np.ndarray:
+    """``lambda * R(u)`` as int32 rows: ``floor(u * lambda + FLOOR_TOL)`` clipped to ``[0, lambda]``."""
+    u = np.asarray(probs, dtype=np.float64)
+    c = np.floor(u * lam + FLOOR_TOL)
+    np.clip(c, 0, lam, out=c)
+    return c.astype(np.int32)
+
+
+def round_down(probs: np.ndarray, lam: int) -> np.ndarray:
+    """``R(u)``: each coordinate rounded down to a multiple of ``1/lambda``."""
+    return bin_counts(probs, lam) / float(lam)
+
+
+def is_level_set(counts: np.ndarray, lam: int) -> np.ndarray:
+    """Membership of integer rows ``c`` in ``lambda * V_lambda^k`` (vectorised over rows)."""
+    c = np.atleast_2d(np.asarray(counts))
+    k = c.shape[1]
+    s = c.sum(axis=1)
+    return (c >= 0).all(axis=1) & (s <= lam) & (lam - s < k)
+
+
+def rho(counts: np.ndarray, lam: int) -> np.ndarray:
+    """Canonical distribution of level sets given as integer rows ``c = lambda * v``.
+
+    ``rho(v) = v + (1 - sum v) / k``: the deficit spread evenly. Rows that are not level sets raise.
+    """
+    c = np.asarray(counts)
+    two_d = c.ndim == 2
+    c = np.atleast_2d(c)
+    ok = is_level_set(c, lam)
+    if not ok.all():
+        bad = int(np.flatnonzero(~ok)[0])
+        raise InputError(f"row {bad} is not a level set of V_{lam}^{c.shape[1]}: {c[bad].tolist()}")
+    k = c.shape[1]
+    deficit = (lam - c.sum(axis=1, dtype=np.int64)).astype(np.float64) / k
+    out = (c + deficit[:, None]) / float(lam)
+    return out if two_d else out[0]
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def encode_key(row: Sequence[int] | np.ndarray) -> str:
+    """Canonical sparse key of one integer bin row, e.g. ``"0:3,7:2"``."""
+    r = np.asarray(row)
+    nz = np.flatnonzero(r)
+    return ",".join(f"{i}:{int(r[i])}" for i in nz)
+
+
+def encode_keys(rows: np.ndarray) -> list[str]:
+    """Keys of many bin rows (a Python loop over *unique bins*, never over samples)."""
+    rows = np.atleast_2d(rows)
+    ii, jj = np.nonzero(rows)
+    vals = rows[ii, jj]
+    out = [""] * rows.shape[0]
+    if ii.size == 0:
+        return out
+    starts = np.searchsorted(ii, np.arange(rows.shape[0] + 1))
+    jl, vl = jj.tolist(), vals.tolist()
+    for r in range(rows.shape[0]):
+        a, b = starts[r], starts[r + 1]
+        if a != b:
+            out[r] = ",".join(f"{j}:{v}" for j, v in zip(jl[a:b], vl[a:b]))
+    return out
+
+
+def decode_key(key: str, k: int, lam: int | None = None) -> np.ndarray:
+    """Parse a canonical key back to an int32 row of length ``k``; malformed keys raise."""
+    row = np.zeros(k, dtype=np.int32)
+    if key == "":
+        return row
+    last = -1
+    for part in key.split(","):
+        try:
+            i_s, c_s = part.split(":")
+            i, c = int(i_s), int(c_s)
+        except ValueError:
+            raise InputError(f"bin key {key!r}: entry {part!r} is not 'index:count'") from None
+        if not (0 <= i < k):
+            raise InputError(f"bin key {key!r}: class index {i} outside [0, {k})")
+        if i <= last:
+            raise InputError(f"bin key {key!r}: indices must be strictly increasing")
+        if c <= 0:
+            raise InputError(f"bin key {key!r}: count {c} must be positive")
+        row[i] = c
+        last = i
+    if lam is not None and not is_level_set(row[None, :], lam)[0]:
+        raise InputError(f"bin key {key!r} is not a level set of V_{lam}^{k}")
+    return row
+
+
+def decode_keys(keys: Iterable[str], k: int, lam: int | None = None) -> np.ndarray:
+    keys = list(keys)
+    out = np.zeros((len(keys), k), dtype=np.int32)
+    for r, key in enumerate(keys):
+        out[r] = decode_key(key, k, lam)
+    return out
+
+
+# ----------------------------------------------------------------------------- hashing / index
+
+_WEIGHTS: dict[int, np.ndarray] = {}
+
+
+def _weights(k: int) -> np.ndarray:
+    w = _WEIGHTS.get(k)
+    if w is None:
+        rng = np.random.Generator(np.random.PCG64(_HASH_SEED))
+        w = (rng.integers(0, 2**63 - 1, size=k, dtype=np.int64) << 1) | 1
+        _WEIGHTS[k] = w
+    return w
+
+
+def row_hash(counts: np.ndarray) -> np.ndarray:
+    """64-bit linear hash of integer rows (int64, wrapping); chunked to bound memory."""
+    c = np.atleast_2d(counts)
+    n, k = c.shape
+    w = _weights(k)
+    out = np.empty(n, dtype=np.int64)
+    step = max(1, _CHUNK_ELEMS // max(k, 1))
+    with np.errstate(over="ignore"):
+        for a in range(0, n, step):
+            out[a : a + step] = c[a : a + step].astype(np.int64, copy=False) @ w
+    return out
+
+
+class HashCollision(RuntimeError):
+    """Two different bins share a 64-bit hash (probability about n^2 / 2^64)."""
+
+
+def group_rows(counts: np.ndarray, hashes: np.ndarray | None = None):
+    """Group identical bin rows.
+
+    Returns ``(unique_hashes, first_index, inverse)``: ``unique_hashes`` sorted, ``first_index``
+    the row holding each unique bin, ``inverse`` the group of every row. Verified exactly.
+    """
+    c = np.atleast_2d(counts)
+    h = row_hash(c) if hashes is None else hashes
+    uh, first, inv = np.unique(h, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    if uh.size != c.shape[0]:
+        step = max(1, _CHUNK_ELEMS // max(c.shape[1], 1))
+        for a in range(0, c.shape[0], step):
+            blk = c[a : a + step]
+            if not np.array_equal(blk, c[first[inv[a : a + step]]]):
+                raise HashCollision("two distinct bins share a 64-bit hash")
+    return uh, first, inv
+
+
+class BinIndex:
+    """Exact, vectorised lookup of bin rows in a fixed set of bins (e.g. the set B).
+
+    ``lookup(c)`` returns, for every row, the position of that bin in ``rows`` or -1.
+    Complexity: one row hash (O(n k)), one ``searchsorted`` (O(n log m)), and an exact check on
+    the hits (O(hits * k)).
+    """
+
+    __slots__ = ("rows", "k", "_sorted_h", "_order")
+
+    def __init__(self, rows: np.ndarray):
+        rows = np.ascontiguousarray(np.atleast_2d(rows), dtype=np.int32)
+        self.rows = rows
+        self.k = rows.shape[1]
+        h = row_hash(rows)
+        order = np.argsort(h, kind="stable")
+        if np.unique(h).size != h.size:
+            uh, _, _ = group_rows(rows, h)
+            if uh.size != h.size:
+                raise InputError("BinIndex: duplicate bins")
+        self._sorted_h = h[order]
+        self._order = order
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
+
+    def lookup(self, counts: np.ndarray, hashes: np.ndarray | None = None) -> np.ndarray:
+        c = np.atleast_2d(counts)
+        if c.shape[1] != self.k:
+            raise InputError(f"expected {self.k} classes, got {c.shape[1]}")
+        h = row_hash(c) if hashes is None else hashes
+        m = self._sorted_h.size
+        if m == 0:
+            return np.full(c.shape[0], -1, dtype=np.int64)
+        pos = np.searchsorted(self._sorted_h, h)
+        pos_c = np.minimum(pos, m - 1)
+        hit = self._sorted_h[pos_c] == h
+        idx = np.where(hit, self._order[pos_c], -1)
+        rows_hit = np.flatnonzero(hit)
+        if rows_hit.size:
+            same = (c[rows_hit] == self.rows[idx[rows_hit]]).all(axis=1)
+            if not same.all():
+                raise HashCollision("bin hash collision during lookup")
+        return idx.astype(np.int64)
