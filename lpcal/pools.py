@@ -1,0 +1,464 @@
+"""Sample pools of Algorithm 2 as additive, mergeable count tables over (bin, label).
+
+A labelled sample ``(x, y)`` enters Algorithm 2 only as ``(R(f(x)), y)``, so a pool is fully
+described by the number of samples per (bin, label) pair. Count tables are small, additive
+(``a.merge(b)`` is the pool of the union of samples), order-independent and cheap to checkpoint.
+
+Pools of Algorithm 2 (``L = floor(log2(6/beta)) + 1`` levels; since the estimated masses sum to
+one, ``|B| <= 6/beta`` always, so ``L`` is known before ``B`` is):
+
+* ``mu``: estimates the bin masses ``mu_hat_v`` that select ``B = {v : mu_hat_v >= beta/6}``;
+* ``P{i}`` and ``E{i}`` for ``i < L`` (variant ``split``, the paper's): estimate ``P_hat_S`` and
+  ``E_hat_S`` of estimation groups ``S`` in ``M`` of size ``2^i``;
+* ``PE{i}`` (variant ``shared``): both estimates of size ``2^i`` from one pool, so that
+  ``sum_j E_hat_S,j = P_hat_S`` holds exactly.
+
+Events are routed to pools deterministically by a hash of their id (``PoolLayout.route``), with
+probabilities proportional to the pools' target sizes, so a replay of the same events fills
+identical pools.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from lpcal.errors import InputError
+from lpcal.levels import (
+    bin_counts,
+    decode_keys,
+    encode_keys,
+    group_rows,
+    HashCollision,
+    row_hash,
+)
+
+_COMPACT_EVERY = 1 << 16
+
+
+def _csr_from_dense(rows: np.ndarray):
+    ii, jj = np.nonzero(rows)
+    indptr = np.zeros(rows.shape[0] + 1, dtype=np.int64)
+    np.cumsum(np.bincount(ii, minlength=rows.shape[0]), out=indptr[1:])
+    return indptr, jj.astype(np.int32), rows[ii, jj].astype(np.int32)
+
+
+def _csr_take(indptr, indices, values, pos):
+    """Rows ``pos`` of a CSR matrix, as a new CSR (vectorised gather)."""
+    starts, ends = indptr[pos], indptr[pos + 1]
+    lens = ends - starts
+    new_ptr = np.zeros(len(pos) + 1, dtype=np.int64)
+    np.cumsum(lens, out=new_ptr[1:])
+    flat = np.repeat(starts - new_ptr[:-1], lens) + np.arange(new_ptr[-1])
+    return new_ptr, indices[flat], values[flat]
+
+
+def _csr_to_dense(indptr, indices, values, k):
+    n = indptr.size - 1
+    out = np.zeros((n, k), dtype=np.int32)
+    rows = np.repeat(np.arange(n), np.diff(indptr))
+    out[rows, indices] = values
+    return out
+
+
+class CountTable:
+    """A sample pool: the number of samples per (bin, label), with ``k`` classes at ``lambda``.
+
+    Bins are kept once each, sparsely (CSR rows of ``c = lambda * R(u)``), indexed by their 64-bit
+    row hash (sorted); counts are a COO list of (bin position, label, count). ``add`` buffers and
+    compacts lazily, so streaming many small batches costs amortised ``O(batch * k)``.
+    """
+
+    __slots__ = ("k", "lam", "_h", "_ptr", "_idx", "_val", "_pb", "_pl", "_pc", "_pending", "_npend")
+
+    def __init__(self, k: int, lam: int):
+        if k < 2 or lam < 1:
+            raise InputError(f"CountTable needs k >= 2 and lambda >= 1, got k={k}, lambda={lam}")
+        self.k, self.lam = int(k), int(lam)
+        self._h = np.zeros(0, dtype=np.int64)
+        self._ptr = np.zeros(1, dtype=np.int64)
+        self._idx = np.zeros(0, dtype=np.int32)
+        self._val = np.zeros(0, dtype=np.int32)
+        self._pb = np.zeros(0, dtype=np.int64)
+        self._pl = np.zeros(0, dtype=np.int32)
+        self._pc = np.zeros(0, dtype=np.int64)
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._npend = 0
+
+    # ------------------------------------------------------------------ building
+    def add(self, probs: np.ndarray | None, labels, counts: np.ndarray | None = None) -> None:
+        """Add samples given as probability rows (binned here) or as precomputed bin rows."""
+        labels = np.asarray(labels)
+        if counts is None:
+            if probs is None:
+                raise InputError("add() needs probs or counts")
+            counts = bin_counts(probs, self.lam)
+        c = np.atleast_2d(np.asarray(counts))
+        if c.shape[1] != self.k:
+            raise InputError(f"pool has k={self.k} classes, got rows of length {c.shape[1]}")
+        if labels.shape != (c.shape[0],):
+            raise InputError(f"labels must have shape ({c.shape[0]},), got {labels.shape}")
+        if c.shape[0] == 0:
+            return
+        if labels.dtype.kind not in "iu":
+            raise InputError(f"labels must be integers, got dtype {labels.dtype}")
+        if labels.min() < 0 or labels.max() >= self.k:
+            bad = int(np.flatnonzero((labels < 0) | (labels >= self.k))[0])
+            raise InputError(f"label {int(labels[bad])} at row {bad} outside [0, {self.k})")
+        self._pending.append((c.astype(np.int32, copy=False), labels.astype(np.int32)))
+        self._npend += c.shape[0]
+        if self._npend >= _COMPACT_EVERY:
+            self._compact()
+
+    def _compact(self) -> None:
+        if not self._pending:
+            return
+        c = np.concatenate([p[0] for p in self._pending])
+        y = np.concatenate([p[1] for p in self._pending])
+        self._pending, self._npend = [], 0
+        h = row_hash(c)
+        uh, first, inv = group_rows(c, h)
+        ptr, idx, val = _csr_from_dense(c[first])
+        pair = inv.astype(np.int64) * self.k + y
+        up, pc = np.unique(pair, return_counts=True)
+        other = CountTable._raw(self.k, self.lam, uh, ptr, idx, val, up // self.k, up % self.k, pc)
+        merged = self._merge_compacted(other)
+        self._assign(merged)
+
+    @classmethod
+    def _raw(cls, k, lam, h, ptr, idx, val, pb, pl, pc) -> "CountTable":
+        t = cls(k, lam)
+        t._h, t._ptr, t._idx, t._val = h, ptr, idx, val
+        t._pb, t._pl, t._pc = pb.astype(np.int64), pl.astype(np.int32), pc.astype(np.int64)
+        return t
+
+    def _assign(self, o: "CountTable") -> None:
+        self._h, self._ptr, self._idx, self._val = o._h, o._ptr, o._idx, o._val
+        self._pb, self._pl, self._pc = o._pb, o._pl, o._pc
+
+    @classmethod
+    def from_samples(cls, probs, labels, lam: int, k: int | None = None) -> "CountTable":
+        probs = np.atleast_2d(np.asarray(probs))
+        t = cls(k or probs.shape[1], lam)
+        t.add(probs, labels)
+        t._compact()
+        return t
+
+    # ------------------------------------------------------------------ combining
+    def _merge_compacted(self, o: "CountTable") -> "CountTable":
+        if self._h.size == 0:
+            return o
+        if o._h.size == 0:
+            return self
+        h_all = np.concatenate([self._h, o._h])
+        uh, inv = np.unique(h_all, return_inverse=True)
+        inv = inv.reshape(-1)
+        inv_a, inv_b = inv[: self._h.size], inv[self._h.size :]
+        # bins present in both: verify their sparse rows are identical
+        common_b = np.flatnonzero(np.isin(o._h, self._h, assume_unique=True))
+        if common_b.size:
+            common_a = np.searchsorted(self._h, o._h[common_b])
+            pa = _csr_take(self._ptr, self._idx, self._val, common_a)
+            pb = _csr_take(o._ptr, o._idx, o._val, common_b)
+            if not (np.array_equal(pa[0], pb[0]) and np.array_equal(pa[1], pb[1])
+                    and np.array_equal(pa[2], pb[2])):
+                raise HashCollision("two distinct bins share a 64-bit hash")
+        # sparse rows of the union: take each bin from the first table holding it
+        src_is_b = np.ones(uh.size, dtype=bool)
+        src_pos = np.empty(uh.size, dtype=np.int64)
+        src_pos[inv_b] = np.arange(o._h.size)
+        src_is_b[inv_a] = False
+        src_pos[inv_a] = np.arange(self._h.size)
+        ptr = np.zeros(uh.size + 1, dtype=np.int64)
+        lens = np.where(src_is_b, np.diff(o._ptr)[np.where(src_is_b, src_pos, 0)],
+                        np.diff(self._ptr)[np.where(src_is_b, 0, src_pos)])
+        np.cumsum(lens, out=ptr[1:])
+        ga = _csr_take(self._ptr, self._idx, self._val, src_pos[~src_is_b])
+        gb = _csr_take(o._ptr, o._idx, o._val, src_pos[src_is_b])
+        idx = np.empty(ptr[-1], dtype=np.int32)
+        val = np.empty(ptr[-1], dtype=np.int32)
+        dest_a = np.repeat(ptr[:-1][~src_is_b] - ga[0][:-1], np.diff(ga[0])) + np.arange(ga[0][-1])
+        dest_b = np.repeat(ptr[:-1][src_is_b] - gb[0][:-1], np.diff(gb[0])) + np.arange(gb[0][-1])
+        idx[dest_a], val[dest_a] = ga[1], ga[2]
+        idx[dest_b], val[dest_b] = gb[1], gb[2]
+        pair = np.concatenate([inv_a[self._pb] * self.k + self._pl, inv_b[o._pb] * self.k + o._pl])
+        cnt = np.concatenate([self._pc, o._pc])
+        up, where = np.unique(pair, return_inverse=True)
+        pc = np.bincount(where.reshape(-1), weights=cnt, minlength=up.size).astype(np.int64)
+        return CountTable._raw(self.k, self.lam, uh, ptr, idx, val, up // self.k, up % self.k, pc)
+
+    def merge(self, other: "CountTable") -> "CountTable":
+        """The pool of the union of both pools' samples (neither input is modified)."""
+        if (self.k, self.lam) != (other.k, other.lam):
+            raise InputError(
+                f"cannot merge pools with (k, lambda) = {(self.k, self.lam)} and "
+                f"{(other.k, other.lam)}"
+            )
+        self._compact()
+        other._compact()
+        return self._merge_compacted(other)
+
+    __add__ = merge
+
+    def copy(self) -> "CountTable":
+        self._compact()
+        t = CountTable._raw(self.k, self.lam, self._h, self._ptr, self._idx, self._val,
+                            self._pb, self._pl, self._pc)
+        return t
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def total(self) -> int:
+        return int(self._pc.sum()) + self._npend
+
+    @property
+    def n_bins(self) -> int:
+        self._compact()
+        return int(self._h.size)
+
+    def bin_mass(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(hashes, counts)``: number of samples per stored bin."""
+        self._compact()
+        return self._h, np.bincount(self._pb, weights=self._pc, minlength=self._h.size).astype(np.int64)
+
+    def bin_rows(self, positions: np.ndarray) -> np.ndarray:
+        """Dense int32 rows ``c`` of the stored bins at ``positions``."""
+        self._compact()
+        sub = _csr_take(self._ptr, self._idx, self._val, np.asarray(positions, dtype=np.int64))
+        return _csr_to_dense(*sub, self.k)
+
+    def label_counts(self, hashes: np.ndarray) -> np.ndarray:
+        """Dense ``(len(hashes), k)`` label counts for the bins with these hashes (0 if absent)."""
+        self._compact()
+        hashes = np.asarray(hashes, dtype=np.int64)
+        out = np.zeros((hashes.size, self.k), dtype=np.int64)
+        if self._h.size == 0 or hashes.size == 0:
+            return out
+        pos = np.searchsorted(self._h, hashes)
+        pos_c = np.minimum(pos, self._h.size - 1)
+        present = self._h[pos_c] == hashes
+        # map stored bin position -> requested row
+        req = np.full(self._h.size, -1, dtype=np.int64)
+        req[pos_c[present]] = np.flatnonzero(present)
+        rows = req[self._pb]
+        keep = rows >= 0
+        np.add.at(out, (rows[keep], self._pl[keep]), self._pc[keep])
+        return out
+
+    def keys(self) -> list[str]:
+        self._compact()
+        return encode_keys(_csr_to_dense(self._ptr, self._idx, self._val, self.k)) \
+            if self._h.size * self.k <= 1 << 24 else self._keys_chunked()
+
+    def _keys_chunked(self) -> list[str]:
+        out: list[str] = []
+        step = max(1, (1 << 22) // self.k)
+        for a in range(0, self._h.size, step):
+            pos = np.arange(a, min(a + step, self._h.size))
+            out.extend(encode_keys(self.bin_rows(pos)))
+        return out
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict:
+        """JSON-safe dict with canonical bin keys; ``from_dict(to_dict())`` round-trips."""
+        self._compact()
+        return {
+            "k": self.k,
+            "lam": self.lam,
+            "bins": self.keys(),
+            "bin": self._pb.tolist(),
+            "label": self._pl.tolist(),
+            "count": self._pc.tolist(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping, where: str = "pool") -> "CountTable":
+        try:
+            k, lam = int(d["k"]), int(d["lam"])
+            keys = list(d["bins"])
+            pb = np.asarray(d["bin"], dtype=np.int64)
+            pl = np.asarray(d["label"], dtype=np.int64)
+            pc = np.asarray(d["count"], dtype=np.int64)
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"{where}: malformed pool ({e})") from None
+        if not (pb.shape == pl.shape == pc.shape) or pb.ndim != 1:
+            raise InputError(f"{where}: bin/label/count arrays differ in shape")
+        if pb.size and (pb.min() < 0 or pb.max() >= len(keys)):
+            raise InputError(f"{where}: bin position outside [0, {len(keys)})")
+        if pl.size and (pl.min() < 0 or pl.max() >= k):
+            raise InputError(f"{where}: label outside [0, {k})")
+        if pc.size and pc.min() <= 0:
+            raise InputError(f"{where}: counts must be positive")
+        rows = decode_keys(keys, k, lam)
+        t = cls(k, lam)
+        if rows.shape[0]:
+            h = row_hash(rows)
+            uh, first, inv = group_rows(rows, h)
+            if uh.size != rows.shape[0]:
+                raise InputError(f"{where}: duplicate bin keys")
+            ptr, idx, val = _csr_from_dense(rows[first])
+            pair = inv[pb] * k + pl
+            up, where_ = np.unique(pair, return_inverse=True)
+            cnt = np.bincount(where_.reshape(-1), weights=pc, minlength=up.size).astype(np.int64)
+            t._assign(CountTable._raw(k, lam, uh, ptr, idx, val, up // k, up % k, cnt))
+        return t
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CountTable):
+            return NotImplemented
+        self._compact()
+        other._compact()
+        return (
+            (self.k, self.lam) == (other.k, other.lam)
+            and np.array_equal(self._h, other._h)
+            and np.array_equal(self._ptr, other._ptr)
+            and np.array_equal(self._idx, other._idx)
+            and np.array_equal(self._val, other._val)
+            and np.array_equal(self._pb, other._pb)
+            and np.array_equal(self._pl, other._pl)
+            and np.array_equal(self._pc, other._pc)
+        )
+
+    def __repr__(self) -> str:
+        return f"CountTable(k={self.k}, lam={self.lam}, total={self.total})"
+
+
+# ============================================================================ layout
+
+
+def n_levels(beta: float) -> int:
+    """``L = floor(log2(6/beta)) + 1``: group sizes ``1, 2, ..., 2^(L-1)`` cover ``|B| <= 6/beta``."""
+    return int(math.floor(math.log2(6.0 / beta) + 1e-12)) + 1
+
+
+def pool_names(levels: int, variant: str) -> list[str]:
+    if variant == "split":
+        return ["mu"] + [f"P{i}" for i in range(levels)] + [f"E{i}" for i in range(levels)]
+    if variant == "shared":
+        return ["mu"] + [f"PE{i}" for i in range(levels)]
+    raise InputError(f"variant must be 'split' or 'shared', got {variant!r}")
+
+
+def route_uniform(ids: Iterable[str | bytes]) -> np.ndarray:
+    """Map event ids to uniforms in [0, 1) with blake2b (stable across processes and versions)."""
+    out = []
+    for i in ids:
+        b = i.encode() if isinstance(i, str) else bytes(i)
+        out.append(int.from_bytes(hashlib.blake2b(b, digest_size=8).digest(), "big"))
+    return np.asarray(out, dtype=np.uint64).astype(np.float64) / 2.0**64
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """The pools of one calibration epoch: names, target sizes and the routing of events."""
+
+    k: int
+    lam: int
+    levels: int
+    variant: str
+    targets: Mapping[str, int]
+    names: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self):
+        names = tuple(pool_names(self.levels, self.variant))
+        missing = [n for n in names if n not in self.targets]
+        if missing:
+            raise InputError(f"pool targets missing for {missing}")
+        bad = [n for n in names if int(self.targets[n]) <= 0]
+        if bad:
+            raise InputError(f"pool targets must be positive: {bad}")
+        object.__setattr__(self, "names", names)
+        object.__setattr__(self, "targets", {n: int(self.targets[n]) for n in names})
+
+    @property
+    def total_target(self) -> int:
+        return sum(self.targets.values())
+
+    def cumulative_weights(self) -> np.ndarray:
+        t = np.array([self.targets[n] for n in self.names], dtype=np.float64)
+        return np.cumsum(t) / t.sum()
+
+    def route(self, ids: Iterable[str | bytes]) -> np.ndarray:
+        """Pool index of each event id, with probability proportional to the target sizes."""
+        u = route_uniform(ids)
+        return np.minimum(np.searchsorted(self.cumulative_weights(), u, side="right"),
+                          len(self.names) - 1)
+
+    def to_dict(self) -> dict:
+        return {"k": self.k, "lam": self.lam, "levels": self.levels, "variant": self.variant,
+                "targets": dict(self.targets)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "PoolLayout":
+        try:
+            return cls(int(d["k"]), int(d["lam"]), int(d["levels"]), str(d["variant"]),
+                       dict(d["targets"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"malformed pool layout ({e})") from None
+
+
+class PoolSet:
+    """All pools of one epoch (a :class:`PoolLayout` plus one :class:`CountTable` per pool)."""
+
+    def __init__(self, layout: PoolLayout, tables: Mapping[str, CountTable] | None = None):
+        self.layout = layout
+        self.tables = {n: CountTable(layout.k, layout.lam) for n in layout.names}
+        if tables:
+            for n, t in tables.items():
+                if n not in self.tables:
+                    raise InputError(f"unknown pool {n!r} for layout {layout.names}")
+                self.tables[n] = t
+
+    def add(self, pool_idx: np.ndarray, probs: np.ndarray | None, labels,
+            counts: np.ndarray | None = None) -> None:
+        """Add samples, each to the pool ``pool_idx[i]`` (vectorised per pool)."""
+        pool_idx = np.asarray(pool_idx)
+        labels = np.asarray(labels)
+        if counts is None:
+            counts = bin_counts(probs, self.layout.lam)
+        for p in np.unique(pool_idx):
+            sel = pool_idx == p
+            self.tables[self.layout.names[int(p)]].add(None, labels[sel], counts=counts[sel])
+
+    def fill(self) -> dict[str, tuple[int, int]]:
+        return {n: (self.tables[n].total, self.layout.targets[n]) for n in self.layout.names}
+
+    @property
+    def full(self) -> bool:
+        return all(c >= t for c, t in self.fill().values())
+
+    @property
+    def total(self) -> int:
+        return sum(t.total for t in self.tables.values())
+
+    def merge(self, other: "PoolSet") -> "PoolSet":
+        if self.layout != other.layout:
+            raise InputError("cannot merge pool sets with different layouts")
+        return PoolSet(self.layout, {n: self.tables[n].merge(other.tables[n])
+                                     for n in self.layout.names})
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout.to_dict(),
+                "tables": {n: t.to_dict() for n, t in self.tables.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "PoolSet":
+        try:
+            layout = PoolLayout.from_dict(d["layout"])
+            tables = {n: CountTable.from_dict(t, where=f"pool {n}") for n, t in d["tables"].items()}
+        except (KeyError, TypeError, AttributeError) as e:
+            raise InputError(f"malformed pool set ({e})") from None
+        for n, t in tables.items():
+            if (t.k, t.lam) != (layout.k, layout.lam):
+                raise InputError(f"pool {n}: (k, lambda) does not match the layout")
+        return cls(layout, tables)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PoolSet):
+            return NotImplemented
+        return self.layout == other.layout and all(
+            self.tables[n] == other.tables[n] for n in self.layout.names)
