@@ -30,7 +30,7 @@ import numpy as np
 import orjson
 
 from lpcal.errors import ArtifactError, InputError
-from lpcal.levels import BinIndex, bin_counts, decode_keys
+from lpcal.levels import BinIndex, bin_counts_hashed, decode_keys
 
 SCHEMA_VERSION = 1
 _SUM_TOL = 1e-3
@@ -141,17 +141,19 @@ class BinMap:
                 r = int(neg[0])
                 raise InputError(f"row {r}: not a probability vector (sum {s[r]!r}, "
                                  f"min {u[r].min()!r})")
-        u = u / s[:, None]
+        fresh = False  # does u own its memory (safe to write the output into)?
+        if np.abs(s - 1.0).max(initial=0.0) * self.lam > 1e-6:
+            u, fresh = u / s[:, None], True
         if self.temperature is not None:
-            u = scale_temperature(u, self.temperature)
-        c = bin_counts(u, self.lam)
-        idx = self._index.lookup(c)
+            u, fresh = scale_temperature(u, self.temperature), True
+        c, h = bin_counts_hashed(u, self.lam)
+        idx = self._index.lookup(c, h)
         if self.outside == "rho":
             deficit = (self.lam - c.sum(axis=1)) / (self.k * self.lam)
             out = c * (1.0 / self.lam)
             out += deficit[:, None]
         else:
-            out = u  # a fresh array already (normalised above)
+            out = u if fresh else u.copy()
         hit = idx >= 0
         if hit.any():
             out[hit] = self._bin_pred[idx[hit]]

@@ -33,7 +33,7 @@ from lpcal.algorithm import LevelCounts, run_kernel
 from lpcal.binmap import BinMap, scale_temperature, utc_now
 from lpcal.errors import InputError
 from lpcal.io import validate_labels, validate_probs
-from lpcal.levels import beta_for, bin_counts, encode_keys, lambda_for
+from lpcal.levels import beta_for, bin_counts_hashed, encode_keys, lambda_for
 from lpcal.pools import PoolSet
 from lpcal.sizing import Sizing, practical_sizing, theory_sizing
 
@@ -128,6 +128,25 @@ def _mass_outside(pools: PoolSet, hB: np.ndarray) -> float:
     return float(1.0 - inside / max(1, mass.sum()))
 
 
+def checked_probs(probs, where: str, tol: float = 1e-4) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, row sums)`` after a two-pass check (sums finite and within ``tol`` of 1, min >= 0);
+    on failure :func:`lpcal.io.validate_probs` produces the detailed error."""
+    x = np.asarray(probs, dtype=np.float64)
+    if x.ndim == 2 and x.size:
+        s = x.sum(axis=1)
+        if np.isfinite(s).all() and np.abs(s - 1.0).max() <= tol and x.min() >= 0:
+            return x, s
+    x = validate_probs(x, where, tol=tol)
+    return x, x.sum(axis=1)
+
+
+def normalized(x: np.ndarray, row_sums: np.ndarray, lam: int) -> np.ndarray:
+    """Renormalise rows only when their sums are far enough from 1 to move a bin boundary."""
+    if np.abs(row_sums - 1.0).max() * lam > 1e-6:
+        return x / row_sums[:, None]
+    return x
+
+
 def split_sample(n: int, sizes: list[int], seed: int) -> list[np.ndarray]:
     """Consecutive blocks of a seeded permutation of ``range(n)`` with the given sizes."""
     if sum(sizes) > n:
@@ -171,11 +190,11 @@ def fit(
     if logits:
         from lpcal.io import softmax
         probs = softmax(probs)
-    x = validate_probs(probs, "probs")
+    x, row_sums = checked_probs(probs, "probs")
     n, k = x.shape
     y = validate_labels(labels, k, "labels", n=n)
-    x = x / x.sum(axis=1, keepdims=True)
     beta = beta_for(eps, p)
+    x = normalized(x, row_sums, lambda_for(beta))
     n_pre = int(round(n * prescale_fraction)) if prescale == "temperature" else 0
     if prescale == "temperature" and not (0 < prescale_fraction < 1 and n_pre >= 2):
         raise InputError(f"prescale_fraction must leave samples on both sides, got "
@@ -210,10 +229,10 @@ def fit(
         from lpcal.temperature import fit_temperature
         temperature = float(fit_temperature(x[blocks[0]], y[blocks[0]]))
         x = scale_temperature(x, temperature)
-    c = bin_counts(x, layout.lam)
+    c, h = bin_counts_hashed(x, layout.lam)
     pools = PoolSet(layout)
     for name, idx in zip(layout.names, blocks[1:]):
-        pools.tables[name].add(None, y[idx], counts=c[idx])
+        pools.tables[name].add(None, y[idx], counts=c[idx], hashes=h[idx])
     return fit_pools(pools, eps=eps, p=p, delta=delta, sizing=sz, seed=seed, model_id=model_id,
                      temperature=temperature, outside=outside, max_iter=max_iter,
                      progress=progress)

@@ -17,10 +17,11 @@ increasing index order (``""`` for the zero vector, which is a level set only wh
 The same key is used in memory, in bin-map artifacts and in the daemon's pools, so ``k`` up to
 10,000 classes costs only ``O(lambda)`` per bin.
 
-For bulk work (millions of rows) bins are identified by a 64-bit linear row hash
-``h(c) = sum_j c_j * W_j mod 2^64`` with fixed pseudo-random odd weights ``W``; every lookup and
-grouping built on it verifies exact equality of the rows, so a hash collision raises instead of
-silently merging two bins.
+For bulk work (millions of rows) bins are identified by a row hash: two exact integer dot products
+``sum_j c_j W_rj`` with fixed random integer weights ``W_rj < 2^33`` (computed with BLAS in float64,
+exact because every partial sum stays below ``2^53``), folded into one int64 key. Grouping checks
+both dot products inside every group, and ``BinIndex`` lookups compare the rows themselves, so a
+collision raises instead of silently merging two bins.
 
 Floating point: ``(c/lambda)*lambda`` can land one ulp below ``c``; the floor therefore adds
 ``FLOOR_TOL`` (in units of bins) before flooring. ``lambda = ceil(1/beta)`` snaps ``1/beta`` to the
@@ -40,7 +41,6 @@ from lpcal.errors import InputError
 FLOOR_TOL = 1e-9
 _SNAP_REL = 1e-9
 _HASH_SEED = 0x6C70_6361_6C21  # "lpcal!"
-_CHUNK_ELEMS = 1 << 22
 
 
 def beta_for(eps: float, p: float) -> float:
@@ -60,9 +60,10 @@ def lambda_for(beta: float) -> int:
         raise InputError(f"beta must lie in (0, 1], got {beta!r}")
     x = 1.0 / beta
     r = round(x)
-    if abs(x - r) <= _SNAP_REL * x:
-        return max(1, int(r))
-    return int(math.ceil(x))
+    lam = max(1, int(r)) if abs(x - r) <= _SNAP_REL * x else int(math.ceil(x))
+    if lam > MAX_LAMBDA:
+        raise InputError(f"beta = {beta:g} needs lambda = {lam} > {MAX_LAMBDA} (eps too small)")
+    return lam
 
 
 def level_set_bound(lam: int, k: int) -> int:
@@ -81,11 +82,28 @@ def level_set_count(lam: int, k: int) -> int:
 
 
 def bin_counts(probs: np.ndarray, lam: int) -> np.ndarray:
-    """``lambda * R(u)`` as int32 rows: ``floor(u * lambda + FLOOR_TOL)`` clipped to ``[0, lambda]``."""
+    """``lambda * R(u)`` as int32 rows: ``floor(u * lambda + FLOOR_TOL)`` clipped to ``[0, lambda]``.
+
+    Computed in cache-sized chunks of rows (one read of ``u``, one write of the result).
+    """
     u = np.asarray(probs, dtype=np.float64)
-    c = np.floor(u * lam + FLOOR_TOL)
-    np.clip(c, 0, lam, out=c)
-    return c.astype(np.int32)
+    if u.ndim != 2:
+        c = np.floor(u * lam + FLOOR_TOL)
+        np.clip(c, 0, lam, out=c)
+        return c.astype(np.int32)
+    n, k = u.shape
+    out = np.empty((n, k), dtype=np.int32)
+    step = _rows_per_chunk(k)
+    buf = np.empty((min(step, n), k))
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        t = buf[: b - a]
+        np.multiply(u[a:b], lam, out=t)
+        t += FLOOR_TOL
+        np.floor(t, out=t)
+        np.clip(t, 0, lam, out=t)
+        out[a:b] = t
+    return out
 
 
 def round_down(probs: np.ndarray, lam: int) -> np.ndarray:
@@ -181,51 +199,105 @@ def decode_keys(keys: Iterable[str], k: int, lam: int | None = None) -> np.ndarr
 
 # ----------------------------------------------------------------------------- hashing / index
 
-_WEIGHTS: dict[int, np.ndarray] = {}
+_WEIGHT_BITS = 33
+MAX_LAMBDA = 1 << 19
+_MIX = np.int64(-7046029254386353131)  # 0x9E3779B97F4A7C15 as int64
+_W: dict[int, np.ndarray] = {}
 
 
 def _weights(k: int) -> np.ndarray:
-    w = _WEIGHTS.get(k)
+    """``(k, 2)`` float64 matrix of independent random integers in ``[0, 2^33)``."""
+    w = _W.get(k)
     if w is None:
         rng = np.random.Generator(np.random.PCG64(_HASH_SEED))
-        w = (rng.integers(0, 2**63 - 1, size=k, dtype=np.int64) << 1) | 1
-        _WEIGHTS[k] = w
+        w = rng.integers(0, 1 << _WEIGHT_BITS, size=(k, 2)).astype(np.float64)
+        _W[k] = w
     return w
 
 
+def _combine(hh: np.ndarray) -> np.ndarray:
+    """Fold the two exact 53-bit hashes into one int64 key (wrapping arithmetic)."""
+    a = hh[:, 0].astype(np.int64)
+    b = hh[:, 1].astype(np.int64)
+    with np.errstate(over="ignore"):
+        return a * _MIX + b
+
+
+def _rows_per_chunk(k: int) -> int:
+    return max(1, (1 << 16) // max(k, 1))
+
+
+def bin_counts_hashed(probs: np.ndarray, lam: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(c, h)``: ``bin_counts`` and the row hash of ``c`` in one fused, cache-resident pass."""
+    u = np.atleast_2d(np.asarray(probs, dtype=np.float64))
+    n, k = u.shape
+    if lam > MAX_LAMBDA:
+        raise InputError(f"lambda = {lam} exceeds the supported maximum {MAX_LAMBDA}")
+    w = _weights(k)
+    c = np.empty((n, k), dtype=np.int32)
+    hh = np.empty((n, 2), dtype=np.float64)
+    step = _rows_per_chunk(k)
+    buf = np.empty((min(step, n), k))
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        t = buf[: b - a]
+        np.multiply(u[a:b], lam, out=t)
+        t += FLOOR_TOL
+        np.floor(t, out=t)
+        np.clip(t, 0, lam, out=t)
+        c[a:b] = t
+        np.dot(t, w, out=hh[a:b])
+    return c, _combine(hh)
+
+
 def row_hash(counts: np.ndarray) -> np.ndarray:
-    """64-bit linear hash of integer rows (int64, wrapping); chunked to bound memory."""
+    """Hash of integer bin rows: two exact integer dot products with random weights, folded.
+
+    ``h_r = sum_j c_j W_rj`` with integer ``W_rj < 2^33`` is computed in float64; every partial sum
+    is an integer below ``2^53`` (as ``sum c <= 2 lambda <= 2^20``), so the result is exact and
+    independent of the summation order. Two distinct rows collide in one ``h_r`` with probability
+    at most ``2^-33``, in both with ``2^-66``; the folded int64 key is checked against both.
+    """
     c = np.atleast_2d(counts)
     n, k = c.shape
     w = _weights(k)
-    out = np.empty(n, dtype=np.int64)
-    step = max(1, _CHUNK_ELEMS // max(k, 1))
-    with np.errstate(over="ignore"):
-        for a in range(0, n, step):
-            out[a : a + step] = c[a : a + step].astype(np.int64, copy=False) @ w
-    return out
+    hh = np.empty((n, 2), dtype=np.float64)
+    step = _rows_per_chunk(k)
+    for a in range(0, n, step):
+        np.dot(c[a : a + step].astype(np.float64), w, out=hh[a : a + step])
+    return _combine(hh)
+
+
+def _pair_hash(counts: np.ndarray) -> np.ndarray:
+    c = np.atleast_2d(counts)
+    return np.dot(c.astype(np.float64), _weights(c.shape[1]))
 
 
 class HashCollision(RuntimeError):
-    """Two different bins share a 64-bit hash (probability about n^2 / 2^64)."""
+    """Two different bins share a hash (probability about n^2 2^-66 for n distinct bins)."""
 
 
-def group_rows(counts: np.ndarray, hashes: np.ndarray | None = None):
+def group_rows(counts: np.ndarray, hashes: np.ndarray | None = None, *, exact: bool = False):
     """Group identical bin rows.
 
     Returns ``(unique_hashes, first_index, inverse)``: ``unique_hashes`` sorted, ``first_index``
-    the row holding each unique bin, ``inverse`` the group of every row. Verified exactly.
+    the row holding each unique bin, ``inverse`` the group of every row. Rows of a group share both
+    33-bit-weight hashes (checked); ``exact=True`` also compares the rows themselves.
     """
     c = np.atleast_2d(counts)
     h = row_hash(c) if hashes is None else hashes
     uh, first, inv = np.unique(h, return_index=True, return_inverse=True)
     inv = inv.reshape(-1)
     if uh.size != c.shape[0]:
-        step = max(1, _CHUNK_ELEMS // max(c.shape[1], 1))
+        # rows sharing a folded key must agree on the pair of exact hashes (cheap: O(n))
+        pair = _pair_hash(c[first])
+        step = _rows_per_chunk(c.shape[1]) * 16
         for a in range(0, c.shape[0], step):
             blk = c[a : a + step]
-            if not np.array_equal(blk, c[first[inv[a : a + step]]]):
+            if not np.array_equal(_pair_hash(blk), pair[inv[a : a + step]]):
                 raise HashCollision("two distinct bins share a 64-bit hash")
+            if exact and not np.array_equal(blk, c[first[inv[a : a + step]]]):
+                raise HashCollision("two distinct bins share a hash")
     return uh, first, inv
 
 

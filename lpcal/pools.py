@@ -30,6 +30,7 @@ import numpy as np
 from lpcal.errors import InputError
 from lpcal.levels import (
     bin_counts,
+    bin_counts_hashed,
     decode_keys,
     encode_keys,
     group_rows,
@@ -86,17 +87,19 @@ class CountTable:
         self._pb = np.zeros(0, dtype=np.int64)
         self._pl = np.zeros(0, dtype=np.int32)
         self._pc = np.zeros(0, dtype=np.int64)
-        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._npend = 0
 
     # ------------------------------------------------------------------ building
-    def add(self, probs: np.ndarray | None, labels, counts: np.ndarray | None = None) -> None:
-        """Add samples given as probability rows (binned here) or as precomputed bin rows."""
+    def add(self, probs: np.ndarray | None, labels, counts: np.ndarray | None = None,
+            hashes: np.ndarray | None = None) -> None:
+        """Add samples given as probability rows (binned here) or as precomputed bin rows
+        (optionally with their ``row_hash``)."""
         labels = np.asarray(labels)
         if counts is None:
             if probs is None:
                 raise InputError("add() needs probs or counts")
-            counts = bin_counts(probs, self.lam)
+            counts, hashes = bin_counts_hashed(probs, self.lam)
         c = np.atleast_2d(np.asarray(counts))
         if c.shape[1] != self.k:
             raise InputError(f"pool has k={self.k} classes, got rows of length {c.shape[1]}")
@@ -109,7 +112,10 @@ class CountTable:
         if labels.min() < 0 or labels.max() >= self.k:
             bad = int(np.flatnonzero((labels < 0) | (labels >= self.k))[0])
             raise InputError(f"label {int(labels[bad])} at row {bad} outside [0, {self.k})")
-        self._pending.append((c.astype(np.int32, copy=False), labels.astype(np.int32)))
+        if hashes is None:
+            hashes = row_hash(c)
+        self._pending.append((c.astype(np.int32, copy=False), labels.astype(np.int32),
+                              np.asarray(hashes, dtype=np.int64)))
         self._npend += c.shape[0]
         if self._npend >= _COMPACT_EVERY:
             self._compact()
@@ -119,8 +125,8 @@ class CountTable:
             return
         c = np.concatenate([p[0] for p in self._pending])
         y = np.concatenate([p[1] for p in self._pending])
+        h = np.concatenate([p[2] for p in self._pending])
         self._pending, self._npend = [], 0
-        h = row_hash(c)
         uh, first, inv = group_rows(c, h)
         ptr, idx, val = _csr_from_dense(c[first])
         pair = inv.astype(np.int64) * self.k + y
@@ -414,15 +420,18 @@ class PoolSet:
                 self.tables[n] = t
 
     def add(self, pool_idx: np.ndarray, probs: np.ndarray | None, labels,
-            counts: np.ndarray | None = None) -> None:
+            counts: np.ndarray | None = None, hashes: np.ndarray | None = None) -> None:
         """Add samples, each to the pool ``pool_idx[i]`` (vectorised per pool)."""
         pool_idx = np.asarray(pool_idx)
         labels = np.asarray(labels)
         if counts is None:
-            counts = bin_counts(probs, self.layout.lam)
+            counts, hashes = bin_counts_hashed(probs, self.layout.lam)
+        elif hashes is None:
+            hashes = row_hash(counts)
         for p in np.unique(pool_idx):
             sel = pool_idx == p
-            self.tables[self.layout.names[int(p)]].add(None, labels[sel], counts=counts[sel])
+            self.tables[self.layout.names[int(p)]].add(None, labels[sel], counts=counts[sel],
+                                                       hashes=hashes[sel])
 
     def fill(self) -> dict[str, tuple[int, int]]:
         return {n: (self.tables[n].total, self.layout.targets[n]) for n in self.layout.names}

@@ -1,0 +1,176 @@
+"""The ``lpcal`` command line: ``fit``, ``apply``, ``eval`` (library) and ``serve``, ``simulate``
+(the daemon, installed with the ``daemon`` extra).
+
+Exit codes: 0 success, 2 bad input or arguments (the message says what and where), 1 other errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from lpcal.binmap import BinMap
+from lpcal.errors import LpcalError
+from lpcal.io import load_predictions, save_npz
+
+
+def _p(text: str) -> float:
+    if text.lower() in ("inf", "infinity"):
+        return math.inf
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"p must be a number > 1 or 'inf', got {text!r}") from None
+
+
+class _Progress:
+    """A progress line on stderr: redrawn in place on a terminal, every 2 s otherwise."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream, self.tty, self.t0, self.last = stream, stream.isatty(), time.time(), 0.0
+
+    def __call__(self, t: int, err_max: float) -> None:
+        now = time.time()
+        if not self.tty and now - self.last < 2.0:
+            return
+        self.last = now
+        msg = f"fit: iteration {t}, largest estimated error {err_max:.5f}, {now - self.t0:.1f} s"
+        self.stream.write(("\r" + msg) if self.tty else (msg + "\n"))
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+def _read_binmap(path: str) -> BinMap:
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise LpcalError(f"{p}: cannot read bin map ({e.strerror})") from None
+    return BinMap.from_json(data, where=str(p))
+
+
+def cmd_fit(a) -> int:
+    from lpcal.calibrate import fit
+
+    probs, labels = load_predictions(a.input, logits=a.logits)
+    prog = _Progress()
+    t0 = time.time()
+    bm = fit(probs, labels, eps=a.eps, p=a.p, delta=a.delta, pool_size=a.pool_size,
+             sizing=a.sizing, seed=a.seed, prescale=a.prescale, outside=a.outside,
+             variant=a.variant, model_id=a.model_id, progress=prog)
+    prog.done()
+    Path(a.out).write_bytes(bm.to_json())
+    s = bm.summary()
+    print(f"wrote {a.out}: |B| = {s['|B|']}, |G| = {s['|G|']}, {s['iterations']} iterations "
+          f"({s['stop_reason']}), lambda = {bm.lam}, fit {time.time() - t0:.2f} s")
+    return 0
+
+
+def cmd_apply(a) -> int:
+    bm = _read_binmap(a.binmap)
+    probs, _ = load_predictions(a.input, logits=a.logits, expected_k=bm.k, require_labels=False)
+    out = bm.apply(probs)
+    save_npz(a.out, out)
+    print(f"wrote {a.out}: {out.shape[0]} rows calibrated with {a.binmap} (version {bm.version})")
+    return 0
+
+
+def cmd_eval(a) -> int:
+    from lpcal.report import evaluate, format_table
+
+    bm = _read_binmap(a.binmap) if a.binmap else None
+    probs, labels = load_predictions(a.input, logits=a.logits,
+                                     expected_k=bm.k if bm else None)
+    lam = a.lam or (bm.lam if bm else 20)
+    cols = {"raw": evaluate(probs, labels, lam)}
+    curves = {"raw": (probs, labels)}
+    if bm is not None:
+        cal = bm.apply(probs)
+        cols["calibrated"] = evaluate(cal, labels, lam)
+        curves["calibrated"] = (cal, labels)
+    print(format_table(cols, lam, probs.shape[0]))
+    if a.plot:
+        from lpcal.plot import reliability_diagram
+
+        print(f"wrote {reliability_diagram(a.plot, curves)}")
+    return 0
+
+
+def _daemon(name: str):
+    def run(a) -> int:
+        try:
+            mod = importlib.import_module("daemon.cli")
+        except ImportError as e:
+            raise LpcalError(f"'lpcal {name}' needs the daemon: pip install 'lpcal[daemon]' "
+                             f"({e})") from None
+        return mod.main(name, a.rest)
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="lpcal", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    f = sub.add_parser("fit", help="fit a bin map on labelled predictions (.npz or .csv)")
+    f.add_argument("--input", required=True)
+    f.add_argument("--eps", type=float, required=True)
+    f.add_argument("--p", type=_p, required=True, help="p > 1 or 'inf'")
+    f.add_argument("--delta", type=float, default=0.1)
+    f.add_argument("--pool-size", type=int, default=None,
+                   help="practical sizing: samples per pool (default: split the input evenly)")
+    f.add_argument("--sizing", choices=["practical", "theory"], default="practical")
+    f.add_argument("--variant", choices=["split", "shared"], default="split")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--prescale", choices=["none", "temperature"], default="none")
+    f.add_argument("--outside", choices=["rho", "identity"], default="rho")
+    f.add_argument("--model-id", default="model")
+    f.add_argument("--logits", action="store_true", help="inputs are logits: softmax first")
+    f.add_argument("--out", required=True)
+    f.set_defaults(run=cmd_fit)
+
+    p = sub.add_parser("apply", help="apply a bin map; writes probs to an .npz")
+    p.add_argument("--binmap", required=True)
+    p.add_argument("--input", required=True)
+    p.add_argument("--logits", action="store_true")
+    p.add_argument("--out", required=True)
+    p.set_defaults(run=cmd_apply)
+
+    e = sub.add_parser("eval", help="calibration metrics, before/after a bin map")
+    e.add_argument("--input", required=True)
+    e.add_argument("--binmap")
+    e.add_argument("--lam", type=int, default=None,
+                   help="lambda for Err_p (default: the bin map's, else 20)")
+    e.add_argument("--logits", action="store_true")
+    e.add_argument("--plot", metavar="PNG")
+    e.set_defaults(run=cmd_eval)
+
+    for name, help_ in (("serve", "run the calibration daemon"),
+                        ("simulate", "play a miscalibrated model into Kafka")):
+        s = sub.add_parser(name, help=help_, add_help=False)
+        s.add_argument("rest", nargs=argparse.REMAINDER)
+        s.set_defaults(run=_daemon(name))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except LpcalError as e:
+        print(f"lpcal {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
