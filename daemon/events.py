@@ -1,0 +1,550 @@
+"""Parse and validate input events (raw Kafka message values) into typed records. Pure: no I/O.
+
+Event contract (JSON objects; unknown extra fields are ignored)::
+
+    prediction  {"model": "fraud-v3", "id": "e-123", "ts": 1764000000.5, "probs": [0.1, 0.7, 0.2]}
+    outcome     {"model": "fraud-v3", "id": "e-123", "ts": 1764000090.0, "label": 1}
+    sample      both a vector and "label" (a complete labelled sample, on either topic)
+
+``logits`` may replace ``probs`` (mapped by a numerically stable softmax). ``ts`` is event time in
+Unix seconds; when absent, the caller's per-message fallback (e.g. the Kafka record timestamp) is
+used. ``model`` has 1..255 characters, ``id`` 1..256.
+
+Nothing here raises on bad input: every message becomes a :class:`Prediction`, :class:`Outcome`,
+:class:`Sample` or :class:`Invalid` whose ``reason`` is one of :data:`REASONS` (the label values of
+``lpcal_events_invalid_total{reason}``), checked in this order:
+
+* ``oversize``: more than ``max_bytes`` bytes;
+* ``bad_encoding``: not UTF-8; ``bad_json``: not JSON (also NaN/Infinity literals, overflowing
+  numbers);
+* ``bad_schema``: not an object, missing/mistyped ``model``/``id``/``ts``/vector/``label``, both
+  ``probs`` and ``logits``, neither a vector nor a label, non-numeric vector entries;
+* ``unknown_model``: the policy rejects the model (``unknown_models = "reject"`` or ``max_models``
+  models already admitted);
+* ``wrong_length``: vector length differs from the model's ``k`` (or is outside [2, 100000]);
+* ``non_finite``: a NaN/inf entry (or a sum that overflows);
+* ``negative``: a negative probability;
+* ``not_normalized``: ``|sum(probs) - 1| > sum_tolerance`` and ``normalize = "reject"`` (or the
+  sum is 0); with ``"renormalize"`` such rows are divided by their sum instead;
+* ``label_out_of_range``: label not an integer in ``[0, k)``.
+
+``k``: a model's ``k`` comes from its policy; when the policy has none, the parser learns it from
+the model's first event whose vector is a list of 2..100000 entries and keeps it
+(:meth:`EventParser.set_k` restores it from a checkpoint; :attr:`EventParser.k` exposes it).
+
+Throughput: :meth:`EventParser.parse_batch` does the per-message work in one tight Python loop
+(``orjson.loads`` + field checks) and validates all vectors of a model at once with numpy.
+
+Usage::
+
+    parser = EventParser(lambda model: ModelPolicy(k=3), max_bytes=1 << 20)
+    rec = parser.parse(b'{"model":"m","id":"a","ts":1,"probs":[0.2,0.3,0.5]}')   # Prediction
+    batch = parser.parse_batch([msg.value for msg in msgs], timestamps=[m.timestamp / 1e3 ...])
+    for model, mb in batch.by_model.items():        # ModelBatch: columnar, input order
+        ...mb.kind, mb.ids, mb.ts, mb.probs, mb.labels, mb.index
+    for i, bad in batch.invalid:                    # (input position, Invalid)
+        deadletter(msgs[i], bad.reason)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+__all__ = [
+    "BAD_ENCODING",
+    "BAD_JSON",
+    "BAD_SCHEMA",
+    "KIND_OUTCOME",
+    "KIND_PREDICTION",
+    "KIND_SAMPLE",
+    "LABEL_OUT_OF_RANGE",
+    "MAX_ID_LEN",
+    "MAX_K",
+    "MAX_MODEL_LEN",
+    "NEGATIVE",
+    "NON_FINITE",
+    "NOT_NORMALIZED",
+    "OVERSIZE",
+    "REASONS",
+    "UNKNOWN_MODEL",
+    "WRONG_LENGTH",
+    "EventParser",
+    "Invalid",
+    "ModelBatch",
+    "ModelPolicy",
+    "Outcome",
+    "ParsedBatch",
+    "Prediction",
+    "Sample",
+    "softmax",
+]
+
+BAD_JSON = "bad_json"
+OVERSIZE = "oversize"
+BAD_SCHEMA = "bad_schema"
+UNKNOWN_MODEL = "unknown_model"
+WRONG_LENGTH = "wrong_length"
+NON_FINITE = "non_finite"
+NEGATIVE = "negative"
+NOT_NORMALIZED = "not_normalized"
+LABEL_OUT_OF_RANGE = "label_out_of_range"
+BAD_ENCODING = "bad_encoding"
+#: Every reason an event can be rejected for (Prometheus label values; exact strings).
+REASONS: tuple[str, ...] = (
+    BAD_JSON, OVERSIZE, BAD_SCHEMA, UNKNOWN_MODEL, WRONG_LENGTH, NON_FINITE, NEGATIVE,
+    NOT_NORMALIZED, LABEL_OUT_OF_RANGE, BAD_ENCODING,
+)
+
+KIND_PREDICTION, KIND_OUTCOME, KIND_SAMPLE = 0, 1, 2
+MAX_ID_LEN = 256
+MAX_MODEL_LEN = 255
+MAX_K = 100_000
+_NUM = (int, float)
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True, slots=True)
+class Invalid:
+    """A rejected event: ``reason`` in :data:`REASONS`, ``detail`` a human-readable explanation."""
+
+    reason: str
+    detail: str
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    model: str
+    id: str
+    ts: float
+    probs: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    model: str
+    id: str
+    ts: float
+    label: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    model: str
+    id: str
+    ts: float
+    probs: np.ndarray
+    label: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPolicy:
+    """How one model's events are validated."""
+
+    k: int | None = None
+    sum_tolerance: float = 1e-3
+    normalize: str = "renormalize"  # or "reject"
+
+
+@dataclass(slots=True)
+class ModelBatch:
+    """The valid events of one model in a batch, columnar, in input order.
+
+    ``kind[i]`` is KIND_PREDICTION / KIND_OUTCOME / KIND_SAMPLE; ``probs`` is ``(m, k)`` float64
+    on the simplex (zero rows for outcomes); ``labels`` is int64 with -1 for predictions;
+    ``index[i]`` is the event's position in the input batch.
+    """
+
+    model: str
+    k: int
+    kind: np.ndarray
+    ids: list[str]
+    ts: np.ndarray
+    probs: np.ndarray
+    labels: np.ndarray
+    index: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def record(self, i: int) -> Prediction | Outcome | Sample:
+        kd, m, eid, ts = int(self.kind[i]), self.model, self.ids[i], float(self.ts[i])
+        if kd == KIND_PREDICTION:
+            return Prediction(m, eid, ts, self.probs[i].copy())
+        if kd == KIND_OUTCOME:
+            return Outcome(m, eid, ts, int(self.labels[i]))
+        return Sample(m, eid, ts, self.probs[i].copy(), int(self.labels[i]))
+
+
+@dataclass(slots=True)
+class ParsedBatch:
+    """Result of :meth:`EventParser.parse_batch`: valid events grouped per model + the invalid."""
+
+    n: int
+    by_model: dict[str, ModelBatch] = field(default_factory=dict)
+    invalid: list[tuple[int, Invalid]] = field(default_factory=list)
+
+    def records(self) -> list[Prediction | Outcome | Sample | Invalid]:
+        """One record per input message, in input order (convenient, not fast)."""
+        out: list[Any] = [None] * self.n
+        for mb in self.by_model.values():
+            for j, i in enumerate(mb.index.tolist()):
+                out[i] = mb.record(j)
+        for i, bad in self.invalid:
+            out[i] = bad
+        return out
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise ``exp(z - max z) / sum exp(z - max z)`` (stable for any finite logits)."""
+    z = logits - logits.max(axis=1, keepdims=True)
+    np.exp(z, out=z)
+    z /= z.sum(axis=1, keepdims=True)
+    return z
+
+
+# --------------------------------------------------------------------------- parser
+
+
+class _Acc:
+    """Per-model accumulator during one batch."""
+
+    __slots__ = ("k", "policy", "rows", "vecs", "vmeta")
+
+    def __init__(self, policy: ModelPolicy, k: int | None):
+        self.policy, self.k = policy, k
+        self.rows: list[tuple] = []     # (kind, id, ts, label or -1, input index)
+        self.vecs: list[list] = []      # vectors of the events that have one
+        self.vmeta: list[tuple] = []    # (position in rows, is_logits, needs strict check)
+
+
+def _strict_row(v: list) -> bool:
+    for x in v:
+        t = type(x)
+        if t is not float and t is not int:
+            return False
+    return True
+
+
+class EventParser:
+    """Stateful validator: knows each model's policy, learns unknown ``k``, bounds model count.
+
+    ``policy_for(model)`` returns a :class:`ModelPolicy`, or None to reject the model as
+    ``unknown_model``. ``max_models`` bounds how many distinct models are admitted (the first
+    ones seen, plus those restored with :meth:`admit`).
+    """
+
+    def __init__(self, policy_for: Callable[[str], ModelPolicy | None], *,
+                 max_bytes: int = 1 << 20, max_models: int | None = None,
+                 max_id_len: int = MAX_ID_LEN, max_model_len: int = MAX_MODEL_LEN):
+        self._policy_for = policy_for
+        self.max_bytes = int(max_bytes)
+        self.max_models = max_models
+        self.max_id_len = int(max_id_len)
+        self.max_model_len = int(max_model_len)
+        self._policies: dict[str, ModelPolicy | None] = {}
+        self.k: dict[str, int] = {}
+        self.admitted: set[str] = set()
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> EventParser:
+        """Build from a :class:`daemon.settings.Settings` (duck-typed; no pydantic import here)."""
+
+        def policy_for(model: str) -> ModelPolicy | None:
+            ms = settings.model_settings(model)
+            if ms is None:
+                return None
+            return ModelPolicy(k=ms.k, sum_tolerance=ms.sum_tolerance, normalize=ms.normalize)
+
+        p = cls(policy_for, max_bytes=settings.kafka.max_message_bytes,
+                max_models=settings.max_models)
+        for name, ms in settings.configured_models.items():
+            p.admit(name, ms.k)
+        return p
+
+    # ---------------------------------------------------------------- model registry
+    def admit(self, model: str, k: int | None = None) -> None:
+        """Admit ``model`` (e.g. restored from a checkpoint), optionally with its learned ``k``."""
+        self.admitted.add(model)
+        if k is not None:
+            self.set_k(model, k)
+
+    def set_k(self, model: str, k: int) -> None:
+        self.k[model] = int(k)
+
+    def _policy(self, model: str) -> ModelPolicy | None:
+        try:
+            return self._policies[model]
+        except KeyError:
+            pass
+        pol = self._policy_for(model)
+        if pol is not None and pol.k is not None:
+            self.k.setdefault(model, int(pol.k))
+        if pol is not None or len(self._policies) < 10_000:  # bound the cache of rejections
+            self._policies[model] = pol
+        return pol
+
+    # ---------------------------------------------------------------- parsing
+    def parse(self, raw: bytes, ts: float | None = None
+              ) -> Prediction | Outcome | Sample | Invalid:
+        """Parse one message; never raises on bad input."""
+        return self.parse_batch([raw], None if ts is None else [ts]).records()[0]
+
+    def parse_batch(self, raws: Sequence[bytes], timestamps: Sequence[float] | None = None
+                    ) -> ParsedBatch:
+        """Parse many messages; vectors are validated per model with numpy. Never raises."""
+        out = ParsedBatch(len(raws))
+        invalid = out.invalid
+        accs: dict[str, _Acc] = {}
+        loads = orjson.loads
+        max_bytes, max_id, max_model = self.max_bytes, self.max_id_len, self.max_model_len
+        for i, raw in enumerate(raws):
+            if raw is None:
+                invalid.append((i, Invalid(BAD_SCHEMA, "empty message (null value)")))
+                continue
+            if len(raw) > max_bytes:
+                invalid.append((i, Invalid(OVERSIZE, f"{len(raw)} bytes > {max_bytes}")))
+                continue
+            try:
+                d = loads(raw)
+            except orjson.JSONDecodeError as e:
+                invalid.append((i, _json_error(raw, e)))
+                continue
+            if type(d) is not dict:
+                invalid.append((i, Invalid(BAD_SCHEMA, "event is not a JSON object")))
+                continue
+            model = d.get("model")
+            eid = d.get("id")
+            if type(model) is not str or not 0 < len(model) <= max_model:
+                invalid.append((i, Invalid(BAD_SCHEMA, f"'model' must be a string of 1..{max_model}"
+                                                       " characters")))
+                continue
+            if type(eid) is not str or not 0 < len(eid) <= max_id:
+                invalid.append((i, Invalid(BAD_SCHEMA, f"'id' must be a string of 1..{max_id}"
+                                                       " characters", model)))
+                continue
+            ts = d.get("ts")
+            if ts is None and timestamps is not None:
+                ts = timestamps[i]
+            if type(ts) is not float and type(ts) is not int:
+                invalid.append((i, Invalid(BAD_SCHEMA, "'ts' must be a number (Unix seconds)",
+                                           model)))
+                continue
+            acc = accs.get(model)
+            if acc is None:
+                acc = self._start_model(model)
+                if type(acc) is Invalid:
+                    invalid.append((i, acc))
+                    continue
+                accs[model] = acc
+            vec = d.get("probs")
+            logit = False
+            lg = d.get("logits")
+            if lg is not None:
+                if vec is not None:
+                    invalid.append((i, Invalid(BAD_SCHEMA, "both 'probs' and 'logits'", model)))
+                    continue
+                vec, logit = lg, True
+            label = d.get("label")
+            if vec is None and label is None:
+                invalid.append((i, Invalid(BAD_SCHEMA, "event has neither 'probs'/'logits' nor"
+                                                       " 'label'", model)))
+                continue
+            k = acc.k
+            if vec is not None:
+                if type(vec) is not list:
+                    invalid.append((i, Invalid(BAD_SCHEMA, "'probs'/'logits' must be a list",
+                                               model)))
+                    continue
+                n = len(vec)
+                if k is None:
+                    if not 2 <= n <= MAX_K:
+                        invalid.append((i, Invalid(WRONG_LENGTH, f"vector of length {n}: k must "
+                                                   f"be in [2, {MAX_K}]", model)))
+                        continue
+                    k = acc.k = n
+                    self.k[model] = n
+                elif n != k:
+                    invalid.append((i, Invalid(WRONG_LENGTH, f"vector of length {n}, model has "
+                                               f"k={k}", model)))
+                    continue
+            if label is not None:
+                if type(label) is not int:
+                    invalid.append((i, Invalid(BAD_SCHEMA, "'label' must be an integer", model)))
+                    continue
+                if label < 0 or label >= (k if k is not None else MAX_K):
+                    invalid.append((i, Invalid(LABEL_OUT_OF_RANGE, f"label {label} outside "
+                                               f"[0, {k if k is not None else MAX_K})", model)))
+                    continue
+            if vec is not None:
+                acc.vmeta.append((len(acc.rows), logit, b"true" in raw or b"false" in raw))
+                acc.vecs.append(vec)
+                if label is None:
+                    acc.rows.append((KIND_PREDICTION, eid, ts, -1, i))
+                else:
+                    acc.rows.append((KIND_SAMPLE, eid, ts, label, i))
+            else:
+                acc.rows.append((KIND_OUTCOME, eid, ts, label, i))
+        for model, acc in accs.items():
+            mb = self._finish_model(model, acc, invalid)
+            if mb is not None:
+                out.by_model[model] = mb
+        if len(invalid) > 1:
+            invalid.sort(key=lambda t: t[0])
+        return out
+
+    def _start_model(self, model: str) -> _Acc | Invalid:
+        pol = self._policy(model)
+        if pol is None:
+            return Invalid(UNKNOWN_MODEL, f"model {model[:64]!r} is not configured", model)
+        if model not in self.admitted:
+            if self.max_models is not None and len(self.admitted) >= self.max_models:
+                return Invalid(UNKNOWN_MODEL, f"model {model[:64]!r} not admitted: max_models="
+                               f"{self.max_models} reached", model)
+            self.admitted.add(model)
+        return _Acc(pol, self.k.get(model))
+
+    def _finish_model(self, model: str, acc: _Acc, invalid: list) -> ModelBatch | None:
+        m = len(acc.rows)
+        if m == 0:
+            return None
+        kind_t, ids_t, ts_t, lab_t, idx_t = zip(*acc.rows)
+        index_l = list(idx_t)
+        keep = np.ones(m, dtype=bool)
+        labels = np.asarray(lab_t, dtype=np.int64)
+        k = acc.k
+        if k is None:  # only outcomes so far: k unknown, labels were checked against MAX_K
+            probs = np.zeros((m, 0), dtype=np.float64)
+            k = 0
+        else:
+            # labels of events accepted before k was learned in this batch
+            bad_lab = np.flatnonzero(labels >= k)
+            for j in bad_lab.tolist():
+                keep[j] = False
+                invalid.append((index_l[j], Invalid(
+                    LABEL_OUT_OF_RANGE, f"label {int(labels[j])} outside [0, {k})", model)))
+            probs = np.zeros((m, k), dtype=np.float64)
+            if acc.vecs:
+                vidx_t, logit_t, strict_t = zip(*acc.vmeta)
+                rows, ok = _to_matrix(acc.vecs, strict_t, k)
+                vidx = np.asarray(vidx_t, dtype=np.int64)
+                for r in np.flatnonzero(~ok).tolist():
+                    keep[vidx[r]] = False
+                    invalid.append((index_l[vidx[r]], Invalid(
+                        BAD_SCHEMA, "vector entries must be numbers", model)))
+                reasons = _validate_rows(rows, np.asarray(logit_t, dtype=bool), ok,
+                                         acc.policy)
+                for r, (reason, detail) in reasons.items():
+                    keep[vidx[r]] = False
+                    invalid.append((index_l[vidx[r]], Invalid(reason, detail, model)))
+                probs[vidx] = rows
+        sel = None if keep.all() else np.flatnonzero(keep)
+        kind = np.asarray(kind_t, dtype=np.int8)
+        ts = np.asarray(ts_t, dtype=np.float64)
+        index = np.asarray(index_l, dtype=np.int64)
+        ids = list(ids_t)
+        if sel is not None:
+            if sel.size == 0:
+                return None
+            kind, ts, index, labels, probs = kind[sel], ts[sel], index[sel], labels[sel], probs[sel]
+            ids = [ids[j] for j in sel.tolist()]
+        bad_ts = ~np.isfinite(ts)
+        if bad_ts.any():  # only possible from a non-finite fallback timestamp
+            good = np.flatnonzero(~bad_ts)
+            for j in np.flatnonzero(bad_ts).tolist():
+                invalid.append((int(index[j]), Invalid(NON_FINITE, "non-finite 'ts'", model)))
+            if good.size == 0:
+                return None
+            kind, ts, index, labels, probs = kind[good], ts[good], index[good], labels[good], \
+                probs[good]
+            ids = [ids[j] for j in good.tolist()]
+        return ModelBatch(model, k, kind, ids, ts, probs, labels, index)
+
+
+def _json_error(raw: bytes, e: Exception) -> Invalid:
+    try:
+        bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as ue:
+        return Invalid(BAD_ENCODING, f"not UTF-8 at byte {ue.start}")
+    except TypeError:
+        return Invalid(BAD_SCHEMA, f"message value is {type(raw).__name__}, not bytes")
+    return Invalid(BAD_JSON, str(e)[:200])
+
+
+def _to_matrix(vecs: list[list], strict: Sequence[bool], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stack vectors (each of length k) into float64 rows; ``ok[r]`` False for non-numeric rows."""
+    n = len(vecs)
+    ok = np.ones(n, dtype=bool)
+    try:
+        a = np.array(vecs)
+        fast = a.dtype.kind in "fiu" and a.shape == (n, k)
+    except (ValueError, TypeError, OverflowError):
+        fast = False
+    if fast and not any(strict):
+        return a.astype(np.float64, copy=False), ok
+    rows = np.zeros((n, k), dtype=np.float64)
+    for r, v in enumerate(vecs):
+        if _strict_row(v):
+            try:
+                rows[r] = v
+                continue
+            except (ValueError, TypeError, OverflowError):
+                pass
+        ok[r] = False
+    return rows, ok
+
+
+def _validate_rows(rows: np.ndarray, logit: np.ndarray, ok: np.ndarray, pol: ModelPolicy
+                   ) -> dict[int, tuple[str, str]]:
+    """Vectorised checks; rewrites ``rows`` in place to probabilities. Returns row -> reason."""
+    bad: dict[int, tuple[str, str]] = {}
+    finite = np.isfinite(rows).all(axis=1)
+    for r in np.flatnonzero(~finite & ok).tolist():
+        bad[r] = (NON_FINITE, "vector has a NaN or infinite entry")
+    live = ok & finite
+    if logit.any():
+        li = np.flatnonzero(logit & live)
+        if li.size:
+            rows[li] = softmax(rows[li])
+    pi = ~logit & live
+    if pi.any():
+        neg = pi & (rows < 0).any(axis=1)
+        for r in np.flatnonzero(neg).tolist():
+            bad[r] = (NEGATIVE, "probability vector has a negative entry")
+        pi &= ~neg
+        with np.errstate(over="ignore", invalid="ignore"):
+            s = rows.sum(axis=1)
+        off = pi & ~(np.abs(s - 1.0) <= pol.sum_tolerance)
+        if off.any():
+            fixable = off & np.isfinite(s) & (s > 0)
+            if pol.normalize == "renormalize":
+                fi = np.flatnonzero(fixable)
+                rows[fi] /= s[fi, None]
+                rest = off & ~fixable
+            else:
+                rest = off
+            for r in np.flatnonzero(rest).tolist():
+                why = (NON_FINITE, "probabilities sum to infinity") if not math.isfinite(s[r]) \
+                    else (NOT_NORMALIZED, (f"probabilities sum to {float(s[r]):.6g}, tolerance "
+                                          f"{pol.sum_tolerance:g}"))
+                bad[r] = why
+    rows[~ok] = 0.0
+    for r in bad:
+        rows[r] = 0.0
+    return bad
+
+
+def reason_counts(batch: ParsedBatch) -> Mapping[str, int]:
+    """``{reason: count}`` of a batch's invalid events (for ``lpcal_events_invalid_total``)."""
+    out: dict[str, int] = {}
+    for _, bad in batch.invalid:
+        out[bad.reason] = out.get(bad.reason, 0) + 1
+    return out

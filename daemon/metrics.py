@@ -1,0 +1,592 @@
+"""Prometheus metrics of the lpcal daemon: the contract between the daemon, the alert rules
+(``deploy/prometheus/rules.yaml``) and the Grafana dashboard (``deploy/grafana``).
+
+Conventions: every name starts with ``lpcal_``, values are in base units (seconds, ratios,
+counts), counters end in ``_total``, and every label has a bounded value set:
+
+* ``topic``, ``reason``, ``kind``, ``trigger``, ``predictor``, ``outcome`` are the fixed enums
+  defined below; helpers reject anything else.
+* ``pool`` is ``mu`` or ``P<i>``/``E<i>``/``PE<i>`` with ``i < MAX_POOL_LEVELS``: Algorithm 2
+  needs O(log |B|) pools (one per merge level of the groups in M), so the set is bounded.
+* ``model`` is bounded by the daemon, which only admits configured models (or at most
+  ``max_models`` of them); :class:`DaemonMetrics` enforces the same cap as a guard.
+* ``version`` on ``lpcal_build_info`` has one value per process.
+
+Quality gauges (labels ``{model, predictor}``, predictor = raw | calibrated):
+``lpcal_calibration_error`` is the windowed estimate of the lp calibration error
+``Err_p(f) = (E_x ||E[y | f(x)] - f(x)||_p^p)^(1/p)`` over the recent evaluation window (binned
+by level sets, as in the paper), ``lpcal_top_label_ece`` the top-label expected calibration
+error, ``lpcal_brier_score`` the mean ``||f(x) - e_y||_2^2`` (in [0, 2]) and
+``lpcal_accuracy_ratio`` the top-1 accuracy (in [0, 1]). Drift means the calibrated
+``lpcal_calibration_error`` exceeds ``lpcal_drift_threshold``.
+
+Names in :data:`METRIC_NAMES` are the names used in PromQL: counters with their ``_total``
+suffix, histograms by family name (their samples add ``_bucket``/``_sum``/``_count``); use
+:func:`family_of` to map an exposed sample name back to its entry.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
+from importlib import metadata
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+from lpcal.errors import InputError
+
+__all__ = [
+    "CONTENT_TYPE_LATEST",
+    "FIT_DURATION_BUCKETS",
+    "MAX_POOL_LEVELS",
+    "METRIC_LABELS",
+    "METRIC_NAMES",
+    "METRIC_TYPES",
+    "POOL_NAME_RE",
+    "CheckpointOutcome",
+    "DaemonMetrics",
+    "EvictionReason",
+    "InvalidReason",
+    "Predictor",
+    "RejectReason",
+    "Topic",
+    "Trigger",
+    "UnmatchedKind",
+    "family_of",
+    "pool_names",
+]
+
+
+# --------------------------------------------------------------------------- label enums
+
+
+class Topic(StrEnum):
+    """Input topic an event was consumed from."""
+
+    PREDICTIONS = "predictions"
+    OUTCOMES = "outcomes"
+
+
+class InvalidReason(StrEnum):
+    """Why an input event was rejected (and dead-lettered)."""
+
+    BAD_JSON = "bad_json"
+    OVERSIZE = "oversize"
+    BAD_SCHEMA = "bad_schema"
+    UNKNOWN_MODEL = "unknown_model"
+    WRONG_LENGTH = "wrong_length"
+    NON_FINITE = "non_finite"
+    NEGATIVE = "negative"
+    NOT_NORMALIZED = "not_normalized"
+    LABEL_OUT_OF_RANGE = "label_out_of_range"
+    BAD_ENCODING = "bad_encoding"
+
+
+class EvictionReason(StrEnum):
+    """Why a pending (half-joined) event was dropped from the join buffer."""
+
+    TTL = "ttl"
+    CAPACITY = "capacity"
+
+
+class UnmatchedKind(StrEnum):
+    """Events that could not be joined: outcome after eviction, repeated id, no partner."""
+
+    LATE = "late"
+    DUPLICATE = "duplicate"
+    ORPHAN = "orphan"
+
+
+class Trigger(StrEnum):
+    """What started a recalibration."""
+
+    POOLS_FULL = "pools_full"
+    DRIFT = "drift"
+    MANUAL = "manual"
+
+
+class RejectReason(StrEnum):
+    """Why a bin map read back from the compacted topic was rejected."""
+
+    CHECKSUM = "checksum"
+    TRUNCATED = "truncated"
+    SCHEMA = "schema"
+    PARSE = "parse"
+
+
+class Predictor(StrEnum):
+    """Which predictor a quality gauge describes: the model as-is or after the bin map."""
+
+    RAW = "raw"
+    CALIBRATED = "calibrated"
+
+
+class CheckpointOutcome(StrEnum):
+    """Result of writing a state checkpoint."""
+
+    OK = "ok"
+    ERROR = "error"
+
+
+#: Largest number of pool levels. Algorithm 2 uses ``L = floor(log2(6/beta)) + 1`` levels
+#: (lpcal.pools.n_levels); L <= 64 holds for every beta >= 6 / 2**63, far below any feasible
+#: configuration, so the ``pool`` label has at most 1 + 3 * 64 values per model.
+MAX_POOL_LEVELS = 64
+POOL_NAME_RE = re.compile(r"^(?:mu|(?:P|E|PE)(?:[0-9]|[1-5][0-9]|6[0-3]))$")
+
+
+def pool_names(levels: int) -> list[str]:
+    """All admissible pool names for ``levels`` merge levels: mu, P0.., E0.., PE0.."""
+    if not 0 <= levels <= MAX_POOL_LEVELS:
+        raise InputError(f"pool_names: levels={levels} must be in [0, {MAX_POOL_LEVELS}]")
+    return ["mu"] + [f"{kind}{i}" for kind in ("P", "E", "PE") for i in range(levels)]
+
+
+#: Histogram buckets of ``lpcal_fit_duration_seconds``: 1 ms ... 60 s, roughly x2.5 steps.
+FIT_DURATION_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+)
+
+# --------------------------------------------------------------------------- the contract
+
+# name -> (type, labels, help). Types are Prometheus types: counter | gauge | histogram.
+_SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "lpcal_events_consumed_total": (
+        "counter", ("topic",), "Events consumed from the input topics."),
+    "lpcal_events_invalid_total": (
+        "counter", ("reason",), "Input events rejected as invalid, by reason."),
+    "lpcal_deadletter_published_total": (
+        "counter", (), "Events published to the dead-letter topic."),
+    "lpcal_joined_samples_total": (
+        "counter", ("model",), "Prediction/outcome pairs joined into labelled samples."),
+    "lpcal_join_evictions_total": (
+        "counter", ("model", "reason"), "Pending events evicted from the join buffer."),
+    "lpcal_join_unmatched_total": (
+        "counter", ("model", "kind"), "Events that could not be joined (late, duplicate, orphan)."),
+    "lpcal_join_pending": (
+        "gauge", ("model",), "Events waiting in the join buffer for their partner."),
+    "lpcal_pool_samples": (
+        "gauge", ("model", "pool"), "Samples currently in each sample pool of Algorithm 2."),
+    "lpcal_pool_fill_ratio": (
+        "gauge", ("model", "pool"), "Pool samples divided by the pool's target size (1 = full)."),
+    "lpcal_calibrations_total": (
+        "counter", ("model", "trigger"), "Successful recalibrations (bin map fitted), by trigger."),
+    "lpcal_calibration_failures_total": (
+        "counter", ("model",), "Recalibrations that raised an error."),
+    "lpcal_fit_duration_seconds": (
+        "histogram", ("model",), "Wall time of one recalibration fit."),
+    "lpcal_fit_iterations": (
+        "gauge", ("model",), "Merge iterations of Algorithm 2 in the latest fit."),
+    "lpcal_high_probability_bins": (
+        "gauge", ("model",), "Number |B| of high-probability bins in the latest bin map."),
+    "lpcal_binmap_version": (
+        "gauge", ("model",), "Version of the latest published bin map."),
+    "lpcal_binmap_published_timestamp_seconds": (
+        "gauge", ("model",), "Unix time the latest bin map was published."),
+    "lpcal_binmaps_rejected_total": (
+        "counter", ("reason",), "Bin maps read back from the bin-map topic and rejected."),
+    "lpcal_calibration_error": (
+        "gauge", ("model", "predictor"), "Windowed estimate of the lp calibration error Err_p."),
+    "lpcal_top_label_ece": (
+        "gauge", ("model", "predictor"), "Windowed top-label expected calibration error."),
+    "lpcal_brier_score": (
+        "gauge", ("model", "predictor"), "Windowed multiclass Brier score (mean squared L2)."),
+    "lpcal_accuracy_ratio": (
+        "gauge", ("model", "predictor"), "Windowed top-1 accuracy."),
+    "lpcal_drift_threshold": (
+        "gauge", ("model",), "Calibrated Err_p above which a drift recalibration is triggered."),
+    "lpcal_window_samples": (
+        "gauge", ("model",), "Labelled samples in the quality evaluation window."),
+    "lpcal_consumer_lag_messages": (
+        "gauge", ("topic",), "Messages between the committed offset and the log end."),
+    "lpcal_last_poll_timestamp_seconds": (
+        "gauge", (), "Unix time of the last successful Kafka poll."),
+    "lpcal_checkpoints_total": (
+        "counter", ("outcome",), "State checkpoints written, by outcome."),
+    "lpcal_ready": (
+        "gauge", (), "1 when the daemon is ready (consuming and state restored), else 0."),
+    "lpcal_build_info": (
+        "gauge", ("version",), "Always 1; the version label carries the daemon version."),
+}
+
+#: Every metric the daemon exports, as written in PromQL.
+METRIC_NAMES: frozenset[str] = frozenset(_SPEC)
+#: Prometheus type of each metric in :data:`METRIC_NAMES`.
+METRIC_TYPES: Mapping[str, str] = {name: spec[0] for name, spec in _SPEC.items()}
+#: Label names of each metric in :data:`METRIC_NAMES`.
+METRIC_LABELS: Mapping[str, tuple[str, ...]] = {name: spec[1] for name, spec in _SPEC.items()}
+
+_SAMPLE_SUFFIXES = ("_bucket", "_sum", "_count", "_created")
+
+
+def family_of(sample_name: str) -> str | None:
+    """Map an exposed sample name (e.g. ``lpcal_fit_duration_seconds_bucket`` or
+    ``lpcal_events_consumed_created``) to its :data:`METRIC_NAMES` entry, or None if unknown."""
+    if sample_name in METRIC_NAMES:
+        return sample_name
+    for suffix in _SAMPLE_SUFFIXES:
+        if not sample_name.endswith(suffix):
+            continue
+        base = sample_name[: -len(suffix)]
+        if METRIC_TYPES.get(base) == "histogram":
+            return base
+        if suffix == "_created" and METRIC_TYPES.get(base + "_total") == "counter":
+            return base + "_total"
+    return None
+
+
+def _check(value: str, enum: type[StrEnum], what: str) -> str:
+    try:
+        return enum(value).value
+    except ValueError:
+        allowed = ", ".join(member.value for member in enum)
+        raise InputError(f"metrics: {what}={value!r} is not one of: {allowed}") from None
+
+
+def _finite(value: float, what: str, lo: float = 0.0, hi: float = math.inf) -> float:
+    v = float(value)
+    if not math.isfinite(v) or not lo <= v <= hi:
+        raise InputError(f"metrics: {what}={value!r} must be finite and in [{lo}, {hi}]")
+    return v
+
+
+def _count(n: float, what: str) -> float:
+    v = float(n)
+    if not math.isfinite(v) or v < 0:
+        raise InputError(f"metrics: {what}={n!r} must be a finite count >= 0")
+    return v
+
+
+def _default_version() -> str:
+    try:
+        return metadata.version("lpcal")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class DaemonMetrics:
+    """All Prometheus metrics of the daemon, registered in one registry.
+
+    ``registry=None`` creates a private :class:`CollectorRegistry` with the standard process,
+    platform and GC collectors (so several daemons/tests in one process never collide);
+    pass a fresh registry in tests to get only the ``lpcal_`` families.
+    ``max_models`` caps the distinct ``model`` label values (a guard: the daemon admits at
+    most that many models); exceeding it raises :class:`InputError`.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        version: str | None = None,
+        max_models: int = 64,
+    ) -> None:
+        if registry is None:
+            registry = CollectorRegistry()
+            ProcessCollector(registry=registry)
+            PlatformCollector(registry=registry)
+            GCCollector(registry=registry)
+        if max_models < 1:
+            raise InputError(f"metrics: max_models={max_models} must be >= 1")
+        self.registry = registry
+        self.max_models = max_models
+        self._models: set[str] = set()
+        self._pools: dict[str, set[str]] = {}
+
+        def make(name: str):
+            kind, labels, doc = _SPEC[name]
+            if kind == "counter":
+                # client_python appends _total itself; pass the base name.
+                return Counter(name[: -len("_total")], doc, labels, registry=registry)
+            if kind == "gauge":
+                return Gauge(name, doc, labels, registry=registry)
+            return Histogram(name, doc, labels, buckets=FIT_DURATION_BUCKETS, registry=registry)
+
+        self.events_consumed = make("lpcal_events_consumed_total")
+        self.events_invalid = make("lpcal_events_invalid_total")
+        self.deadletter_published = make("lpcal_deadletter_published_total")
+        self.joined_samples = make("lpcal_joined_samples_total")
+        self.join_evictions = make("lpcal_join_evictions_total")
+        self.join_unmatched = make("lpcal_join_unmatched_total")
+        self.join_pending = make("lpcal_join_pending")
+        self.pool_samples = make("lpcal_pool_samples")
+        self.pool_fill_ratio = make("lpcal_pool_fill_ratio")
+        self.calibrations = make("lpcal_calibrations_total")
+        self.calibration_failures = make("lpcal_calibration_failures_total")
+        self.fit_duration = make("lpcal_fit_duration_seconds")
+        self.fit_iterations = make("lpcal_fit_iterations")
+        self.high_probability_bins = make("lpcal_high_probability_bins")
+        self.binmap_version = make("lpcal_binmap_version")
+        self.binmap_published = make("lpcal_binmap_published_timestamp_seconds")
+        self.binmaps_rejected = make("lpcal_binmaps_rejected_total")
+        self.calibration_error = make("lpcal_calibration_error")
+        self.top_label_ece = make("lpcal_top_label_ece")
+        self.brier_score = make("lpcal_brier_score")
+        self.accuracy_ratio = make("lpcal_accuracy_ratio")
+        self.drift_threshold = make("lpcal_drift_threshold")
+        self.window_samples = make("lpcal_window_samples")
+        self.consumer_lag = make("lpcal_consumer_lag_messages")
+        self.last_poll = make("lpcal_last_poll_timestamp_seconds")
+        self.checkpoints = make("lpcal_checkpoints_total")
+        self.ready = make("lpcal_ready")
+        self.build_info = make("lpcal_build_info")
+
+        self.build_info.labels(version=version or _default_version()).set(1)
+        self.ready.set(0)
+        # Pre-create the enum-labelled children so rate()/increase() see a 0 before the first
+        # event (otherwise the first increment is invisible to rate()).
+        for topic in Topic:
+            self.events_consumed.labels(topic=topic.value)
+        for reason in InvalidReason:
+            self.events_invalid.labels(reason=reason.value)
+        for reason in RejectReason:
+            self.binmaps_rejected.labels(reason=reason.value)
+        for outcome in CheckpointOutcome:
+            self.checkpoints.labels(outcome=outcome.value)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _model(self, model: str) -> str:
+        if not isinstance(model, str) or not model:
+            raise InputError(f"metrics: model={model!r} must be a non-empty string")
+        if model not in self._models:
+            if len(self._models) >= self.max_models:
+                raise InputError(
+                    f"metrics: model={model!r} would exceed max_models={self.max_models} "
+                    "distinct model label values")
+            self._models.add(model)
+            self._pools[model] = set()
+            for trigger in Trigger:
+                self.calibrations.labels(model=model, trigger=trigger.value)
+            self.calibration_failures.labels(model=model)
+            self.joined_samples.labels(model=model)
+        return model
+
+    @property
+    def models(self) -> frozenset[str]:
+        """Model label values currently exported."""
+        return frozenset(self._models)
+
+    def register_model(self, model: str) -> None:
+        """Pre-create a model's counters at 0 (call when a model is admitted)."""
+        self._model(model)
+
+    def remove_model(self, model: str) -> None:
+        """Drop every series of ``model`` (call when a model is removed from the config)."""
+        if model not in self._models:
+            return
+        per_model = [
+            (self.joined_samples, ()), (self.join_pending, ()),
+            (self.calibration_failures, ()), (self.fit_duration, ()),
+            (self.fit_iterations, ()), (self.high_probability_bins, ()),
+            (self.binmap_version, ()), (self.binmap_published, ()),
+            (self.drift_threshold, ()), (self.window_samples, ()),
+            (self.join_evictions, tuple((r.value,) for r in EvictionReason)),
+            (self.join_unmatched, tuple((k.value,) for k in UnmatchedKind)),
+            (self.calibrations, tuple((t.value,) for t in Trigger)),
+            (self.calibration_error, tuple((p.value,) for p in Predictor)),
+            (self.top_label_ece, tuple((p.value,) for p in Predictor)),
+            (self.brier_score, tuple((p.value,) for p in Predictor)),
+            (self.accuracy_ratio, tuple((p.value,) for p in Predictor)),
+            (self.pool_samples, tuple((p,) for p in self._pools[model])),
+            (self.pool_fill_ratio, tuple((p,) for p in self._pools[model])),
+        ]
+        for metric, rests in per_model:
+            for rest in rests or ((),):
+                try:
+                    metric.remove(model, *rest)
+                except KeyError:
+                    pass  # that child was never created
+        self._models.discard(model)
+        del self._pools[model]
+
+    # ------------------------------------------------------------------ ingest
+
+    def inc_consumed(self, topic: str, n: int = 1) -> None:
+        """Count ``n`` events consumed from ``topic`` (predictions | outcomes)."""
+        self.events_consumed.labels(topic=_check(topic, Topic, "topic")).inc(_count(n, "n"))
+
+    def inc_invalid(self, reason: str, n: int = 1) -> None:
+        """Count ``n`` invalid input events with :class:`InvalidReason` ``reason``."""
+        self.events_invalid.labels(
+            reason=_check(reason, InvalidReason, "reason")).inc(_count(n, "n"))
+
+    def inc_invalid_many(self, reasons: Mapping[str, int]) -> None:
+        """Count a batch of invalid events, ``{reason: count}``."""
+        for reason, n in reasons.items():
+            self.inc_invalid(reason, n)
+
+    def inc_deadletter(self, n: int = 1) -> None:
+        """Count ``n`` messages published to the dead-letter topic."""
+        self.deadletter_published.inc(_count(n, "n"))
+
+    # ------------------------------------------------------------------ join
+
+    def inc_joined(self, model: str, n: int = 1) -> None:
+        """Count ``n`` joined (prediction, outcome) samples of ``model``."""
+        self.joined_samples.labels(model=self._model(model)).inc(_count(n, "n"))
+
+    def inc_evicted(self, model: str, reason: str, n: int = 1) -> None:
+        """Count ``n`` join-buffer evictions (ttl | capacity)."""
+        self.join_evictions.labels(
+            model=self._model(model),
+            reason=_check(reason, EvictionReason, "reason")).inc(_count(n, "n"))
+
+    def inc_unmatched(self, model: str, kind: str, n: int = 1) -> None:
+        """Count ``n`` events that could not be joined (late | duplicate | orphan)."""
+        self.join_unmatched.labels(
+            model=self._model(model),
+            kind=_check(kind, UnmatchedKind, "kind")).inc(_count(n, "n"))
+
+    def set_join_pending(self, model: str, n: int) -> None:
+        """Set the number of events of ``model`` waiting in the join buffer."""
+        self.join_pending.labels(model=self._model(model)).set(_count(n, "pending"))
+
+    # ------------------------------------------------------------------ pools
+
+    def set_pool_fill(self, model: str, fill: Mapping[str, tuple[int, int]]) -> None:
+        """Export ``PoolSet.fill()``: ``{pool: (count, target)}`` -> samples and count/target.
+
+        The ratio is not clipped: a value above 1 means the pool holds more than its target.
+        """
+        self._model(model)
+        rows = []
+        for pool, pair in fill.items():
+            if not isinstance(pool, str) or not POOL_NAME_RE.match(pool):
+                raise InputError(
+                    f"metrics: pool={pool!r} of model {model!r} is not mu, P<i>, E<i> or PE<i> "
+                    f"with i < {MAX_POOL_LEVELS}")
+            count, target = pair
+            count = _count(count, f"fill[{pool!r}].count")
+            target = _count(target, f"fill[{pool!r}].target")
+            if target <= 0:
+                raise InputError(f"metrics: fill[{pool!r}].target={pair[1]!r} must be > 0")
+            rows.append((pool, count, count / target))
+        for pool, count, ratio in rows:
+            self.pool_samples.labels(model=model, pool=pool).set(count)
+            self.pool_fill_ratio.labels(model=model, pool=pool).set(ratio)
+            self._pools[model].add(pool)
+
+    # ------------------------------------------------------------------ calibration
+
+    def observe_fit(
+        self,
+        model: str,
+        trigger: str,
+        seconds: float,
+        iterations: int,
+        n_bins: int,
+    ) -> None:
+        """Record one successful recalibration: trigger, wall time, iterations and |B|."""
+        trig = _check(trigger, Trigger, "trigger")
+        seconds = _finite(seconds, "seconds")
+        iterations = _count(iterations, "iterations")
+        n_bins = _count(n_bins, "n_bins")
+        self._model(model)
+        self.calibrations.labels(model=model, trigger=trig).inc()
+        self.fit_duration.labels(model=model).observe(seconds)
+        self.fit_iterations.labels(model=model).set(iterations)
+        self.high_probability_bins.labels(model=model).set(n_bins)
+
+    def inc_calibration_failure(self, model: str) -> None:
+        """Count a recalibration of ``model`` that raised."""
+        self.calibration_failures.labels(model=self._model(model)).inc()
+
+    def set_binmap_published(
+        self, model: str, version: int, timestamp: float | None = None
+    ) -> None:
+        """Record that bin map ``version`` of ``model`` was published at ``timestamp``
+        (Unix seconds; default now)."""
+        version = _count(version, "version")
+        ts = time.time() if timestamp is None else _finite(timestamp, "timestamp")
+        self._model(model)
+        self.binmap_version.labels(model=model).set(version)
+        self.binmap_published.labels(model=model).set(ts)
+
+    def inc_binmap_rejected(self, reason: str) -> None:
+        """Count a bin map rejected on read (checksum | truncated | schema | parse)."""
+        self.binmaps_rejected.labels(reason=_check(reason, RejectReason, "reason")).inc()
+
+    # ------------------------------------------------------------------ quality
+
+    def observe_quality(
+        self,
+        model: str,
+        predictor: str,
+        err: float,
+        ece: float,
+        brier: float,
+        acc: float,
+    ) -> None:
+        """Set the windowed quality gauges of ``model`` for ``predictor`` (raw | calibrated):
+        ``err`` = Err_p >= 0, ``ece`` in [0, 1], ``brier`` in [0, 2], ``acc`` in [0, 1]."""
+        pred = _check(predictor, Predictor, "predictor")
+        values = (
+            _finite(err, "err"),
+            _finite(ece, "ece", 0.0, 1.0),
+            _finite(brier, "brier", 0.0, 2.0),
+            _finite(acc, "acc", 0.0, 1.0),
+        )
+        self._model(model)
+        gauges = (self.calibration_error, self.top_label_ece, self.brier_score,
+                  self.accuracy_ratio)
+        for gauge, value in zip(gauges, values):
+            gauge.labels(model=model, predictor=pred).set(value)
+
+    def set_drift_threshold(self, model: str, threshold: float) -> None:
+        """Set the calibrated Err_p threshold of ``model`` above which drift is declared."""
+        value = _finite(threshold, "threshold")
+        self.drift_threshold.labels(model=self._model(model)).set(value)
+
+    def set_window_samples(self, model: str, n: int) -> None:
+        """Set the number of labelled samples in ``model``'s evaluation window."""
+        self.window_samples.labels(model=self._model(model)).set(_count(n, "window samples"))
+
+    # ------------------------------------------------------------------ consumer / process
+
+    def set_consumer_lag(self, topic: str, lag: int) -> None:
+        """Set the lag (messages, summed over partitions) of ``topic``."""
+        self.consumer_lag.labels(topic=_check(topic, Topic, "topic")).set(_count(lag, "lag"))
+
+    def set_consumer_lags(self, lags: Mapping[str, int]) -> None:
+        """Set several topics' lag at once, ``{topic: lag}``."""
+        for topic, lag in lags.items():
+            self.set_consumer_lag(topic, lag)
+
+    def mark_poll(self, timestamp: float | None = None) -> None:
+        """Record a successful poll at ``timestamp`` (Unix seconds; default now)."""
+        self.last_poll.set(time.time() if timestamp is None else _finite(timestamp, "timestamp"))
+
+    def inc_checkpoint(self, outcome: str) -> None:
+        """Count a state checkpoint with outcome ok | error."""
+        self.checkpoints.labels(outcome=_check(outcome, CheckpointOutcome, "outcome")).inc()
+
+    def set_ready(self, ready: bool) -> None:
+        """Set ``lpcal_ready`` to 1 or 0."""
+        self.ready.set(1 if ready else 0)
+
+    # ------------------------------------------------------------------ exposition
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format (serve with :data:`CONTENT_TYPE_LATEST`)."""
+        return generate_latest(self.registry)
+
+    def exported_names(self) -> Iterable[str]:
+        """Names of the ``lpcal_`` families currently in the registry, as in PromQL."""
+        for family in self.registry.collect():
+            if family.name.startswith("lpcal_"):
+                yield family.name + "_total" if family.type == "counter" else family.name

@@ -1,0 +1,446 @@
+"""Windowed calibration monitoring of one model, for the raw and the calibrated predictor. Pure.
+
+For each predictor ``f`` (``raw``: the model's probabilities; ``calibrated``: after the current
+bin map) the monitor keeps additive sums over a sliding window of recent joined samples:
+
+* per bin ``v = R(f(x))`` (level set at the model's ``lambda``) and class ``j``, with
+  ``Z_i = (f(x_i)_j - y_ij) * 1[R(f(x_i)) = v]``: the count ``N_v``, ``S_vj = sum Z_i`` and
+  ``Q_vj = sum Z_i^2``. The plug-in lp calibration error (as :func:`lpcal.metrics.err_p`) is
+  ``Err_p = ( sum_vj |S_vj / n|^p )^(1/p)`` (max for ``p = inf``);
+* top-label ECE (15 equal-width confidence bins, as :func:`lpcal.metrics.top_label_ece`):
+  per bin ``sum (1[argmax f = y] - max f)``; ECE ``= sum_b |gap_b| / n``;
+* Brier ``sum ||f - e_y||^2 / n`` and accuracy ``sum 1[argmax f = y] / n``.
+
+**Noise and the confidence margin** (used by the drift trigger). Each cell mean
+``Zbar_vj = S_vj / n`` has standard error ``se_vj = sqrt(s^2_vj / n)`` with the unbiased sample
+variance ``s^2_vj = (Q_vj - S_vj^2 / n) / (n - 1)`` (all ``n`` samples, zeros outside the bin).
+The *lower confidence bound* shrinks every cell by ``z`` standard errors before taking the norm::
+
+    Err_p^lower(z) = ( sum_vj max(0, |Zbar_vj| - z se_vj)^p )^(1/p)
+
+Each shrunk cell is below its true ``|E Z|`` with probability about ``Phi(z)``, so the bound
+absorbs both the noise and the upward bias of the plug-in (which grows with the number of
+cells, and is what would make a plain "estimate > threshold" rule fire on a well-calibrated
+stream). ``margin(z) = Err_p - Err_p^lower(z)``. A bin seen once has ``se = |Zbar|``, so single
+samples never count. ``stderr`` is the delta-method standard error of the plug-in (informative).
+
+**Window**: the last ``window_samples`` samples (to a granularity of one bucket,
+``ceil(N / n_buckets)`` samples) or, when ``window_seconds`` is set, the samples whose time falls
+in the last ``n_buckets`` buckets of width ``T / n_buckets`` (event time; the clock is the largest
+time seen). Buckets form a ring; each holds additive sums, so an update costs O(batch * k) and
+an evaluation merges at most ``n_buckets`` buckets (O(window bins * k): call it on a timer, not
+per event). State is the buckets' sums: ``to_dict``/``from_dict`` round-trip it exactly (arrays
+are stored as base64 of their little-endian bytes). Bins are identified by their 64-bit row hash
+(collision probability ~ bins^2 / 2^64; a collision would merge two bins' sums).
+
+Usage::
+
+    mon = WindowMonitor(k=3, lam=10, p=math.inf, window_samples=10_000)
+    mon.update(probs, labels, ts, calibrated=binmap.apply(probs))
+    stats = mon.evaluate(z=3.0)      # {"raw": WindowStats, "calibrated": WindowStats | None}
+    stats["calibrated"].err_p, stats["calibrated"].lower, stats["raw"].ece
+    mon.reset("calibrated")          # after a new bin map: measure it from scratch
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from lpcal.errors import InputError
+from lpcal.metrics import _batch_stats, _lp_norm
+
+__all__ = ["PREDICTORS", "CellSums", "WindowMonitor", "WindowStats", "cell_bounds"]
+
+PREDICTORS = ("raw", "calibrated")
+ECE_BINS = 15
+_COMPACT_PARTS = 32
+
+
+# --------------------------------------------------------------------------- array codec
+
+
+def _enc(a: np.ndarray) -> dict[str, Any]:
+    a = np.ascontiguousarray(a)
+    le = a.astype(a.dtype.newbyteorder("<"), copy=False)
+    return {"dtype": le.dtype.str, "shape": list(a.shape),
+            "b64": base64.b64encode(le.tobytes()).decode("ascii")}
+
+
+_DTYPES = {"<i8": np.int64, "<f8": np.float64}
+
+
+def _dec(d: Mapping[str, Any], where: str) -> np.ndarray:
+    try:
+        dt = _DTYPES[d["dtype"]]
+        shape = tuple(int(x) for x in d["shape"])
+        raw = base64.b64decode(d["b64"], validate=True)
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"{where}: malformed array ({type(e).__name__}: {e})") from None
+    if any(s < 0 for s in shape) or len(raw) != 8 * math.prod(shape):
+        raise InputError(f"{where}: array of shape {shape} has {len(raw)} bytes")
+    return np.frombuffer(raw, dtype=np.dtype(d["dtype"])).astype(dt).reshape(shape)
+
+
+# --------------------------------------------------------------------------- sums
+
+
+class CellSums:
+    """Additive per-(bin, class) sums ``N_v``, ``S_vj``, ``Q_vj`` plus the scalar metric sums."""
+
+    __slots__ = ("brier", "correct", "counts", "gap", "hashes", "k", "n", "q", "s")
+
+    def __init__(self, k: int):
+        self.k = int(k)
+        self.hashes = np.zeros(0, dtype=np.int64)
+        self.counts = np.zeros(0, dtype=np.int64)
+        self.s = np.zeros((0, self.k))
+        self.q = np.zeros((0, self.k))
+        self.n = 0
+        self.brier = 0.0
+        self.correct = 0
+        self.gap = np.zeros(ECE_BINS)
+
+    @classmethod
+    def from_batch(cls, probs: np.ndarray, labels: np.ndarray, lam: int) -> CellSums:
+        """Sums of one batch of validated rows ``probs`` (n, k) and labels (n,)."""
+        x = np.asarray(probs, dtype=np.float64)
+        y = np.asarray(labels, dtype=np.int64)
+        out = cls(x.shape[1])
+        n = x.shape[0]
+        if n == 0:
+            return out
+        _, out.hashes, out.counts, out.s, out.q = _batch_stats(x, y, lam, squares=True)
+        idx = np.arange(n)
+        pred = x.argmax(axis=1)
+        conf = x[idx, pred]
+        hit = (pred == y).astype(np.float64)
+        fy = x[idx, y]
+        out.n = n
+        out.brier = float(np.sum(np.einsum("ij,ij->i", x, x) - 2.0 * fy + 1.0))
+        out.correct = int(hit.sum())
+        inner = np.linspace(0.0, 1.0, ECE_BINS + 1)[1:-1]
+        out.gap = np.bincount(np.searchsorted(inner, conf, side="left"), weights=hit - conf,
+                              minlength=ECE_BINS).astype(np.float64)
+        return out
+
+    @classmethod
+    def merge_all(cls, parts: list[CellSums], k: int) -> CellSums:
+        """Sums of the union of all ``parts`` (one vectorised group-by)."""
+        parts = [p for p in parts if p.n]
+        if not parts:
+            return cls(k)
+        if len(parts) == 1:
+            return parts[0]
+        out = cls(k)
+        h = np.concatenate([p.hashes for p in parts])
+        uh, inv = np.unique(h, return_inverse=True)
+        inv = inv.reshape(-1)
+        out.hashes = uh
+        out.counts = np.bincount(inv, weights=np.concatenate([p.counts for p in parts]),
+                                 minlength=uh.size).astype(np.int64)
+        order = np.argsort(inv, kind="stable")
+        starts = np.searchsorted(inv[order], np.arange(uh.size))
+        out.s = np.add.reduceat(np.concatenate([p.s for p in parts])[order], starts, axis=0)
+        out.q = np.add.reduceat(np.concatenate([p.q for p in parts])[order], starts, axis=0)
+        out.n = sum(p.n for p in parts)
+        out.brier = float(sum(p.brier for p in parts))
+        out.correct = sum(p.correct for p in parts)
+        out.gap = np.sum([p.gap for p in parts], axis=0)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"k": self.k, "n": self.n, "brier": self.brier, "correct": self.correct,
+                "gap": _enc(self.gap), "hashes": _enc(self.hashes), "counts": _enc(self.counts),
+                "s": _enc(self.s), "q": _enc(self.q)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "sums") -> CellSums:
+        try:
+            out = cls(int(d["k"]))
+            out.n, out.brier, out.correct = int(d["n"]), float(d["brier"]), int(d["correct"])
+            arrays = {name: _dec(d[name], f"{where}.{name}")
+                      for name in ("gap", "hashes", "counts", "s", "q")}
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"{where}: malformed sums ({type(e).__name__}: {e})") from None
+        g = arrays["hashes"].shape
+        if (len(g) != 1 or arrays["counts"].shape != g or arrays["s"].shape != (g[0], out.k)
+                or arrays["q"].shape != (g[0], out.k) or arrays["gap"].shape != (ECE_BINS,)):
+            raise InputError(f"{where}: inconsistent array shapes")
+        if int(arrays["counts"].sum()) != out.n or (arrays["counts"] <= 0).any():
+            raise InputError(f"{where}: bin counts do not add up to n={out.n}")
+        for name, a in arrays.items():
+            setattr(out, name, a)
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CellSums):
+            return NotImplemented
+        return (self.k == other.k and self.n == other.n and self.brier == other.brier
+                and self.correct == other.correct and np.array_equal(self.gap, other.gap)
+                and np.array_equal(self.hashes, other.hashes)
+                and np.array_equal(self.counts, other.counts)
+                and np.array_equal(self.s, other.s) and np.array_equal(self.q, other.q))
+
+
+def cell_bounds(sums: CellSums) -> tuple[np.ndarray, np.ndarray]:
+    """``(|Zbar|, se)`` per cell (G, k); see the module docstring."""
+    n = sums.n
+    zbar = sums.s / n
+    if n < 2:
+        return np.abs(zbar), np.abs(zbar)
+    var = np.maximum(sums.q - sums.s * sums.s / n, 0.0) / (n - 1)
+    return np.abs(zbar), np.sqrt(var / n)
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """Metrics of one predictor over the current window (all plain floats, JSON-safe)."""
+
+    n: int
+    err_p: float        # plug-in Err_p at the model's lambda
+    lower: float        # Err_p^lower(z): the confidence-shrunk estimate used by the trigger
+    margin: float       # err_p - lower
+    stderr: float       # delta-method standard error of err_p
+    z: float
+    ece: float          # top-label ECE, 15 equal-width bins
+    brier: float
+    accuracy: float
+    n_bins: int         # distinct bins seen in the window
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def window_stats(sums: CellSums, p: float, z: float) -> WindowStats | None:
+    """Evaluate merged sums; None when the window is empty."""
+    n = sums.n
+    if n == 0:
+        return None
+    a, se = cell_bounds(sums)
+    err = _lp_norm(a, p)
+    lower = _lp_norm(np.maximum(a - z * se, 0.0), p)
+    if err == 0.0:
+        stderr = 0.0
+    elif math.isinf(p):
+        g, j = np.unravel_index(int(np.argmax(a)), a.shape)
+        stderr = float(se[g, j])
+    else:
+        w = (a / err) ** (p - 1.0)  # d Err_p / d |Zbar_vj|
+        stderr = float(math.sqrt(float(np.sum((w * se) ** 2))))
+    return WindowStats(n=n, err_p=float(err), lower=float(lower), margin=float(err - lower),
+                       stderr=stderr, z=float(z), ece=float(np.abs(sums.gap).sum() / n),
+                       brier=sums.brier / n, accuracy=sums.correct / n,
+                       n_bins=int(sums.hashes.size))
+
+
+# --------------------------------------------------------------------------- window
+
+
+class _Bucket:
+    __slots__ = ("merged", "n", "parts")
+
+    def __init__(self):
+        self.n = 0                                   # samples (raw predictor) in this bucket
+        self.parts: dict[str, list[CellSums]] = {name: [] for name in PREDICTORS}
+        self.merged: dict[str, CellSums | None] = {name: None for name in PREDICTORS}
+
+    def add(self, name: str, s: CellSums, k: int) -> None:
+        self.parts[name].append(s)
+        if len(self.parts[name]) >= _COMPACT_PARTS:
+            self.sums(name, k)
+
+    def sums(self, name: str, k: int) -> CellSums:
+        parts = self.parts[name]
+        if parts or self.merged[name] is None:
+            base = [self.merged[name]] if self.merged[name] is not None else []
+            self.merged[name] = CellSums.merge_all(base + parts, k)
+            self.parts[name] = []
+        return self.merged[name]  # type: ignore[return-value]
+
+
+class WindowMonitor:
+    """Sliding-window Err_p / ECE / Brier / accuracy of one model (raw and calibrated)."""
+
+    def __init__(self, k: int, lam: int, p: float, *, window_samples: int | None = 10_000,
+                 window_seconds: float | None = None, n_buckets: int = 16):
+        if k < 2 or lam < 1:
+            raise InputError(f"WindowMonitor needs k >= 2 and lambda >= 1, got {k}, {lam}")
+        if not p >= 1:
+            raise InputError(f"p must be >= 1 or inf, got {p}")
+        if window_seconds is None and (window_samples is None or window_samples < 1):
+            raise InputError("set window_samples >= 1 or window_seconds > 0")
+        if window_seconds is not None and not (window_seconds > 0 and math.isfinite(window_seconds)):
+            raise InputError(f"window_seconds must be positive, got {window_seconds}")
+        if n_buckets < 1:
+            raise InputError("n_buckets must be >= 1")
+        self.k, self.lam, self.p = int(k), int(lam), float(p)
+        self.window_samples = None if window_samples is None else int(window_samples)
+        self.window_seconds = None if window_seconds is None else float(window_seconds)
+        self.n_buckets = int(n_buckets)
+        self.by_time = self.window_seconds is not None
+        self.width = (self.window_seconds / self.n_buckets if self.by_time
+                      else math.ceil(self.window_samples / self.n_buckets))  # type: ignore
+        self.buckets: OrderedDict[int, _Bucket] = OrderedDict()
+        self.clock = -math.inf
+        self.total_samples = 0
+
+    # ---------------------------------------------------------------- updating
+    def update(self, probs: np.ndarray, labels: np.ndarray, ts: np.ndarray | None = None,
+               calibrated: np.ndarray | None = None) -> int:
+        """Add joined samples (rows on the simplex, labels in [0, k)); return how many counted.
+
+        ``ts`` (event times) is required for time windows. ``calibrated``: the same samples'
+        calibrated rows (None while there is no bin map). Samples older than a time window are
+        ignored.
+        """
+        x = np.asarray(probs, dtype=np.float64)
+        y = np.asarray(labels, dtype=np.int64)
+        n = y.shape[0]
+        if x.shape != (n, self.k):
+            raise InputError(f"monitor: probs must have shape ({n}, {self.k}), got {x.shape}")
+        if calibrated is not None and np.shape(calibrated) != (n, self.k):
+            raise InputError(f"monitor: calibrated must have shape ({n}, {self.k})")
+        if n == 0:
+            return 0
+        if self.by_time:
+            if ts is None:
+                raise InputError("monitor: a time window needs ts")
+            t = np.asarray(ts, dtype=np.float64)
+            bid = np.floor(t / self.width).astype(np.int64)
+            self.clock = max(self.clock, float(t.max()))
+            hi = math.floor(self.clock / self.width)
+            self._advance_bucket(hi)
+            lo = hi - self.n_buckets + 1
+            counted = 0
+            for b in np.unique(bid).tolist():
+                if b < lo:
+                    continue
+                sel = np.flatnonzero(bid == b)
+                self._add(self._bucket(b), x, y, calibrated, sel)
+                counted += sel.size
+            self.total_samples += counted
+            return counted
+        if ts is not None and len(ts):
+            self.clock = max(self.clock, float(np.max(ts)))
+        a = 0
+        while a < n:
+            if not self.buckets or next(reversed(self.buckets.values())).n >= self.width:
+                nxt = (next(reversed(self.buckets)) + 1) if self.buckets else 0
+                self._advance_bucket(nxt)
+                self._bucket(nxt)
+            bid_last = next(reversed(self.buckets))
+            cur = self.buckets[bid_last]
+            take = min(n - a, int(self.width) - cur.n)
+            self._add(cur, x, y, calibrated, slice(a, a + take))
+            a += take
+        self.total_samples += n
+        return n
+
+    def _bucket(self, b: int) -> _Bucket:
+        bk = self.buckets.get(b)
+        if bk is None:
+            bk = self.buckets[b] = _Bucket()
+            if len(self.buckets) > 1 and b < next(reversed(self.buckets)):
+                self.buckets = OrderedDict(sorted(self.buckets.items()))
+        return bk
+
+    def _advance_bucket(self, newest: int) -> None:
+        lo = newest - self.n_buckets + 1
+        while self.buckets and next(iter(self.buckets)) < lo:
+            self.buckets.popitem(last=False)
+
+    def _add(self, bk: _Bucket, x, y, cal, sel) -> None:
+        xs, ys = x[sel], y[sel]
+        bk.n += ys.shape[0]
+        bk.add("raw", CellSums.from_batch(xs, ys, self.lam), self.k)
+        if cal is not None:
+            bk.add("calibrated", CellSums.from_batch(np.asarray(cal)[sel], ys, self.lam), self.k)
+
+    def advance(self, now: float) -> None:
+        """Time windows: move the clock to ``now`` and drop buckets that left the window."""
+        if now > self.clock:
+            self.clock = float(now)
+        if self.by_time and math.isfinite(self.clock):
+            self._advance_bucket(math.floor(self.clock / self.width))
+
+    def reset(self, predictor: str | None = None) -> None:
+        """Forget the window of one predictor (e.g. ``"calibrated"`` after a new bin map) or all."""
+        if predictor is None:
+            self.buckets.clear()
+            return
+        if predictor not in PREDICTORS:
+            raise InputError(f"unknown predictor {predictor!r}")
+        for bk in self.buckets.values():
+            bk.parts[predictor] = []
+            bk.merged[predictor] = None
+
+    # ---------------------------------------------------------------- reading
+    def sums(self, predictor: str = "raw") -> CellSums:
+        """Merged sums of ``predictor`` over the window."""
+        return CellSums.merge_all([bk.sums(predictor, self.k) for bk in self.buckets.values()],
+                                  self.k)
+
+    def window_size(self, predictor: str = "raw") -> int:
+        return sum(bk.sums(predictor, self.k).n for bk in self.buckets.values())
+
+    def evaluate(self, z: float = 3.0) -> dict[str, WindowStats | None]:
+        """:class:`WindowStats` of both predictors (None for an empty window)."""
+        return {name: window_stats(self.sums(name), self.p, z) for name in PREDICTORS}
+
+    # ---------------------------------------------------------------- snapshots
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "k": self.k, "lam": self.lam, "p": "inf" if math.isinf(self.p) else self.p,
+            "window_samples": self.window_samples, "window_seconds": self.window_seconds,
+            "n_buckets": self.n_buckets,
+            "clock": None if math.isinf(self.clock) else self.clock,
+            "total_samples": self.total_samples,
+            "buckets": [
+                {"id": b, "n": bk.n,
+                 **{name: bk.sums(name, self.k).to_dict() for name in PREDICTORS}}
+                for b, bk in self.buckets.items()
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "monitor") -> WindowMonitor:
+        try:
+            p = math.inf if d["p"] == "inf" else float(d["p"])
+            mon = cls(int(d["k"]), int(d["lam"]), p, window_samples=d["window_samples"],
+                      window_seconds=d["window_seconds"], n_buckets=int(d["n_buckets"]))
+            mon.clock = -math.inf if d["clock"] is None else float(d["clock"])
+            mon.total_samples = int(d["total_samples"])
+            last = None
+            for i, bd in enumerate(d["buckets"]):
+                b = int(bd["id"])
+                if last is not None and b <= last:
+                    raise ValueError("bucket ids must increase")
+                last = b
+                bk = _Bucket()
+                bk.n = int(bd["n"])
+                for name in PREDICTORS:
+                    s = CellSums.from_dict(bd[name], f"{where}.buckets[{i}].{name}")
+                    if s.k != mon.k:
+                        raise ValueError(f"bucket {i} {name} has k={s.k}")
+                    bk.merged[name] = s
+                if bk.merged["raw"].n != bk.n:  # type: ignore[union-attr]
+                    raise ValueError(f"bucket {i}: n={bk.n} but raw sums hold "
+                                     f"{bk.merged['raw'].n}")  # type: ignore[union-attr]
+                mon.buckets[b] = bk
+        except InputError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"{where}: malformed snapshot ({type(e).__name__}: {e})") from None
+        return mon
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, WindowMonitor):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()

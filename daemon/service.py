@@ -1,0 +1,574 @@
+"""The lpcal daemon: consume, join, pool, monitor, recalibrate, publish, checkpoint.
+
+Lifecycle (after uvicorn's ``Server``): ``startup`` (HTTP first, so probes answer; then producer,
+topics, consumer), ``main_loop`` (``getmany`` batches until asked to stop), ``shutdown`` (stop
+fetching, let fits in flight finish for up to half the grace period, checkpoint what is left,
+commit, leave the group, close), all within ``shutdown_grace_seconds``. SIGTERM/SIGINT start the
+shutdown; a second signal exits at once.
+
+Exactly-once accounting (SIGKILL at any moment loses no accepted sample and counts none twice):
+
+* all state of a model (pools, monitor sums, pending joins, bin map, a fit in flight) is
+  checkpointed in one record ``model/<id>`` together with the input offsets it covers;
+* after the model records of input partition ``n`` are acknowledged, the manifest
+  ``partition/<n>`` records the offsets of both input topics; consumer offsets are committed
+  after that (they only serve lag monitoring);
+* on assignment, the daemon restores the models of its partitions and seeks both topics to the
+  manifest's offsets (or, without a manifest, to the smallest offsets of the model records, or
+  to the beginning); an event at an offset below its model's recorded offset is skipped, since
+  that model's checkpoint already contains it. Dead letters are flushed before any checkpoint.
+
+Co-partitioning: events are keyed by model id and both input topics have the same partition
+count, so partition ``n`` of both topics holds the same models; the range assignor gives both to
+the same replica, which owns those models. Rebalances checkpoint revoked partitions before
+handing them over, and the new owner restores them: this is how a deployment scales out.
+
+Epoch boundaries: pools are count tables, so an epoch's pools do not depend on the order of its
+samples. A fit starts after the batch in which the pools became full, so which samples fall in
+which epoch can shift by a batch between runs; no sample is lost or counted twice either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+from aiokafka import ConsumerRebalanceListener, TopicPartition
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+
+from daemon import kafka_io
+from daemon.checkpoint_store import CheckpointStore, KafkaCheckpointStore, LocalCheckpointStore
+from daemon.events import EventParser, ModelBatch
+from daemon.metrics import DaemonMetrics
+from daemon.model_state import ModelState
+from lpcal.calibrate import fit_pools
+from lpcal.errors import ArtifactError, LpcalError
+from lpcal.pools import PoolSet
+
+log = logging.getLogger("lpcal.daemon")
+
+ENVELOPE_FORMAT = "lpcal.envelope/1"
+WRONG_PARTITION = "bad_schema"  # a model's events on two partitions: the key contract is broken
+_GAUGE_EVERY = 1.0
+_LAG_EVERY = 5.0
+
+
+@dataclass
+class Inflight:
+    """A fit started from an epoch's frozen pools; checkpointed until its bin map is published."""
+
+    pools: PoolSet
+    trigger: str
+    version: int
+    task: asyncio.Future | None = None
+
+
+def fit_seed(model: str, version: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{model}:{version}".encode(), digest_size=4).digest(),
+                          "big")
+
+
+def subset(mb: ModelBatch, keep: np.ndarray) -> ModelBatch:
+    """The events of ``mb`` where ``keep`` holds."""
+    idx = np.flatnonzero(keep)
+    return ModelBatch(mb.model, mb.k, mb.kind[idx], [mb.ids[i] for i in idx.tolist()],
+                      mb.ts[idx], mb.probs[idx], mb.labels[idx], mb.index[idx])
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, daemon: "Daemon"):
+        self.d = daemon
+
+    async def on_partitions_revoked(self, revoked):
+        await self.d.on_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned):
+        await self.d.on_assigned(set(assigned))
+
+
+class Daemon:
+    """One replica of the calibration service (see the module docstring)."""
+
+    def __init__(self, settings, *, metrics: DaemonMetrics | None = None,
+                 store: CheckpointStore | None = None, consumer_options: dict | None = None):
+        self.s = settings
+        k = settings.kafka
+        self.t_pred, self.t_out = k.topics.predictions, k.topics.outcomes
+        self.metrics = metrics or DaemonMetrics(max_models=settings.max_models)
+        self.parser = EventParser.from_settings(settings)
+        self.models: dict[str, ModelState] = {}
+        self.partition_of: dict[str, int] = {}
+        self.event_time: dict[str, float] = {}
+        self.dirty: set[str] = set()
+        self.inflight: dict[str, Inflight] = {}
+        self.positions: dict[tuple[str, int], int] = {}
+        self.assigned: set[TopicPartition] = set()
+        self._store = store
+        self._consumer_options = consumer_options or {}
+        self.producer = None
+        self.consumer = None
+        self.http = None
+        self.stopping = asyncio.Event()
+        self.restored = False
+        self.broker_ok = False
+        self.last_poll = time.monotonic()
+        self.started = False
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpcal-fit")
+        self._last_ckpt = time.monotonic()
+        self._last_gauges: dict[str, float] = {}
+        self._last_lag = 0.0
+        self._dlq: list[asyncio.Future] = []
+        self._probe_task: asyncio.Task | None = None
+
+    # ================================================================== lifecycle
+    async def startup(self) -> None:
+        from daemon.http_api import HttpServer
+
+        self.http = HttpServer(self)
+        await self.http.start()
+        k = self.s.kafka
+        sec = k
+        self.producer = kafka_io.make_producer(
+            k.bootstrap_servers, idempotence=k.enable_idempotence, security=sec,
+            client_id=k.client_id, max_request_size=max(k.max_message_bytes, 16 << 20),
+            compression_type="gzip")
+        await self._retry("producer start", self.producer.start)
+        if k.create_topics:
+            specs = [kafka_io.TopicSpec(self.t_pred, k.topic_partitions),
+                     kafka_io.TopicSpec(self.t_out, k.topic_partitions),
+                     kafka_io.TopicSpec(k.topics.binmaps, 1, configs=kafka_io.COMPACT),
+                     kafka_io.TopicSpec(k.topics.deadletter, k.topic_partitions),
+                     kafka_io.TopicSpec(k.topics.state, 1, configs=kafka_io.COMPACT)]
+            await self._retry("topic creation",
+                              lambda: kafka_io.ensure_topics(k.bootstrap_servers, specs,
+                                                             security=sec))
+        counts = await self._retry("partition check", lambda: kafka_io.partition_counts(
+            k.bootstrap_servers, [self.t_pred, self.t_out], security=sec))
+        kafka_io.check_copartitioned(counts, self.t_pred, self.t_out)
+        if self._store is None:
+            if self.s.state.backend == "local":
+                self._store = LocalCheckpointStore(self.s.state.local_dir)
+            else:
+                self._store = KafkaCheckpointStore(self.producer, k.bootstrap_servers,
+                                                   k.topics.state, security=sec)
+        # the range assignor gives partition n of both co-partitioned topics to one member
+        # (aiokafka's default, round robin, would split a model's predictions and outcomes)
+        opts = dict(session_timeout_ms=10_000, heartbeat_interval_ms=3_000,
+                    max_partition_fetch_bytes=max(k.max_message_bytes, 1 << 20),
+                    partition_assignment_strategy=(RangePartitionAssignor,))
+        opts.update(self._consumer_options)
+        self.consumer = kafka_io.make_consumer(
+            k.bootstrap_servers, group_id=k.group_id, security=sec, client_id=k.client_id,
+            **opts)
+        await self._retry("consumer start", self.consumer.start)
+        self.consumer.subscribe([self.t_pred, self.t_out], listener=_Rebalance(self))
+        self.broker_ok = True
+        self._probe_task = asyncio.create_task(self._probe_broker())
+        self.started = True
+        log.info("lpcal daemon started: group %s, topics %s/%s", k.group_id, self.t_pred,
+                 self.t_out)
+
+    async def _retry(self, what: str, fn):
+        delay = 0.5
+        while True:
+            try:
+                return await fn()
+            except (kafka_io.TopicLayoutError, LpcalError):
+                raise
+            except Exception as e:  # broker not reachable yet: keep trying until stopped
+                if self.stopping.is_set():
+                    raise
+                log.warning("%s failed (%s: %s); retrying in %.1f s", what,
+                            type(e).__name__, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    async def main_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                batch = await self.consumer.getmany(timeout_ms=250, max_records=5000)
+            except Exception as e:  # noqa: BLE001 - a broker fault must not kill the loop
+                log.warning("fetch failed: %s: %s", type(e).__name__, e)
+                await asyncio.sleep(0.5)
+                batch = {}
+            self.last_poll = time.monotonic()
+            self.metrics.mark_poll()
+            for tp, msgs in batch.items():
+                if msgs and tp in self.assigned:
+                    self._process(tp, msgs)
+            self._after_batch()
+            if time.monotonic() - self._last_ckpt >= self.s.state.checkpoint_interval_seconds:
+                await self.checkpoint()
+            await asyncio.sleep(0)
+
+    async def shutdown(self) -> None:
+        """Stop fetching, finish or checkpoint in-flight work, commit and close (bounded)."""
+        grace = float(self.s.shutdown_grace_seconds)
+        t0 = time.monotonic()
+        pending = [i.task for i in self.inflight.values() if i.task is not None]
+        if pending:
+            await asyncio.wait(pending, timeout=grace / 2)
+            await asyncio.sleep(0)
+        try:
+            if self.consumer is not None and self.assigned:
+                left = max(1.0, grace - (time.monotonic() - t0) - 2.0)
+                await asyncio.wait_for(self.checkpoint(commit=True), timeout=left)
+        except Exception as e:  # noqa: BLE001
+            log.error("final checkpoint failed: %s: %s", type(e).__name__, e)
+        if self._probe_task:
+            self._probe_task.cancel()
+        for name, closer in (("consumer", self.consumer), ("producer", self.producer)):
+            if closer is not None:
+                try:
+                    left = max(0.5, grace - (time.monotonic() - t0))
+                    await asyncio.wait_for(closer.stop(), timeout=left)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("%s close: %s", name, e)
+        if self.http is not None:
+            await self.http.stop()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        log.info("lpcal daemon stopped in %.1f s", time.monotonic() - t0)
+
+    async def serve(self, install_signals: bool = True) -> None:
+        """Run until SIGTERM/SIGINT (or ``stopping`` is set)."""
+        loop = asyncio.get_running_loop()
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            await self.startup()
+            await self.main_loop()
+        finally:
+            await self.shutdown()
+
+    def _on_signal(self, sig) -> None:
+        if self.stopping.is_set():
+            log.error("second signal: exiting now")
+            os._exit(1)
+        log.info("received %s: shutting down", signal.Signals(sig).name)
+        self.stopping.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.started and self.restored and self.broker_ok
+
+    async def _probe_broker(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self.producer.client.fetch_all_metadata(), 3.0)
+                self.broker_ok = True
+            except Exception:  # noqa: BLE001
+                self.broker_ok = False
+            self.metrics.set_ready(self.ready)
+            await asyncio.sleep(2.0)
+
+    # ================================================================== rebalance
+    async def on_assigned(self, tps: set[TopicPartition]) -> None:
+        self.restored = False
+        new = {tp for tp in tps if tp not in self.assigned}
+        self.assigned = set(tps)
+        parts = {tp.partition for tp in new}
+        if parts:
+            records = await self._store.load_all()
+            manifests = {}
+            for key, value in records.items():
+                if key.startswith("partition/"):
+                    try:
+                        manifests[int(key.split("/", 1)[1])] = orjson.loads(value)
+                    except (ValueError, orjson.JSONDecodeError):
+                        log.error("ignoring unreadable manifest %s", key)
+            for key, value in records.items():
+                if key.startswith("model/"):
+                    self._restore_model(key[6:], value, parts)
+            for tp in new:
+                off = manifests.get(tp.partition, {}).get("offsets", {}).get(tp.topic)
+                if off is None:
+                    offs = [st.offsets.get(tp.topic, {}).get(tp.partition) for m, st in
+                            self.models.items() if self.partition_of.get(m) == tp.partition]
+                    offs = [o for o in offs if o is not None]
+                    off = min(offs) if offs else None
+                if off is None:
+                    await self.consumer.seek_to_beginning(tp)
+                else:
+                    self.consumer.seek(tp, int(off))
+                    self.positions[(tp.topic, tp.partition)] = int(off)
+            for model, inf in self.inflight.items():
+                if inf.task is None and self.partition_of.get(model) in parts:
+                    self._launch_fit(model, inf)
+        self.restored = True
+        self.metrics.set_ready(self.ready)
+        log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in tps))
+
+    def _restore_model(self, model: str, value: bytes, parts: set[int]) -> None:
+        try:
+            env = orjson.loads(value)
+            if env.get("format") != ENVELOPE_FORMAT:
+                raise ArtifactError(f"format {env.get('format')!r}")
+            part = int(env["partition"])
+            if part not in parts or model in self.models:
+                return
+            st = ModelState.from_checkpoint(orjson.dumps(env["state"]))
+        except (ArtifactError, KeyError, TypeError, ValueError, orjson.JSONDecodeError) as e:
+            log.error("cannot restore model %s: %s", model, e)
+            return
+        self.models[model] = st
+        self.partition_of[model] = part
+        self.parser.admit(model, st.k)
+        self.metrics.register_model(model)
+        inf = env.get("inflight")
+        if inf:
+            self.inflight[model] = Inflight(PoolSet.from_dict(inf["pools"]), inf["trigger"],
+                                            int(inf["version"]))
+        if st.binmap is not None:
+            self.metrics.set_binmap_published(model, st.binmap_version)
+
+    async def on_revoked(self, tps: set[TopicPartition]) -> None:
+        parts = {tp.partition for tp in tps}
+        if parts and self.consumer is not None:
+            try:
+                await self.checkpoint(parts, commit=True)
+            except Exception as e:  # noqa: BLE001
+                log.error("checkpoint on revoke failed: %s", e)
+        for model in [m for m, p in self.partition_of.items() if p in parts]:
+            inf = self.inflight.pop(model, None)
+            if inf is not None and inf.task is not None:
+                inf.task.cancel()
+            self.models.pop(model, None)
+            self.partition_of.pop(model, None)
+            self.dirty.discard(model)
+            self.metrics.remove_model(model)
+        for tp in tps:
+            self.positions.pop((tp.topic, tp.partition), None)
+        self.assigned -= set(tps)
+
+    # ================================================================== ingest
+    def _process(self, tp: TopicPartition, msgs) -> None:
+        topic_kind = "predictions" if tp.topic == self.t_pred else "outcomes"
+        self.metrics.inc_consumed(topic_kind, len(msgs))
+        pb = self.parser.parse_batch([m.value or b"" for m in msgs],
+                                     [m.timestamp / 1000.0 for m in msgs])
+        for i, bad in pb.invalid:
+            self._deadletter(tp, msgs[i], bad.reason)
+        offsets = np.fromiter((m.offset for m in msgs), dtype=np.int64, count=len(msgs))
+        for model, mb in pb.by_model.items():
+            st = self._state_for(model, mb, tp)
+            if st is None:
+                for i in mb.index.tolist():
+                    self._deadletter(tp, msgs[i], WRONG_PARTITION)
+                continue
+            floor = st.offsets.get(tp.topic, {}).get(tp.partition, -1)
+            offs = offsets[mb.index]
+            if offs.min() < floor:  # replay after a restore: already in the checkpoint
+                mb = subset(mb, offs >= floor)
+                if not len(mb):
+                    continue
+            res = st.offer(mb)
+            self.event_time[model] = max(self.event_time.get(model, -math.inf),
+                                         float(mb.ts.max()))
+            self.dirty.add(model)
+            if res.joined:
+                self.metrics.inc_joined(model, res.joined)
+            if res.label_out_of_range:
+                self.metrics.inc_invalid("label_out_of_range", res.label_out_of_range)
+            for reason, n in res.evicted.items():
+                if n:
+                    self.metrics.inc_evicted(model, reason, n)
+            for kind, n in res.unmatched.items():
+                if n:
+                    self.metrics.inc_unmatched(model, kind, n)
+        self.positions[(tp.topic, tp.partition)] = msgs[-1].offset + 1
+
+    def _state_for(self, model: str, mb: ModelBatch, tp: TopicPartition) -> ModelState | None:
+        st = self.models.get(model)
+        if st is not None:
+            return st if self.partition_of[model] == tp.partition else None
+        k = mb.k or self.parser.k.get(model)
+        if not k:
+            return None
+        ms = self.s.model_settings(model)
+        st = ModelState.create(model, int(k), ms, self.s.join)
+        self.models[model] = st
+        self.partition_of[model] = tp.partition
+        self.metrics.register_model(model)
+        self.metrics.set_drift_threshold(model, st.config["drift_threshold"])
+        return st
+
+    def _deadletter(self, tp: TopicPartition, msg, reason: str) -> None:
+        self.metrics.inc_invalid(reason)
+        headers = [(kafka_io.DLQ_REASON, reason.encode()),
+                   (kafka_io.DLQ_SOURCE_TOPIC, tp.topic.encode()),
+                   (kafka_io.DLQ_SOURCE_PARTITION, str(tp.partition).encode()),
+                   (kafka_io.DLQ_SOURCE_OFFSET, str(msg.offset).encode())]
+        fut = asyncio.ensure_future(self.producer.send(
+            self.s.kafka.topics.deadletter, value=bytes(msg.value or b""), key=msg.key,
+            headers=headers))
+        self._dlq.append(fut)
+        self.metrics.inc_deadletter()
+
+    # ================================================================== triggers and fits
+    def _after_batch(self) -> None:
+        now = time.monotonic()
+        for model in list(self.dirty):
+            st = self.models.get(model)
+            if st is None:
+                continue
+            firing = st.check_triggers(self.event_time.get(model, 0.0),
+                                       busy=model in self.inflight)
+            if firing is not None:
+                if firing.action == "refill":
+                    log.info("model %s: drift detected, refilling pools", model)
+                    st.start_new_epoch()
+                elif st.pools.tables["mu"].total > 0:
+                    inf = Inflight(st.pools, firing.trigger, st.binmap_version + 1)
+                    st.start_new_epoch()
+                    self.inflight[model] = inf
+                    self._launch_fit(model, inf)
+            if now - self._last_gauges.get(model, 0.0) >= _GAUGE_EVERY:
+                self._last_gauges[model] = now
+                self._export_gauges(model, st)
+        if now - self._last_lag >= _LAG_EVERY:
+            self._last_lag = now
+            self._export_lag()
+
+    def _export_gauges(self, model: str, st: ModelState) -> None:
+        m = self.metrics
+        m.set_pool_fill(model, st.pools.fill())
+        m.set_join_pending(model, st.join.pending(model))
+        stats = st.evaluate()
+        for pred in ("raw", "calibrated"):
+            w = stats.get(pred)
+            if w is not None:
+                m.observe_quality(model, pred, w.err_p, min(w.ece, 1.0), min(w.brier, 2.0),
+                                  w.accuracy)
+        raw = stats.get("raw")
+        m.set_window_samples(model, raw.n if raw is not None else 0)
+
+    def _export_lag(self) -> None:
+        lags = {"predictions": 0, "outcomes": 0}
+        for tp in self.assigned:
+            hw = self.consumer.highwater(tp)
+            pos = self.positions.get((tp.topic, tp.partition))
+            if hw is not None and pos is not None:
+                kind = "predictions" if tp.topic == self.t_pred else "outcomes"
+                lags[kind] += max(0, hw - pos)
+        self.metrics.set_consumer_lags(lags)
+
+    def _launch_fit(self, model: str, inf: Inflight) -> None:
+        st = self.models[model]
+        cfg = st.config
+        loop = asyncio.get_running_loop()
+
+        def work():
+            t0 = time.perf_counter()
+            bm = fit_pools(inf.pools, eps=cfg["eps"], p=cfg["p"], delta=cfg["delta"],
+                           seed=fit_seed(model, inf.version), model_id=model,
+                           version=inf.version, outside=cfg["outside"])
+            return bm, time.perf_counter() - t0
+
+        inf.task = loop.run_in_executor(self._executor, work)
+        inf.task.add_done_callback(lambda fut: asyncio.ensure_future(
+            self._fit_done(model, inf, fut)))
+
+    async def _fit_done(self, model: str, inf: Inflight, fut) -> None:
+        if fut.cancelled() or self.inflight.get(model) is not inf:
+            return
+        try:
+            bm, seconds = fut.result()
+            data = bm.to_json()
+            await self.producer.send_and_wait(
+                self.s.kafka.topics.binmaps, key=model.encode(), value=data,
+                headers=[("lpcal.version", str(inf.version).encode())])
+        except Exception as e:  # noqa: BLE001 - a failed fit is counted, never fatal
+            log.error("model %s: recalibration (version %d) failed: %s: %s", model,
+                      inf.version, type(e).__name__, e)
+            self.metrics.inc_calibration_failure(model)
+            self.inflight.pop(model, None)
+            self.dirty.add(model)
+            return
+        st = self.models.get(model)
+        if st is None or self.inflight.get(model) is not inf:
+            return
+        st.install_binmap(data, inf.version)
+        del self.inflight[model]
+        self.dirty.add(model)
+        self.metrics.observe_fit(model, inf.trigger, seconds, bm.iterations, bm.n_bins)
+        self.metrics.set_binmap_published(model, inf.version)
+        log.info("model %s: published bin map version %d (%s, |B|=%d, %d iterations, %s, "
+                 "%.3f s)", model, inf.version, inf.trigger, bm.n_bins, bm.iterations,
+                 bm.stop_reason, seconds)
+
+    def request_recalibration(self, model: str) -> bool:
+        st = self.models.get(model)
+        if st is None:
+            return False
+        st.triggers.request_manual()
+        self.dirty.add(model)
+        return True
+
+    # ================================================================== checkpoints
+    def _envelope(self, model: str) -> bytes:
+        st = self.models[model]
+        inf = self.inflight.get(model)
+        return orjson.dumps({
+            "format": ENVELOPE_FORMAT,
+            "model": model,
+            "partition": self.partition_of[model],
+            "state": orjson.Fragment(st.to_checkpoint()),
+            "inflight": None if inf is None else {
+                "pools": inf.pools.to_dict(), "trigger": inf.trigger, "version": inf.version},
+        })
+
+    async def checkpoint(self, parts: set[int] | None = None, commit: bool = True) -> None:
+        """Checkpoint the models of ``parts`` (default: all assigned), then their manifests."""
+        self._last_ckpt = time.monotonic()
+        if parts is None:
+            parts = {tp.partition for tp in self.assigned}
+        try:
+            if self._dlq:
+                dlq, self._dlq = self._dlq, []
+                for f in await asyncio.gather(*dlq):
+                    await f
+            models = [m for m, p in self.partition_of.items() if p in parts]
+            records = {}
+            for m in models:
+                st, p = self.models[m], self.partition_of[m]
+                for topic in (self.t_pred, self.t_out):
+                    pos = self.positions.get((topic, p))
+                    if pos is not None:
+                        st.advance_offsets(topic, p, pos)
+                if m in self.dirty or m in self.inflight:
+                    records[f"model/{m}"] = self._envelope(m)
+            if records:
+                await self._store.save(records)
+            manifests = {}
+            for p in parts:
+                offs = {t: self.positions[(t, p)] for t in (self.t_pred, self.t_out)
+                        if (t, p) in self.positions}
+                if offs:
+                    manifests[f"partition/{p}"] = orjson.dumps(
+                        {"offsets": offs, "models": sorted(m for m in models
+                                                           if self.partition_of[m] == p)})
+            if manifests:
+                await self._store.save(manifests)
+            self.dirty -= {m for m in models if m not in self.inflight}
+            self.metrics.inc_checkpoint("ok")
+        except Exception:
+            self.metrics.inc_checkpoint("error")
+            raise
+        if commit and self.consumer is not None:
+            offsets = {TopicPartition(t, p): o for (t, p), o in self.positions.items()
+                       if p in parts}
+            if offsets:
+                try:
+                    await self.consumer.commit(offsets)
+                except Exception as e:  # noqa: BLE001 - commits only feed lag monitoring
+                    log.warning("offset commit failed: %s", e)

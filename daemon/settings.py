@@ -1,0 +1,474 @@
+"""Settings of the lpcal daemon (pydantic-settings v2).
+
+Sources, highest priority first::
+
+    init arguments  >  environment (LPCAL_*)  >  secrets dir  >  TOML file  >  defaults
+
+* **Environment**: prefix ``LPCAL_``, nested delimiter ``__``, case-insensitive:
+  ``LPCAL_KAFKA__BOOTSTRAP_SERVERS=broker:9092``, ``LPCAL_DEFAULTS__EPS=0.05``,
+  ``LPCAL_MODELS__FRAUD-V3__K=3`` (env names are lower-cased, so model names set through the
+  environment must be lower-case).
+* **Secrets dir** (Kubernetes secret volume), default ``/var/run/secrets/lpcal``, ignored when
+  absent; override with ``LPCAL_SECRETS_DIR`` or ``load_settings(secrets_dir=...)``. One file per
+  setting, named like the env var without the prefix: ``kafka__sasl_password``,
+  ``http__admin_token``.
+* **TOML file**: ``config/lpcal.toml`` (relative to the working directory) by default, ignored
+  when absent; override with ``LPCAL_CONFIG`` or ``load_settings(path=...)`` (then it must exist).
+
+Per-model settings: ``[defaults]`` is a full :class:`ModelSettings`; ``[models."<name>"]`` holds
+partial overrides merged over it (:meth:`Settings.model_settings`). ``k`` may be pinned per model;
+when it is not, the daemon learns it from the length of the model's first valid prediction and
+keeps it (in the checkpoint) from then on. Pinning ``k`` is recommended: it lets the very first
+event be validated against the right length.
+
+Usage::
+
+    from daemon.settings import load_settings, SettingsError
+    try:
+        s = load_settings()                      # or load_settings("my.toml", http={"port": 9000})
+    except SettingsError as e:                   # message lists every bad field
+        raise SystemExit(str(e))
+    ms = s.model_settings("fraud-v3")            # merged ModelSettings, or None if rejected
+    print(ms.eps, ms.drift_threshold_value, s.kafka.topics.predictions)
+    log.info("settings %s", s.redacted())        # secrets masked
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import math
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    create_model,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    NestedSecretsSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "DEFAULT_SECRETS_DIR",
+    "HttpSettings",
+    "JoinSettings",
+    "KafkaSettings",
+    "ModelOverrides",
+    "ModelSettings",
+    "Settings",
+    "SettingsError",
+    "StateSettings",
+    "Topics",
+    "load_settings",
+]
+
+DEFAULT_CONFIG_PATH = Path("config/lpcal.toml")
+DEFAULT_SECRETS_DIR = Path("/var/run/secrets/lpcal")
+MAX_K = 100_000
+MIB = 1 << 20
+
+
+class SettingsError(ValueError):
+    """Invalid settings; ``str(e)`` lists every bad field as ``path: reason`` lines."""
+
+    def __init__(self, message: str, errors: list[tuple[str, str]] | None = None):
+        super().__init__(message)
+        self.errors = errors or []
+
+
+# --------------------------------------------------------------------------- field types
+
+
+def _parse_float(v: Any) -> Any:
+    """Accept ``"inf"``, ``"Infinity"``, ``"+inf"`` (any case) for infinite floats."""
+    if isinstance(v, str):
+        s = v.strip().lower()
+        if s in ("inf", "+inf", "infinity", "+infinity"):
+            return math.inf
+    return v
+
+
+def _upper(v: Any) -> Any:
+    return v.strip().upper() if isinstance(v, str) else v
+
+
+Prob = Annotated[float, Field(gt=0.0, lt=1.0)]
+PNorm = Annotated[float, BeforeValidator(_parse_float), Field(gt=1.0)]
+PosInt = Annotated[int, Field(gt=0)]
+PosFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True, ser_json_inf_nan="strings")
+
+
+class ModelSettings(_Strict):
+    """Calibration and monitoring settings of one model (``[defaults]`` or merged per model)."""
+
+    eps: Prob = 0.1
+    """Target lp calibration error epsilon."""
+    p: PNorm = math.inf
+    """The p of the lp error (> 1); ``inf`` (also ``"inf"``) for l_inf."""
+    delta: Prob = 0.1
+    """Failure probability of Algorithm 2."""
+    sizing: Literal["practical", "theory"] = "practical"
+    """Pool sizes: the paper's bounds (``theory``) or the practical constants."""
+    mu_pool: PosInt | None = None
+    """Target size of the mu pool (None: from ``sizing``)."""
+    pool: PosInt | None = None
+    """Target size of every P/E pool (None: from ``sizing``)."""
+    variant: Literal["split", "shared"] = "split"
+    """``split``: separate P and E pools per level (the paper's); ``shared``: one PE pool."""
+    k: Annotated[int, Field(ge=2, le=MAX_K)] | None = None
+    """Number of classes (None: learned from the model's first valid prediction)."""
+    prescale: Literal["none", "temperature"] = "none"
+    outside: Literal["rho", "identity"] = "rho"
+    """What the bin map returns for bins outside the high-probability set B."""
+    drift_threshold: PosFloat | None = None
+    """Calibrated Err_p above which drift is declared (None: ``eps``)."""
+    window_samples: PosInt | None = 10_000
+    """Monitoring window: the last N joined samples (used when window_seconds is None)."""
+    window_seconds: PosFloat | None = None
+    """Monitoring window: the last T seconds of event time (takes precedence when set)."""
+    sum_tolerance: Annotated[float, Field(ge=0.0, lt=1.0)] = 1e-3
+    """|sum(probs) - 1| allowed before ``normalize`` applies."""
+    normalize: Literal["renormalize", "reject"] = "renormalize"
+    """Rows off the simplex by more than ``sum_tolerance``: rescale them, or reject the event."""
+    drift_sustain_seconds: NonNegFloat = 300.0
+    """How long the drift condition must hold continuously before the drift trigger fires."""
+    drift_confidence: NonNegFloat = 3.0
+    """z of the confidence margin: drift needs ``Err_p - margin(z) > drift_threshold``."""
+    drift_min_samples: PosInt = 1_000
+    """Minimum samples in the monitoring window before drift can be declared."""
+
+    @model_validator(mode="after")
+    def _window(self) -> ModelSettings:
+        if self.window_samples is None and self.window_seconds is None:
+            raise ValueError("window_samples: one of window_samples or window_seconds must be set")
+        return self
+
+    @property
+    def drift_threshold_value(self) -> float:
+        """``drift_threshold`` with its default (``eps``) applied."""
+        return self.eps if self.drift_threshold is None else self.drift_threshold
+
+
+def _overrides_model() -> type[BaseModel]:
+    fields: dict[str, Any] = {}
+    for name, info in ModelSettings.model_fields.items():
+        fields[name] = (Optional[info.rebuild_annotation()], None)  # noqa: UP045 (runtime)
+    return create_model("ModelOverrides", __base__=_Strict, **fields)
+
+
+ModelOverrides = _overrides_model()
+ModelOverrides.__doc__ = "Per-model overrides: any subset of ModelSettings' fields."
+
+
+class Topics(_Strict):
+    predictions: str = Field("lpcal.predictions", min_length=1, max_length=249)
+    outcomes: str = Field("lpcal.outcomes", min_length=1, max_length=249)
+    binmaps: str = Field("lpcal.binmaps", min_length=1, max_length=249)
+    deadletter: str = Field("lpcal.deadletter", min_length=1, max_length=249)
+    state: str = Field("lpcal.state", min_length=1, max_length=249)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> Topics:
+        names = list(self.model_dump().values())
+        if len(set(names)) != len(names):
+            raise ValueError(f"topics: names must be distinct, got {names}")
+        return self
+
+
+class KafkaSettings(_Strict):
+    bootstrap_servers: str = Field("localhost:9092", min_length=1)
+    """Comma-separated host:port list (passed to aiokafka)."""
+    client_id: str = "lpcal"
+    group_id: str = Field("lpcal", min_length=1)
+    topics: Topics = Topics()
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    enable_idempotence: bool = True
+    """Idempotent producer; set false for the embedded test broker, which lacks InitProducerId."""
+    max_message_bytes: Annotated[int, Field(ge=1024)] = MIB
+    """Largest accepted input message; larger ones are dead-lettered as ``oversize``."""
+    create_topics: bool = False
+    topic_partitions: PosInt = 1
+    """Partitions of topics created by the daemon (when ``create_topics``)."""
+
+    @model_validator(mode="after")
+    def _security(self) -> KafkaSettings:
+        problems = []
+        if self.security_protocol.startswith("SASL"):
+            if self.sasl_mechanism is None:
+                problems.append(f"sasl_mechanism: required with security_protocol "
+                                f"{self.security_protocol}")
+            if not self.sasl_username:
+                problems.append(f"sasl_username: required with security_protocol "
+                                f"{self.security_protocol}")
+            if self.sasl_password is None:
+                problems.append(f"sasl_password: required with security_protocol "
+                                f"{self.security_protocol}")
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                problems.append(f"{name}: file {str(path)!r} does not exist")
+        if (self.ssl_keyfile is not None) and self.ssl_certfile is None:
+            problems.append("ssl_keyfile: needs ssl_certfile")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def aiokafka_kwargs(self) -> dict[str, Any]:
+        """Connection/security kwargs shared by aiokafka consumers, producers and admin clients.
+
+        ``ssl_context`` is built with the stdlib ``ssl`` module when the protocol uses SSL.
+        """
+        kw: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers,
+            "client_id": self.client_id,
+            "security_protocol": self.security_protocol,
+        }
+        if self.security_protocol.startswith("SASL"):
+            kw["sasl_mechanism"] = self.sasl_mechanism
+            kw["sasl_plain_username"] = self.sasl_username
+            kw["sasl_plain_password"] = (
+                self.sasl_password.get_secret_value() if self.sasl_password else None)
+        if self.security_protocol.endswith("SSL"):
+            import ssl
+
+            ctx = ssl.create_default_context(
+                cafile=str(self.ssl_cafile) if self.ssl_cafile else None)
+            if self.ssl_certfile:
+                ctx.load_cert_chain(str(self.ssl_certfile),
+                                    str(self.ssl_keyfile) if self.ssl_keyfile else None)
+            kw["ssl_context"] = ctx
+        return kw
+
+
+class HttpSettings(_Strict):
+    host: str = "0.0.0.0"
+    port: Annotated[int, Field(ge=1, le=65535)] = 8080
+    admin_token: SecretStr | None = None
+    """Bearer token of ``POST /v1/models/{model}/recalibrate`` (unset: endpoint disabled)."""
+    max_body_bytes: Annotated[int, Field(ge=1)] = MIB
+
+    @property
+    def manual_trigger_enabled(self) -> bool:
+        return self.admin_token is not None and bool(self.admin_token.get_secret_value())
+
+
+class JoinSettings(_Strict):
+    ttl_seconds: PosFloat = 3600.0
+    """A pending prediction/outcome waits at most this long (event time) for its partner."""
+    max_pending_per_model: PosInt = 100_000
+    """Pending events per model; the oldest is evicted beyond this."""
+    recent_per_model: PosInt | None = None
+    """Recently joined/expired ids remembered per model to classify late events (None: = max_pending)."""
+
+
+class StateSettings(_Strict):
+    backend: Literal["kafka", "local"] = "kafka"
+    """``kafka``: compacted state topic (no PersistentVolume needed); ``local``: a directory."""
+    local_dir: Path = Path(".lpcal-state")
+    checkpoint_interval_seconds: PosFloat = 10.0
+
+
+# --------------------------------------------------------------------------- settings
+
+_CONFIG_PATH: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "lpcal_config_path", default=None)
+
+
+def _config_path() -> tuple[Path, bool]:
+    """The TOML path and whether it was chosen explicitly (then it must exist)."""
+    p = _CONFIG_PATH.get()
+    if p is not None:
+        return p, True
+    env = os.environ.get("LPCAL_CONFIG")
+    if env:
+        return Path(env), True
+    return DEFAULT_CONFIG_PATH, False
+
+
+def _read_toml(path: Path, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise SettingsError(f"config file {str(path)!r} not found",
+                                [("config", f"file {str(path)!r} not found")])
+        return {}
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"config file {str(path)!r} is not valid TOML: {e}",
+                            [("config", f"invalid TOML: {e}")]) from None
+
+
+class Settings(BaseSettings):
+    """All daemon settings. Build with :func:`load_settings` (it formats errors)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LPCAL_",
+        env_nested_delimiter="__",
+        case_sensitive=False,
+        extra="forbid",
+        secrets_dir=str(DEFAULT_SECRETS_DIR),
+        secrets_dir_missing="ok",
+        validate_default=True,
+        ser_json_inf_nan="strings",
+    )
+
+    kafka: KafkaSettings = KafkaSettings()
+    http: HttpSettings = HttpSettings()
+    defaults: ModelSettings = ModelSettings()
+    models: dict[str, ModelOverrides] = Field(default_factory=dict)  # type: ignore[valid-type]
+    unknown_models: Literal["defaults", "reject"] = "defaults"
+    """Events of models not in ``models``: calibrate them with ``defaults``, or reject them."""
+    max_models: PosInt = 100
+    """At most this many models are admitted (bounds Prometheus label cardinality)."""
+    join: JoinSettings = JoinSettings()
+    state: StateSettings = StateSettings()
+    shutdown_grace_seconds: PosFloat = 30.0
+    log_level: Annotated[
+        Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], BeforeValidator(_upper)
+    ] = "INFO"
+
+    _merged: dict[str, ModelSettings] = PrivateAttr(default_factory=dict)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path, required = _config_path()
+        toml = InitSettingsSource(settings_cls, init_kwargs=_read_toml(path, required))
+        secrets = NestedSecretsSettingsSource(
+            file_secret_settings, secrets_prefix="", secrets_nested_delimiter="__",
+            secrets_dir_missing="ok")
+        return init_settings, env_settings, secrets, toml
+
+    @model_validator(mode="after")
+    def _merge_models(self) -> Settings:
+        if len(self.models) > self.max_models:
+            raise ValueError(f"models: {len(self.models)} models configured but max_models is "
+                             f"{self.max_models}")
+        base = self.defaults.model_dump()
+        merged: dict[str, ModelSettings] = {}
+        problems: list[str] = []
+        for name, ov in self.models.items():
+            if not name or len(name) > 255:
+                problems.append(f"models.{name}: model names must have 1..255 characters")
+                continue
+            try:
+                merged[name] = ModelSettings(**{**base, **ov.model_dump(exclude_unset=True)})
+            except ValidationError as e:
+                for err in e.errors():
+                    loc = ".".join(str(x) for x in err["loc"])
+                    problems.append(f"models.{name}{'.' + loc if loc else ''}: {err['msg']}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self._merged = merged
+        return self
+
+    # ---------------------------------------------------------------- per-model view
+    def model_settings(self, model: str) -> ModelSettings | None:
+        """Merged settings of ``model``; ``defaults`` for unknown models, or None if rejected."""
+        ms = self._merged.get(model)
+        if ms is not None:
+            return ms
+        return self.defaults if self.unknown_models == "defaults" else None
+
+    @property
+    def configured_models(self) -> dict[str, ModelSettings]:
+        """Merged settings of the models listed under ``[models]``."""
+        return dict(self._merged)
+
+    def redacted(self) -> dict[str, Any]:
+        """JSON-safe dict of the effective settings, secrets masked (``**********``).
+
+        ``models`` holds the *merged* per-model settings; infinite floats are ``"Infinity"``.
+        """
+        out = json.loads(self.model_dump_json())
+        out["models"] = {n: json.loads(m.model_dump_json()) for n, m in self._merged.items()}
+        return out
+
+
+_PART = re.compile(r"^([A-Za-z_][\w.\-]*): (.+)$", re.DOTALL)
+
+
+def _format_errors(e: ValidationError) -> list[tuple[str, str]]:
+    """Flatten pydantic errors to ``(field.path, reason)``.
+
+    Model-level validators report ``"field: reason; field: reason"``; each part becomes its own
+    item, its field appended to the validator's location (``kafka`` + ``sasl_mechanism``).
+    """
+    items: list[tuple[str, str]] = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"]
+        if err["type"] == "value_error" and msg.startswith("Value error, "):
+            parts = msg[len("Value error, "):].split("; ")
+            for part in parts:
+                m = _PART.match(part)
+                if m:
+                    field, why = m.group(1), m.group(2)
+                    if field == "topics" and loc.endswith("topics"):
+                        field = ""
+                    path = ".".join(x for x in (loc, field) if x)
+                    items.append((path, why))
+                else:
+                    items.append((loc or "<settings>", part))
+            continue
+        items.append((loc or "<settings>", msg))
+    return items
+
+
+def load_settings(path: str | os.PathLike | None = None, *,
+                  secrets_dir: str | os.PathLike | None = None, **overrides: Any) -> Settings:
+    """Load settings from all sources; raise :class:`SettingsError` naming every bad field.
+
+    ``path``: TOML file (default: ``$LPCAL_CONFIG`` or ``config/lpcal.toml`` if present).
+    ``secrets_dir``: secrets directory (default: ``$LPCAL_SECRETS_DIR`` or
+    ``/var/run/secrets/lpcal``; a missing directory is ignored).
+    ``overrides``: init arguments (highest priority), e.g. ``http={"port": 9000}``.
+    """
+    token = _CONFIG_PATH.set(Path(path) if path is not None else None)
+    try:
+        sd = secrets_dir if secrets_dir is not None else os.environ.get("LPCAL_SECRETS_DIR")
+        if sd is not None:
+            overrides["_secrets_dir"] = str(sd)
+        try:
+            return Settings(**overrides)
+        except ValidationError as e:
+            items = _format_errors(e)
+            lines = "\n".join(f"  - {p}: {why}" for p, why in items)
+            raise SettingsError(f"invalid settings ({len(items)} problem"
+                                f"{'s' if len(items) != 1 else ''}):\n{lines}", items) from None
+    finally:
+        _CONFIG_PATH.reset(token)

@@ -1,0 +1,94 @@
+"""Run every lpcal benchmark and print the result tables in Markdown (entry point of `make bench`).
+
+    python -m tests.bench.run_all            # full run; writes tests/bench/RESULTS.md
+    python -m tests.bench.run_all --quick    # tiny inputs, a smoke run (writes nothing by default)
+    python -m tests.bench.run_all --only fit,apply --out /tmp/results.md
+
+Benchmarks: ``fit`` (fit time from raw arrays and from pools), ``apply`` (apply throughput),
+``quality`` (CIFAR records), ``variants`` (split vs shared pools, theory vs practical sizing).
+Every timing is a ratio against a baseline measured in the same process (see
+:mod:`tests.bench.common`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tests.bench import bench_apply, bench_fit, bench_quality, bench_variants
+from tests.bench.common import Table
+
+BENCHMARKS = {
+    "fit": bench_fit,
+    "apply": bench_apply,
+    "quality": bench_quality,
+    "variants": bench_variants,
+}
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def run_benchmarks(names: list[str], quick: bool, log=print) -> tuple[list[Table], dict]:
+    """Run the named benchmarks; return their tables and the wall time of each."""
+    tables: list[Table] = []
+    walls: dict[str, float] = {}
+    for name in names:
+        t0 = time.perf_counter()
+        log(f"[bench] {name} ...")
+        tables.extend(BENCHMARKS[name].run(quick=quick))
+        walls[name] = time.perf_counter() - t0
+        log(f"[bench] {name} done in {walls[name]:.1f} s")
+    return tables, walls
+
+
+def render(tables: list[Table], walls: dict, command: str, quick: bool) -> str:
+    now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    head = [
+        "# lpcal benchmark results",
+        "",
+        f"Command: `{command}`{' (quick smoke run: tiny inputs, not representative)' if quick else ''}",
+        f"Date: {now}",
+        (f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
+         f"{platform.python_version()}, numpy {np.__version__} (shared machine: wall times are "
+         "noisy; the ratios to a baseline measured in the same process are the headline)."),
+        "Wall time per benchmark: " + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items())
+        + f"; total {sum(walls.values()):.0f} s.",
+        "",
+    ]
+    return "\n".join(head) + "\n" + "\n".join(t.to_markdown() for t in tables)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.bench.run_all", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny inputs (smoke run)")
+    ap.add_argument("--only", default="", help=f"comma-separated subset of {list(BENCHMARKS)}")
+    ap.add_argument("--out", default=None,
+                    help=f"Markdown output file (default: {RESULTS} for a full run, none with "
+                         "--quick)")
+    args = ap.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        ap.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
+    command = "python -m tests.bench.run_all" + (" " + " ".join(argv if argv is not None
+                                                                else sys.argv[1:])).rstrip()
+    tables, walls = run_benchmarks(names, args.quick, log=lambda m: print(m, file=sys.stderr,
+                                                                          flush=True))
+    text = render(tables, walls, command, args.quick)
+    print(text)
+    out = args.out if args.out is not None else (None if args.quick else str(RESULTS))
+    if out:
+        Path(out).write_text(text, encoding="utf-8")
+        print(f"[bench] wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,195 @@
+"""daemon.join: either arrival order, bounds, TTL, stragglers, determinism, snapshots."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daemon.join import KIND_OUTCOME as O
+from daemon.join import KIND_PREDICTION as P
+from daemon.join import KIND_SAMPLE as S
+from daemon.join import JoinStore
+from lpcal.errors import InputError
+
+K = 3
+
+
+def row(i: int) -> list[float]:
+    a = np.array([i % 7 + 1.0, 2.0, 3.0])
+    return (a / a.sum()).tolist()
+
+
+def offer(store, events, model="m", now=None):
+    """events: list of (kind, id, ts, label)."""
+    kind = [e[0] for e in events]
+    ids = [e[1] for e in events]
+    ts = [float(e[2]) for e in events]
+    labels = [e[3] if e[0] != P else -1 for e in events]
+    probs = np.array([row(int(e[1][1:])) if e[0] != O else [0.0] * K for e in events],
+                     dtype=np.float64).reshape(len(events), K)
+    return store.offer(model, kind, ids, ts, probs, labels, now)
+
+
+def test_join_in_either_order():
+    s = JoinStore(100, 60)
+    r1 = offer(s, [(P, "e1", 0, None), (O, "e2", 1, 2)])
+    assert len(r1) == 0 and s.pending("m") == 2
+    r2 = offer(s, [(O, "e1", 5, 1), (P, "e2", 6, None)])
+    assert r2.ids == ["e1", "e2"]
+    assert r2.labels.tolist() == [1, 2]
+    assert np.array_equal(r2.probs, np.array([row(1), row(2)]))
+    assert r2.ts.tolist() == [5.0, 6.0]
+    assert s.pending("m") == 0 and s.stats("m")["joined"] == 2
+
+
+def test_join_within_one_batch_and_complete_samples():
+    s = JoinStore(100, 60)
+    r = offer(s, [(O, "e1", 0, 0), (S, "e5", 1, 2), (P, "e1", 2, None)])
+    assert r.ids == ["e5", "e1"] and r.labels.tolist() == [2, 0]
+    assert np.array_equal(r.probs, np.array([row(5), row(1)]))
+
+
+def test_duplicates_and_late_events():
+    s = JoinStore(100, 60)
+    offer(s, [(P, "e1", 0, None), (P, "e1", 1, None)])           # duplicate prediction
+    offer(s, [(O, "e2", 0, 1), (O, "e2", 1, 1)])                  # duplicate outcome
+    r = offer(s, [(O, "e1", 2, 1), (O, "e1", 3, 1), (P, "e1", 4, None), (S, "e1", 5, 1)])
+    assert r.ids == ["e1"]
+    # second outcome after the join: late; prediction and sample after the join: duplicates
+    assert r.unmatched == {"late": 1, "duplicate": 2, "orphan": 0}
+    st_ = s.stats("m")
+    assert st_["unmatched"] == {"late": 1, "duplicate": 4, "orphan": 0}
+    assert st_["pending"] == 1  # e2's outcome
+
+
+def test_ttl_eviction_orphans_and_late_partner():
+    s = JoinStore(100, ttl_seconds=10)
+    offer(s, [(P, "e1", 0, None), (O, "e2", 1, 0)])
+    r = offer(s, [(P, "e3", 10.5, None)])       # clock 10.5 > 0 + 10: e1 expires, e2 not yet
+    assert r.evicted == {"ttl": 1, "capacity": 0} and s.pending("m") == 2
+    r = offer(s, [(P, "e4", 11.5, None)])       # e2 (outcome) expires: orphan
+    assert r.evicted["ttl"] == 1 and r.unmatched["orphan"] == 1
+    r = offer(s, [(O, "e1", 12, 1), (P, "e2", 12, None)])
+    assert len(r) == 0 and r.unmatched["late"] == 2   # partners arrive after expiry
+    assert s.stats("m")["evicted"] == {"ttl": 2, "capacity": 0}
+
+
+def test_explicit_clock_and_advance():
+    s = JoinStore(100, ttl_seconds=10)
+    offer(s, [(P, "e1", 1e9, None)], now=0.0)   # processing time: event ts ignored for expiry
+    assert offer(s, [(P, "e2", 0, None)], now=5.0).evicted["ttl"] == 0
+    r = s.advance(10.5)
+    assert r.evicted["ttl"] == 1 and s.pending("m") == 1
+    s.advance(3.0)  # the clock never goes back
+    assert s.clock == 10.5
+
+
+def test_capacity_evicts_oldest():
+    s = JoinStore(max_pending_per_model=3, ttl_seconds=100)
+    r = offer(s, [(P, f"e{i}", i, None) for i in range(5)])
+    assert r.evicted == {"ttl": 0, "capacity": 2} and s.pending("m") == 3
+    r = offer(s, [(O, "e0", 6, 1), (O, "e4", 6, 1)])
+    assert r.ids == ["e4"] and r.unmatched["late"] == 1
+    other = offer(s, [(P, "e0", 0, None)], model="other")   # the bound is per model
+    assert other.evicted["capacity"] == 0 and s.pending() == 3
+
+
+def test_recent_set_is_bounded():
+    s = JoinStore(10, 100, recent_per_model=2)
+    offer(s, [(S, f"e{i}", i, 1) for i in range(3)])
+    r = offer(s, [(O, "e0", 3, 1), (O, "e2", 3, 1)])
+    # e0 was forgotten (pending now), e2 is recent (late)
+    assert r.unmatched["late"] == 1 and s.pending("m") == 1
+
+
+def test_input_validation():
+    s = JoinStore(10, 10)
+    with pytest.raises(InputError):
+        s.offer("m", [P], ["a", "b"], [0.0], np.zeros((1, 3)), [-1])
+    with pytest.raises(InputError):
+        JoinStore(0, 10)
+    with pytest.raises(InputError):
+        JoinStore(10, float("inf"))
+
+
+# ----------------------------------------------------------------------------- determinism
+
+stream = st.lists(
+    st.tuples(st.sampled_from([P, O, O, S]), st.integers(0, 25), st.floats(0, 3),
+              st.integers(0, 2)),
+    min_size=1, max_size=40,
+)
+
+
+def _materialise(raw):
+    t, out = 0.0, []
+    for kind, i, dt, lab in raw:
+        t += dt
+        out.append((kind, f"{'s' if kind == S else 'e'}{i}", t, lab))
+    return out
+
+
+def _run(events, cuts, snapshot_at=None):
+    s = JoinStore(max_pending_per_model=6, ttl_seconds=4.0, recent_per_model=8)
+    joined = []
+    bounds = [0] + sorted(set(cuts)) + [len(events)]
+    for n_batch, (a, b) in enumerate(itertools.pairwise(bounds)):
+        if a == b:
+            continue
+        r = offer(s, events[a:b])
+        joined += list(zip(r.ids, r.labels.tolist(), r.ts.tolist(),
+                           map(tuple, r.probs.tolist())))
+        if snapshot_at == n_batch:
+            s = JoinStore.from_dict(orjson.loads(orjson.dumps(s.to_dict())))
+    return joined, s.to_dict()
+
+
+@settings(max_examples=80, deadline=None)
+@given(stream, st.lists(st.integers(0, 60), max_size=6), st.integers(0, 6))
+def test_event_time_join_is_independent_of_batching_and_snapshots(raw, cuts, snap):
+    events = _materialise(raw)
+    ref_joined, ref_state = _run(events, [])
+    joined, state = _run(events, [c for c in cuts if c < len(events)], snapshot_at=snap)
+    assert joined == ref_joined
+    assert state == ref_state
+    # conservation: every offered event is in exactly one place: a joined pair (2 events), a
+    # joined complete sample (1), pending, dropped as duplicate/late, or evicted (ttl/capacity)
+    m = ref_state["models"]["m"]
+    n_samples = sum(1 for j in ref_joined if j[0].startswith("s"))
+    n_pairs = len(ref_joined) - n_samples
+    accounted = (2 * n_pairs + n_samples + len(m["pending"]) + m["unmatched"]["duplicate"]
+                 + m["unmatched"]["late"] + m["evicted"]["ttl"] + m["evicted"]["capacity"])
+    assert accounted == len(events)
+    assert m["unmatched"]["orphan"] <= m["evicted"]["ttl"]
+
+
+def test_snapshot_round_trip_is_exact():
+    s = JoinStore(50, 30)
+    offer(s, [(P, "e1", 0, None), (O, "e2", 1, 1), (S, "e3", 2, 0), (P, "e4", 3, None)])
+    offer(s, [(P, "e9", 0, None)], model="other")
+    d = orjson.loads(orjson.dumps(s.to_dict()))
+    s2 = JoinStore.from_dict(d)
+    assert s2 == s and s2.to_dict() == s.to_dict()
+    r1 = offer(s, [(O, "e1", 4, 2), (P, "e2", 4, None)])
+    r2 = offer(s2, [(O, "e1", 4, 2), (P, "e2", 4, None)])
+    assert r1.ids == r2.ids and np.array_equal(r1.probs, r2.probs)
+
+
+@pytest.mark.parametrize("mutate, where", [
+    (lambda d: d.pop("ttl"), "ttl"),
+    (lambda d: d["models"]["m"]["pending"][0].__setitem__(1, 9), "kind"),
+    (lambda d: d["models"]["m"]["recent"].append(["x", 7]), "recent"),
+    (lambda d: d["models"]["m"]["evicted"].pop("ttl"), "ttl"),
+])
+def test_malformed_snapshot_raises_input_error(mutate, where):
+    s = JoinStore(50, 30)
+    offer(s, [(P, "e1", 0, None), (S, "e3", 2, 0)])
+    d = s.to_dict()
+    mutate(d)
+    with pytest.raises(InputError, match="malformed snapshot"):
+        JoinStore.from_dict(d)

@@ -1,0 +1,232 @@
+"""daemon.model_state: ingest pipeline, epochs, bin maps, exact checkpoint round trips."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import orjson
+import pytest
+
+from daemon.events import EventParser, ModelPolicy
+from daemon.model_state import ModelState, layout_for
+from daemon.settings import JoinSettings, ModelSettings
+from lpcal.calibrate import fit_pools
+from lpcal.errors import ArtifactError, InputError
+from lpcal.pools import PoolSet
+
+MODEL = "fraud-v3"
+K = 3
+
+
+def settings(**kw) -> ModelSettings:
+    base = {"eps": 0.1, "p": math.inf, "pool": 60, "mu_pool": 100, "window_samples": 2000,
+                "drift_min_samples": 100}
+    base.update(kw)
+    return ModelSettings(**base)
+
+
+def new_state(**kw) -> ModelState:
+    return ModelState.create(MODEL, K, settings(**kw), JoinSettings(ttl_seconds=50,
+                                                                  max_pending_per_model=5000))
+
+
+def traffic(n, seed=0, start=0):
+    """Prediction and outcome messages; outcomes 5 s after their predictions."""
+    rng = np.random.default_rng(seed)
+    x = rng.dirichlet(np.ones(K), size=n)
+    y = (x.cumsum(axis=1) > rng.random((n, 1))).argmax(axis=1)
+    raw = x**2 / (x**2).sum(axis=1, keepdims=True)  # overconfident model
+    preds = [orjson.dumps({"model": MODEL, "id": f"e{start + i}", "ts": (start + i) * 0.01,
+                           "probs": raw[i].tolist()}) for i in range(n)]
+    outs = [orjson.dumps({"model": MODEL, "id": f"e{start + i}", "ts": (start + i) * 0.01 + 5.0,
+                          "label": int(y[i])}) for i in range(n)]
+    msgs = []
+    for a in range(0, n, 100):  # interleave: outcomes trail predictions by one block
+        msgs += preds[a:a + 100] + outs[max(0, a - 100):a]
+    msgs += outs[max(0, n - 100 if n % 100 == 0 else n - n % 100):]
+    return msgs
+
+
+def feed(state, parser, msgs, batch=97, fit=False, topic="lpcal.predictions"):
+    for a in range(0, len(msgs), batch):
+        b = parser.parse_batch(msgs[a:a + batch])
+        assert not b.invalid
+        for mb in b.by_model.values():
+            state.offer(mb)
+        state.advance_offsets(topic, 0, a + min(batch, len(msgs) - a))
+        while fit and state.sealed:
+            pools = state.pools
+            assert pools.full and pools is state.sealed[0][1]
+            state.start_new_epoch()  # hand the sealed epoch off to the fit
+            bm = fit_pools(pools, eps=0.1, p=math.inf, model_id=MODEL,
+                           version=state.binmap_version + 1)
+            state.install_binmap(bm.to_json(), bm.version)
+
+
+def parser():
+    return EventParser(lambda m: ModelPolicy(k=K))
+
+
+def test_ingest_routes_by_id_and_updates_monitors():
+    st = new_state()
+    msgs = traffic(600)
+    feed(st, parser(), msgs)
+    assert st.samples_total == 600 and st.join.pending() == 0
+    # pools equal a direct routing of the same joined samples
+    ref = PoolSet(st.layout)
+    b = parser().parse_batch(msgs)
+    mb = b.by_model[MODEL]
+    pred = mb.kind == 0
+    ids = [i for i, k in zip(mb.ids, pred) if k]
+    labels = dict(zip([i for i, k in zip(mb.ids, ~pred) if k], mb.labels[~pred].tolist()))
+    ref.add(st.layout.route(ids), mb.probs[pred], np.array([labels[i] for i in ids]))
+    assert st.pools == ref
+    out = st.evaluate()
+    assert out["raw"].n == 600 and out["calibrated"] is None  # no bin map yet
+    assert st.offsets == {"lpcal.predictions": {0: len(msgs)}}
+
+
+def test_epochs_seal_at_the_exact_fill_point():
+    st = new_state()
+    total = st.layout.total_target
+    feed(st, parser(), traffic(3000, seed=1))
+    assert len(st.sealed) == st.fill_epoch >= 1
+    assert st.pools is st.sealed[0][1] and st.epoch == 0
+    for e, (epoch, pools) in enumerate(st.sealed):
+        assert epoch == e and pools.full
+        # sealed at the sample that filled the last pool: some pool is exactly at its target
+        fill = pools.fill()
+        assert any(c == t for c, t in fill.values()) and pools.total >= total
+    assert not st.filling.full
+    assert sum(p.total for _, p in st.sealed) + st.filling.total == st.samples_total
+    # one big batch gives the same epochs as many small ones
+    other = new_state()
+    feed(other, parser(), traffic(3000, seed=1), batch=6000)
+    assert [p for _, p in other.sealed] == [p for _, p in st.sealed]
+    assert other.filling == st.filling
+    # handing off: pops sealed epochs first, then discards the filling pools
+    n = len(st.sealed)
+    st.start_new_epoch()
+    assert len(st.sealed) == n - 1
+    while st.sealed:
+        st.start_new_epoch()
+    before = st.fill_epoch
+    st.start_new_epoch()
+    assert st.fill_epoch == before + 1 and st.filling.total == 0 and st.pools is st.filling
+
+
+def test_fit_install_and_new_epoch():
+    st = new_state()
+    feed(st, parser(), traffic(6000, seed=1), fit=True)
+    assert st.epoch >= 1 and st.binmap_version == st.epoch and not st.sealed
+    assert st.pools is st.filling
+    assert st.binmap is not None and st.calibrator is not None
+    cal = st.evaluate()["calibrated"]
+    assert cal is not None and 0 < cal.n < st.samples_total  # restarted at the last install
+    assert st.triggers.drift.armed
+
+
+def test_checkpoint_round_trip_is_exact_and_restart_continues_identically():
+    msgs = traffic(5000, seed=2)
+    cut = 2717  # mid-epoch, with pending joins
+    full = new_state()
+    feed(full, parser(), msgs, fit=True)
+
+    first = new_state()
+    feed(first, parser(), msgs[:cut], fit=True)
+    assert first.join.pending() > 0 and first.filling.total > 0 and first.binmap is not None
+    blob = first.to_checkpoint()
+    restored = ModelState.from_checkpoint(blob)
+    assert restored == first
+    assert restored.filling == first.filling
+    assert restored.monitor == first.monitor
+    assert restored.join == first.join
+    assert restored.binmap == first.binmap and restored.binmap_version == first.binmap_version
+    assert restored.offsets == first.offsets
+    assert restored.to_checkpoint() == blob
+    # restart from the checkpoint: the parser learns k from the restored state; the rest of
+    # the input gives exactly the state of an uninterrupted run
+    p = parser()
+    p.set_k(MODEL, restored.k)
+    feed(restored, p, msgs[cut:], fit=True)
+    full_d, rest_d = full.to_dict(), restored.to_dict()
+    for key in ("filling", "sealed", "join", "fill_epoch", "binmap_version", "samples_total"):
+        assert rest_d[key] == full_d[key], key
+    assert restored.filling == full.filling
+    a, b = orjson.loads(restored.binmap), orjson.loads(full.binmap)
+    for volatile in ("created_at", "checksum"):
+        a.pop(volatile), b.pop(volatile)
+    assert a == b  # the same fitted bin map (fits are deterministic)
+
+
+def test_outcome_before_k_is_known_is_dropped_when_label_out_of_range():
+    st = ModelState.create(MODEL, 2, settings(), JoinSettings())
+    from daemon.join import KIND_OUTCOME, KIND_PREDICTION
+
+    st.join.offer(MODEL, [KIND_OUTCOME], ["a"], [0.0], None, [2])
+    res = st.offer(_batch([KIND_PREDICTION], ["a"], [[0.3, 0.7]], [-1]))
+    assert res.joined == 0 and res.label_out_of_range == 1 and st.dropped_labels == 1
+
+
+def _batch(kind, ids, probs, labels):
+    from daemon.events import ModelBatch
+
+    n = len(ids)
+    return ModelBatch(MODEL, 2, np.array(kind, dtype=np.int8), list(ids), np.zeros(n),
+                      np.array(probs, dtype=float), np.array(labels), np.arange(n))
+
+
+def test_check_triggers_pools_full_and_manual():
+    st = new_state()
+    assert st.check_triggers(0.0) is None
+    st.triggers.request_manual()
+    assert st.check_triggers(1.0).trigger == "manual"
+    feed(st, parser(), traffic(6000, seed=3))
+    assert st.sealed
+    assert st.check_triggers(2.0, busy=True) is None
+    f = st.check_triggers(2.0)
+    assert (f.trigger, f.action) == ("pools_full", "fit")
+    # seal() queues partial pools; at most MAX_SEALED epochs wait (oldest dropped, counted)
+    e = st.fill_epoch
+    assert st.seal() == e and st.sealed[-1][0] == e and st.fill_epoch == e + 1
+    for _ in range(5):
+        st.seal()
+    assert len(st.sealed) == 4 and st.sealed_dropped >= 2
+
+
+def test_layout_for_sizes():
+    cfg = {"eps": 0.1, "p": math.inf, "delta": 0.1, "sizing": "practical", "mu_pool": None,
+           "pool": None, "variant": "shared"}
+    lay = layout_for(cfg, 3)
+    assert lay.variant == "shared" and set(lay.targets.values()) == {5000}
+    cfg.update(pool=70, mu_pool=90, variant="split")
+    lay = layout_for(cfg, 3)
+    assert lay.targets["mu"] == 90 and lay.targets["P0"] == 70 and lay.targets["E0"] == 70
+
+
+def test_prescale_temperature_is_refused():
+    with pytest.raises(InputError, match="prescale"):
+        ModelState.create(MODEL, K, settings(prescale="temperature"), JoinSettings())
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d.update(format="other/9"), "format"),
+    (lambda d: d.update(model=""), "model"),
+    (lambda d: d["filling"]["tables"]["mu"].update(label=[99]), "filling"),
+    (lambda d: d["monitor"].update(k=7), "monitor"),
+    (lambda d: d["join"].pop("models"), "join"),
+    (lambda d: d["triggers"]["drift"].pop("armed"), "triggers"),
+    (lambda d: d["offsets"]["lpcal.predictions"].update({"0": -4}), "offsets"),
+    (lambda d: d.update(binmap='{"truncated": '), "binmap"),
+    (lambda d: d["config"].pop("eps"), "config"),
+])
+def test_bad_checkpoints_raise_artifact_errors_naming_the_part(mutate, match):
+    st = new_state()
+    feed(st, parser(), traffic(2500, seed=4), fit=True)
+    d = orjson.loads(st.to_checkpoint())
+    mutate(d)
+    with pytest.raises(ArtifactError, match=match):
+        ModelState.from_checkpoint(orjson.dumps(d))
+    with pytest.raises(ArtifactError, match="JSON"):
+        ModelState.from_checkpoint(b"\x00not json")

@@ -1,0 +1,166 @@
+"""daemon.monitor: windowed sums agree with lpcal.metrics; windows; margin; snapshots."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import orjson
+import pytest
+
+from daemon.monitor import CellSums, WindowMonitor, window_stats
+from lpcal.errors import InputError
+from lpcal.metrics import accuracy, brier, err_p, top_label_ece
+
+
+def data(n, k=4, seed=0, conc=0.5):
+    rng = np.random.default_rng(seed)
+    x = rng.dirichlet(np.full(k, conc), size=n)
+    # miscalibrated labels: drawn from a sharpened version of x
+    q = x**2 / (x**2).sum(axis=1, keepdims=True)
+    y = (q.cumsum(axis=1) > rng.random((n, 1))).argmax(axis=1)
+    return x, y
+
+
+@pytest.mark.parametrize("p", [math.inf, 2.0, 1.5])
+def test_full_window_equals_batch_metrics(p):
+    x, y = data(3000, seed=1)
+    lam = 10
+    m = WindowMonitor(4, lam, p, window_samples=10_000)
+    for a in range(0, 3000, 250):
+        m.update(x[a:a + 250], y[a:a + 250], calibrated=x[a:a + 250])
+    raw = m.evaluate(z=3.0)["raw"]
+    assert raw.n == 3000
+    assert math.isclose(raw.err_p, err_p(x, y, lam, p), rel_tol=1e-9)
+    assert math.isclose(raw.ece, top_label_ece(x, y), rel_tol=1e-9, abs_tol=1e-12)
+    assert math.isclose(raw.brier, brier(x, y), rel_tol=1e-9)
+    assert math.isclose(raw.accuracy, accuracy(x, y), rel_tol=1e-12)
+    assert 0.0 <= raw.lower <= raw.err_p and math.isclose(raw.margin, raw.err_p - raw.lower)
+    assert raw.stderr > 0
+    assert m.evaluate()["calibrated"] == raw  # same rows fed as "calibrated"
+
+
+def test_count_window_keeps_the_last_samples():
+    x, y = data(5000, seed=2)
+    m = WindowMonitor(4, 10, math.inf, window_samples=1000, n_buckets=10)
+    for a in range(0, 5000, 333):
+        m.update(x[a:a + 333], y[a:a + 333])
+    n = m.window_size()
+    assert 900 < n <= 1000  # the last N, to a granularity of N / n_buckets
+    s = m.evaluate()["raw"]
+    assert math.isclose(s.err_p, err_p(x[-n:], y[-n:], 10, math.inf), rel_tol=1e-9)
+    assert math.isclose(s.brier, brier(x[-n:], y[-n:]), rel_tol=1e-9)
+    assert m.total_samples == 5000
+
+
+def test_time_window_expires_old_buckets():
+    x, y = data(400, seed=3)
+    ts = np.repeat(np.arange(40.0), 10)  # 10 samples per second, t = 0..39
+    m = WindowMonitor(4, 10, 2.0, window_samples=None, window_seconds=10.0, n_buckets=5)
+    for a in range(0, 400, 50):
+        m.update(x[a:a + 50], y[a:a + 50], ts[a:a + 50])
+    # buckets of 2 s; the window holds buckets [30, 40): t = 30..39
+    sel = ts >= 30
+    s = m.evaluate()["raw"]
+    assert s.n == sel.sum()
+    assert math.isclose(s.err_p, err_p(x[sel], y[sel], 10, 2.0), rel_tol=1e-9)
+    # late samples older than the window are ignored; advancing the clock drops buckets
+    assert m.update(x[:5], y[:5], np.zeros(5)) == 0
+    m.advance(45.0)
+    assert m.evaluate()["raw"].n == (ts >= 36).sum()
+    m.advance(1000.0)
+    assert m.evaluate()["raw"] is None
+    with pytest.raises(InputError):
+        m.update(x[:5], y[:5])  # a time window needs ts
+
+
+def test_reset_calibrated_only():
+    x, y = data(500, seed=4)
+    m = WindowMonitor(4, 10, math.inf)
+    m.update(x, y, calibrated=x)
+    m.reset("calibrated")
+    out = m.evaluate()
+    assert out["calibrated"] is None and out["raw"].n == 500
+    m.update(x[:10], y[:10], calibrated=x[:10])
+    assert m.evaluate()["calibrated"].n == 10
+
+
+def test_snapshot_round_trip_is_exact_and_continues_identically():
+    x, y = data(2000, seed=5)
+    ts = np.linspace(0, 100, 2000)
+    for kw in ({"window_samples": 700}, {"window_samples": None, "window_seconds": 30.0}):
+        a = WindowMonitor(4, 10, math.inf, **kw)
+        a.update(x[:1200], y[:1200], ts[:1200], calibrated=x[:1200][:, ::-1])
+        b = WindowMonitor.from_dict(orjson.loads(orjson.dumps(a.to_dict())))
+        assert b == a
+        for mon in (a, b):
+            mon.update(x[1200:], y[1200:], ts[1200:], calibrated=x[1200:][:, ::-1])
+        assert b == a
+        assert a.evaluate() == b.evaluate()
+
+
+def test_bad_snapshots_raise():
+    m = WindowMonitor(4, 10, math.inf)
+    x, y = data(100)
+    m.update(x, y)
+    d = m.to_dict()
+    d["buckets"][0]["raw"]["s"]["b64"] = "AAAA"
+    with pytest.raises(InputError, match="bytes"):
+        WindowMonitor.from_dict(d)
+    d = m.to_dict()
+    d["buckets"][0]["n"] = 5
+    with pytest.raises(InputError, match="n=5"):
+        WindowMonitor.from_dict(d)
+    d = m.to_dict()
+    del d["k"]
+    with pytest.raises(InputError, match="malformed"):
+        WindowMonitor.from_dict(d)
+
+
+def test_cell_sums_merge_is_additive():
+    x, y = data(900, seed=6)
+    whole = CellSums.from_batch(x, y, 10)
+    parts = CellSums.merge_all([CellSums.from_batch(x[a:a + 300], y[a:a + 300], 10)
+                                for a in range(0, 900, 300)], 4)
+    assert np.array_equal(whole.hashes, parts.hashes)
+    assert np.array_equal(whole.counts, parts.counts)
+    assert np.allclose(whole.s, parts.s) and np.allclose(whole.q, parts.q)
+    assert whole.n == parts.n == 900
+
+
+def test_stderr_and_lower_bound_match_sampling_noise():
+    """Over repeated samples, the delta-method stderr matches the spread of the plug-in, and the
+    lower bound at z = 3 rarely exceeds the population value."""
+    rng = np.random.default_rng(7)
+    _k, lam, n = 3, 10, 4000
+    centres = np.array([[0.62, 0.28, 0.10], [0.15, 0.15, 0.70], [0.34, 0.33, 0.33]])
+    truth_q = np.array([[0.55, 0.33, 0.12], [0.15, 0.10, 0.75], [0.34, 0.33, 0.33]])
+    w = np.array([0.5, 0.3, 0.2])
+    # population Err_2: bins are the centres' level sets; Err(v, j) = w_v |f_vj - q_vj|
+    true_err = float(np.sqrt(np.sum((w[:, None] * np.abs(centres - truth_q)) ** 2)))
+    vals, ses, lowers = [], [], []
+    for _ in range(150):
+        c = rng.choice(3, size=n, p=w)
+        x = centres[c]
+        y = (truth_q[c].cumsum(axis=1) > rng.random((n, 1))).argmax(axis=1)
+        s = window_stats(CellSums.from_batch(x, y, lam), 2.0, 3.0)
+        vals.append(s.err_p)
+        ses.append(s.stderr)
+        lowers.append(s.lower)
+    assert abs(np.mean(vals) - true_err) < 0.15 * true_err
+    assert 0.7 < np.std(vals) / np.mean(ses) < 1.4
+    assert np.mean(np.array(lowers) > true_err) < 0.03
+
+
+def test_input_validation():
+    with pytest.raises(InputError):
+        WindowMonitor(1, 10, 2.0)
+    with pytest.raises(InputError):
+        WindowMonitor(3, 10, 0.5)
+    with pytest.raises(InputError):
+        WindowMonitor(3, 10, 2.0, window_samples=None)
+    m = WindowMonitor(3, 10, 2.0)
+    with pytest.raises(InputError):
+        m.update(np.ones((2, 4)) / 4, np.zeros(2, dtype=int))
+    with pytest.raises(InputError):
+        m.reset("bogus")

@@ -1,0 +1,239 @@
+"""daemon.settings: sources, precedence, per-model merging, error reporting, redaction."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from daemon.settings import ModelSettings, Settings, SettingsError, load_settings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """No stray LPCAL_* variables, no default config file, an empty secrets dir."""
+    for key in list(os.environ):
+        if key.upper().startswith("LPCAL_"):
+            monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    monkeypatch.setenv("LPCAL_SECRETS_DIR", str(secrets))
+    return tmp_path
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_any_source():
+    s = load_settings()
+    assert s.kafka.topics.predictions == "lpcal.predictions"
+    assert s.kafka.topics.deadletter == "lpcal.deadletter"
+    assert s.kafka.enable_idempotence is True
+    assert s.kafka.max_message_bytes == 1 << 20
+    assert s.http.port == 8080 and not s.http.manual_trigger_enabled
+    assert s.defaults.eps == 0.1 and math.isinf(s.defaults.p) and s.defaults.delta == 0.1
+    assert s.defaults.drift_threshold_value == 0.1  # defaults to eps
+    assert s.shutdown_grace_seconds == 30
+    assert s.model_settings("anything") == s.defaults
+
+
+def test_env_nesting_and_inf_strings(monkeypatch):
+    monkeypatch.setenv("LPCAL_KAFKA__BOOTSTRAP_SERVERS", "b1:9092,b2:9092")
+    monkeypatch.setenv("LPCAL_KAFKA__TOPICS__OUTCOMES", "my.outcomes")
+    monkeypatch.setenv("LPCAL_KAFKA__ENABLE_IDEMPOTENCE", "false")
+    monkeypatch.setenv("LPCAL_DEFAULTS__P", "Infinity")
+    monkeypatch.setenv("LPCAL_DEFAULTS__EPS", "0.05")
+    monkeypatch.setenv("LPCAL_MODELS__FRAUD-V3__K", "3")
+    monkeypatch.setenv("LPCAL_LOG_LEVEL", "debug")
+    s = load_settings()
+    assert s.kafka.bootstrap_servers == "b1:9092,b2:9092"
+    assert s.kafka.topics.outcomes == "my.outcomes"
+    assert s.kafka.topics.predictions == "lpcal.predictions"
+    assert s.kafka.enable_idempotence is False
+    assert math.isinf(s.defaults.p) and s.defaults.eps == 0.05
+    m = s.model_settings("fraud-v3")
+    assert m.k == 3 and m.eps == 0.05  # override merged over env defaults
+    assert s.log_level == "DEBUG"
+
+
+def test_toml_file_and_model_overrides(isolated):
+    cfg = write(isolated / "c.toml", """
+shutdown_grace_seconds = 12
+unknown_models = "reject"
+[kafka]
+group_id = "g1"
+[defaults]
+eps = 0.2
+p = "inf"
+window_samples = 500
+[models."fraud-v3"]
+k = 3
+p = 2
+drift_threshold = 0.3
+window_seconds = 60
+[models.other]
+eps = 0.05
+""")
+    s = load_settings(cfg)
+    assert s.shutdown_grace_seconds == 12 and s.kafka.group_id == "g1"
+    f = s.model_settings("fraud-v3")
+    assert (f.k, f.p, f.eps, f.drift_threshold_value, f.window_seconds, f.window_samples) == \
+        (3, 2.0, 0.2, 0.3, 60.0, 500)
+    o = s.model_settings("other")
+    assert o.eps == 0.05 and o.drift_threshold_value == 0.05 and o.k is None
+    assert s.model_settings("unknown") is None  # unknown_models = "reject"
+    assert set(s.configured_models) == {"fraud-v3", "other"}
+
+
+def test_config_path_from_env_and_default_location(isolated, monkeypatch):
+    write(isolated / "env.toml", "[http]\nport = 9001\n")
+    monkeypatch.setenv("LPCAL_CONFIG", str(isolated / "env.toml"))
+    assert load_settings().http.port == 9001
+    # explicit path argument beats LPCAL_CONFIG
+    write(isolated / "arg.toml", "[http]\nport = 9002\n")
+    assert load_settings(isolated / "arg.toml").http.port == 9002
+    monkeypatch.delenv("LPCAL_CONFIG")
+    (isolated / "config").mkdir()
+    write(isolated / "config" / "lpcal.toml", "[http]\nport = 9003\n")
+    assert load_settings().http.port == 9003  # config/lpcal.toml relative to the cwd
+
+
+def test_explicit_missing_or_broken_config_is_an_error(isolated):
+    with pytest.raises(SettingsError, match="not found"):
+        load_settings(isolated / "nope.toml")
+    write(isolated / "bad.toml", "[kafka\n")
+    with pytest.raises(SettingsError, match="not valid TOML"):
+        load_settings(isolated / "bad.toml")
+
+
+def test_secrets_dir_files(isolated):
+    secrets = isolated / "secrets"
+    write(secrets / "kafka__sasl_password", "s3cret\n")
+    write(secrets / "http__admin_token", "tok")
+    s = load_settings(kafka={"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512",
+                             "sasl_username": "u"})
+    assert s.kafka.sasl_password.get_secret_value().strip() == "s3cret"
+    assert s.http.admin_token.get_secret_value() == "tok"
+    assert s.http.manual_trigger_enabled
+    kw = s.kafka.aiokafka_kwargs()
+    assert kw["sasl_mechanism"] == "SCRAM-SHA-512" and kw["sasl_plain_username"] == "u"
+    assert kw["sasl_plain_password"].strip() == "s3cret" and "ssl_context" in kw
+
+
+def test_missing_secrets_dir_is_ignored(isolated):
+    assert load_settings(secrets_dir=isolated / "does-not-exist").http.port == 8080
+
+
+def test_precedence_init_env_secrets_toml_defaults(isolated, monkeypatch):
+    secrets = isolated / "secrets"
+    cfg = write(isolated / "c.toml", """
+[http]
+port = 1001
+host = "toml-host"
+max_body_bytes = 1001
+[kafka]
+client_id = "toml-client"
+""")
+    write(secrets / "http__port", "2002")
+    write(secrets / "http__host", "secret-host")
+    write(secrets / "kafka__client_id", "secret-client")
+    monkeypatch.setenv("LPCAL_HTTP__PORT", "3003")
+    monkeypatch.setenv("LPCAL_HTTP__HOST", "env-host")
+    s = load_settings(cfg, http={"port": 4004})
+    assert s.http.port == 4004                 # init > env
+    assert s.http.host == "env-host"           # env > secrets
+    assert s.kafka.client_id == "secret-client"  # secrets > toml
+    assert s.http.max_body_bytes == 1001       # toml > defaults
+    assert s.kafka.group_id == "lpcal"         # defaults
+
+
+def test_every_bad_field_is_named(isolated, monkeypatch):
+    cfg = write(isolated / "c.toml", """
+[kafka]
+security_protocol = "SASL_SSL"
+max_message_bytes = 10
+[defaults]
+eps = 1.5
+p = 0.5
+[models."fraud-v3"]
+delta = 2
+""")
+    monkeypatch.setenv("LPCAL_HTTP__PORT", "70000")
+    with pytest.raises(SettingsError) as ei:
+        load_settings(cfg, join={"ttl_seconds": -1})
+    msg = str(ei.value)
+    paths = {p for p, _ in ei.value.errors}
+    for path in ("kafka.max_message_bytes", "defaults.eps", "defaults.p", "http.port",
+                 "join.ttl_seconds"):
+        assert path in paths and path in msg, path
+    # cross-field errors (reported once field errors are fixed) also name their fields
+    with pytest.raises(SettingsError) as ei:
+        load_settings(cfg, kafka={"max_message_bytes": 4096}, defaults={"eps": 0.1, "p": 2})
+    paths = {p for p, _ in ei.value.errors}
+    assert {"kafka.sasl_mechanism", "kafka.sasl_username", "kafka.sasl_password"} <= paths
+    write(cfg, "[models.\"fraud-v3\"]\ndelta = 2\nepss = 1\n")
+    with pytest.raises(SettingsError) as ei:
+        load_settings(cfg)
+    paths = {p for p, _ in ei.value.errors}
+    assert {"models.fraud-v3.delta", "models.fraud-v3.epss"} <= paths
+
+
+def test_merged_model_settings_are_validated(isolated):
+    cfg = write(isolated / "c.toml", """
+[defaults]
+window_samples = 100
+[models.a]
+window_samples = -3
+""")
+    with pytest.raises(SettingsError, match=r"models\.a\.window_samples"):
+        load_settings(cfg)
+    with pytest.raises(SettingsError, match="max_models"):
+        load_settings(max_models=1, models={"a": {}, "b": {}})
+    with pytest.raises(SettingsError, match=r"kafka\.topics"):
+        load_settings(kafka={"topics": {"state": "lpcal.binmaps"}})
+
+
+def test_ssl_files_must_exist(isolated):
+    with pytest.raises(SettingsError, match="kafka.ssl_cafile"):
+        load_settings(kafka={"security_protocol": "SSL", "ssl_cafile": str(isolated / "no.pem")})
+
+
+def test_redacted_masks_secrets_and_is_json_safe(isolated):
+    s = load_settings(http={"admin_token": "very-secret"},
+                      kafka={"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "PLAIN",
+                             "sasl_username": "u", "sasl_password": "hunter2"},
+                      models={"m": {"eps": 0.2}})
+    r = s.redacted()
+    text = json.dumps(r, allow_nan=False)  # JSON-safe: inf is rendered as a string
+    assert "very-secret" not in text and "hunter2" not in text
+    assert r["http"]["admin_token"] == "**********"
+    assert r["kafka"]["sasl_password"] == "**********"
+    assert r["models"]["m"]["eps"] == 0.2 and r["models"]["m"]["p"] == "Infinity"
+    assert float(r["defaults"]["p"]) == math.inf
+
+
+def test_example_config_file_loads_and_documents_every_setting(isolated):
+    shutil.copy(REPO / "config" / "lpcal.toml", isolated / "lpcal.toml")
+    s = load_settings(isolated / "lpcal.toml")
+    f = s.model_settings("fraud-v3")
+    assert f is not None and f.k == 3 and f.eps == 0.05
+    assert s.shutdown_grace_seconds == 30
+    readme = (REPO / "config" / "README.md").read_text()
+    for section, model in (("kafka", Settings.model_fields["kafka"].annotation),
+                           ("http", Settings.model_fields["http"].annotation),
+                           ("join", Settings.model_fields["join"].annotation),
+                           ("state", Settings.model_fields["state"].annotation),
+                           ("defaults", ModelSettings)):
+        for name in model.model_fields:
+            assert f"`{name}`" in readme, f"config/README.md does not document {section}.{name}"
+    for name in Settings.model_fields:
+        assert f"`{name}`" in readme, f"config/README.md does not document {name}"

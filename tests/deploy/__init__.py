@@ -1,0 +1,1 @@
+"""Validation tests of deploy/: manifests, alert rules, dashboard, Dockerfile."""

@@ -1,0 +1,131 @@
+"""Smoke test of the benchmarks: every module imports and runs its ``--quick`` path on tiny inputs.
+
+No timing assertions (timings belong to `make bench`); the tests check that the tables have the
+expected rows and well-formed cells, and that the helpers the benchmarks rely on are correct.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from lpcal.levels import bin_counts
+from tests.bench import bench_apply, bench_fit, bench_quality, bench_variants, run_all
+from tests.bench.common import (
+    Overconfident,
+    Table,
+    compare,
+    expected_brier,
+    measure,
+    true_err,
+)
+
+
+def _ratio(cell: str) -> float:
+    assert cell.endswith("x"), cell
+    return float(cell[:-1])
+
+
+def test_fit_quick_tables():
+    pools, raw = bench_fit.run(quick=True)
+    assert pools.key == "fit_pools" and raw.key == "fit_raw"
+    # one pool case; its kernel really iterates (the point of the constructed inputs)
+    assert [r[0] for r in pools.rows] == [c[0] for c in bench_fit.QUICK_POOL_CASES]
+    assert int(pools.column("iters")[0]) > 0
+    assert pools.column("setup <= 50 ms")[0] in ("yes", "**NO**")
+    # raw grid: 2 (k, n) pairs x 4 (eps, p) pairs, in order
+    assert [(r[0], r[2], r[3]) for r in raw.rows] == [
+        (str(k), str(eps), p) for k in (10, 100)
+        for eps, p in (("0.1", "2"), ("0.1", "inf"), ("0.05", "2"), ("0.05", "inf"))]
+    assert all(_ratio(c) > 0 for c in raw.column("fit / R"))
+    # the 2x target is judged for k = 100 only
+    assert set(raw.column("target <= 2x (k=100)")[:4]) == {"–"}
+    assert set(raw.column("target <= 2x (k=100)")[4:]) <= {"yes", "**NO**"}
+
+
+def test_apply_quick_table():
+    (tab,) = bench_apply.run(quick=True)
+    assert tab.key == "apply"
+    variants = ["default (check, rho outside B)", "check=False", "outside=identity",
+                "prescale=temperature"]
+    assert [(r[0], r[4]) for r in tab.rows] == [(str(k), v) for k in (10, 100) for v in variants]
+    assert all(_ratio(c) > 0 for c in tab.column("apply / R"))
+    assert all(int(b) > 0 for b in tab.column("|B|"))
+
+
+def test_quality_quick_table():
+    (tab,) = bench_quality.run(quick=True)
+    methods = tab.column("method")
+    assert set(tab.column("record")) == {"wideresnet-16-4-cifar-10"}
+    assert methods[:2] == ["uncalibrated", "temperature"]
+    assert "lpcal (eps=0.05, p=inf)" in methods and "lpcal+TS+id (eps=0.1, p=2)" in methods
+    assert len(methods) == 2 + 2 * len(bench_quality.SETTINGS)
+    acc = [float(a) for a in tab.column("accuracy")]
+    assert all(0.85 < a < 0.95 for a in acc)  # WideResNet on CIFAR-10: about 0.91
+    ece = dict(zip(methods, (float(v) for v in tab.column("top-label ECE"))))
+    assert ece["temperature"] < ece["uncalibrated"]
+
+
+def test_variants_quick_tables():
+    var, siz = bench_variants.run(quick=True)
+    assert [(r[0], r[1], r[2], r[3]) for r in var.rows] == [
+        (str(k), str(eps), "inf" if math.isinf(p) else "2", v)
+        for k, eps, p in bench_variants.QUICK_CONFIGS for v in bench_variants.VARIANTS]
+    for reasons in var.column("stop reasons"):
+        assert reasons and all(r.split()[0] in ("converged", "cycle", "max_iterations")
+                               for r in reasons.split(", "))
+    # theory sizes are astronomically larger than the practical ones
+    for th, pr in zip(siz.column("theory: total"), siz.column("practical: total")):
+        assert float(th) > 1e6 * float(pr.replace(",", ""))
+
+
+def test_run_all_quick_writes_markdown(tmp_path, capsys):
+    out = tmp_path / "results.md"
+    assert run_all.main(["--quick", "--only", "apply", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "python -m tests.bench.run_all --quick --only apply" in text
+    assert "### Apply throughput" in text and "| 100 |" in text
+    assert text.strip() in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        run_all.main(["--quick", "--only", "nope"])
+
+
+# ---------------------------------------------------------------- helpers the tables rely on
+
+
+def test_table_markdown_and_row_width():
+    t = Table("T", ["a", "b"], key="t")
+    t.add(1, "x|y")
+    assert t.to_markdown().splitlines()[2:5] == ["| a | b |", "|---|---|", "| 1 | x\\|y |"]
+    with pytest.raises(ValueError):
+        t.add(1)
+
+
+def test_timing_helpers_count_repeats():
+    calls = []
+    tm = measure(lambda: calls.append(1), repeats=5, warmup=2)
+    assert len(tm) == 5 and len(calls) == 7 and tm.median >= 0
+    c = compare(lambda: sum(range(2000)), lambda: None, repeats=5, warmup=0)
+    assert len(c.ratios) == 5 and len(c.candidate) == len(c.baseline) == 5
+
+
+def test_true_err_is_zero_for_the_true_conditionals_and_matches_a_loop():
+    task = Overconfident(4, s=2.0, T=0.5, prototypes=5, proto_share=1.0)
+    f, y, q = task.sample(3000, seed=0)
+    assert true_err(q, q, 10, math.inf) == 0.0
+    # brute force over bins and classes
+    c = bin_counts(f, 10)
+    keys = [tuple(r) for r in c]
+    err = {}
+    for i, key in enumerate(keys):
+        err[key] = err.get(key, 0) + (f[i] - q[i])
+    e = np.abs(np.array(list(err.values()))) / len(keys)
+    assert true_err(f, q, 10, math.inf) == pytest.approx(e.max())
+    assert true_err(f, q, 10, 2.0) == pytest.approx(np.sqrt((e**2).sum()))
+    assert true_err(f, q, 10, math.inf) > 0.01  # T < 1: f is overconfident
+    # expected Brier is minimised by the true conditionals
+    assert expected_brier(q, q) < expected_brier(f, q)
+    # labels follow q: class frequencies close to the mean of q
+    assert np.abs(np.bincount(y, minlength=4) / 3000 - q.mean(axis=0)).max() < 0.04

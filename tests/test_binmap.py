@@ -1,0 +1,285 @@
+"""The bin map artifact: JSON round trip, tamper detection, load errors and ``apply``."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference_algorithm import rho as ref_rho
+from reference_algorithm import round_down
+
+from lpcal.binmap import BinMap, scale_temperature
+from lpcal.calibrate import fit
+from lpcal.errors import ArtifactError, InputError
+
+
+def _key(c) -> str:
+    return ",".join(f"{i}:{int(x)}" for i, x in enumerate(c) if x)
+
+
+def _data(seed, n, k, mix=0.6):
+    """Predictions around a few centres, labels from a shuffled version (far from calibrated)."""
+    rng = np.random.default_rng(seed)
+    centres = rng.dirichlet(np.ones(k) * 0.6, size=3)
+    f = centres[rng.integers(0, 3, size=n)] + rng.dirichlet(np.ones(k), size=n) * 0.04
+    f /= f.sum(axis=1, keepdims=True)
+    q = (1 - mix) * f + mix * np.roll(f, -1, axis=1)
+    y = np.minimum((q.cumsum(axis=1) < rng.random((n, 1))).sum(axis=1), k - 1)
+    return f, y
+
+
+_FITS: dict = {}
+
+
+def _fit(seed=0, k=3, eps=0.3, p=2.0, variant="split", outside="rho", prescale="none", mix=0.6):
+    key = (seed, k, eps, p, variant, outside, prescale, mix)
+    if key not in _FITS:
+        f, y = _data(seed, 3000, k, mix)
+        _FITS[key] = fit(f, y, eps=eps, p=p, variant=variant, outside=outside, seed=seed,
+                         prescale=prescale, model_id=f"m{seed}")
+    return _FITS[key]
+
+
+def _content(bm):
+    return bm.with_version(bm.version, created_at="fixed").to_json()
+
+
+# ----------------------------------------------------------------------------- round trip
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(0, 1000), st.integers(2, 4), st.sampled_from([(0.3, 2.0), (0.2, math.inf),
+                                                                  (0.45, 3.0)]),
+       st.sampled_from(["split", "shared"]), st.sampled_from(["rho", "identity"]))
+def test_json_round_trip(seed, k, eps_p, variant, outside):
+    bm = _fit(seed, k, *eps_p, variant, outside)
+    data = bm.to_json()
+    back = BinMap.from_json(data)
+    assert back.to_json() == data
+    for f in ("model_id", "version", "created_at", "eps", "p", "delta", "beta", "lam", "k",
+              "temperature", "outside", "sizing", "iterations", "stop_reason", "est_error",
+              "bins"):
+        assert getattr(back, f) == getattr(bm, f), f
+    np.testing.assert_array_equal(back.group, bm.group)
+    np.testing.assert_array_equal(back.preds, bm.preds)  # exact: floats survive JSON
+    u, _ = _data(seed + 1, 300, k)
+    np.testing.assert_array_equal(back.apply(u), bm.apply(u))
+    assert BinMap.from_json(data.decode()).checksum == bm.checksum  # str input too
+
+
+def test_checksum_is_sha256_of_the_canonical_content():
+    bm = _fit()
+    obj = orjson.loads(bm.to_json())
+    stored = obj.pop("checksum")
+    canon = orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+    assert stored == "sha256:" + hashlib.sha256(canon).hexdigest() == bm.checksum
+
+
+# ----------------------------------------------------------------------------- tampering
+
+
+def _flip_digit_after(data: bytes, marker: bytes) -> bytes:
+    """Change the first significant digit after ``marker`` (a digit 1-9 -> another one)."""
+    i = data.index(marker) + len(marker)
+    while not (data[i:i + 1].isdigit() and data[i:i + 1] != b"0"):
+        i += 1
+    new = b"2" if data[i:i + 1] != b"2" else b"3"
+    out = data[:i] + new + data[i + 1:]
+    assert out != data
+    return out
+
+
+@pytest.mark.parametrize("marker", [b'"preds":[{"d":', b'"v":[', b'"bins":["', b'"version":',
+                                    b'"eps":', b'"group":['])
+def test_tampering_is_detected(marker):
+    bm = _fit()
+    data = bm.to_json()
+    if marker == b'"group":[':  # group ids: make the first one point elsewhere
+        obj = orjson.loads(data)
+        obj["group"][0] = (obj["group"][0] + 1) % bm.n_groups if bm.n_groups > 1 else 1
+        bad = orjson.dumps(obj)
+    else:
+        bad = _flip_digit_after(data, marker)
+    with pytest.raises(ArtifactError, match="checksum mismatch"):
+        BinMap.from_json(bad)
+
+
+def _reseal(obj: dict) -> bytes:
+    """Recompute a valid checksum (an attacker or a buggy writer), to reach later checks."""
+    obj = dict(obj)
+    obj.pop("checksum", None)
+    canon = orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+    obj["checksum"] = "sha256:" + hashlib.sha256(canon).hexdigest()
+    return orjson.dumps(obj)
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda d: d[: len(d) // 2], "not valid JSON"),
+    (lambda d: d[:-1], "not valid JSON"),
+    (lambda d: b"", "empty"),
+    (lambda d: b"\xff\xfe garbage", "not valid JSON"),
+    (lambda d: b"[1, 2, 3]", "must be a JSON object"),
+    (lambda d: b'"a string"', "must be a JSON object"),
+    (lambda d: _reseal(dict(orjson.loads(d), schema=2)), "incompatible schema 2"),
+    (lambda d: orjson.dumps({k: v for k, v in orjson.loads(d).items() if k != "schema"}),
+     "incompatible schema None"),
+    (lambda d: orjson.dumps({k: v for k, v in orjson.loads(d).items() if k != "checksum"}),
+     "missing checksum"),
+    (lambda d: orjson.dumps(dict(orjson.loads(d), checksum=5)), "missing checksum"),
+    (lambda d: _reseal({k: v for k, v in orjson.loads(d).items() if k != "lam"}),
+     "missing field 'lam'"),
+    (lambda d: _reseal(dict(orjson.loads(d), n_bins=99)), "n_bins"),
+    (lambda d: _reseal(dict(orjson.loads(d), bins=["0:x"] + orjson.loads(d)["bins"][1:])),
+     "index:count"),
+    (lambda d: _reseal(dict(orjson.loads(d), preds=[{"d": 0.5, "i": [], "v": []}]
+                            * len(orjson.loads(d)["preds"]))), "not a probability vector"),
+    (lambda d: _reseal(dict(orjson.loads(d), group=[-1] + orjson.loads(d)["group"][1:])),
+     "group id outside"),
+    (lambda d: _reseal(dict(orjson.loads(d), outside="nearest")), "outside must be one of"),
+])
+def test_load_errors_say_what_is_wrong(make, message):
+    data = _fit().to_json()
+    with pytest.raises(ArtifactError, match=message):
+        BinMap.from_json(make(data), where="artifact m0/v1")
+    with pytest.raises(ArtifactError, match="artifact m0/v1"):
+        BinMap.from_json(make(data), where="artifact m0/v1")
+
+
+# ----------------------------------------------------------------------------- apply
+
+
+def _expected(bm, u):
+    """Independent h(x): group prediction on B, else rho(R(f)) or f; all with dicts."""
+    pred_of = {key: bm.preds[g] for key, g in zip(bm.bins, bm.group.tolist())}
+    out, inside = [], []
+    for row in u:
+        c = round_down(row, bm.lam)
+        key = _key(c)
+        inside.append(key in pred_of)
+        if key in pred_of:
+            out.append(pred_of[key])
+        elif bm.outside == "rho":
+            out.append(ref_rho(c, bm.lam))
+        else:
+            out.append(row)
+    return np.array(out, dtype=float), np.array(inside)
+
+
+@pytest.mark.parametrize("outside", ["rho", "identity"])
+@pytest.mark.parametrize("variant", ["split", "shared"])
+def test_apply_against_dict_reference(outside, variant):
+    bm = _fit(3, 3, 0.3, 2.0, variant, outside)
+    u, _ = _data(3, 2000, 3)  # same centres: many rows land in B
+    u = np.vstack([u, np.random.default_rng(1).dirichlet(np.ones(3), size=500)])
+    out = bm.apply(u)
+    assert out.shape == u.shape
+    assert np.all(out >= 0) and np.allclose(out.sum(axis=1), 1.0, atol=1e-9)
+    exp, inside = _expected(bm, u)
+    assert inside.sum() > 200 and (~inside).sum() > 50
+    # rows in B get exactly their group's prediction
+    np.testing.assert_array_equal(out[inside], exp[inside])
+    np.testing.assert_allclose(out[~inside], exp[~inside], rtol=0, atol=1e-12)
+    # one row at a time, and a 1-D row, give the same answers
+    np.testing.assert_array_equal(bm.apply(u[7]), out[7])
+    np.testing.assert_array_equal(bm(u[:50]), out[:50])
+
+
+def test_apply_renormalises_rows_within_tolerance():
+    bm = _fit()
+    u, _ = _data(5, 100, 3)
+    np.testing.assert_allclose(bm.apply(u * (1 + 5e-4)), bm.apply(u), atol=1e-12)
+
+
+def test_temperature_path_equals_scaling_then_applying():
+    bm = _fit(prescale="temperature", mix=0.2)
+    assert bm.temperature is not None and 1.2 < bm.temperature < 5  # softens over-confidence
+    plain = dataclasses.replace(bm, temperature=None)
+    u, _ = _data(0, 1500, 3, mix=0.2)
+    scaled = scale_temperature(u / u.sum(axis=1, keepdims=True), bm.temperature)
+    out = bm.apply(u)
+    np.testing.assert_array_equal(out, plain.apply(scaled, check=False))
+    assert not np.array_equal(out, plain.apply(u))  # the temperature matters here
+    exp, inside = _expected(plain, scaled)
+    assert inside.sum() > 500
+    np.testing.assert_array_equal(out[inside], exp[inside])
+    # and the temperature survives the round trip
+    assert BinMap.from_json(bm.to_json()).temperature == bm.temperature
+    # a temperature of 1 changes nothing
+    one = dataclasses.replace(bm, temperature=1.0)
+    np.testing.assert_allclose(one.apply(u), plain.apply(u), atol=1e-12)
+
+
+@pytest.mark.parametrize("row,message", [
+    ([0.2, np.nan, 0.8], "row 3"),
+    ([0.5, -0.1, 0.6], "row 3"),
+    ([0.5, 0.1, 0.1], "row 3"),
+    ([np.inf, 0.0, 0.0], "row 3"),
+])
+def test_bad_rows_raise_naming_the_row(row, message):
+    bm = _fit()
+    u, _ = _data(2, 6, 3)
+    u[3] = row
+    with pytest.raises(InputError, match=message):
+        bm.apply(u)
+
+
+def test_wrong_shape_raises():
+    bm = _fit()
+    with pytest.raises(InputError, match="length 3"):
+        bm.apply(np.full((4, 4), 0.25))
+    with pytest.raises(InputError, match="length 3"):
+        bm.apply(np.full((2, 2, 3), 1 / 3))
+
+
+def test_k_1000():
+    k = 1000
+    rng = np.random.default_rng(0)
+    centres = np.zeros((4, k))
+    for c in centres:
+        c[rng.choice(k, size=3, replace=False)] = rng.dirichlet(np.ones(3))
+    n = 4000
+    f = 0.9 * centres[rng.integers(0, 4, size=n)] + 0.1 * rng.dirichlet(np.ones(k) * 0.05, n)
+    f /= f.sum(axis=1, keepdims=True)
+    y = np.where(rng.random(n) < 0.5, np.argmax(f, axis=1), rng.integers(0, k, size=n))
+    bm = fit(f, y, eps=0.2, p=math.inf, seed=1)
+    assert bm.k == k and bm.n_bins >= 3
+    out = bm.apply(f[:1000])
+    assert out.shape == (1000, k) and np.allclose(out.sum(axis=1), 1.0, atol=1e-9)
+    exp, inside = _expected(bm, f[:1000])
+    assert inside.any()
+    np.testing.assert_array_equal(out[inside], exp[inside])
+    np.testing.assert_allclose(out[~inside], exp[~inside], atol=1e-12)
+    data = bm.to_json()
+    assert len(data) < 200_000  # predictions are stored sparsely
+    np.testing.assert_array_equal(BinMap.from_json(data).apply(f[:1000]), out)
+
+
+def test_constructor_validates():
+    bm = _fit()
+    with pytest.raises(ArtifactError, match="probability vector"):
+        dataclasses.replace(bm, preds=bm.preds * 2)
+    with pytest.raises(ArtifactError, match="group has"):
+        dataclasses.replace(bm, group=bm.group[:-1])
+    with pytest.raises(ArtifactError, match="outside must be"):
+        dataclasses.replace(bm, outside="zero")
+
+
+def test_empty_B_maps_everything_to_rho():
+    """No bin reaches mass beta/6 (spread predictions, fine grid): h = rho(R(f)) everywhere."""
+    rng = np.random.default_rng(0)
+    f = rng.dirichlet(np.ones(6), size=3000)
+    y = rng.integers(0, 6, size=3000)
+    bm = fit(f, y, eps=0.05, p=math.inf, seed=2)
+    assert bm.n_bins == 0 and bm.n_groups == 0 and bm.preds.shape == (0, 6)
+    assert bm.stop_reason == "converged" and bm.est_error["mass_outside_B"] == 1.0
+    back = BinMap.from_json(bm.to_json())
+    assert back.n_bins == 0
+    exp, inside = _expected(back, f[:200])
+    assert not inside.any()
+    np.testing.assert_allclose(back.apply(f[:200]), exp, atol=1e-12)

@@ -1,0 +1,322 @@
+"""Contract tests of daemon.metrics: names, types, labels, conventions, exposition round-trip.
+
+Every test builds a fresh CollectorRegistry (like client_python's own tests)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon import metrics as m
+from daemon.metrics import DaemonMetrics
+from lpcal.errors import InputError
+
+NAME_RE = re.compile(r"^lpcal_[a-z][a-z0-9_]*$")
+# Base units only: no ms/minutes/percent/kilobytes style names.
+NON_BASE_UNITS = re.compile(r"_(milliseconds|ms|minutes|hours|percent|kb|mb|kilobytes)(_|$)")
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def dm(registry: CollectorRegistry) -> DaemonMetrics:
+    return DaemonMetrics(registry, version="1.2.3", max_models=3)
+
+
+def families(registry: CollectorRegistry) -> dict[str, object]:
+    """Parse the registry's exposition text back with prometheus_client.parser."""
+    from prometheus_client import generate_latest
+
+    text = generate_latest(registry).decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def sample_value(registry, name, **labels) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+EXPECTED = {
+    "lpcal_events_consumed_total": ("counter", ("topic",)),
+    "lpcal_events_invalid_total": ("counter", ("reason",)),
+    "lpcal_deadletter_published_total": ("counter", ()),
+    "lpcal_joined_samples_total": ("counter", ("model",)),
+    "lpcal_join_evictions_total": ("counter", ("model", "reason")),
+    "lpcal_join_unmatched_total": ("counter", ("model", "kind")),
+    "lpcal_join_pending": ("gauge", ("model",)),
+    "lpcal_pool_samples": ("gauge", ("model", "pool")),
+    "lpcal_pool_fill_ratio": ("gauge", ("model", "pool")),
+    "lpcal_calibrations_total": ("counter", ("model", "trigger")),
+    "lpcal_calibration_failures_total": ("counter", ("model",)),
+    "lpcal_fit_duration_seconds": ("histogram", ("model",)),
+    "lpcal_fit_iterations": ("gauge", ("model",)),
+    "lpcal_high_probability_bins": ("gauge", ("model",)),
+    "lpcal_binmap_version": ("gauge", ("model",)),
+    "lpcal_binmap_published_timestamp_seconds": ("gauge", ("model",)),
+    "lpcal_binmaps_rejected_total": ("counter", ("reason",)),
+    "lpcal_calibration_error": ("gauge", ("model", "predictor")),
+    "lpcal_top_label_ece": ("gauge", ("model", "predictor")),
+    "lpcal_brier_score": ("gauge", ("model", "predictor")),
+    "lpcal_accuracy_ratio": ("gauge", ("model", "predictor")),
+    "lpcal_drift_threshold": ("gauge", ("model",)),
+    "lpcal_window_samples": ("gauge", ("model",)),
+    "lpcal_consumer_lag_messages": ("gauge", ("topic",)),
+    "lpcal_last_poll_timestamp_seconds": ("gauge", ()),
+    "lpcal_checkpoints_total": ("counter", ("outcome",)),
+    "lpcal_ready": ("gauge", ()),
+    "lpcal_build_info": ("gauge", ("version",)),
+}
+
+
+def test_metric_names_match_the_contract():
+    assert m.METRIC_NAMES == frozenset(EXPECTED)
+    for name, (kind, labels) in EXPECTED.items():
+        assert m.METRIC_TYPES[name] == kind, name
+        assert m.METRIC_LABELS[name] == labels, name
+
+
+def test_naming_conventions():
+    for name, kind in m.METRIC_TYPES.items():
+        assert NAME_RE.match(name), name
+        assert not NON_BASE_UNITS.search(name), name
+        # _total exactly on counters
+        assert name.endswith("_total") == (kind == "counter"), name
+    assert m.METRIC_TYPES["lpcal_fit_duration_seconds"] == "histogram"
+
+
+def test_enum_values_are_the_specified_sets():
+    assert {t.value for t in m.Topic} == {"predictions", "outcomes"}
+    assert {r.value for r in m.InvalidReason} == {
+        "bad_json", "oversize", "bad_schema", "unknown_model", "wrong_length", "non_finite",
+        "negative", "not_normalized", "label_out_of_range", "bad_encoding"}
+    assert {r.value for r in m.EvictionReason} == {"ttl", "capacity"}
+    assert {k.value for k in m.UnmatchedKind} == {"late", "duplicate", "orphan"}
+    assert {t.value for t in m.Trigger} == {"pools_full", "drift", "manual"}
+    assert {r.value for r in m.RejectReason} == {"checksum", "truncated", "schema", "parse"}
+    assert {p.value for p in m.Predictor} == {"raw", "calibrated"}
+    assert {o.value for o in m.CheckpointOutcome} == {"ok", "error"}
+
+
+def test_registered_families_types_and_labels(dm: DaemonMetrics, registry):
+    # Touch every labelled metric once so each family has at least one sample.
+    exercise(dm)
+    fams = families(registry)
+    seen = set()
+    for fam in fams.values():
+        assert fam.name.startswith("lpcal_"), fam.name
+        if fam.name.endswith("_created"):
+            # text format 0.0.4 exposes counter/histogram creation times as extra gauges
+            assert m.METRIC_TYPES[m.family_of(fam.name)] in ("counter", "histogram")
+            continue
+        promql = fam.name + "_total" if fam.type == "counter" else fam.name
+        assert promql in EXPECTED, promql
+        kind, labels = EXPECTED[promql]
+        assert fam.type == kind, promql
+        for s in fam.samples:
+            extra = {"le"} if s.name.endswith("_bucket") else set()
+            assert set(s.labels) == set(labels) | extra, (s.name, s.labels)
+            assert m.family_of(s.name) == promql, s.name
+        seen.add(promql)
+    assert seen == set(EXPECTED)
+    assert set(dm.exported_names()) == set(EXPECTED)
+
+
+def exercise(dm: DaemonMetrics) -> None:
+    dm.inc_consumed("predictions", 5)
+    dm.inc_consumed("outcomes")
+    dm.inc_invalid("bad_json", 2)
+    dm.inc_deadletter(2)
+    dm.inc_joined("fraud-v3", 4)
+    dm.inc_evicted("fraud-v3", "ttl", 1)
+    dm.inc_unmatched("fraud-v3", "late", 1)
+    dm.set_join_pending("fraud-v3", 7)
+    dm.set_pool_fill("fraud-v3", {"mu": (50, 100), "P0": (10, 40), "E0": (40, 40), "PE0": (0, 8)})
+    dm.observe_fit("fraud-v3", "pools_full", 0.2, 9, 31)
+    dm.inc_calibration_failure("fraud-v3")
+    dm.set_binmap_published("fraud-v3", 3, 1_700_000_000.0)
+    dm.inc_binmap_rejected("checksum")
+    dm.observe_quality("fraud-v3", "raw", 0.12, 0.08, 0.4, 0.81)
+    dm.observe_quality("fraud-v3", "calibrated", 0.03, 0.02, 0.35, 0.81)
+    dm.set_drift_threshold("fraud-v3", 0.05)
+    dm.set_window_samples("fraud-v3", 5000)
+    dm.set_consumer_lag("predictions", 12)
+    dm.mark_poll(1_700_000_001.0)
+    dm.inc_checkpoint("ok")
+    dm.set_ready(True)
+
+
+def test_helpers_set_the_right_samples(dm: DaemonMetrics, registry):
+    exercise(dm)
+    g = lambda name, **kw: sample_value(registry, name, **kw)
+    assert g("lpcal_events_consumed_total", topic="predictions") == 5
+    assert g("lpcal_events_consumed_total", topic="outcomes") == 1
+    assert g("lpcal_events_invalid_total", reason="bad_json") == 2
+    assert g("lpcal_events_invalid_total", reason="oversize") == 0  # pre-created at 0
+    assert g("lpcal_deadletter_published_total") == 2
+    assert g("lpcal_joined_samples_total", model="fraud-v3") == 4
+    assert g("lpcal_join_evictions_total", model="fraud-v3", reason="ttl") == 1
+    assert g("lpcal_join_unmatched_total", model="fraud-v3", kind="late") == 1
+    assert g("lpcal_join_pending", model="fraud-v3") == 7
+    assert g("lpcal_pool_samples", model="fraud-v3", pool="mu") == 50
+    assert g("lpcal_pool_fill_ratio", model="fraud-v3", pool="mu") == 0.5
+    assert g("lpcal_pool_fill_ratio", model="fraud-v3", pool="P0") == 0.25
+    assert g("lpcal_pool_fill_ratio", model="fraud-v3", pool="E0") == 1.0
+    assert g("lpcal_pool_fill_ratio", model="fraud-v3", pool="PE0") == 0.0
+    assert g("lpcal_calibrations_total", model="fraud-v3", trigger="pools_full") == 1
+    assert g("lpcal_calibrations_total", model="fraud-v3", trigger="drift") == 0
+    assert g("lpcal_calibration_failures_total", model="fraud-v3") == 1
+    assert g("lpcal_fit_duration_seconds_count", model="fraud-v3") == 1
+    assert g("lpcal_fit_duration_seconds_sum", model="fraud-v3") == pytest.approx(0.2)
+    assert g("lpcal_fit_duration_seconds_bucket", model="fraud-v3", le="0.1") == 0
+    assert g("lpcal_fit_duration_seconds_bucket", model="fraud-v3", le="0.25") == 1
+    assert g("lpcal_fit_iterations", model="fraud-v3") == 9
+    assert g("lpcal_high_probability_bins", model="fraud-v3") == 31
+    assert g("lpcal_binmap_version", model="fraud-v3") == 3
+    assert g("lpcal_binmap_published_timestamp_seconds", model="fraud-v3") == 1_700_000_000.0
+    assert g("lpcal_binmaps_rejected_total", reason="checksum") == 1
+    assert g("lpcal_calibration_error", model="fraud-v3", predictor="raw") == 0.12
+    assert g("lpcal_calibration_error", model="fraud-v3", predictor="calibrated") == 0.03
+    assert g("lpcal_top_label_ece", model="fraud-v3", predictor="raw") == 0.08
+    assert g("lpcal_brier_score", model="fraud-v3", predictor="calibrated") == 0.35
+    assert g("lpcal_accuracy_ratio", model="fraud-v3", predictor="raw") == 0.81
+    assert g("lpcal_drift_threshold", model="fraud-v3") == 0.05
+    assert g("lpcal_window_samples", model="fraud-v3") == 5000
+    assert g("lpcal_consumer_lag_messages", topic="predictions") == 12
+    assert g("lpcal_last_poll_timestamp_seconds") == 1_700_000_001.0
+    assert g("lpcal_checkpoints_total", outcome="ok") == 1
+    assert g("lpcal_checkpoints_total", outcome="error") == 0
+    assert g("lpcal_ready") == 1
+    assert g("lpcal_build_info", version="1.2.3") == 1
+    dm.set_ready(False)
+    assert g("lpcal_ready") == 0
+
+
+def test_fit_duration_buckets_span_1ms_to_60s(dm, registry):
+    dm.observe_fit("m", "manual", 0.0005, 1, 1)
+    fam = families(registry)["lpcal_fit_duration_seconds"]
+    les = [float(s.labels["le"]) for s in fam.samples if s.name.endswith("_bucket")]
+    finite = [x for x in les if math.isfinite(x)]
+    assert finite == sorted(finite)
+    assert finite[0] == 0.001 and finite[-1] == 60.0
+    assert math.inf in les
+
+
+def test_exposition_round_trips_through_the_parser(dm, registry):
+    exercise(dm)
+    text = dm.exposition().decode()
+    parsed = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            parsed[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    # every sample the registry reports is in the text with the same value
+    for fam in registry.collect():
+        for s in fam.samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
+            assert key in parsed, key
+            assert parsed[key] == pytest.approx(s.value), key
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda d: d.inc_consumed("prediction"),
+        lambda d: d.inc_invalid("weird"),
+        lambda d: d.inc_evicted("m", "old"),
+        lambda d: d.inc_unmatched("m", "lost"),
+        lambda d: d.observe_fit("m", "cron", 0.1, 1, 1),
+        lambda d: d.inc_binmap_rejected("bad"),
+        lambda d: d.observe_quality("m", "smoothed", 0.1, 0.1, 0.1, 0.5),
+        lambda d: d.inc_checkpoint("maybe"),
+        lambda d: d.set_consumer_lag("binmaps", 1),
+    ],
+)
+def test_unknown_enum_label_values_are_rejected(dm, call):
+    with pytest.raises(InputError, match="is not one of"):
+        call(dm)
+
+
+@pytest.mark.parametrize(
+    "pool", ["P64", "PE99", "X0", "mu1", "p0", "", "P-1", "E 1", "P01"])
+def test_pool_names_are_bounded(dm, pool):
+    with pytest.raises(InputError, match="pool="):
+        dm.set_pool_fill("m", {pool: (1, 2)})
+
+
+def test_pool_names_of_the_library_layouts_are_accepted():
+    """Every pool name lpcal.pools can produce (both variants, any feasible beta) passes."""
+    pools = pytest.importorskip("lpcal.pools")
+    assert pools.n_levels(6.0 / 2**63) <= m.MAX_POOL_LEVELS
+    for variant in ("split", "shared"):
+        for name in pools.pool_names(m.MAX_POOL_LEVELS, variant):
+            assert m.POOL_NAME_RE.match(name), name
+
+
+def test_pool_names_helper_matches_the_regex():
+    names = m.pool_names(m.MAX_POOL_LEVELS)
+    assert len(names) == 1 + 3 * m.MAX_POOL_LEVELS
+    assert all(m.POOL_NAME_RE.match(n) for n in names)
+    assert not m.POOL_NAME_RE.match(f"P{m.MAX_POOL_LEVELS}")
+    with pytest.raises(InputError):
+        m.pool_names(m.MAX_POOL_LEVELS + 1)
+
+
+def test_bad_values_are_rejected_with_a_message(dm, registry):
+    with pytest.raises(InputError, match="target"):
+        dm.set_pool_fill("m", {"mu": (1, 0)})
+    with pytest.raises(InputError, match="ece"):
+        dm.observe_quality("m", "raw", 0.1, 1.5, 0.1, 0.5)
+    with pytest.raises(InputError, match="err"):
+        dm.observe_quality("m", "raw", float("nan"), 0.1, 0.1, 0.5)
+    with pytest.raises(InputError, match="brier"):
+        dm.observe_quality("m", "raw", 0.1, 0.1, 2.5, 0.5)
+    with pytest.raises(InputError, match="n="):
+        dm.inc_consumed("outcomes", -1)
+    with pytest.raises(InputError, match="seconds"):
+        dm.observe_fit("m", "manual", float("inf"), 1, 1)
+    # a rejected call leaves no partial state behind
+    assert sample_value(registry, "lpcal_calibration_error", model="m", predictor="raw") is None
+    assert sample_value(registry, "lpcal_pool_samples", model="m", pool="mu") is None
+
+
+def test_model_label_cardinality_is_capped(dm):
+    for name in ("a", "b", "c"):
+        dm.inc_joined(name)
+    dm.inc_joined("a")  # known model: fine
+    with pytest.raises(InputError, match="max_models=3"):
+        dm.inc_joined("d")
+    assert dm.models == {"a", "b", "c"}
+
+
+def test_remove_model_drops_its_series_and_frees_a_slot(dm, registry):
+    exercise(dm)
+    dm.remove_model("fraud-v3")
+    text = dm.exposition().decode()
+    assert 'model="fraud-v3"' not in text
+    # unrelated series survive
+    assert sample_value(registry, "lpcal_events_consumed_total", topic="predictions") == 5
+    for name in ("a", "b", "c"):
+        dm.register_model(name)
+    assert sample_value(registry, "lpcal_calibrations_total", model="a", trigger="drift") == 0
+
+
+def test_default_registry_is_private_and_has_process_metrics():
+    a, b = DaemonMetrics(), DaemonMetrics()  # no duplicate-registration error
+    assert a.registry is not b.registry
+    text = a.exposition().decode()
+    assert "lpcal_build_info" in text
+    assert "python_info" in text  # platform collector
+
+
+def test_family_of_maps_suffixes():
+    assert m.family_of("lpcal_fit_duration_seconds_bucket") == "lpcal_fit_duration_seconds"
+    assert m.family_of("lpcal_fit_duration_seconds_count") == "lpcal_fit_duration_seconds"
+    assert m.family_of("lpcal_events_consumed_created") == "lpcal_events_consumed_total"
+    assert m.family_of("lpcal_ready") == "lpcal_ready"
+    assert m.family_of("lpcal_ready_bucket") is None
+    assert m.family_of("lpcal_nope") is None
