@@ -307,9 +307,15 @@ class EventParser:
         loads = orjson.loads
         max_bytes, max_id, max_model = self.max_bytes, self.max_id_len, self.max_model_len
         for i, raw in enumerate(raws):
-            if raw is None:
-                invalid.append((i, Invalid(BAD_SCHEMA, "empty message (null value)")))
-                continue
+            if type(raw) is not bytes:
+                if raw is None:
+                    invalid.append((i, Invalid(BAD_SCHEMA, "empty message (null value)")))
+                    continue
+                if not isinstance(raw, (bytearray, memoryview)):
+                    invalid.append((i, Invalid(BAD_SCHEMA, f"message value is "
+                                                           f"{type(raw).__name__}, not bytes")))
+                    continue
+                raw = bytes(raw)
             if len(raw) > max_bytes:
                 invalid.append((i, Invalid(OVERSIZE, f"{len(raw)} bytes > {max_bytes}")))
                 continue

@@ -250,7 +250,7 @@ class JoinStore:
                         p_src.append(src)
                     out_lab.append(lab_l[i])
                 out_ids.append(eid)
-                out_ts.append(t if t > entry[2] else entry[2])
+                out_ts.append(max(entry[2], t))
                 remember(m, eid, _JOINED)
                 continue
             state = recent.get(eid)

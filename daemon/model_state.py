@@ -130,7 +130,8 @@ class ModelState:
     def __init__(self, model: str, k: int, config: Mapping[str, Any], layout: PoolLayout,
                  join: JoinStore, *, monitor: WindowMonitor | None = None,
                  triggers: Triggers | None = None,
-                 calibrator_factory: CalibratorFactory = binmap_calibrator):
+                 calibrator_factory: CalibratorFactory = binmap_calibrator,
+                 eval_interval: float = 1.0):
         self.model = model
         self.k = int(k)
         self.config = dict(config)
@@ -157,6 +158,8 @@ class ModelState:
         self.dropped_labels = 0
         self._factory = calibrator_factory
         self._calibrator: Calibrator | None = None
+        self.eval_interval = float(eval_interval)
+        self._last_eval: tuple[float, dict[str, WindowStats | None]] | None = None
 
     @classmethod
     def create(cls, model: str, k: int, ms: Any, join: Any, *,
@@ -204,7 +207,7 @@ class ModelState:
             probs, labels = probs[keep], labels[keep]
             ts = None if ts is None else np.asarray(ts)[keep]
         if labels.size:
-            route = self.layout.route(ids)
+            route = self.filling.layout.route(ids)
             if self.filling.full:  # e.g. after a layout change
                 self.seal()
                 res.sealed += 1
@@ -226,8 +229,9 @@ class ModelState:
     def _fill_point(self, route: np.ndarray) -> int | None:
         """Position in ``route`` of the sample that makes every pool full (None: not reached)."""
         pos = -1
-        for p, name in enumerate(self.layout.names):
-            need = self.layout.targets[name] - self.filling.tables[name].total
+        lay = self.filling.layout
+        for p, name in enumerate(lay.names):
+            need = lay.targets[name] - self.filling.tables[name].total
             if need <= 0:
                 continue
             occ = np.flatnonzero(route == p)
@@ -252,9 +256,17 @@ class ModelState:
                        ) -> Firing | None:
         """Ask the triggers what to do at ``now`` (evaluates the monitor unless ``stats``).
 
-        ``pools_full`` is "a sealed epoch is waiting to be fitted"."""
+        ``pools_full`` is "a sealed epoch is waiting to be fitted". Evaluating the window costs
+        O(window bins * k), so it is redone at most every ``eval_interval`` seconds of ``now``
+        (the drift trigger works at the scale of ``drift_sustain_seconds``); cheap to call per
+        batch."""
         if stats is None:
-            stats = self.evaluate()
+            last = self._last_eval
+            if last is not None and 0.0 <= now - last[0] < self.eval_interval:
+                stats = last[1]
+            else:
+                stats = self.evaluate()
+                self._last_eval = (now, stats)
         return self.triggers.check(now=now, pools_full=bool(self.sealed),
                                    stats=stats.get("calibrated"), busy=busy)
 
@@ -269,7 +281,8 @@ class ModelState:
         return self.sealed[0][0] if self.sealed else self.fill_epoch
 
     def seal(self) -> int:
-        """Queue the filling pools (even if not full) and start filling the next epoch.
+        """Queue the filling pools (even if not full) and start filling the next epoch (with
+        the current ``layout``).
 
         Returns the sealed epoch number. At most :data:`MAX_SEALED` epochs wait; beyond that
         the oldest is dropped (counted in ``sealed_dropped``)."""
@@ -303,6 +316,7 @@ class ModelState:
         self.binmap_version = int(version)
         self.monitor.reset("calibrated")
         self.triggers.recalibrated()
+        self._last_eval = None
 
     @property
     def calibrator(self) -> Calibrator | None:

@@ -290,6 +290,7 @@ class WindowMonitor:
         self.buckets: OrderedDict[int, _Bucket] = OrderedDict()
         self.clock = -math.inf
         self.total_samples = 0
+        self._cache: dict[float, dict[str, WindowStats | None]] = {}  # z -> stats, until changed
 
     # ---------------------------------------------------------------- updating
     def update(self, probs: np.ndarray, labels: np.ndarray, ts: np.ndarray | None = None,
@@ -309,6 +310,7 @@ class WindowMonitor:
             raise InputError(f"monitor: calibrated must have shape ({n}, {self.k})")
         if n == 0:
             return 0
+        self._cache.clear()
         if self.by_time:
             if ts is None:
                 raise InputError("monitor: a time window needs ts")
@@ -355,6 +357,7 @@ class WindowMonitor:
         lo = newest - self.n_buckets + 1
         while self.buckets and next(iter(self.buckets)) < lo:
             self.buckets.popitem(last=False)
+            self._cache.clear()
 
     def _add(self, bk: _Bucket, x, y, cal, sel) -> None:
         xs, ys = x[sel], y[sel]
@@ -372,6 +375,7 @@ class WindowMonitor:
 
     def reset(self, predictor: str | None = None) -> None:
         """Forget the window of one predictor (e.g. ``"calibrated"`` after a new bin map) or all."""
+        self._cache.clear()
         if predictor is None:
             self.buckets.clear()
             return
@@ -391,8 +395,14 @@ class WindowMonitor:
         return sum(bk.sums(predictor, self.k).n for bk in self.buckets.values())
 
     def evaluate(self, z: float = 3.0) -> dict[str, WindowStats | None]:
-        """:class:`WindowStats` of both predictors (None for an empty window)."""
-        return {name: window_stats(self.sums(name), self.p, z) for name in PREDICTORS}
+        """:class:`WindowStats` of both predictors (None for an empty window).
+
+        Cached until the window changes, so repeated calls between updates are free."""
+        out = self._cache.get(z)
+        if out is None:
+            out = {name: window_stats(self.sums(name), self.p, z) for name in PREDICTORS}
+            self._cache[z] = out
+        return dict(out)
 
     # ---------------------------------------------------------------- snapshots
     def to_dict(self) -> dict[str, Any]:

@@ -30,8 +30,11 @@ With ``P(S) = sum_{S' in M, S' subset S} P_hat_S'`` and likewise ``E(S)``, the e
 Choices where the paper leaves one (all deterministic):
 
 * selection: the pair ``(S, j)`` with the largest ``Err``; ties go to the lowest group id, then to
-  the lowest class (``numpy.argmax`` order). Group ids are the positions in ``B`` of their first
-  bin, and ``B`` is ordered by canonical bin key.
+  the lowest class (``numpy.argmax`` order). Initially the group of the ``b``-th bin of ``B`` has
+  id ``b`` (``B`` is ordered by canonical bin key); a merged group keeps the id of the selected
+  group ``S^(t)``.
+* correction when ``P(S) <= 0`` (possible only with Laplace noise): ``z_j = 1``, the limit of
+  ``min(E/P, 1)`` as ``P -> 0+``; the literal formula would push class ``j`` the wrong way.
 * merging in ``M`` is binary addition: sizes are processed in increasing order; when a size holds
   more than one group, the two oldest (lowest ids) are merged, and the result carries to the next
   size.
@@ -45,9 +48,10 @@ constraints). The loop therefore also stops when
 * ``max_iterations``: ``T = (9 + 36/lambda * log2(36/beta)) / beta^2`` (Lemma
   algorithm-termination), or a smaller explicit cap.
 
-In both cases the best state seen (smallest estimated ``Err_p`` over ``G``) is returned; since the
-run is deterministic it is recovered by replaying the run up to that iteration, which costs nothing
-on the normal path.
+In both cases the best state seen (smallest estimated ``Err_p`` over ``G``; a later state counts
+as better only if smaller by a relative 1e-12, so the choice does not hinge on rounding) is
+returned; since the run is deterministic it is recovered by replaying the run up to that
+iteration, which costs nothing on the normal path.
 
 Complexity per iteration: ``O(k log k)`` for the projection plus ``O(|G|)`` for the selection (row
 maxima are cached); merges cost ``O(|S| k)`` and happen at most ``|B| - 1`` times in total. Memory:
@@ -61,7 +65,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lpcal.levels import bin_counts, row_hash, rho
+from lpcal.levels import HashCollision, bin_counts, rho, row_hash
 from lpcal.simplex import project_simplex
 
 STOP_CONVERGED = "converged"
@@ -177,11 +181,15 @@ class _State:
         P, E = self.psum[g], self.esum[g, j]
         z[j] = min(E / P, 1.0) if P > 0 else 1.0
         new = project_simplex(z)
-        h = int(row_hash(bin_counts(new[None, :], self.lam))[0])
+        c_new = bin_counts(new[None, :], self.lam)
+        h = int(row_hash(c_new)[0])
         old_h = int(self.key[g])
         if self.key_to_g.get(old_h) == g:
             del self.key_to_g[old_h]
         other = self.key_to_g.get(h, -1)
+        if other not in (-1, g) and not np.array_equal(
+                bin_counts(self.pred[other][None, :], self.lam), c_new):
+            raise HashCollision("two distinct level sets share a hash")
         if other == -1 or other == g:
             self.pred[g] = new
             self.key[g] = h
@@ -265,7 +273,7 @@ def run_kernel(
         while True:
             if track:
                 obj = st.objective()[0]
-                if obj < best_obj:
+                if obj < best_obj * (1.0 - 1e-12):
                     best_obj, best_t = obj, t
             g = int(np.argmax(st.rowmax))
             if st.rowmax[g] <= threshold:
@@ -292,7 +300,7 @@ def run_kernel(
             if record_history:
                 hist.append((t, g, j, other))
             t += 1
-            if progress is not None and t % 256 == 0:
+            if track and progress is not None and t % 256 == 0:
                 progress(t, float(st.rowmax.max()))
         return st, t, reason, hist, best_t
 

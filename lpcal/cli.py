@@ -162,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("serve", "simulate"):  # their own parsers take every argument
+        try:
+            return int(_daemon(argv[0])(argparse.Namespace(rest=argv[1:])) or 0)
+        except LpcalError as e:
+            print(f"lpcal {argv[0]}: error: {e}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)

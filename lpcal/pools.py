@@ -206,7 +206,8 @@ class CountTable:
             )
         self._compact()
         other._compact()
-        return self._merge_compacted(other)
+        out = self._merge_compacted(other)
+        return out.copy() if (out is self or out is other) else out
 
     __add__ = merge
 
@@ -286,11 +287,14 @@ class CountTable:
         try:
             k, lam = int(d["k"]), int(d["lam"])
             keys = list(d["bins"])
-            pb = np.asarray(d["bin"], dtype=np.int64)
-            pl = np.asarray(d["label"], dtype=np.int64)
-            pc = np.asarray(d["count"], dtype=np.int64)
+            arrays = [np.asarray(d[f]) for f in ("bin", "label", "count")]
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"{where}: malformed pool ({e})") from None
+        for name, a in zip(("bin", "label", "count"), arrays):
+            bools = a.dtype.kind == "O" or any(type(x) is bool for x in d[name])
+            if a.size and (a.dtype.kind not in "iu" or bools):
+                raise InputError(f"{where}: '{name}' must hold integers (not floats or booleans)")
+        pb, pl, pc = (a.astype(np.int64) for a in arrays)
         if not (pb.shape == pl.shape == pc.shape) or pb.ndim != 1:
             raise InputError(f"{where}: bin/label/count arrays differ in shape")
         if pb.size and (pb.min() < 0 or pb.max() >= len(keys)):

@@ -350,6 +350,9 @@ def test_fit_pools_matches_reference_end_to_end(eps, p, k, variant):
     kgroups = {frozenset(s): bm.preds[g] for g, s in groups.items()}
     _same_state(kgroups, rr.groups, rr.preds, f"eps={eps} p={p}")
     assert len(B) >= 3 and rr.iterations > 0  # the instance exercises the loop
+    if bm.stop_reason == STOP_CONVERGED:  # errors recomputed by the reference from the pools
+        assert rr.est_err_max <= beta / 2
+        assert bm.est_error["err_max"] == pytest.approx(rr.est_err_max, rel=1e-9, abs=1e-15)
 
 
 @pytest.mark.parametrize("variant", ["split", "shared"])

@@ -109,9 +109,6 @@ def test_merge_leaves_inputs_unchanged():
     assert m.total == 95
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: merge() with an empty table returns the other input "
-                   "object itself (CountTable._merge_compacted, 'return o' / 'return self'), so "
-                   "adding to the merged pool also adds to that input")
 def test_merge_with_empty_table_is_a_new_object():
     pb, yb = _samples(3, 40, 3)
     empty, b = CountTable(3, 5), CountTable.from_samples(pb, yb, 5)
@@ -178,9 +175,6 @@ def test_from_dict_error_names_the_pool():
         CountTable.from_dict(["not", "a", "dict"])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: CountTable.from_dict casts bin/label/count lists with "
-                   "np.asarray(dtype=int64), silently truncating non-integers (count 2.7 -> 2, "
-                   "label 0.9 -> 0, True -> 1) instead of raising InputError")
 @pytest.mark.parametrize("field,value", [("count", 2.7), ("label", 0.9), ("label", True)])
 def test_from_dict_rejects_non_integers(field, value):
     d = _valid_dict()

@@ -152,6 +152,14 @@ def test_max_models_bounds_admitted_models():
     assert isinstance(p.parse(msg(model="a", label=1)), Outcome)  # admitted ones keep working
 
 
+def test_non_bytes_values():
+    p = parser()
+    ok = msg(probs=[0.2, 0.3, 0.5])
+    recs = p.parse_batch([bytearray(ok), memoryview(ok), None, 17]).records()
+    assert isinstance(recs[0], Prediction) and isinstance(recs[1], Prediction)
+    assert reason(recs[2]) == "bad_schema" and reason(recs[3]) == "bad_schema"
+
+
 def test_fallback_timestamp_when_ts_absent():
     p = parser()
     rec = p.parse(msg(ts=None, probs=[0.2, 0.3, 0.5]), ts=123.25)
@@ -224,8 +232,35 @@ events = st.fixed_dictionaries(
 )
 
 
+# mostly well-formed events, so that valid records and the value checks are exercised too
+probs3 = st.lists(st.floats(0, 1), min_size=3, max_size=3)
+near_valid = st.fixed_dictionaries(
+    {"model": st.sampled_from(["m", "free"]), "id": st.text(min_size=1, max_size=4),
+     "ts": st.floats(0, 2e9)},
+    optional={"probs": probs3 | st.lists(st.floats(-1, 2), min_size=2, max_size=4),
+              "logits": st.lists(st.floats(-800, 800), min_size=3, max_size=3),
+              "label": st.integers(-1, 4)},
+)
+any_message = st.binary(max_size=80) | events.map(orjson.dumps) | near_valid.map(orjson.dumps)
+
+
+def test_fuzz_strategies_reach_valid_and_invalid_records():
+    from hypothesis import Phase, find
+
+    quick = settings(max_examples=3000, phases=[Phase.generate], database=None,
+                     derandomize=True)
+    find(st.lists(any_message, min_size=1, max_size=4),
+         lambda raws: any(isinstance(r, Sample) for r in parser().parse_batch(raws).records()),
+         settings=quick)
+    for why in ("negative", "not_normalized", "wrong_length", "label_out_of_range"):
+        rej = EventParser({"m": ModelPolicy(k=3, normalize="reject")}.get)
+        find(near_valid.map(orjson.dumps),
+             lambda raw, why=why, rej=rej: getattr(rej.parse(raw), "reason", None) == why,
+             settings=quick)
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.binary(max_size=80) | events.map(orjson.dumps), min_size=1, max_size=8))
+@given(st.lists(any_message, min_size=1, max_size=8))
 def test_fuzz_any_bytes_never_raise_and_batch_equals_single(raws):
     batch = parser().parse_batch(raws).records()
     single = parser()  # fresh parser: same learning order as the batch

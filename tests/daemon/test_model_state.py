@@ -195,6 +195,25 @@ def test_check_triggers_pools_full_and_manual():
     assert len(st.sealed) == 4 and st.sealed_dropped >= 2
 
 
+def test_trigger_checks_reuse_the_window_evaluation_within_eval_interval():
+    st = new_state()
+    calls = []
+    real = st.monitor.evaluate
+
+    def counting(z=3.0):
+        calls.append(z)
+        return real(z)
+
+    st.monitor.evaluate = counting
+    for t in (0.0, 0.3, 0.9):
+        st.check_triggers(t)
+    assert len(calls) == 1
+    st.check_triggers(1.0)
+    assert len(calls) == 2
+    st.check_triggers(0.5)  # the clock went back: evaluate again rather than trust the cache
+    assert len(calls) == 3
+
+
 def test_layout_for_sizes():
     cfg = {"eps": 0.1, "p": math.inf, "delta": 0.1, "sizing": "practical", "mu_pool": None,
            "pool": None, "variant": "shared"}

@@ -74,6 +74,20 @@ def test_time_window_expires_old_buckets():
         m.update(x[:5], y[:5])  # a time window needs ts
 
 
+def test_evaluation_is_cached_until_the_window_changes():
+    x, y = data(600, seed=8)
+    m = WindowMonitor(4, 10, math.inf, window_samples=300, n_buckets=3)
+    m.update(x[:200], y[:200])
+    a = m.evaluate()
+    assert m.evaluate()["raw"] is a["raw"]          # cached
+    m.update(x[200:400], y[200:400])
+    b = m.evaluate()
+    assert b["raw"] is not a["raw"] and b["raw"].n != a["raw"].n
+    assert m.evaluate(z=2.0)["raw"].lower >= b["raw"].lower  # cached per z
+    m.reset("raw")
+    assert m.evaluate()["raw"] is None
+
+
 def test_reset_calibrated_only():
     x, y = data(500, seed=4)
     m = WindowMonitor(4, 10, math.inf)

