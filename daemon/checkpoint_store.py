@@ -17,8 +17,9 @@ from __future__ import annotations
 import os
 import tempfile
 import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Protocol
 
 from daemon.kafka_io import read_compacted_latest
 

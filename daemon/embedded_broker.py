@@ -147,7 +147,7 @@ def _set_pdeathsig() -> None:  # runs in the child between fork and exec
         pass
 
 
-_RUNNING: "weakref.WeakSet[EmbeddedBroker]" = weakref.WeakSet()
+_RUNNING: weakref.WeakSet[EmbeddedBroker] = weakref.WeakSet()
 
 
 @atexit.register
@@ -217,7 +217,7 @@ class EmbeddedBroker:
         return f"EmbeddedBroker({self.host}:{self.port}, {state}, log={str(self.log_path)!r})"
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "EmbeddedBroker":
+    def start(self) -> EmbeddedBroker:
         """Start the broker and wait until it serves Kafka Metadata requests.
 
         Without a fixed port, a busy port (lost race) is retried on a fresh free port up to
@@ -261,7 +261,7 @@ class EmbeddedBroker:
                     pass
             self._note(f"stopped (exit code {proc.returncode})")
 
-    def restart(self, down_seconds: float = 0.0) -> "EmbeddedBroker":
+    def restart(self, down_seconds: float = 0.0) -> EmbeddedBroker:
         """Stop and start again on the SAME port (clients keep their bootstrap address).
 
         ``down_seconds`` keeps the broker down that long (an outage). Memory storage: the
@@ -289,7 +289,7 @@ class EmbeddedBroker:
                 f"embedded Tansu broker did not restart on port {port}: " + "; ".join(errors)
                 + f"\n--- tail of {self.log_path} ---\n{self.log_tail()}")
 
-    def __enter__(self) -> "EmbeddedBroker":
+    def __enter__(self) -> EmbeddedBroker:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -42,6 +42,8 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -192,6 +194,9 @@ class JoinStore:
             raise InputError(f"offer: probs must have shape ({n}, k), got {probs.shape}")
         if now is not None and now > self.clock:
             self.clock = float(now)
+        fast = self._offer_uniform(m, kind, kind_l, ids, ts_l, probs, lab_l, now is None)
+        if fast is not None:
+            return fast
         event_time = now is None
         pend, recent, ttl, cap = m.pending, m.recent, self.ttl, self.max_pending
         # joined samples; their rows come from this batch (b_*) or from pending blocks (p_*)
@@ -302,6 +307,129 @@ class JoinStore:
         return JoinResult(out_ids, np.asarray(out_ts, dtype=np.float64), rows,
                           np.asarray(out_lab, dtype=np.int64), ev, um)
 
+    def _offer_uniform(self, m: _ModelJoin, kind: Any, kind_l: list, ids: Sequence[str],
+                       ts_l: list, probs: np.ndarray | None, lab_l: list, event_time: bool
+                       ) -> JoinResult | None:
+        """Fast path of :meth:`offer` for the common batch: one kind of event (a partition of
+        the predictions or of the outcomes topic), distinct ids, none of them recently joined
+        or expired, and no eviction possible (nothing reaches its TTL within the batch, the
+        pending buffer cannot overflow). Every event is then independent of the others, so
+        the per-event loop of :meth:`offer` reduces to C-level bulk dict operations with the
+        same result. Returns None (nothing changed) when a condition does not hold."""
+        n = len(kind_l)
+        if n == 0:
+            return None
+        kd = kind_l[0]
+        if kind_l.count(kd) != n or kd not in (KIND_PREDICTION, KIND_OUTCOME, KIND_SAMPLE):
+            return None
+        pend, recent = m.pending, m.recent
+        if len(pend) + n > self.max_pending:
+            return None
+        # the clock before each event (event time: running maximum of ts)
+        clock0 = self.clock
+        if event_time:
+            t = np.asarray(ts_l, dtype=np.float64)
+            if not np.isfinite(t).all():
+                return None
+            clk = np.maximum.accumulate(t)
+            np.maximum(clk, clock0, out=clk)
+            first, last = float(clk[0]), float(clk[-1])
+        else:
+            first = last = clock0
+        front = next(iter(pend.values()))[1] if pend else math.inf
+        # no expiry: old deadlines >= the final clock, and new ones (>= first + ttl) as well
+        if front < last or first + self.ttl < last:
+            return None
+        if len(set(ids)) != n or (recent and any(map(recent.__contains__, ids))):
+            return None
+        ev, um = _zero(EVICTION_REASONS), _zero(UNMATCHED_KINDS)
+        k = probs.shape[1] if probs is not None else 0
+        if kd == KIND_SAMPLE:
+            entries = list(map(pend.__contains__, ids))
+            dup = entries.count(True)
+            if dup:
+                keep = [i for i, e in enumerate(entries) if not e]
+                um["duplicate"] += dup
+            else:
+                keep = None
+            out_ids = list(ids) if keep is None else [ids[i] for i in keep]
+            rows = probs.copy() if keep is None else probs[keep]
+            out_ts = np.asarray(ts_l, dtype=np.float64)
+            out_lab = np.asarray(lab_l, dtype=np.int64)
+            if keep is not None:
+                out_ts, out_lab = out_ts[keep], out_lab[keep]
+            self._remember_new(m, out_ids)
+            self.clock = last
+            m.joined += len(out_ids)
+            _acc(m, ev, um)
+            return JoinResult(out_ids, out_ts, rows, out_lab, ev, um)
+        entries = list(map(pend.get, ids))
+        miss = entries.count(None)
+        other = KIND_OUTCOME if kd == KIND_PREDICTION else KIND_PREDICTION
+        if miss == n:
+            hit_i: list[int] = []
+        else:
+            hit_i = [i for i, e in enumerate(entries) if e is not None]
+        join_i: list[int] = []
+        for i in hit_i:  # events whose partner (or a duplicate) is pending
+            if entries[i][0] == other:
+                join_i.append(i)
+            else:
+                um["duplicate"] += 1
+        if hit_i:
+            hit = set(hit_i)
+            new_i = [i for i in range(n) if i not in hit]
+        else:
+            new_i = None  # all
+        # joined samples, in event order
+        out_ids = [ids[i] for i in join_i]
+        for eid in out_ids:
+            del pend[eid]
+        jent = [entries[i] for i in join_i]
+        out_ts = np.maximum(np.asarray([e[2] for e in jent], dtype=np.float64),
+                            np.asarray([ts_l[i] for i in join_i], dtype=np.float64))
+        if kd == KIND_PREDICTION:
+            out_lab = np.asarray([e[3] for e in jent], dtype=np.int64)
+            rows = probs[join_i] if join_i else np.empty((0, k))
+        else:
+            out_lab = np.asarray([lab_l[i] for i in join_i], dtype=np.int64)
+            rows = _gather_rows([e[3] for e in jent], k)
+        # the others wait: (kind, deadline, ts, payload) tuples, in event order
+        if new_i is None:
+            nid, nts = ids, ts_l
+        else:
+            nid, nts = [ids[i] for i in new_i], [ts_l[i] for i in new_i]
+        if nid:
+            if event_time:
+                dl = (clk if new_i is None else clk[new_i]) + self.ttl
+                dls = dl.tolist()
+            else:
+                dls = repeat(clock0 + self.ttl)
+            if kd == KIND_PREDICTION:
+                block = probs.copy() if new_i is None else probs[new_i]
+                payload = zip(repeat(block), range(len(nid)))
+            else:
+                payload = lab_l if new_i is None else [lab_l[i] for i in new_i]
+            pend.update(zip(nid, zip(repeat(kd), dls, nts, payload)))
+        self._remember_new(m, out_ids)
+        self.clock = last
+        m.joined += len(out_ids)
+        _acc(m, ev, um)
+        return JoinResult(out_ids, out_ts, rows, out_lab, ev, um)
+
+    def _remember_new(self, m: _ModelJoin, eids: list[str]) -> None:
+        """:meth:`_remember` ``_JOINED`` for distinct ids not in ``recent``, in bulk."""
+        if self.max_recent == 0 or not eids:
+            return
+        rec, order = m.recent, m.recent_order
+        order.extend(eids)
+        rec.update(zip(eids, repeat(_JOINED)))
+        excess = len(order) - self.max_recent
+        if excess > 0:
+            old = [order.popleft() for _ in range(excess)]
+            for eid in old:
+                del rec[eid]
+
     def offer_batch(self, mb: Any, now: float | None = None) -> JoinResult:
         """:meth:`offer` for a :class:`daemon.events.ModelBatch`."""
         return self.offer(mb.model, mb.kind, mb.ids, mb.ts, mb.probs, mb.labels, now)
@@ -380,6 +508,26 @@ class JoinStore:
             return NotImplemented
         a, b = self.to_dict(), other.to_dict()
         return a == b
+
+
+def _gather_rows(srcs: list[tuple[np.ndarray, int]], k: int) -> np.ndarray:
+    """Rows ``block[r]`` for ``(block, r)`` payloads, one gather per distinct block."""
+    rows = np.empty((len(srcs), k), dtype=np.float64)
+    if not srcs:
+        return rows
+    blocks = [s[0] for s in srcs]
+    r = np.fromiter(map(itemgetter(1), srcs), dtype=np.int64, count=len(srcs))
+    first = blocks[0]
+    if blocks.count(first) == len(blocks):  # common: one block
+        rows[:] = first[r]
+        return rows
+    keys = np.fromiter(map(id, blocks), dtype=np.int64, count=len(blocks))
+    uk, pos, inv = np.unique(keys, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    for g, p in enumerate(pos.tolist()):
+        sel = np.flatnonzero(inv == g)
+        rows[sel] = blocks[p][r[sel]]
+    return rows
 
 
 def _empty_result() -> JoinResult:

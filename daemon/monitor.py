@@ -54,7 +54,8 @@ from typing import Any
 import numpy as np
 
 from lpcal.errors import InputError
-from lpcal.metrics import _batch_stats, _lp_norm
+from lpcal.metrics import batch_stats as _batch_stats
+from lpcal.metrics import lp_norm as _lp_norm
 
 __all__ = ["PREDICTORS", "CellSums", "WindowMonitor", "WindowStats", "cell_bounds"]
 

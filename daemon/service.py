@@ -85,7 +85,7 @@ def subset(mb: ModelBatch, keep: np.ndarray) -> ModelBatch:
 
 
 class _Rebalance(ConsumerRebalanceListener):
-    def __init__(self, daemon: "Daemon"):
+    def __init__(self, daemon: Daemon):
         self.d = daemon
 
     async def on_partitions_revoked(self, revoked):
@@ -289,6 +289,7 @@ class Daemon:
             for key, value in records.items():
                 if key.startswith("model/"):
                     self._restore_model(key[6:], value, parts)
+            await self._adopt_published_binmaps(parts)
             for tp in new:
                 off = manifests.get(tp.partition, {}).get("offsets", {}).get(tp.topic)
                 if off is None:
@@ -330,6 +331,51 @@ class Daemon:
                                             int(inf["version"]))
         if st.binmap is not None:
             self.metrics.set_binmap_published(model, st.binmap_version)
+
+    async def _adopt_published_binmaps(self, parts: set[int]) -> None:
+        """Install bin maps published after the last checkpoint (a crash between publishing and
+        checkpointing). Every record is verified; a corrupt, truncated or incompatible one is
+        rejected and counted, and the model keeps its previous good map."""
+        try:
+            latest = await kafka_io.read_compacted_latest(
+                self.s.kafka.bootstrap_servers, self.s.kafka.topics.binmaps, timeout=30.0,
+                security=self.s.kafka, missing_ok=True)
+        except Exception as e:  # noqa: BLE001 - the checkpointed maps stay in force
+            log.warning("cannot read %s: %s", self.s.kafka.topics.binmaps, e)
+            return
+        for model, data in latest.items():
+            st = self.models.get(model)
+            if st is None or self.partition_of.get(model) not in parts or data is None:
+                continue
+            bm = self.verify_binmap(data, model)
+            if bm is None or bm.version <= st.binmap_version:
+                continue
+            st.install_binmap(data, bm.version)
+            inf = self.inflight.get(model)
+            if inf is not None and inf.version <= bm.version:
+                del self.inflight[model]  # its result was published before the crash
+            self.dirty.add(model)
+            self.metrics.set_binmap_published(model, bm.version)
+            log.info("model %s: adopted published bin map version %d", model, bm.version)
+
+    def verify_binmap(self, data: bytes, model: str):
+        """``BinMap`` of ``data`` if it verifies and belongs to ``model``, else None (counted)."""
+        from lpcal.binmap import BinMap
+
+        try:
+            bm = BinMap.from_json(data, where=f"bin map of {model!r}")
+        except ArtifactError as e:
+            msg = str(e)
+            reason = ("checksum" if "checksum" in msg else "truncated" if "JSON" in msg
+                      else "schema" if "schema" in msg else "parse")
+            self.metrics.inc_binmap_rejected(reason)
+            log.error("rejected %s", msg)
+            return None
+        if bm.model_id != model:
+            self.metrics.inc_binmap_rejected("parse")
+            log.error("rejected bin map under key %r: it is for model %r", model, bm.model_id)
+            return None
+        return bm
 
     async def on_revoked(self, tps: set[TopicPartition]) -> None:
         parts = {tp.partition for tp in tps}

@@ -23,14 +23,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 import orjson
 
 from lpcal.errors import ArtifactError, InputError
-from lpcal.levels import BinIndex, bin_counts_hashed, decode_keys
+from lpcal.levels import FLOOR_TOL, BinIndex, _combine, _rows_per_chunk, _weights, decode_keys
 
 SCHEMA_VERSION = 1
 _SUM_TOL = 1e-3
@@ -57,6 +57,14 @@ def _decode_pred(obj: Any, k: int, g: int) -> np.ndarray:
         raise ArtifactError(f"preds[{g}]: class index outside [0, {k})")
     row[idx] = val
     return row
+
+
+def _check_rows(u: np.ndarray, s: np.ndarray, offset: int) -> None:
+    bad = ~np.isfinite(s) | (np.abs(s - 1.0) > _SUM_TOL) | (u.min(axis=1) < 0)
+    if bad.any():
+        r = int(np.flatnonzero(bad)[0])
+        raise InputError(f"row {offset + r}: not a probability vector (sum {s[r]!r}, "
+                         f"min {u[r].min()!r})")
 
 
 def scale_temperature(probs: np.ndarray, temperature: float) -> np.ndarray:
@@ -126,43 +134,58 @@ class BinMap:
         """Calibrated probabilities ``h(x)`` for rows of raw probabilities ``f(x)`` (vectorised).
 
         ``check`` validates rows (finite, non-negative, summing to 1 within 1e-3) and raises
-        :class:`InputError` naming the first bad row; rows are renormalised to sum to one.
+        :class:`InputError` naming the first bad row. Rows are renormalised when their sums are
+        far enough from 1 to move a bin boundary. One cache-resident pass per chunk of rows:
+        validate, bin, hash, look up in ``B``, write the group prediction or the fallback.
         """
         u = np.asarray(probs, dtype=np.float64)
         one = u.ndim == 1
         u = np.atleast_2d(u)
         if u.ndim != 2 or u.shape[1] != self.k:
             raise InputError(f"expected probability rows of length {self.k}, got shape {u.shape}")
-        s = u.sum(axis=1)
-        if check:
-            bad = ~np.isfinite(s) | (np.abs(s - 1.0) > _SUM_TOL)
-            if bad.any() or (u.size and u.min() < 0):
-                neg = np.flatnonzero((u < 0).any(axis=1) | bad)
-                r = int(neg[0])
-                raise InputError(f"row {r}: not a probability vector (sum {s[r]!r}, "
-                                 f"min {u[r].min()!r})")
-        fresh = False  # does u own its memory (safe to write the output into)?
-        if np.abs(s - 1.0).max(initial=0.0) * self.lam > 1e-6:
-            u, fresh = u / s[:, None], True
         if self.temperature is not None:
-            u, fresh = scale_temperature(u, self.temperature), True
-        c, h = bin_counts_hashed(u, self.lam)
-        idx = self._index.lookup(c, h)
-        if self.outside == "rho":
-            deficit = (self.lam - c.sum(axis=1)) / (self.k * self.lam)
-            out = c * (1.0 / self.lam)
-            out += deficit[:, None]
-        else:
-            out = u if fresh else u.copy()
-        hit = idx >= 0
-        if hit.any():
-            out[hit] = self._bin_pred[idx[hit]]
+            s = u.sum(axis=1)
+            if check:
+                _check_rows(u, s, 0)
+            u = scale_temperature(u / s[:, None], self.temperature)
+            check = False
+        n, k, lam = u.shape[0], self.k, self.lam
+        out = np.empty((n, k))
+        w = _weights(k)
+        step = _rows_per_chunk(k)
+        buf = np.empty((min(step, n), k))
+        rho = self.outside == "rho"
+        inv_lam, inv_klam = 1.0 / lam, 1.0 / (k * lam)
+        for a in range(0, n, step):
+            b_ = min(a + step, n)
+            src = u[a:b_]
+            s = src.sum(axis=1)
+            if check:
+                _check_rows(src, s, a)
+            if np.abs(s - 1.0).max() * lam > 1e-6:
+                src = src / s[:, None]
+            t = buf[: b_ - a]
+            np.multiply(src, lam, out=t)
+            t += FLOOR_TOL
+            np.floor(t, out=t)
+            np.clip(t, 0, lam, out=t)
+            hh = t @ w
+            idx = self._index.lookup_hashed(_combine(hh), hh)
+            o = out[a:b_]
+            if rho:
+                np.multiply(t, inv_lam, out=o)
+                o += ((lam - t.sum(axis=1)) * inv_klam)[:, None]
+            else:
+                o[...] = src
+            hit = idx >= 0
+            if hit.any():
+                o[hit] = self._bin_pred[idx[hit]]
         return out[0] if one else out
 
     __call__ = apply
 
     # ------------------------------------------------------------------ versions
-    def with_version(self, version: int, created_at: str | None = None) -> "BinMap":
+    def with_version(self, version: int, created_at: str | None = None) -> BinMap:
         return dataclasses.replace(self, version=int(version),
                                    created_at=created_at or utc_now())
 
@@ -207,7 +230,7 @@ class BinMap:
         return self._digest(self._content())
 
     @classmethod
-    def from_json(cls, data: bytes | str, *, where: str = "bin map") -> "BinMap":
+    def from_json(cls, data: bytes | str, *, where: str = "bin map") -> BinMap:
         """Load and verify an artifact; raises :class:`ArtifactError` saying what is wrong."""
         if isinstance(data, str):
             data = data.encode()
@@ -265,4 +288,4 @@ class BinMap:
 
 
 def utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -25,7 +25,7 @@ Two options go beyond the paper; both keep its guarantee:
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,8 +33,8 @@ from lpcal.algorithm import LevelCounts, run_kernel
 from lpcal.binmap import BinMap, scale_temperature, utc_now
 from lpcal.errors import InputError
 from lpcal.io import validate_labels, validate_probs
-from lpcal.levels import beta_for, bin_counts_hashed, encode_keys, lambda_for
-from lpcal.pools import PoolSet
+from lpcal.levels import beta_for, encode_keys, lambda_for
+from lpcal.pools import PoolSet, tables_from_rows
 from lpcal.sizing import Sizing, practical_sizing, theory_sizing
 
 _PRESCALE = ("none", "temperature")
@@ -128,23 +128,22 @@ def _mass_outside(pools: PoolSet, hB: np.ndarray) -> float:
     return float(1.0 - inside / max(1, mass.sum()))
 
 
-def checked_probs(probs, where: str, tol: float = 1e-4) -> tuple[np.ndarray, np.ndarray]:
-    """``(x, row sums)`` after a two-pass check (sums finite and within ``tol`` of 1, min >= 0);
-    on failure :func:`lpcal.io.validate_probs` produces the detailed error."""
+def _scanned(probs, lam: int, tol: float = 1e-4):
+    """Validate and bin-hash ``probs`` in one fused pass: ``(x, scan)``; ``x`` is renormalised
+    (and rescanned) only when row sums are far enough from 1 to move a bin boundary."""
+    from lpcal.levels import scan_rows
+
     x = np.asarray(probs, dtype=np.float64)
-    if x.ndim == 2 and x.size:
-        s = x.sum(axis=1)
-        if np.isfinite(s).all() and np.abs(s - 1.0).max() <= tol and x.min() >= 0:
-            return x, s
-    x = validate_probs(x, where, tol=tol)
-    return x, x.sum(axis=1)
-
-
-def normalized(x: np.ndarray, row_sums: np.ndarray, lam: int) -> np.ndarray:
-    """Renormalise rows only when their sums are far enough from 1 to move a bin boundary."""
-    if np.abs(row_sums - 1.0).max() * lam > 1e-6:
-        return x / row_sums[:, None]
-    return x
+    if x.ndim == 2 and x.size and x.shape[1] >= 2:
+        scan = scan_rows(x, lam)
+        s, mn = scan[2], scan[3]
+        if np.isfinite(s).all() and np.abs(s - 1.0).max() <= tol and mn.min() >= 0:
+            if np.abs(s - 1.0).max() * lam > 1e-6:
+                x = x / s[:, None]
+                scan = scan_rows(x, lam)
+            return x, scan
+    x = validate_probs(x, "probs", tol=tol)
+    return _scanned(x / x.sum(axis=1, keepdims=True), lam, tol)
 
 
 def split_sample(n: int, sizes: list[int], seed: int) -> list[np.ndarray]:
@@ -190,11 +189,11 @@ def fit(
     if logits:
         from lpcal.io import softmax
         probs = softmax(probs)
-    x, row_sums = checked_probs(probs, "probs")
+    beta = beta_for(eps, p)
+    lam = lambda_for(beta)
+    x, scan = _scanned(probs, lam)
     n, k = x.shape
     y = validate_labels(labels, k, "labels", n=n)
-    beta = beta_for(eps, p)
-    x = normalized(x, row_sums, lambda_for(beta))
     n_pre = int(round(n * prescale_fraction)) if prescale == "temperature" else 0
     if prescale == "temperature" and not (0 < prescale_fraction < 1 and n_pre >= 2):
         raise InputError(f"prescale_fraction must leave samples on both sides, got "
@@ -229,10 +228,12 @@ def fit(
         from lpcal.temperature import fit_temperature
         temperature = float(fit_temperature(x[blocks[0]], y[blocks[0]]))
         x = scale_temperature(x, temperature)
-    c, h = bin_counts_hashed(x, layout.lam)
-    pools = PoolSet(layout)
-    for name, idx in zip(layout.names, blocks[1:]):
-        pools.tables[name].add(None, y[idx], counts=c[idx], hashes=h[idx])
+        scan = None
+    assign = np.full(n, -1, dtype=np.int64)
+    for i, idx in enumerate(blocks[1:]):
+        assign[idx] = i
+    tables = tables_from_rows(x, y, assign, len(layout.names), k, layout.lam, scan)
+    pools = PoolSet(layout, dict(zip(layout.names, tables)))
     return fit_pools(pools, eps=eps, p=p, delta=delta, sizing=sz, seed=seed, model_id=model_id,
                      temperature=temperature, outside=outside, max_iter=max_iter,
                      progress=progress)

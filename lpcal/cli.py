@@ -13,8 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from lpcal.binmap import BinMap
 from lpcal.errors import LpcalError
 from lpcal.io import load_predictions, save_npz

@@ -516,9 +516,9 @@ class BinMapFollower:
         if self._task is None:
             self._task = asyncio.current_task()
         c = self.consumer
-        if self.manage_consumer:
-            await _maybe_await(c.start())
         try:
+            if self.manage_consumer:
+                await _maybe_await(c.start())  # a failure here ends run (stop still runs)
             backoff = 0.1
             while not self._stop.is_set():
                 try:
@@ -644,6 +644,7 @@ class FollowerThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
         self._done = threading.Event()
+        self._stop_requested = threading.Event()
         self._thread = threading.Thread(target=self._main, name="lpcal-binmap-follower",
                                         daemon=True)
 
@@ -663,13 +664,21 @@ class FollowerThread:
                 from self.error
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the follower and its consumer, then join the thread (up to ``timeout`` s)."""
+        self._stop_requested.set()
+        deadline = time.monotonic() + timeout
+        while (self.follower is None and self._thread.is_alive()
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
         loop, f = self._loop, self.follower
         if loop is not None and f is not None and not self._done.is_set():
             try:
-                asyncio.run_coroutine_threadsafe(f.stop(), loop).result(timeout)
-            except RuntimeError:  # loop already closed
+                asyncio.run_coroutine_threadsafe(f.stop(), loop).result(
+                    max(0.0, deadline - time.monotonic()))
+            except (RuntimeError, TimeoutError):  # loop already closed / too slow
                 pass
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(max(0.0, deadline - time.monotonic()))
 
     def _main(self) -> None:
         async def main():
@@ -677,6 +686,8 @@ class FollowerThread:
             self.follower = BinMapFollower(self.store, self.consumer_factory(),
                                            **self.follower_kwargs)
             task = self.follower.start()
+            if self._stop_requested.is_set():
+                await self.follower.stop()
 
             async def flag():
                 await self.follower.ready.wait()

@@ -32,7 +32,7 @@ nearest integer when it is within a relative ``1e-9`` of it, so that ``0.1**2/2`
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -250,6 +250,37 @@ def bin_counts_hashed(probs: np.ndarray, lam: int) -> tuple[np.ndarray, np.ndarr
     return c, _combine(hh)
 
 
+def scan_rows(probs: np.ndarray, lam: int):
+    """One fused, cache-resident pass over probability rows, without materialising ``c``.
+
+    Returns ``(h, pair, row_sum, row_min)``: the folded hash and the two exact 53-bit hashes of
+    every row's bin ``c = lambda R(u)`` (as :func:`bin_counts_hashed`), and each row's sum and
+    minimum (for validation). Reads ``probs`` once; writes O(n).
+    """
+    u = np.atleast_2d(np.asarray(probs, dtype=np.float64))
+    n, k = u.shape
+    if lam > MAX_LAMBDA:
+        raise InputError(f"lambda = {lam} exceeds the supported maximum {MAX_LAMBDA}")
+    w = _weights(k)
+    hh = np.empty((n, 2), dtype=np.float64)
+    rs = np.empty(n)
+    rm = np.empty(n)
+    step = _rows_per_chunk(k)
+    buf = np.empty((min(step, n), k))
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        src = u[a:b]
+        np.sum(src, axis=1, out=rs[a:b])
+        np.min(src, axis=1, out=rm[a:b])
+        t = buf[: b - a]
+        np.multiply(src, lam, out=t)
+        t += FLOOR_TOL
+        np.floor(t, out=t)
+        np.clip(t, 0, lam, out=t)
+        np.dot(t, w, out=hh[a:b])
+    return _combine(hh), hh, rs, rm
+
+
 def row_hash(counts: np.ndarray) -> np.ndarray:
     """Hash of integer bin rows: two exact integer dot products with random weights, folded.
 
@@ -302,46 +333,52 @@ def group_rows(counts: np.ndarray, hashes: np.ndarray | None = None, *, exact: b
 
 
 class BinIndex:
-    """Exact, vectorised lookup of bin rows in a fixed set of bins (e.g. the set B).
+    """Vectorised lookup of bins in a fixed set of bins (e.g. the set B).
 
-    ``lookup(c)`` returns, for every row, the position of that bin in ``rows`` or -1.
-    Complexity: one row hash (O(n k)), one ``searchsorted`` (O(n log m)), and an exact check on
-    the hits (O(hits * k)).
+    ``lookup(h, pair)`` returns, for every row hash, the position of that bin in ``rows`` or -1.
+    A hit is confirmed on both exact 33-bit-weight hashes (a false hit needs a simultaneous
+    collision of both, probability ``2^-66`` per pair of distinct bins). Complexity: one
+    ``searchsorted`` (O(n log m)) plus O(hits) checks; the hashes come from the caller's pass
+    over the data (:func:`scan_rows`, :func:`bin_counts_hashed`).
     """
 
-    __slots__ = ("rows", "k", "_sorted_h", "_order")
+    __slots__ = ("_order", "_pair", "_sorted_h", "k", "rows")
 
     def __init__(self, rows: np.ndarray):
         rows = np.ascontiguousarray(np.atleast_2d(rows), dtype=np.int32)
         self.rows = rows
         self.k = rows.shape[1]
-        h = row_hash(rows)
-        order = np.argsort(h, kind="stable")
+        pair = _pair_hash(rows) if rows.shape[0] else np.zeros((0, 2))
+        h = _combine(pair) if rows.shape[0] else np.zeros(0, dtype=np.int64)
         if np.unique(h).size != h.size:
-            uh, _, _ = group_rows(rows, h)
-            if uh.size != h.size:
-                raise InputError("BinIndex: duplicate bins")
+            raise InputError("BinIndex: duplicate bins (or a hash collision)")
+        order = np.argsort(h, kind="stable")
         self._sorted_h = h[order]
         self._order = order
+        self._pair = pair
 
     def __len__(self) -> int:
         return self.rows.shape[0]
+
+    def lookup_hashed(self, h: np.ndarray, pair: np.ndarray) -> np.ndarray:
+        m = self._sorted_h.size
+        if m == 0:
+            return np.full(h.shape[0], -1, dtype=np.int64)
+        pos = np.searchsorted(self._sorted_h, h)
+        np.minimum(pos, m - 1, out=pos)
+        hit = self._sorted_h[pos] == h
+        idx = np.where(hit, self._order[pos], -1)
+        rows_hit = np.flatnonzero(hit)
+        if rows_hit.size and not np.array_equal(pair[rows_hit], self._pair[idx[rows_hit]]):
+            raise HashCollision("bin hash collision during lookup")
+        return idx.astype(np.int64, copy=False)
 
     def lookup(self, counts: np.ndarray, hashes: np.ndarray | None = None) -> np.ndarray:
         c = np.atleast_2d(counts)
         if c.shape[1] != self.k:
             raise InputError(f"expected {self.k} classes, got {c.shape[1]}")
-        h = row_hash(c) if hashes is None else hashes
-        m = self._sorted_h.size
-        if m == 0:
-            return np.full(c.shape[0], -1, dtype=np.int64)
-        pos = np.searchsorted(self._sorted_h, h)
-        pos_c = np.minimum(pos, m - 1)
-        hit = self._sorted_h[pos_c] == h
-        idx = np.where(hit, self._order[pos_c], -1)
-        rows_hit = np.flatnonzero(hit)
-        if rows_hit.size:
-            same = (c[rows_hit] == self.rows[idx[rows_hit]]).all(axis=1)
-            if not same.all():
-                raise HashCollision("bin hash collision during lookup")
-        return idx.astype(np.int64)
+        idx = self.lookup_hashed(row_hash(c) if hashes is None else hashes, _pair_hash(c))
+        hit = np.flatnonzero(idx >= 0)
+        if hit.size and not (c[hit] == self.rows[idx[hit]]).all():
+            raise HashCollision("bin hash collision during lookup")
+        return idx

@@ -22,19 +22,19 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 import numpy as np
 
 from lpcal.errors import InputError
 from lpcal.levels import (
+    HashCollision,
     bin_counts,
     bin_counts_hashed,
     decode_keys,
     encode_keys,
     group_rows,
-    HashCollision,
     row_hash,
 )
 
@@ -74,7 +74,20 @@ class CountTable:
     compacts lazily, so streaming many small batches costs amortised ``O(batch * k)``.
     """
 
-    __slots__ = ("k", "lam", "_h", "_ptr", "_idx", "_val", "_pb", "_pl", "_pc", "_pending", "_npend")
+    __slots__ = (
+        "_h",
+        "_idx",
+        "_lazy",
+        "_npend",
+        "_pb",
+        "_pc",
+        "_pending",
+        "_pl",
+        "_ptr",
+        "_val",
+        "k",
+        "lam",
+    )
 
     def __init__(self, k: int, lam: int):
         if k < 2 or lam < 1:
@@ -89,6 +102,15 @@ class CountTable:
         self._pc = np.zeros(0, dtype=np.int64)
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._npend = 0
+        # (probability rows, one row index per bin): bin rows not materialised yet
+        self._lazy: tuple[np.ndarray, np.ndarray] | None = None
+
+    def _materialize(self) -> None:
+        """Compute the sparse rows of lazily held bins (see :func:`tables_from_rows`)."""
+        if self._lazy is not None:
+            src, rows = self._lazy
+            self._ptr, self._idx, self._val = _csr_from_dense(bin_counts(src[rows], self.lam))
+            self._lazy = None
 
     # ------------------------------------------------------------------ building
     def add(self, probs: np.ndarray | None, labels, counts: np.ndarray | None = None,
@@ -136,18 +158,20 @@ class CountTable:
         self._assign(merged)
 
     @classmethod
-    def _raw(cls, k, lam, h, ptr, idx, val, pb, pl, pc) -> "CountTable":
+    def _raw(cls, k, lam, h, ptr, idx, val, pb, pl, pc, lazy=None) -> CountTable:
         t = cls(k, lam)
         t._h, t._ptr, t._idx, t._val = h, ptr, idx, val
         t._pb, t._pl, t._pc = pb.astype(np.int64), pl.astype(np.int32), pc.astype(np.int64)
+        t._lazy = lazy
         return t
 
-    def _assign(self, o: "CountTable") -> None:
+    def _assign(self, o: CountTable) -> None:
         self._h, self._ptr, self._idx, self._val = o._h, o._ptr, o._idx, o._val
         self._pb, self._pl, self._pc = o._pb, o._pl, o._pc
+        self._lazy = o._lazy
 
     @classmethod
-    def from_samples(cls, probs, labels, lam: int, k: int | None = None) -> "CountTable":
+    def from_samples(cls, probs, labels, lam: int, k: int | None = None) -> CountTable:
         probs = np.atleast_2d(np.asarray(probs))
         t = cls(k or probs.shape[1], lam)
         t.add(probs, labels)
@@ -155,7 +179,9 @@ class CountTable:
         return t
 
     # ------------------------------------------------------------------ combining
-    def _merge_compacted(self, o: "CountTable") -> "CountTable":
+    def _merge_compacted(self, o: CountTable) -> CountTable:
+        self._materialize()
+        o._materialize()
         if self._h.size == 0:
             return o
         if o._h.size == 0:
@@ -197,7 +223,7 @@ class CountTable:
         pc = np.bincount(where.reshape(-1), weights=cnt, minlength=up.size).astype(np.int64)
         return CountTable._raw(self.k, self.lam, uh, ptr, idx, val, up // self.k, up % self.k, pc)
 
-    def merge(self, other: "CountTable") -> "CountTable":
+    def merge(self, other: CountTable) -> CountTable:
         """The pool of the union of both pools' samples (neither input is modified)."""
         if (self.k, self.lam) != (other.k, other.lam):
             raise InputError(
@@ -211,10 +237,10 @@ class CountTable:
 
     __add__ = merge
 
-    def copy(self) -> "CountTable":
+    def copy(self) -> CountTable:
         self._compact()
         t = CountTable._raw(self.k, self.lam, self._h, self._ptr, self._idx, self._val,
-                            self._pb, self._pl, self._pc)
+                            self._pb, self._pl, self._pc, self._lazy)
         return t
 
     # ------------------------------------------------------------------ reading
@@ -235,7 +261,11 @@ class CountTable:
     def bin_rows(self, positions: np.ndarray) -> np.ndarray:
         """Dense int32 rows ``c`` of the stored bins at ``positions``."""
         self._compact()
-        sub = _csr_take(self._ptr, self._idx, self._val, np.asarray(positions, dtype=np.int64))
+        positions = np.asarray(positions, dtype=np.int64)
+        if self._lazy is not None:
+            src, rows = self._lazy
+            return bin_counts(src[rows[positions]], self.lam)
+        sub = _csr_take(self._ptr, self._idx, self._val, positions)
         return _csr_to_dense(*sub, self.k)
 
     def label_counts(self, hashes: np.ndarray) -> np.ndarray:
@@ -258,6 +288,7 @@ class CountTable:
 
     def keys(self) -> list[str]:
         self._compact()
+        self._materialize()
         return encode_keys(_csr_to_dense(self._ptr, self._idx, self._val, self.k)) \
             if self._h.size * self.k <= 1 << 24 else self._keys_chunked()
 
@@ -283,7 +314,7 @@ class CountTable:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping, where: str = "pool") -> "CountTable":
+    def from_dict(cls, d: Mapping, where: str = "pool") -> CountTable:
         try:
             k, lam = int(d["k"]), int(d["lam"])
             keys = list(d["bins"])
@@ -322,6 +353,8 @@ class CountTable:
             return NotImplemented
         self._compact()
         other._compact()
+        self._materialize()
+        other._materialize()
         return (
             (self.k, self.lam) == (other.k, other.lam)
             and np.array_equal(self._h, other._h)
@@ -335,6 +368,52 @@ class CountTable:
 
     def __repr__(self) -> str:
         return f"CountTable(k={self.k}, lam={self.lam}, total={self.total})"
+
+
+def tables_from_rows(probs: np.ndarray, labels: np.ndarray, assign: np.ndarray, n_tables: int,
+                     k: int, lam: int, scan=None) -> list[CountTable]:
+    """Build ``n_tables`` pools at once: row ``i`` goes to pool ``assign[i]`` (-1: unused).
+
+    One fused pass hashes every row's bin (:func:`lpcal.levels.scan_rows`, or its result passed as
+    ``scan``); rows are grouped by hash with one sort (checked on both exact hashes), and one
+    ``np.unique`` over (pool, bin, label) keys gives every pool's counts. Bin rows stay lazy: the
+    tables keep a reference to ``probs`` and compute a bin's row only when asked for it (for the
+    bins of ``B`` during a fit, or for all of them when serialised).
+    """
+    from lpcal.levels import scan_rows
+
+    h, pair = (scan_rows(probs, lam)[:2] if scan is None else scan[:2])
+    sel = np.flatnonzero(assign >= 0)
+    if sel.size < assign.size:
+        h, pair = h[sel], pair[sel]
+    order = np.argsort(h)
+    hs = h[order]
+    new = np.empty(hs.size, dtype=bool)
+    new[:1] = True
+    np.not_equal(hs[1:], hs[:-1], out=new[1:])
+    gid = np.cumsum(new) - 1
+    inv = np.empty_like(gid)
+    inv[order] = gid
+    first = order[new]
+    uh = hs[new]
+    if not np.array_equal(pair[first][inv], pair):
+        raise HashCollision("two distinct bins share a 64-bit hash")
+    m = uh.size
+    key = (assign[sel].astype(np.int64) * m + inv) * k + np.asarray(labels)[sel]
+    uk, cnt = np.unique(key, return_counts=True)
+    k_pool, rest = np.divmod(uk, m * k)
+    k_bin, k_lab = np.divmod(rest, k)
+    bounds = np.searchsorted(k_pool, np.arange(n_tables + 1))
+    src_rows = sel[first]
+    out = []
+    empty_ptr = np.zeros(1, dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int32)
+    for t in range(n_tables):
+        a, b = bounds[t], bounds[t + 1]
+        bins, local = np.unique(k_bin[a:b], return_inverse=True)
+        out.append(CountTable._raw(k, lam, uh[bins], empty_ptr, empty, empty, local.reshape(-1),
+                                   k_lab[a:b], cnt[a:b], lazy=(probs, src_rows[bins])))
+    return out
 
 
 # ============================================================================ layout
@@ -403,7 +482,7 @@ class PoolLayout:
                 "targets": dict(self.targets)}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "PoolLayout":
+    def from_dict(cls, d: Mapping) -> PoolLayout:
         try:
             return cls(int(d["k"]), int(d["lam"]), int(d["levels"]), str(d["variant"]),
                        dict(d["targets"]))
@@ -448,7 +527,7 @@ class PoolSet:
     def total(self) -> int:
         return sum(t.total for t in self.tables.values())
 
-    def merge(self, other: "PoolSet") -> "PoolSet":
+    def merge(self, other: PoolSet) -> PoolSet:
         if self.layout != other.layout:
             raise InputError("cannot merge pool sets with different layouts")
         return PoolSet(self.layout, {n: self.tables[n].merge(other.tables[n])
@@ -459,7 +538,7 @@ class PoolSet:
                 "tables": {n: t.to_dict() for n, t in self.tables.items()}}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "PoolSet":
+    def from_dict(cls, d: Mapping) -> PoolSet:
         try:
             layout = PoolLayout.from_dict(d["layout"])
             tables = {n: CountTable.from_dict(t, where=f"pool {n}") for n, t in d["tables"].items()}

@@ -29,7 +29,9 @@ def _ratio(cell: str) -> float:
 
 
 def test_fit_quick_tables():
-    pools, raw = bench_fit.run(quick=True)
+    pools, raw, prof = bench_fit.run(quick=True)
+    assert prof.key == "profile" and len(prof.rows) > 2
+    assert {r[0].split("(")[0] for r in prof.rows} == {"fit", "BinMap.apply"}
     assert pools.key == "fit_pools" and raw.key == "fit_raw"
     # one pool case; its kernel really iterates (the point of the constructed inputs)
     assert [r[0] for r in pools.rows] == [c[0] for c in bench_fit.QUICK_POOL_CASES]
@@ -61,7 +63,8 @@ def test_quality_quick_table():
     assert set(tab.column("record")) == {"wideresnet-16-4-cifar-10"}
     assert methods[:2] == ["uncalibrated", "temperature"]
     assert "lpcal (eps=0.05, p=inf)" in methods and "lpcal+TS+id (eps=0.1, p=2)" in methods
-    assert len(methods) == 2 + 2 * len(bench_quality.SETTINGS)
+    assert "lpcal shared (eps=0.1, p=2)" in methods
+    assert len(methods) == 2 + len(bench_quality.LPCAL_VARIANTS) * len(bench_quality.SETTINGS)
     acc = [float(a) for a in tab.column("accuracy")]
     assert all(0.85 < a < 0.95 for a in acc)  # WideResNet on CIFAR-10: about 0.91
     ece = dict(zip(methods, (float(v) for v in tab.column("top-label ECE"))))

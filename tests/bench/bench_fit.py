@@ -40,6 +40,7 @@ INF = math.inf
 RAW_TARGET = 2.0
 SETUP_TARGET = 0.050
 ITER_TARGET = 0.001
+MIN_ITERS = 20  # per-iteration time is reported only for runs with at least this many
 MAX_ELEMENTS = 10**8  # n * k above this (k = 1000, n = 1e6: 8 GB per array) is skipped
 
 FULL_GRID_EPS_P = [(0.1, 2.0), (0.1, INF), (0.05, 2.0), (0.05, INF)]
@@ -147,12 +148,13 @@ def pools_table(quick: bool = False) -> Table:
         full = measure(lambda ps=ps, kw=kw: fit_pools(ps, **kw))
         it_run = int(bm.est_error.get("iterations_run", bm.iterations))
         per_it = (full.median - setup.median) / it_run if it_run else float("nan")
+        timed = it_run >= MIN_ITERS  # fewer iterations are below the timer's noise
         tab.add(label, eps, p_label(p), f"{mu:,} / {pool:,}", bm.n_bins, it_run, bm.stop_reason,
                 fmt_time(t_sel.median), fmt_time(t_lvl.median) if t_lvl else "n/a",
                 fmt_time(setup.median), fmt_time(full.median),
-                fmt_time(per_it) if it_run else "no iterations",
+                fmt_time(per_it) if timed else f"({it_run} iters: too few to time)",
                 yes_no(setup.median <= SETUP_TARGET) if bm.n_bins <= 1000 else "–",
-                yes_no(per_it <= ITER_TARGET) if it_run and bm.n_bins <= 1000 else "–")
+                yes_no(per_it <= ITER_TARGET) if timed and bm.n_bins <= 1000 else "–")
     tab.notes.append(
         "Pools: 90% of the rows on fixed prototypes (uniform or Zipf(a) masses: 0.5 for p=2, 1.0 "
         "for p=inf), 10% fresh logits N(0, 3^2) (bins outside B); strong miscalibration T = 0.3 so "
@@ -179,8 +181,45 @@ def _time_level_counts(ps: PoolSet, beta: float, sz):
         return None
 
 
+def profile_table(quick: bool = False, top: int = 8) -> Table:
+    """Where the time of ``fit`` (k = 100) and ``apply`` (k = 10) goes (cProfile, own time)."""
+    import cProfile
+    import pstats
+
+    from tests.bench.bench_apply import _variants
+
+    tab = Table("Profile: where the time goes (cProfile, functions by own time)",
+                ["call", "function", "own time", "share", "cumulative (incl. callees)"], key="profile")
+    n = 2000 if quick else 10**6
+    f, y, _ = raw_task(100).sample(n, seed=1)
+    task, variants = _variants(10, 3000 if quick else 20000)
+    x, _, _ = task.sample(n, seed=4)
+    bm = variants[0][1]
+    calls = [(f"fit(k=100, n={n:.0e}, eps=0.05, p=inf)",
+              lambda: fit(f, y, eps=0.05, p=INF, seed=0)),
+             (f"BinMap.apply(k=10, n={n:.0e})", lambda: bm.apply(x))]
+    for label, fn in calls:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fn()
+            prof = cProfile.Profile()
+            prof.enable()
+            fn()
+            prof.disable()
+        st = pstats.Stats(prof)
+        total = st.total_tt
+        rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+        for (file, line, func), (_, _, tt, ct, _) in rows:
+            where = f"{file.split('/lpcal/')[-1] if '/lpcal/' in file else func}"
+            name = f"{where}:{line} {func}" if line else func
+            tab.add(label, f"`{name}`", fmt_time(tt), f"{tt / total:.0%}", fmt_time(ct))
+    tab.notes.append("Own time (tottime) of the top functions in one profiled call after a "
+                     "warm-up; numpy methods appear by name ('reduce' = sum/min/any...).")
+    return tab
+
+
 def run(quick: bool = False) -> list[Table]:
-    return [pools_table(quick), raw_fit_table(quick)]
+    return [pools_table(quick), raw_fit_table(quick), profile_table(quick)]
 
 
 if __name__ == "__main__":

@@ -480,7 +480,13 @@ class EventProducer:
 
 
 async def read_records(bootstrap: str, topic: str, timeout: float = 20.0) -> list:
-    """Every record of ``topic`` up to its end offsets (taken at the start), all partitions."""
+    """Every record of ``topic`` up to its end offsets (taken at the start), all partitions.
+
+    Records fetched beyond the end offsets are kept: Tansu 0.6.0 reports the end offset (high
+    watermark) as *base offset of the last record batch + 1*, so cutting at the end offset
+    would drop all but the first record of the last batch (measured: 5 records in one batch
+    at offsets 0..4 give end offset 1). Fetches return whole batches, so keeping what was
+    fetched returns every record written before the call."""
     consumer = kafka_io.make_consumer(bootstrap, group_id=None, client_id="lpcal-it-reader")
     out = []
     async with asyncio.timeout(timeout):
@@ -497,13 +503,29 @@ async def read_records(bootstrap: str, topic: str, timeout: float = 20.0) -> lis
             pending = {tp for tp in tps if ends[tp] > 0}
             while pending:
                 for tp, msgs in (await consumer.getmany(*pending, timeout_ms=200)).items():
-                    out.extend(m for m in msgs if m.offset < ends[tp])
+                    out.extend(msgs)
                 for tp in list(pending):
                     if await consumer.position(tp) >= ends[tp]:
                         pending.discard(tp)
         finally:
             await consumer.stop()
     return out
+
+
+async def read_latest(bootstrap: str, topic: str, timeout: float = 20.0) -> dict[str, bytes]:
+    """The last value per (UTF-8) key of a compacted topic; tombstones delete. Like
+    :func:`daemon.kafka_io.read_compacted_latest`, but keeps the whole last record batch (see
+    :func:`read_records`); never relies on compaction."""
+    latest: dict[str, bytes] = {}
+    for m in sorted(await read_records(bootstrap, topic, timeout),
+                    key=lambda m: (m.partition, m.offset)):
+        if m.key is None:
+            continue
+        if m.value is None:
+            latest.pop(m.key.decode(), None)
+        else:
+            latest[m.key.decode()] = m.value
+    return latest
 
 
 async def end_offsets(bootstrap: str, topic: str, timeout: float = 20.0) -> dict[int, int]:
@@ -523,8 +545,7 @@ async def end_offsets(bootstrap: str, topic: str, timeout: float = 20.0) -> dict
 async def read_binmaps(bootstrap: str, topic: str, timeout: float = 20.0
                        ) -> dict[str, tuple[bytes, BinMap]]:
     """Latest bin map per model on the (compacted) bin-map topic: ``{model: (bytes, BinMap)}``."""
-    latest = await kafka_io.read_compacted_latest(bootstrap, topic, timeout=timeout,
-                                                  missing_ok=True)
+    latest = await read_latest(bootstrap, topic, timeout)
     return {k: (v, BinMap.from_json(v)) for k, v in latest.items()}
 
 
@@ -567,8 +588,7 @@ async def read_state(bootstrap: str, topic: str, timeout: float = 20.0) -> State
     """Parse the ``model/<id>`` envelopes (``{"format","model","partition","state",
     "inflight"}``) and ``partition/<n>`` manifests of a state topic."""
     snap = StateSnapshot()
-    latest = await kafka_io.read_compacted_latest(bootstrap, topic, timeout=timeout,
-                                                  missing_ok=True)
+    latest = await read_latest(bootstrap, topic, timeout)
     for key, value in latest.items():
         if key.startswith("model/"):
             env = orjson.loads(value)

@@ -1,0 +1,311 @@
+"""Benchmark 5: the daemon's ingest throughput on a real broker, as a ratio to a raw consumer.
+
+Issue 3: "ingest throughput on k = 10 JSON events, measured as a ratio to raw aiokafka
+``getmany`` plus ``orjson.loads`` of the same messages, in the same run; target >= 0.7".
+Issue 5: "fit runs do not stall ingestion: no gap over 1 s in consumption while a fit runs".
+
+Setup (one process, one embedded Tansu broker, see :mod:`daemon.embedded_broker`): a
+:class:`daemon.simulate.TrafficGenerator` stream of ``N`` events of one ``k = 10`` model
+(predictions, and their outcomes 5 s of event time later) is produced once into a
+predictions/outcomes topic pair (1 partition each). Then, alternating, each repetition reads
+all of those messages twice, each time with a fresh consumer group:
+
+* **raw**: an ``AIOKafkaConsumer`` (the daemon's consumer options) calling
+  ``getmany(max_records=5000)`` and ``orjson.loads`` on every value;
+* **lpcal**: a real in-process :class:`daemon.service.Daemon` (its poll loop, parsing,
+  validation, join, pool routing, monitor, triggers, gauges and Kafka checkpoints at the default
+  10 s interval, into a fresh state topic) with pool targets so large that no fit runs.
+
+Both are timed from the moment the first message is handed to the consumer's code (the
+``getmany`` that returned it has finished) to the moment the last one is processed, so group
+joins and fetch warm-up are excluded the same way for both. Throughput = messages / that time;
+the headline is the median over the repetitions of the per-pair ratio lpcal / raw.
+
+**Fit stall** (issue 5): the same daemon run with small pools (13 pools of 1000 samples), so
+epochs fill and fits run in the daemon's worker thread all through the ingestion; every poll
+(``DaemonMetrics.mark_poll``) is timestamped and the table reports the largest gap between
+consecutive polls that overlaps a running fit (target < 1 s), and the throughput of that run.
+
+Run alone: ``python -m tests.bench.bench_ingest [--quick] [--events N] [--repeats R]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+TARGET_RATIO = 0.7
+TARGET_GAP = 1.0
+K = 10
+EVENTS = 200_000
+QUICK_EVENTS = 6_000
+REPEATS = 3
+FAST_CONSUMER = {"session_timeout_ms": 2000, "heartbeat_interval_ms": 200}
+HUGE_POOL = 10**9      # no epoch ever fills: no fit during the throughput runs
+SMALL_POOL = 1000      # 13 pools of 1000: an epoch every 13000 samples, fits all along
+
+
+@dataclass
+class Run:
+    """One timed read of the whole stream."""
+
+    messages: int
+    seconds: float
+    polls: list[float] = field(default_factory=list)      # monotonic time of every poll
+    fits: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each fit
+
+    @property
+    def rate(self) -> float:
+        return self.messages / self.seconds
+
+    def max_gap(self, during_fit: bool) -> float:
+        """Largest gap between consecutive polls (only gaps overlapping a fit if asked)."""
+        best = 0.0
+        for a, b in zip(self.polls, self.polls[1:]):
+            if during_fit and not any(s < b and a < e for s, e in self.fits):
+                continue
+            best = max(best, b - a)
+        return best
+
+
+# --------------------------------------------------------------------------- producing
+
+
+async def produce(bootstrap: str, topics: dict[str, str], events: int) -> dict[str, int]:
+    """Write the benchmark stream; return messages per topic."""
+    from daemon.simulate import SyntheticModel, TrafficGenerator, simulate
+
+    gen = TrafficGenerator([SyntheticModel("bench-k10", k=K, T=0.5, scale=3.0, seed=1)],
+                           events=events, delay=5.0, seed=7)
+    rep = await simulate(bootstrap, topics, gen, idempotence=False, partitions=1,
+                         create_topics=True, max_batch_size=1 << 20)
+    return dict(rep.messages)
+
+
+# --------------------------------------------------------------------------- raw baseline
+
+
+async def raw_read(bootstrap: str, topics: list[str], expected: int) -> Run:
+    """``getmany`` + ``orjson.loads`` of every value with a fresh consumer group."""
+    from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+
+    from daemon import kafka_io
+
+    consumer = kafka_io.make_consumer(
+        bootstrap, group_id=f"bench-raw-{uuid.uuid4().hex[:8]}", client_id="bench-raw",
+        auto_offset_reset="earliest", max_partition_fetch_bytes=1 << 20,
+        partition_assignment_strategy=(RangePartitionAssignor,), **FAST_CONSUMER)
+    await consumer.start()
+    try:
+        consumer.subscribe(topics)
+        loads = orjson.loads
+        n = 0
+        t0 = None
+        deadline = time.monotonic() + 600
+        while n < expected:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"raw consumer read only {n}/{expected} messages")
+            batch = await consumer.getmany(timeout_ms=250, max_records=5000)
+            for msgs in batch.values():
+                if msgs and t0 is None:
+                    t0 = time.perf_counter()
+                for m in msgs:
+                    loads(m.value)
+                n += len(msgs)
+        t1 = time.perf_counter()
+    finally:
+        await consumer.stop()
+    return Run(n, t1 - t0)
+
+
+# --------------------------------------------------------------------------- daemon run
+
+
+def _settings(bootstrap: str, topics: dict[str, str], pool: int, state_topic: str, http_port: int):
+    from daemon.settings import load_settings
+
+    return load_settings(
+        None,
+        kafka={"bootstrap_servers": bootstrap, "enable_idempotence": False,
+               "create_topics": True, "topic_partitions": 1,
+               "group_id": f"bench-lpcal-{uuid.uuid4().hex[:8]}", "client_id": "bench-lpcal",
+               "topics": {"predictions": topics["predictions"], "outcomes": topics["outcomes"],
+                          "binmaps": topics["binmaps"], "deadletter": topics["deadletter"],
+                          "state": state_topic}},
+        http={"host": "127.0.0.1", "port": http_port},
+        defaults={"k": K, "eps": 0.1, "p": "inf", "pool": pool, "mu_pool": pool},
+        shutdown_grace_seconds=20,
+    )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, pool: int,
+                      profile: object | None = None) -> Run:
+    """A real in-process daemon (fresh group and state topic) consumes the whole stream."""
+    from daemon.service import Daemon
+
+    settings = _settings(bootstrap, topics, pool, f"bench.state.{uuid.uuid4().hex[:8]}",
+                         _free_port())
+    d = Daemon(settings, consumer_options=dict(FAST_CONSUMER))
+    done = asyncio.Event()
+    state = {"n": 0, "t0": None, "t1": None}
+    polls: list[float] = []
+    fits: list[list[float]] = []
+    process, mark_poll, launch = d._process, d.metrics.mark_poll, d._launch_fit
+
+    def timed_process(tp, msgs):
+        if state["t0"] is None:
+            state["t0"] = time.perf_counter()
+            if profile is not None:
+                profile.enable()
+        process(tp, msgs)
+        state["n"] += len(msgs)
+        if state["n"] >= expected and state["t1"] is None:
+            state["t1"] = time.perf_counter()
+            if profile is not None:
+                profile.disable()
+            done.set()
+
+    def timed_poll(*a, **kw):
+        polls.append(time.perf_counter())
+        return mark_poll(*a, **kw)
+
+    def timed_launch(model, inf):
+        span = [time.perf_counter(), float("inf")]
+        fits.append(span)
+        launch(model, inf)
+        inf.task.add_done_callback(lambda _f: span.__setitem__(1, time.perf_counter()))
+
+    d._process, d.metrics.mark_poll, d._launch_fit = timed_process, timed_poll, timed_launch
+    task = asyncio.create_task(d.serve(install_signals=False))
+    try:
+        waiter = asyncio.create_task(done.wait())
+        await asyncio.wait({task, waiter}, timeout=600, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+            raise RuntimeError("daemon stopped before consuming the stream")
+        if not done.is_set():
+            waiter.cancel()
+            raise RuntimeError(f"daemon consumed only {state['n']}/{expected} messages")
+    finally:
+        d.stopping.set()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(task, 60)
+    t0, t1 = state["t0"], state["t1"]
+    return Run(state["n"], t1 - t0, [p for p in polls if t0 - 1 <= p <= t1],
+               [(s, e) for s, e in fits if s <= t1])
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+async def measure(events: int, repeats: int, log=print) -> dict:
+    from daemon.embedded_broker import EmbeddedBroker
+
+    with EmbeddedBroker() as broker:
+        prefix = f"bench.ingest.{uuid.uuid4().hex[:6]}"
+        topics = {"predictions": f"{prefix}.preds", "outcomes": f"{prefix}.outs",
+                  "binmaps": f"{prefix}.binmaps", "deadletter": f"{prefix}.dlq"}
+        t = time.perf_counter()
+        sent = await produce(broker.bootstrap, topics, events)
+        total = sum(sent.values())
+        log(f"[ingest] produced {sent} in {time.perf_counter() - t:.1f} s")
+        pair = [topics["predictions"], topics["outcomes"]]
+        raws, lps = [], []
+        for r in range(repeats):
+            raws.append(await raw_read(broker.bootstrap, pair, total))
+            lps.append(await daemon_read(broker.bootstrap, topics, total, HUGE_POOL))
+            log(f"[ingest] rep {r}: raw {raws[-1].rate:,.0f} msg/s, lpcal {lps[-1].rate:,.0f} "
+                f"msg/s, ratio {lps[-1].rate / raws[-1].rate:.2f}")
+        fit_run = await daemon_read(broker.bootstrap, topics, total, SMALL_POOL)
+        log(f"[ingest] with fits: {fit_run.rate:,.0f} msg/s, {len(fit_run.fits)} fits, max gap "
+            f"{fit_run.max_gap(True):.3f} s during fits")
+    return {"events": events, "messages": total, "sent": sent, "raw": raws, "lpcal": lps,
+            "fit": fit_run}
+
+
+def render(res: dict) -> str:
+    raws, lps, fit = res["raw"], res["lpcal"], res["fit"]
+    ratios = [b.rate / a.rate for a, b in zip(raws, lps)]
+    ratio = statistics.median(ratios)
+    raw_rate = statistics.median(r.rate for r in raws)
+    lp_rate = statistics.median(r.rate for r in lps)
+    gap_fit = fit.max_gap(True)
+    yes = lambda ok: "yes" if ok else "**NO**"  # noqa: E731
+    lines = [
+        "### Ingest throughput (k = 10 JSON events, real broker)",
+        "",
+        f"{res['events']:,} events = {res['messages']:,} messages "
+        f"({res['sent']}), one model, 1 partition per topic, Tansu embedded broker; "
+        f"median of {len(raws)} alternating repetitions, fresh consumer group each.",
+        "",
+        "| path | msgs/s (median) | per repetition | ratio to raw | target |",
+        "|---|---|---|---|---|",
+        f"| raw: aiokafka getmany(5000) + orjson.loads | {raw_rate:,.0f} | "
+        + ", ".join(f"{r.rate:,.0f}" for r in raws) + " | 1.00 | |",
+        f"| lpcal daemon (parse, join, pools, monitor, checkpoints; no fit) | {lp_rate:,.0f} | "
+        + ", ".join(f"{r.rate:,.0f}" for r in lps)
+        + f" | **{ratio:.2f}** ({', '.join(f'{x:.2f}' for x in ratios)}) | >= {TARGET_RATIO}: "
+        f"{yes(ratio >= TARGET_RATIO)} |",
+        f"| lpcal daemon with fits running (13 pools x {SMALL_POOL}) | {fit.rate:,.0f} | | "
+        f"{fit.rate / raw_rate:.2f} | |",
+        "",
+        "| fit stall (issue 5) | value | target |",
+        "|---|---|---|",
+        f"| fits started during ingestion | {len(fit.fits)} | > 0 |",
+        f"| max gap between polls overlapping a fit | {gap_fit * 1000:.0f} ms | < "
+        f"{TARGET_GAP * 1000:.0f} ms: {yes(len(fit.fits) > 0 and gap_fit < TARGET_GAP)} |",
+        f"| max gap between polls, whole run | {fit.max_gap(False) * 1000:.0f} ms | |",
+        f"| max gap between polls, no-fit runs | "
+        f"{max(r.max_gap(False) for r in lps) * 1000:.0f} ms | |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def run(quick: bool = False, events: int | None = None, repeats: int | None = None,
+        log=None) -> str:
+    """Run the benchmark; return its Markdown table (quick: a tiny smoke run)."""
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    logging.getLogger("lpcal.daemon").setLevel(logging.WARNING)
+    logging.getLogger("aiokafka").setLevel(logging.ERROR)
+    res = asyncio.run(measure(events or (QUICK_EVENTS if quick else EVENTS),
+                              repeats or (1 if quick else REPEATS), log))
+    return render(res)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.bench.bench_ingest", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--events", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--out", default=None, help="also write the table to this file")
+    a = ap.parse_args(argv)
+    text = run(a.quick, a.events, a.repeats)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

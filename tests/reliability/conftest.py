@@ -1,0 +1,71 @@
+"""Fixtures of the reliability suite (issue 5): short versions in ``make test``, long versions
+with ``LPCAL_SOAK=1`` (``make soak`` runs ``pytest -m soak`` with it).
+
+* ``soak`` (session): True when ``LPCAL_SOAK=1``; tests size themselves from it;
+* ``broker`` (session): one embedded Tansu broker (memory storage) for the tests that do not
+  restart it (the outage test starts its own);
+* ``topic_prefix``: a unique topic prefix per test;
+* ``figures``: ``figures("name", {...})`` records a test's measured figures: they are printed
+  in the terminal summary of every run (``-q`` included) and, in a soak run, written to
+  ``tests/reliability/RESULTS.md`` (see :mod:`tests.reliability.harness`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+
+import pytest
+
+from daemon.embedded_broker import EmbeddedBroker
+from tests.reliability.harness import FIGURES, write_results
+
+SOAK = os.environ.get("LPCAL_SOAK", "") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "soak: has a long version, run by `make soak` "
+                                       "(LPCAL_SOAK=1)")
+
+
+@pytest.fixture(scope="session")
+def soak() -> bool:
+    return SOAK
+
+
+@pytest.fixture(scope="session")
+def broker():
+    b = EmbeddedBroker()
+    b.start()
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+@pytest.fixture
+def topic_prefix(request) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name)[:50].strip("-")
+    return f"rel-{name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def figures(request, soak):
+    def record(name: str, values: dict, command: str | None = None) -> None:
+        mode = "long (LPCAL_SOAK=1)" if soak else "short"
+        FIGURES.append((name, mode, dict(values)))
+        print(f"\nFIGURES {name} [{mode}]: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+        if soak:
+            write_results(name, values, command or f"make soak  # {request.node.nodeid}")
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not FIGURES:
+        return
+    terminalreporter.section("lpcal reliability figures")
+    for name, mode, values in FIGURES:
+        terminalreporter.write_line(f"{name} [{mode}]:")
+        for k, v in values.items():
+            terminalreporter.write_line(f"    {k}: {v}")

@@ -1,0 +1,100 @@
+"""Small additions to :mod:`tests.integration.daemon_harness` for the reliability suite.
+
+* :class:`FastDaemon`: a :class:`~tests.integration.daemon_harness.SubprocessDaemon` that runs
+  ``serve_fast.py`` (``lpcal serve`` with 2 s consumer session timeouts) instead of
+  ``python -m lpcal.cli serve``; ``fast=False`` runs the real CLI;
+* :func:`rss_kib`: resident memory of a process (``VmRSS`` of ``/proc/<pid>/status``);
+* :func:`run_names`: topic names of one daemon run that shares the input topics of another;
+* :func:`models_view`: ``GET /v1/models`` as ``{model: entry}``;
+* :data:`FIGURES` / :func:`write_results`: figures of the tests (printed in the terminal
+  summary; soak runs write them to ``RESULTS.md``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+
+from tests.integration.daemon_harness import SubprocessDaemon, TopicNames, http_get
+
+HERE = Path(__file__).resolve().parent
+SERVE_FAST = HERE / "serve_fast.py"
+RESULTS = HERE / "RESULTS.md"
+FIGURES: list[tuple[str, str, dict]] = []
+
+
+class FastDaemon(SubprocessDaemon):
+    """A subprocess daemon; ``fast`` (default) uses ``serve_fast.py``, else ``lpcal serve``."""
+
+    def __init__(self, *args, fast: bool = True, **kw):
+        super().__init__(*args, **kw)
+        self.fast = fast
+
+    def start(self) -> FastDaemon:
+        if not self.fast:
+            super().start()
+            return self
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"{self.name} is already running (pid {self.proc.pid})")
+        self.incarnation += 1
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LPCAL_")}
+        env.update(PYTHONUNBUFFERED="1", **self._env)
+        with open(self._log(".out"), "wb") as out, open(self._log(".err"), "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(SERVE_FAST), "--config", str(self.config_path)],
+                cwd=self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                start_new_session=True)
+        return self
+
+    def all_logs(self) -> str:
+        """Complete stdout+stderr of every incarnation."""
+        parts = []
+        for i in range(1, self.incarnation + 1):
+            for suffix in (".out", ".err"):
+                p = self._log(suffix, i)
+                if p.exists():
+                    parts.append(p.read_text("utf-8", "replace"))
+        return "\n".join(parts)
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of ``pid`` in KiB (``VmRSS`` of ``/proc/<pid>/status``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS in /proc/{pid}/status")
+
+
+def run_names(base: TopicNames, run: str) -> TopicNames:
+    """The input topics of ``base``; output/state topics of their own for the run ``run``."""
+    stem = base.predictions.rsplit(".", 1)[0]
+    return TopicNames(base.predictions, base.outcomes, f"{stem}.{run}.binmaps",
+                      f"{stem}.{run}.dlq", f"{stem}.{run}.state")
+
+
+async def models_view(url: str) -> dict[str, dict]:
+    status, body = await http_get(url, "/v1/models", timeout=3.0)
+    assert status == 200, (status, body[:300])
+    return {e["model"]: e for e in orjson.loads(body)["models"]}
+
+
+def write_results(name: str, values: dict, command: str) -> None:
+    """Replace the section ``## name`` of RESULTS.md with these figures (soak runs only)."""
+    text = RESULTS.read_text() if RESULTS.exists() else (
+        "# lpcal reliability figures (long versions)\n\n"
+        "Written by `make soak` (`LPCAL_SOAK=1 pytest -q tests/reliability -m soak`); each "
+        "section is replaced when its test runs again.\n")
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    body = [f"## {name}", "", f"Run {stamp} on {os.cpu_count()} cores. Command: `{command}`",
+            ""] + [f"- {k}: {v}" for k, v in values.items()] + [""]
+    section = "\n".join(body) + "\n"
+    pat = re.compile(rf"^## {re.escape(name)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
+    text = pat.sub(lambda _: section, text) if pat.search(text) else \
+        text.rstrip("\n") + "\n\n" + section
+    RESULTS.write_text(text)
