@@ -19,6 +19,7 @@ demo: $(STAMP)
 	$(BIN)/python -m daemon.demo
 
 test: $(STAMP)
+	bash deploy/tools/ensure-promtool.sh
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -327,10 +327,10 @@ class JoinStore:
             return None
         # the clock before each event (event time: running maximum of ts)
         clock0 = self.clock
+        t = np.asarray(ts_l, dtype=np.float64)
+        if not np.isfinite(t).all():
+            return None
         if event_time:
-            t = np.asarray(ts_l, dtype=np.float64)
-            if not np.isfinite(t).all():
-                return None
             clk = np.maximum.accumulate(t)
             np.maximum(clk, clock0, out=clk)
             first, last = float(clk[0]), float(clk[-1])
@@ -354,7 +354,7 @@ class JoinStore:
                 keep = None
             out_ids = list(ids) if keep is None else [ids[i] for i in keep]
             rows = probs.copy() if keep is None else probs[keep]
-            out_ts = np.asarray(ts_l, dtype=np.float64)
+            out_ts = t.copy()
             out_lab = np.asarray(lab_l, dtype=np.int64)
             if keep is not None:
                 out_ts, out_lab = out_ts[keep], out_lab[keep]
@@ -386,8 +386,7 @@ class JoinStore:
         for eid in out_ids:
             del pend[eid]
         jent = [entries[i] for i in join_i]
-        out_ts = np.maximum(np.asarray([e[2] for e in jent], dtype=np.float64),
-                            np.asarray([ts_l[i] for i in join_i], dtype=np.float64))
+        out_ts = np.maximum(np.asarray([e[2] for e in jent], dtype=np.float64), t[join_i])
         if kd == KIND_PREDICTION:
             out_lab = np.asarray([e[3] for e in jent], dtype=np.int64)
             rows = probs[join_i] if join_i else np.empty((0, k))
@@ -512,17 +511,16 @@ class JoinStore:
 
 def _gather_rows(srcs: list[tuple[np.ndarray, int]], k: int) -> np.ndarray:
     """Rows ``block[r]`` for ``(block, r)`` payloads, one gather per distinct block."""
-    rows = np.empty((len(srcs), k), dtype=np.float64)
     if not srcs:
-        return rows
-    blocks = [s[0] for s in srcs]
+        return np.empty((0, k), dtype=np.float64)
+    rows = np.empty((len(srcs), srcs[0][0].shape[1]), dtype=np.float64)
+    blocks = list(map(itemgetter(0), srcs))
     r = np.fromiter(map(itemgetter(1), srcs), dtype=np.int64, count=len(srcs))
-    first = blocks[0]
-    if blocks.count(first) == len(blocks):  # common: one block
-        rows[:] = first[r]
-        return rows
     keys = np.fromiter(map(id, blocks), dtype=np.int64, count=len(blocks))
-    uk, pos, inv = np.unique(keys, return_index=True, return_inverse=True)
+    if (keys == keys[0]).all():  # common: one block
+        rows[:] = blocks[0][r]
+        return rows
+    _, pos, inv = np.unique(keys, return_index=True, return_inverse=True)
     inv = inv.reshape(-1)
     for g, p in enumerate(pos.tolist()):
         sel = np.flatnonzero(inv == g)
