@@ -51,6 +51,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, repeat
+from operator import is_not
 from typing import Any
 
 import numpy as np
@@ -81,6 +83,7 @@ __all__ = [
     "Outcome",
     "ParsedBatch",
     "Prediction",
+    "RecordTimestamps",
     "Sample",
     "softmax",
 ]
@@ -203,6 +206,24 @@ class ParsedBatch:
         return out
 
 
+class RecordTimestamps(Sequence):
+    """``[r.timestamp / 1000.0 for r in records]`` (Kafka record time in seconds), computed
+    lazily: :meth:`EventParser.parse_batch` reads it only for events without ``ts``."""
+
+    __slots__ = ("records",)
+
+    def __init__(self, records: Sequence[Any]):
+        self.records = records
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [r.timestamp / 1000.0 for r in self.records[i]]
+        return self.records[i].timestamp / 1000.0
+
+
 def softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise ``exp(z - max z) / sum exp(z - max z)`` (stable for any finite logits)."""
     z = logits - logits.max(axis=1, keepdims=True)
@@ -301,6 +322,9 @@ class EventParser:
     def parse_batch(self, raws: Sequence[bytes], timestamps: Sequence[float] | None = None
                     ) -> ParsedBatch:
         """Parse many messages; vectors are validated per model with numpy. Never raises."""
+        fast = self._parse_uniform(raws)
+        if fast is not None:
+            return fast
         out = ParsedBatch(len(raws))
         invalid = out.invalid
         accs: dict[str, _Acc] = {}
@@ -407,6 +431,101 @@ class EventParser:
             invalid.sort(key=lambda t: t[0])
         return out
 
+    def _parse_uniform(self, raws: Sequence[bytes]) -> ParsedBatch | None:
+        """Fast path of :meth:`parse_batch` for a batch of well-formed events of known models.
+
+        Each check of the per-message loop is done over the whole batch with C-level passes
+        (``map`` over builtins) instead of Python bytecode per message: every value is bytes
+        within ``max_bytes`` and a JSON object with string ``model`` (admitted, with a policy
+        and a known ``k``) and ``id``, a numeric ``ts``, no ``logits``, a list ``probs`` of
+        ``k`` ints/floats and/or an integer ``label`` in ``[0, k)``. Vector values are then
+        validated exactly as in the general path (:func:`_validate_rows`). Returns None
+        when any condition fails; the caller then runs the general per-message loop, which
+        produces the same result for the batches accepted here."""
+        n = len(raws)
+        if n == 0:
+            return None
+        try:
+            if set(map(type, raws)) != {bytes} or max(map(len, raws)) > self.max_bytes:
+                return None
+            ds = list(map(orjson.loads, raws))
+            if set(map(type, ds)) != {dict}:
+                return None
+            get = dict.get
+            models = list(map(get, ds, repeat("model")))
+            first = models[0]
+            umodels = [first] if models.count(first) == n else list(dict.fromkeys(models))
+            ks = []
+            for model in umodels:
+                if (type(model) is not str or not 0 < len(model) <= self.max_model_len
+                        or model not in self.admitted or self._policies.get(model) is None
+                        or self.k.get(model) is None):
+                    return None
+                ks.append(self.k[model])
+            ids = list(map(get, ds, repeat("id")))
+            if set(map(type, ids)) != {str}:
+                return None
+            if min(map(len, ids)) < 1 or max(map(len, ids)) > self.max_id_len:
+                return None
+            tss = list(map(get, ds, repeat("ts")))
+            if not set(map(type, tss)) <= {float, int}:
+                return None
+            if list(map(get, ds, repeat("logits"))).count(None) != n:
+                return None
+            vecs = list(map(get, ds, repeat("probs")))
+            labs = list(map(get, ds, repeat("label")))
+            hv = _present(vecs)
+            hl = _present(labs)
+            if not (hv | hl).all():
+                return None
+            vi = np.flatnonzero(hv)
+            li = np.flatnonzero(hl)
+            vlist = vecs if vi.size == n else [vecs[i] for i in vi.tolist()]
+            llist = labs if li.size == n else [labs[i] for i in li.tolist()]
+            if vlist and (set(map(type, vlist)) != {list} or
+                          not set(map(type, chain.from_iterable(vlist))) <= {float, int}):
+                return None
+            if llist and set(map(type, llist)) != {int}:
+                return None
+            labels = np.full(n, -1, dtype=np.int64)
+            labels[li] = llist
+            ts = np.array(tss, dtype=np.float64)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        kind = np.where(hv, np.where(hl, KIND_SAMPLE, KIND_PREDICTION), KIND_OUTCOME
+                        ).astype(np.int8)
+        lens = np.fromiter(map(len, vlist), dtype=np.int64, count=len(vlist))
+        if len(umodels) == 1:
+            codes = None
+            kv = ks[0]
+        else:
+            code_of = {m: c for c, m in enumerate(umodels)}
+            codes = np.fromiter(map(code_of.__getitem__, models), dtype=np.int64, count=n)
+            kv = np.asarray(ks, dtype=np.int64)[codes]
+        if not (lens == (kv if codes is None else kv[vi])).all():
+            return None
+        if li.size and not ((labels[li] >= 0).all() and
+                            (labels[li] < (kv if codes is None else kv[li])).all()):
+            return None
+        out = ParsedBatch(n)
+        for c, model in enumerate(umodels):
+            if codes is None:
+                sel = np.arange(n)
+                m_ids, m_vecs = ids, vlist
+            else:
+                sel = np.flatnonzero(codes == c)
+                sl = sel.tolist()
+                m_ids = [ids[i] for i in sl]
+                m_vecs = [vecs[i] for i in sl if vecs[i] is not None]
+            mb = self._finish_columns(model, self._policies[model], ks[c], kind[sel], m_ids,
+                                      ts[sel], labels[sel], sel, m_vecs,
+                                      np.flatnonzero(hv[sel]), None, (), out.invalid)
+            if mb is not None:
+                out.by_model[model] = mb
+        if len(out.invalid) > 1:
+            out.invalid.sort(key=lambda t: t[0])
+        return out
+
     def _start_model(self, model: str) -> _Acc | Invalid:
         pol = self._policy(model)
         if pol is None:
@@ -423,13 +542,30 @@ class EventParser:
         if m == 0:
             return None
         kind_t, ids_t, ts_t, lab_t, idx_t = zip(*acc.rows)
-        index_l = list(idx_t)
-        keep = np.ones(m, dtype=bool)
+        kind = np.asarray(kind_t, dtype=np.int8)
+        ts = np.asarray(ts_t, dtype=np.float64)
         labels = np.asarray(lab_t, dtype=np.int64)
-        k = acc.k
-        if k is None:  # only outcomes so far: k unknown, labels were checked against MAX_K
+        index = np.asarray(idx_t, dtype=np.int64)
+        if acc.k is None:  # only outcomes so far: k unknown, labels were checked against MAX_K
+            return self._finish_columns(model, acc.policy, 0, kind, list(ids_t), ts, labels,
+                                        index, [], None, None, (), invalid)
+        vidx_t, logit_t, strict_t = zip(*acc.vmeta) if acc.vecs else ((), (), ())
+        return self._finish_columns(model, acc.policy, acc.k, kind, list(ids_t), ts, labels,
+                                    index, acc.vecs, np.asarray(vidx_t, dtype=np.int64),
+                                    np.asarray(logit_t, dtype=bool), strict_t, invalid)
+
+    @staticmethod
+    def _finish_columns(model: str, policy: ModelPolicy, k: int, kind: np.ndarray,
+                        ids: list[str], ts: np.ndarray, labels: np.ndarray, index: np.ndarray,
+                        vecs: list[list], vidx: np.ndarray | None, logit: np.ndarray | None,
+                        strict: Sequence[bool], invalid: list) -> ModelBatch | None:
+        """Validate one model's columns (``vecs[r]`` is the vector of row ``vidx[r]``; ``k = 0``:
+        no vector yet) and build its :class:`ModelBatch`; rejected rows go to ``invalid``."""
+        m = len(ids)
+        keep = np.ones(m, dtype=bool)
+        index_l = index.tolist()
+        if k == 0:
             probs = np.zeros((m, 0), dtype=np.float64)
-            k = 0
         else:
             # labels of events accepted before k was learned in this batch
             bad_lab = np.flatnonzero(labels >= k)
@@ -438,25 +574,20 @@ class EventParser:
                 invalid.append((index_l[j], Invalid(
                     LABEL_OUT_OF_RANGE, f"label {int(labels[j])} outside [0, {k})", model)))
             probs = np.zeros((m, k), dtype=np.float64)
-            if acc.vecs:
-                vidx_t, logit_t, strict_t = zip(*acc.vmeta)
-                rows, ok = _to_matrix(acc.vecs, strict_t, k)
-                vidx = np.asarray(vidx_t, dtype=np.int64)
+            if vecs:
+                rows, ok = _to_matrix(vecs, strict, k)
+                if logit is None:
+                    logit = np.zeros(len(vecs), dtype=bool)
                 for r in np.flatnonzero(~ok).tolist():
                     keep[vidx[r]] = False
                     invalid.append((index_l[vidx[r]], Invalid(
                         BAD_SCHEMA, "vector entries must be numbers", model)))
-                reasons = _validate_rows(rows, np.asarray(logit_t, dtype=bool), ok,
-                                         acc.policy)
+                reasons = _validate_rows(rows, logit, ok, policy)
                 for r, (reason, detail) in reasons.items():
                     keep[vidx[r]] = False
                     invalid.append((index_l[vidx[r]], Invalid(reason, detail, model)))
                 probs[vidx] = rows
         sel = None if keep.all() else np.flatnonzero(keep)
-        kind = np.asarray(kind_t, dtype=np.int8)
-        ts = np.asarray(ts_t, dtype=np.float64)
-        index = np.asarray(index_l, dtype=np.int64)
-        ids = list(ids_t)
         if sel is not None:
             if sel.size == 0:
                 return None
@@ -473,6 +604,17 @@ class EventParser:
                 probs[good]
             ids = [ids[j] for j in good.tolist()]
         return ModelBatch(model, k, kind, ids, ts, probs, labels, index)
+
+
+def _present(values: list) -> np.ndarray:
+    """``values[i] is not None`` as a bool array (cheap for all-None / no-None lists)."""
+    n = len(values)
+    missing = values.count(None)
+    if missing == 0:
+        return np.ones(n, dtype=bool)
+    if missing == n:
+        return np.zeros(n, dtype=bool)
+    return np.fromiter(map(is_not, values, repeat(None)), dtype=bool, count=n)
 
 
 def _json_error(raw: bytes, e: Exception) -> Invalid:

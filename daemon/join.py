@@ -43,7 +43,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import itemgetter
+from operator import is_not, itemgetter
 from typing import Any
 
 import numpy as np
@@ -56,6 +56,9 @@ KIND_PREDICTION, KIND_OUTCOME, KIND_SAMPLE = 0, 1, 2  # same codes as daemon.eve
 _JOINED, _EXPIRED = 0, 1
 EVICTION_REASONS = ("ttl", "capacity")
 UNMATCHED_KINDS = ("late", "duplicate", "orphan")
+
+
+_KIND, _TS, _PAYLOAD = itemgetter(0), itemgetter(2), itemgetter(3)  # of a pending entry
 
 
 def _zero(keys: Iterable[str]) -> dict[str, int]:
@@ -364,35 +367,35 @@ class JoinStore:
             _acc(m, ev, um)
             return JoinResult(out_ids, out_ts, rows, out_lab, ev, um)
         entries = list(map(pend.get, ids))
-        miss = entries.count(None)
         other = KIND_OUTCOME if kd == KIND_PREDICTION else KIND_PREDICTION
-        if miss == n:
-            hit_i: list[int] = []
-        else:
-            hit_i = [i for i, e in enumerate(entries) if e is not None]
-        join_i: list[int] = []
-        for i in hit_i:  # events whose partner (or a duplicate) is pending
-            if entries[i][0] == other:
-                join_i.append(i)
+        if entries.count(None) == n:
+            join_i: list[int] | None = []
+            new_i: list[int] | None = None  # all wait
+        else:  # events whose partner (or a duplicate) is pending
+            hit = np.fromiter(map(is_not, entries, repeat(None)), dtype=bool, count=n)
+            hit_i = np.flatnonzero(hit).tolist()
+            hit_e = [entries[i] for i in hit_i] if len(hit_i) < n else entries
+            hit_k = list(map(_KIND, hit_e))
+            if hit_k.count(other) == len(hit_k):
+                join_i = hit_i
             else:
-                um["duplicate"] += 1
-        if hit_i:
-            hit = set(hit_i)
-            new_i = [i for i in range(n) if i not in hit]
-        else:
-            new_i = None  # all
+                partner = np.fromiter(map(other.__eq__, hit_k), dtype=bool, count=len(hit_k))
+                um["duplicate"] += len(hit_k) - int(partner.sum())
+                join_i = np.asarray(hit_i, dtype=np.int64)[partner].tolist()
+            new_i = None if not hit_i else np.flatnonzero(~hit).tolist()
         # joined samples, in event order
-        out_ids = [ids[i] for i in join_i]
-        for eid in out_ids:
-            del pend[eid]
-        jent = [entries[i] for i in join_i]
-        out_ts = np.maximum(np.asarray([e[2] for e in jent], dtype=np.float64), t[join_i])
+        all_join = len(join_i) == n
+        out_ids = list(ids) if all_join else [ids[i] for i in join_i]
+        jent = list(map(pend.pop, out_ids))
+        jts = np.fromiter(map(_TS, jent), dtype=np.float64, count=len(jent))
+        out_ts = np.maximum(jts, t if all_join else t[join_i])
         if kd == KIND_PREDICTION:
-            out_lab = np.asarray([e[3] for e in jent], dtype=np.int64)
+            out_lab = np.fromiter(map(_PAYLOAD, jent), dtype=np.int64, count=len(jent))
             rows = probs[join_i] if join_i else np.empty((0, k))
         else:
-            out_lab = np.asarray([lab_l[i] for i in join_i], dtype=np.int64)
-            rows = _gather_rows([e[3] for e in jent], k)
+            out_lab = np.asarray(lab_l if all_join else [lab_l[i] for i in join_i],
+                                 dtype=np.int64)
+            rows = _gather_rows(list(map(_PAYLOAD, jent)), k)
         # the others wait: (kind, deadline, ts, payload) tuples, in event order
         if new_i is None:
             nid, nts = ids, ts_l
@@ -425,9 +428,8 @@ class JoinStore:
         rec.update(zip(eids, repeat(_JOINED)))
         excess = len(order) - self.max_recent
         if excess > 0:
-            old = [order.popleft() for _ in range(excess)]
-            for eid in old:
-                del rec[eid]
+            pop = order.popleft
+            deque(map(rec.__delitem__, [pop() for _ in range(excess)]), maxlen=0)
 
     def offer_batch(self, mb: Any, now: float | None = None) -> JoinResult:
         """:meth:`offer` for a :class:`daemon.events.ModelBatch`."""

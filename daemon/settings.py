@@ -216,6 +216,16 @@ class KafkaSettings(_Strict):
     create_topics: bool = False
     topic_partitions: PosInt = 1
     """Partitions of topics created by the daemon (when ``create_topics``)."""
+    session_timeout_ms: Annotated[int, Field(ge=1000, le=300_000)] = 10_000
+    """Consumer-group session timeout: a crashed replica's partitions move after this long."""
+    heartbeat_interval_ms: Annotated[int, Field(ge=100, le=60_000)] = 3_000
+    """Consumer-group heartbeat interval (well below ``session_timeout_ms``)."""
+
+    @model_validator(mode="after")
+    def _heartbeat(self) -> KafkaSettings:
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise ValueError("heartbeat_interval_ms must be below session_timeout_ms")
+        return self
 
     @model_validator(mode="after")
     def _security(self) -> KafkaSettings:

@@ -35,9 +35,9 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -214,6 +214,88 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
                [(s, e) for s, e in fits if s <= t1])
 
 
+# --------------------------------------------------------------------------- stage costs
+
+
+def _stream(events: int) -> tuple[list[bytes], list[bytes]]:
+    """The benchmark stream's message values (the same generator and seed as :func:`produce`)."""
+    from daemon.simulate import SyntheticModel, TrafficGenerator
+
+    gen = TrafficGenerator([SyntheticModel("bench-k10", k=K, T=0.5, scale=3.0, seed=1)],
+                           events=events, delay=5.0, seed=7)
+    preds: list[bytes] = []
+    outs: list[bytes] = []
+    for kind, _key, value in gen:
+        (preds if kind == "predictions" else outs).append(value)
+    return preds, outs
+
+
+def stage_costs(events: int, rounds: int = 3) -> dict[str, float]:
+    """CPU microseconds per message of each step of the ingest path, without Kafka.
+
+    The stream is cut into batches of 5000 messages, alternating between the two topics (as
+    ``getmany`` interleaves partitions); each round runs the whole path on a fresh
+    :class:`~daemon.model_state.ModelState` with the garbage collector paused (as in
+    ``Daemon._process``). Minimum over ``rounds``."""
+    import gc
+
+    from daemon.events import EventParser
+    from daemon.model_state import ModelState
+
+    preds, outs = _stream(events)
+    batches = []
+    for a in range(0, max(len(preds), len(outs)), 5000):
+        batches += [b for b in (preds[a:a + 5000], outs[a:a + 5000]) if b]
+    n = len(preds) + len(outs)
+    settings = _settings("127.0.0.1:1", {"predictions": "p", "outcomes": "o", "binmaps": "b",
+                                         "deadletter": "d"}, HUGE_POOL, "s", 8080)
+    best: dict[str, float] = {}
+    was = gc.isenabled()
+    for _ in range(rounds):
+        gc.collect()
+        gc.disable()
+        try:
+            t = {"orjson.loads (in raw too)": 0.0, "parse + validate (rest of parse_batch)": 0.0,
+                 "join": 0.0, "pool routing (blake2b of ids)": 0.0, "pools add": 0.0,
+                 "monitor update": 0.0}
+            parser = EventParser.from_settings(settings)
+            st = None
+            loads = orjson.loads
+            for vals in batches:
+                c0 = time.process_time()
+                for v in vals:
+                    loads(v)
+                c1 = time.process_time()
+                pb = parser.parse_batch(vals)
+                c2 = time.process_time()
+                t["orjson.loads (in raw too)"] += c1 - c0
+                t["parse + validate (rest of parse_batch)"] += (c2 - c1) - (c1 - c0)
+                for model, mb in pb.by_model.items():
+                    if st is None:
+                        st = ModelState.create(model, K, settings.model_settings(model),
+                                               settings.join)
+                    c0 = time.process_time()
+                    jr = st.join.offer(model, mb.kind, mb.ids, mb.ts, mb.probs, mb.labels)
+                    c1 = time.process_time()
+                    t["join"] += c1 - c0
+                    if len(jr):
+                        route = st.filling.layout.route(jr.ids)
+                        c2 = time.process_time()
+                        st.filling.add(route, jr.probs, jr.labels)
+                        c3 = time.process_time()
+                        st.monitor.update(jr.probs, jr.labels, jr.ts)
+                        c4 = time.process_time()
+                        t["pool routing (blake2b of ids)"] += c2 - c1
+                        t["pools add"] += c3 - c2
+                        t["monitor update"] += c4 - c3
+        finally:
+            if was:
+                gc.enable()
+        for key, v in t.items():
+            best[key] = min(best.get(key, math.inf), v / n * 1e6)
+    return best
+
+
 # --------------------------------------------------------------------------- the benchmark
 
 
@@ -238,8 +320,9 @@ async def measure(events: int, repeats: int, log=print) -> dict:
         fit_run = await daemon_read(broker.bootstrap, topics, total, SMALL_POOL)
         log(f"[ingest] with fits: {fit_run.rate:,.0f} msg/s, {len(fit_run.fits)} fits, max gap "
             f"{fit_run.max_gap(True):.3f} s during fits")
+    costs = stage_costs(events)
     return {"events": events, "messages": total, "sent": sent, "raw": raws, "lpcal": lps,
-            "fit": fit_run}
+            "fit": fit_run, "costs": costs}
 
 
 def render(res: dict) -> str:
@@ -249,7 +332,9 @@ def render(res: dict) -> str:
     raw_rate = statistics.median(r.rate for r in raws)
     lp_rate = statistics.median(r.rate for r in lps)
     gap_fit = fit.max_gap(True)
-    yes = lambda ok: "yes" if ok else "**NO**"  # noqa: E731
+    def yes(ok: bool) -> str:
+        return "yes" if ok else "**NO**"
+
     lines = [
         "### Ingest throughput (k = 10 JSON events, real broker)",
         "",
@@ -278,7 +363,36 @@ def render(res: dict) -> str:
         f"{max(r.max_gap(False) for r in lps) * 1000:.0f} ms | |",
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _bound_lines(res["costs"], raw_rate, lp_rate))
+
+
+def _bound_lines(costs: dict[str, float], raw_rate: float, lp_rate: float) -> list[str]:
+    """Where the time goes, and what it implies for the ratio.
+
+    With ``g`` the consumer's own cost per message (``getmany``: fetch, decode, record objects;
+    the raw time minus ``orjson.loads``), ``L`` the cost of ``orjson.loads`` and ``P`` that of the
+    whole ingest path (``L`` included): ratio = ``(g + L) / (g + P)``, so the target 0.7 needs
+    ``P <= (g + L) / 0.7 - g``."""
+    loads = costs["orjson.loads (in raw too)"]
+    raw_us = 1e6 / raw_rate
+    g = max(raw_us - loads, 0.0)
+    pipeline = sum(costs.values())
+    budget = (g + loads) / TARGET_RATIO - g
+    out = [
+        "| step of the ingest path (offline, same messages, CPU) | us / message |",
+        "|---|---|",
+    ]
+    out += [f"| {name} | {v:.2f} |" for name, v in costs.items()]
+    out += [
+        f"| **sum: ingest path P** | **{pipeline:.2f}** |",
+        f"| raw consumer per message (measured above) | {raw_us:.2f} |",
+        f"| of which getmany g (raw - loads) | {g:.2f} |",
+        f"| lpcal daemon per message (measured above) | {1e6 / lp_rate:.2f} |",
+        f"| predicted ratio (g + loads) / (g + P) | {(g + loads) / (g + pipeline):.2f} |",
+        f"| budget for P at ratio {TARGET_RATIO} | {budget:.2f} |",
+        "",
+    ]
+    return out
 
 
 def run(quick: bool = False, events: int | None = None, repeats: int | None = None,

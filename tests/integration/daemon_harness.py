@@ -427,11 +427,12 @@ def synth_samples(n: int, k: int, seed: int, id_prefix: str) -> tuple[list[str],
 
 
 def prediction(model: str, eid: str, probs, ts: float) -> bytes:
-    return orjson.dumps({"model": model, "id": eid, "ts": ts, "probs": list(map(float, probs))})
+    return orjson.dumps({"model": model, "id": eid, "ts": float(ts),
+                         "probs": list(map(float, probs))})
 
 
 def outcome(model: str, eid: str, label: int, ts: float) -> bytes:
-    return orjson.dumps({"model": model, "id": eid, "ts": ts, "label": int(label)})
+    return orjson.dumps({"model": model, "id": eid, "ts": float(ts), "label": int(label)})
 
 
 class EventProducer:

@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from daemon.embedded_broker import EmbeddedBroker
-from tests.reliability.harness import FIGURES, write_results
+from tests.reliability.harness import FIGURES, record_figures
 
 SOAK = os.environ.get("LPCAL_SOAK", "") == "1"
 
@@ -53,11 +53,7 @@ def topic_prefix(request) -> str:
 @pytest.fixture
 def figures(request, soak):
     def record(name: str, values: dict, command: str | None = None) -> None:
-        mode = "long (LPCAL_SOAK=1)" if soak else "short"
-        FIGURES.append((name, mode, dict(values)))
-        print(f"\nFIGURES {name} [{mode}]: " + ", ".join(f"{k}={v}" for k, v in values.items()))
-        if soak:
-            write_results(name, values, command or f"make soak  # {request.node.nodeid}")
+        record_figures(name, values, soak, command or f"make soak  # {request.node.nodeid}")
     return record
 
 

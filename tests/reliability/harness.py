@@ -84,13 +84,22 @@ async def models_view(url: str) -> dict[str, dict]:
     return {e["model"]: e for e in orjson.loads(body)["models"]}
 
 
+def record_figures(name: str, values: dict, soak: bool, command: str) -> None:
+    """Print a test's figures, keep them for the terminal summary, and (soak) write them."""
+    mode = "long (LPCAL_SOAK=1)" if soak else "short"
+    FIGURES.append((name, mode, dict(values)))
+    print(f"\nFIGURES {name} [{mode}]: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    if soak:
+        write_results(name, values, command)
+
+
 def write_results(name: str, values: dict, command: str) -> None:
     """Replace the section ``## name`` of RESULTS.md with these figures (soak runs only)."""
     text = RESULTS.read_text() if RESULTS.exists() else (
         "# lpcal reliability figures (long versions)\n\n"
         "Written by `make soak` (`LPCAL_SOAK=1 pytest -q tests/reliability -m soak`); each "
         "section is replaced when its test runs again.\n")
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     body = [f"## {name}", "", f"Run {stamp} on {os.cpu_count()} cores. Command: `{command}`",
             ""] + [f"- {k}: {v}" for k, v in values.items()] + [""]
     section = "\n".join(body) + "\n"
@@ -98,3 +107,35 @@ def write_results(name: str, values: dict, command: str) -> None:
     text = pat.sub(lambda _: section, text) if pat.search(text) else \
         text.rstrip("\n") + "\n\n" + section
     RESULTS.write_text(text)
+
+
+async def wait_settled(url: str, expected: dict[str, int], timeout: float,
+                       quiet: float = 4.0) -> dict[str, dict]:
+    """Poll ``/v1/models`` until every model of ``expected`` has at least that many joined
+    samples and no fit in flight, or until nothing changed for ``quiet`` seconds (a daemon
+    that lost samples never reaches ``expected``: measure it instead of timing out). Returns
+    the last view; raises only if the daemon never answered."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    last_key, since, view = None, time.monotonic(), {}
+    while time.monotonic() < deadline:
+        try:
+            view = await models_view(url)
+        except Exception:  # noqa: BLE001 - restarting / not serving yet
+            await asyncio.sleep(0.5)
+            continue
+        busy = any(e["fit_in_flight"] for e in view.values())
+        key = tuple(sorted((m, e["samples_total"]) for m, e in view.items()))
+        if not busy and all(m in view and view[m]["samples_total"] >= n
+                            for m, n in expected.items()):
+            return view
+        if key != last_key or busy:
+            last_key, since = key, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return view
+        await asyncio.sleep(0.5)
+    if not view:
+        raise AssertionError(f"{url}/v1/models never answered")
+    return view

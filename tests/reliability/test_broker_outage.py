@@ -1,0 +1,193 @@
+"""Broker outage (issue 5): stop the embedded broker mid-stream, start it again on the same port.
+
+Approach for the memory-only Tansu broker (a restart loses every topic): after the restart the
+test RECREATES THE TOPICS (same names, partitions and configs) AND REPLAYS THE INPUT produced
+before the outage in the same order, so every input record is back at its old offset (what a
+durable broker would have kept), then produces the rest of the stream. The daemon's state
+topic is lost with the broker as well, so this also covers the daemon re-checkpointing its
+in-memory state into an empty state topic. (PostgreSQL storage was not used.)
+
+A dedicated broker (not the session one) and a subprocess daemon (``serve_fast.py``). During
+the outage ``/readyz`` must turn 503 and ``/healthz`` must stay 200; afterwards the daemon is
+ready again and every sample of the stream is joined exactly once. The scenario runs once
+(module fixture ``outage``); one test checks the probes during the outage, the other the
+recovery.
+Short: 10 s outage; long (LPCAL_SOAK=1): 30 s, and a longer stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import pytest
+
+from daemon import kafka_io
+from daemon.embedded_broker import EmbeddedBroker
+from daemon.simulate import SyntheticModel, TrafficGenerator
+from tests.integration.daemon_harness import (
+    TopicNames,
+    create_topics,
+    daemon_config,
+    free_port,
+    http_get,
+    read_records,
+    scrape_metrics,
+)
+from tests.reliability.harness import FastDaemon, record_figures, wait_settled
+
+pytestmark = [pytest.mark.integration, pytest.mark.soak]
+
+MODELS = (("out-a", 3), ("out-b", 4))
+
+
+async def _produce(bootstrap: str, names: TopicNames, msgs) -> None:
+    producer = kafka_io.make_producer(bootstrap, idempotence=False, client_id="rel-outage",
+                                      linger_ms=5)
+    await asyncio.wait_for(producer.start(), 30)
+    try:
+        futs = []
+        for kind, key, value in msgs:
+            futs.append(await producer.send(getattr(names, kind), value=value, key=key))
+            if len(futs) >= 5000:
+                await asyncio.gather(*futs)
+                futs.clear()
+        await asyncio.gather(*futs)
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+async def _probe(url: str, path: str) -> int:
+    try:
+        status, _ = await http_get(url, path, timeout=1.5)
+        return status
+    except Exception:  # noqa: BLE001 - timeouts count as "not 200"
+        return -1
+
+
+async def _scenario(tmp_path, soak: bool) -> dict:
+    outage = 30.0 if soak else 10.0
+    n_events = 200_000 if soak else 12_000
+    gen = TrafficGenerator([SyntheticModel(m, k, T=0.4, scale=4.0, seed=3 + j)
+                            for j, (m, k) in enumerate(MODELS)], n_events, event_rate=500.0,
+                           delay=5.0, seed=9, decimals=6)
+    msgs = [m for chunk in gen.chunks() for m in chunk]
+    per_model = {m: len(range(j, n_events, len(MODELS))) for j, (m, _) in enumerate(MODELS)}
+    half = len(msgs) // 2
+    names = TopicNames.for_prefix("rel-outage")
+    broker = EmbeddedBroker(log_path=tmp_path / "tansu.log")
+    broker.start()
+    daemon = None
+    r: dict = {"outage": outage, "per_model": per_model, "ready_again": None, "view": {},
+               "mx": {}, "rc": None, "dlq": None}
+    try:
+        await create_topics(broker.bootstrap, names, partitions=2)
+        cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
+                            defaults={"pool": 1000, "mu_pool": 1000, "drift_threshold": 100.0},
+                            models={m: {"k": k} for m, k in MODELS},
+                            state={"checkpoint_interval_seconds": 1.0})
+        daemon = FastDaemon(cfg, tmp_path, name="outage").start()
+        await daemon.wait_ready(60)
+        await _produce(broker.bootstrap, names, msgs[:half])
+        r["before"] = await wait_settled(daemon.url, {m: 1 for m in per_model}, 60)
+        await asyncio.sleep(2.5)  # a checkpoint of the first half
+
+        # ---- outage: stop, wait, restart on the same port (in a thread: probes keep running)
+        t_stop = time.monotonic()
+        restart = asyncio.create_task(asyncio.to_thread(broker.restart, outage))
+        probes: list[tuple[float, int, int]] = []
+        while not restart.done():
+            t = time.monotonic() - t_stop
+            probes.append((t, await _probe(daemon.url, "/readyz"),
+                           await _probe(daemon.url, "/healthz")))
+            await asyncio.sleep(0.25)
+        await restart
+        r["probes"], r["t_up"] = probes, time.monotonic() - t_stop
+        r["alive_after_outage"] = daemon.alive()
+        # same topics again, then the input of before the outage, in order (same offsets)
+        await create_topics(broker.bootstrap, names, partitions=2)
+        r["counts"] = await kafka_io.partition_counts(broker.bootstrap,
+                                                      [names.predictions, names.outcomes])
+        await _produce(broker.bootstrap, names, msgs[:half])
+        while daemon.alive() and time.monotonic() - t_stop < r["t_up"] + 60:
+            if await _probe(daemon.url, "/readyz") == 200:
+                r["ready_again"] = time.monotonic() - t_stop
+                break
+            await asyncio.sleep(0.25)
+        await _produce(broker.bootstrap, names, msgs[half:])
+        if daemon.alive():
+            r["view"] = await wait_settled(daemon.url, per_model, 300 if soak else 90,
+                                           quiet=6.0)
+            r["mx"] = await scrape_metrics(daemon.url)
+        r["alive_at_end"] = daemon.alive()
+        if daemon.alive():
+            r["rc"], _ = daemon.terminate(60)
+        else:
+            r["rc"] = daemon.proc.returncode
+        r["dlq"] = len(await read_records(broker.bootstrap, names.deadletter))
+        log = daemon.all_logs()
+        tb = log.rfind("Traceback")
+        r["death"] = " | ".join(re.findall(r"File \"[^\"]*daemon/[^\"]+\", line \d+, in (\w+)",
+                                           log[tb:])) + " -> " + log.strip().splitlines()[-1] \
+            if tb >= 0 else None
+    finally:
+        if daemon is not None:
+            daemon.stop_quietly()
+        broker.stop()
+
+    during = r["probes"]
+    r["not_ready"] = [t for t, rd, _ in during if rd != 200]
+    r["unhealthy"] = [(t, h) for t, _, h in during if h != 200]
+    joined = {m: r["view"].get(m, {}).get("samples_total", 0) for m in per_model}
+    r["lost"] = sum(max(0, per_model[m] - joined[m]) for m in per_model)
+    r["doubled"] = sum(max(0, joined[m] - per_model[m]) for m in per_model)
+    r["dup"] = sum(v for (n, _), v in r["mx"].items() if n == "lpcal_join_unmatched_total")
+    record_figures("broker outage", {
+        "outage seconds": outage, "approach": "memory broker: topics recreated, input replayed",
+        "joined samples expected": sum(per_model.values()),
+        "joined before outage": sum(e["samples_total"] for e in r["before"].values()),
+        "probes during outage": len(during),
+        "first /readyz 503 after stop (s)":
+            round(r["not_ready"][0], 2) if r["not_ready"] else None,
+        "/readyz 503 probes": len(r["not_ready"]), "/healthz non-200 probes": len(r["unhealthy"]),
+        "broker back after (s)": round(r["t_up"], 1),
+        "daemon alive when the broker came back": r["alive_after_outage"],
+        "ready again after stop (s)":
+            None if r["ready_again"] is None else round(r["ready_again"], 1),
+        "daemon alive at end": r["alive_at_end"], "exit code": r["rc"],
+        "daemon died in": r["death"],
+        "samples joined after recovery": sum(joined.values()),
+        "samples lost": r["lost"], "samples doubled": r["doubled"],
+        "unmatched/duplicate events": r["dup"], "dead letters": r["dlq"],
+    }, soak, "make soak  # tests/reliability/test_broker_outage.py")
+    return r
+
+
+@pytest.fixture(scope="module")
+def outage(tmp_path_factory, soak):
+    return asyncio.run(_scenario(tmp_path_factory.mktemp("outage"), soak))
+
+
+def test_during_outage_readyz_503_and_healthz_200(outage):
+    assert outage["alive_after_outage"], outage["death"]
+    assert not outage["unhealthy"], outage["unhealthy"]
+    assert outage["not_ready"] and outage["not_ready"][0] < 8.0, \
+        "/readyz never reported the outage"
+    # once the outage is detected, /readyz stays 503 until the broker is back
+    first = outage["not_ready"][0]
+    assert all(rd != 200 for t, rd, _ in outage["probes"] if t >= first), outage["probes"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: Daemon.main_loop awaits the periodic checkpoint() without catching its errors: the "
+    "first checkpoint produce that fails after the outage (aiokafka UnknownError from the "
+    "restarted broker; on real Kafka a KafkaTimeoutError after request_timeout_ms of outage) "
+    "propagates out of main_loop and the daemon shuts down (exit 1)"))
+def test_after_outage_ready_again_and_resumes_without_loss(outage):
+    assert outage["counts"] == {"rel-outage.preds": 2, "rel-outage.outs": 2}, outage["counts"]
+    assert outage["alive_at_end"] and outage["rc"] == 0, outage["death"]
+    assert outage["ready_again"] is not None, "never ready again after the broker came back"
+    assert (outage["lost"], outage["doubled"], outage["dup"]) == (0, 0, 0)
+    assert outage["dlq"] == 0

@@ -1,0 +1,161 @@
+"""Load and soak (issue 5): sustained input at a fixed rate into a subprocess daemon.
+
+A seeded two-model stream (k = 10 and k = 3) is produced at ``RATE`` events/s (2 messages
+each; override with ``LPCAL_SOAK_RATE``) for 60 s (short) or 30 min (long, LPCAL_SOAK=1).
+Pools are small, so an epoch seals and a fit runs every few seconds all along. Sampled while
+it runs:
+
+* resident memory of the daemon process (``VmRSS`` of ``/proc/<pid>/status``) every second;
+  growth = median over the last 10 % of the run / median over the 10 % after warm-up (the
+  first third) - 1, must stay under 5 %;
+* lag: messages generated minus ``lpcal_events_consumed_total`` (our own count, since Tansu
+  under-reports end offsets, see :mod:`daemon.kafka_io`), and the daemon's
+  ``lpcal_consumer_lag_messages``: bounded (no trend), and drained at the end;
+* consumption gaps: ``lpcal_last_poll_timestamp_seconds`` is scraped every 0.1 s; the age of
+  the last poll at each scrape must stay under 1 s, in particular while fits run (fit windows
+  are read from the daemon log: "published bin map version N (..., S s)" ends a fit of S s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import statistics
+import time
+from datetime import datetime
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon.simulate import SyntheticModel, TrafficGenerator, simulate
+from tests.integration.daemon_harness import TopicNames, create_topics, daemon_config, free_port
+from tests.reliability.harness import FastDaemon, models_view, rss_kib
+
+pytestmark = [pytest.mark.integration, pytest.mark.soak]
+
+RATE = float(os.environ.get("LPCAL_SOAK_RATE", "2000"))  # events/s (x2 messages)
+MODELS = (("load-k10", 10), ("load-k3", 3))
+_FIT = re.compile(r"^(\S+ \S+) INFO lpcal\.daemon: model (\S+): published bin map version "
+                  r"(\d+) .*?([0-9.]+) s\)$")
+
+
+async def _scrape(cs: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with cs.get(url + "/metrics") as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in ("lpcal_last_poll_timestamp_seconds", "lpcal_consumer_lag_messages",
+                          "lpcal_events_consumed_total"):
+                out[s.name] = out.get(s.name, 0.0) + float(s.value) \
+                    if s.name != "lpcal_last_poll_timestamp_seconds" else float(s.value)
+    return out
+
+
+def _fit_windows(log: str) -> list[tuple[float, float]]:
+    """(start, end) Unix times of the fits in the daemon log."""
+    out = []
+    for line in log.splitlines():
+        m = _FIT.match(line)
+        if m:
+            end = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            out.append((end - float(m.group(4)), end))
+    return out
+
+
+async def test_sustained_rate_bounded_memory_and_lag_no_poll_gap(
+        broker, topic_prefix, tmp_path, soak, figures):
+    duration = 1800.0 if soak else 60.0
+    n_events = int(RATE * duration)
+    names = TopicNames.for_prefix(topic_prefix)
+    await create_topics(broker.bootstrap, names, partitions=2)
+    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
+                        defaults={"pool": 400, "mu_pool": 400, "drift_threshold": 100.0},
+                        models={m: {"k": k} for m, k in MODELS},
+                        state={"checkpoint_interval_seconds": 5.0})
+    gen = TrafficGenerator([SyntheticModel(m, k, T=0.4, scale=4.0, seed=j)
+                            for j, (m, k) in enumerate(MODELS)], n_events, event_rate=RATE,
+                           delay=5.0, seed=3, decimals=6, chunk=max(1, int(RATE / 10)))
+    daemon = FastDaemon(cfg, tmp_path, name="load").start()
+    rss: list[tuple[float, int]] = []
+    polls: list[tuple[float, float]] = []   # (scrape time, age of the last poll)
+    lags: list[tuple[float, float, float]] = []  # (t, generated - consumed, daemon lag gauge)
+    try:
+        await daemon.wait_ready(60)
+        t0 = time.monotonic()
+        producer = asyncio.create_task(simulate(
+            broker.bootstrap, {"predictions": names.predictions, "outcomes": names.outcomes},
+            gen, rate=RATE, idempotence=False, create_topics=False))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as cs:
+            next_rss = 0.0
+            while not producer.done():
+                t = time.monotonic() - t0
+                if t >= next_rss:
+                    rss.append((t, rss_kib(daemon.pid)))
+                    next_rss += 1.0
+                mx = await _scrape(cs, daemon.url)
+                polls.append((time.time(), time.time() - mx["lpcal_last_poll_timestamp_seconds"]))
+                generated = 2 * gen.counts["prediction"] + gen.counts["sample"]
+                lags.append((t, generated - mx.get("lpcal_events_consumed_total", 0.0),
+                             mx.get("lpcal_consumer_lag_messages", 0.0)))
+                assert daemon.alive(), daemon.logs()
+                await asyncio.sleep(0.1)
+            report = await producer
+            sent = sum(report.messages.values())
+            drained_after = None
+            t_end = time.monotonic()
+            while time.monotonic() - t_end < 30:
+                mx = await _scrape(cs, daemon.url)
+                if mx.get("lpcal_events_consumed_total", 0.0) >= sent:
+                    drained_after = time.monotonic() - t_end
+                    break
+                await asyncio.sleep(0.2)
+        view = await models_view(daemon.url)
+        elapsed = time.monotonic() - t0
+        rc, _ = daemon.terminate(60)
+        log = daemon.all_logs()
+    finally:
+        daemon.stop_quietly()
+
+    warm = duration / 3
+    tail = duration * 0.1
+    base = [v for t, v in rss if warm <= t < warm + tail]
+    last = [v for t, v in rss if t >= rss[-1][0] - tail]
+    growth = statistics.median(last) / statistics.median(base) - 1.0
+    fits = _fit_windows(log)
+    in_fit = [age for ts, age in polls if any(a - 0.05 <= ts - age <= b + 0.05 or
+                                              a <= ts <= b + 1.0 for a, b in fits)]
+    max_gap = max(age for _, age in polls)
+    third = len(lags) // 3
+    lag_first = max(x for _, x, _ in lags[:third])
+    lag_last = max(x for _, x, _ in lags[-third:])
+    joined = sum(e["samples_total"] for e in view.values())
+    figures("load and soak", {
+        "rate (events/s, 2 messages each)": RATE, "duration (s)": duration,
+        "achieved rate (events/s)": round(report.events / report.seconds, 1),
+        "messages sent": sent, "joined samples": joined,
+        "RSS after warm-up (MiB)": round(statistics.median(base) / 1024, 1),
+        "RSS at end (MiB)": round(statistics.median(last) / 1024, 1),
+        "RSS growth after warm-up (%)": round(100 * growth, 2),
+        "fits during the run": len(fits),
+        "longest fit (s)": round(max((b - a for a, b in fits), default=0.0), 3),
+        "max poll age, whole run (s)": round(max_gap, 3),
+        "max poll age while a fit ran (s)": round(max(in_fit, default=0.0), 3),
+        "poll-age samples (during fits)": f"{len(polls)} ({len(in_fit)})",
+        "max lag, first third (messages)": int(lag_first),
+        "max lag, last third (messages)": int(lag_last),
+        "max lpcal_consumer_lag_messages": int(max(g for _, _, g in lags)),
+        "drained after the producer stopped (s)":
+            None if drained_after is None else round(drained_after, 2),
+        "wall time (s)": round(elapsed, 1),
+    })
+    assert rc == 0
+    assert joined == report.events, (joined, report.events)
+    assert growth < 0.05, f"RSS grew {100 * growth:.1f} % after warm-up"
+    assert fits, "no fit ran: the gap check would be vacuous"
+    assert in_fit and max(in_fit) < 1.0, max(in_fit, default=None)
+    assert max_gap < 1.0, max_gap
+    assert drained_after is not None, "the daemon did not drain its lag"
+    assert lag_last <= max(2 * lag_first, 2 * RATE), (lag_first, lag_last)
