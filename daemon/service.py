@@ -58,6 +58,8 @@ log = logging.getLogger("lpcal.daemon")
 
 ENVELOPE_FORMAT = "lpcal.envelope/1"
 WRONG_PARTITION = "bad_schema"  # a model's events on two partitions: the key contract is broken
+STATE_MAX_BYTES = 16 << 20  # checkpoints of large pools and windows are several MB
+STATE_TOPIC_CONFIG = {"cleanup.policy": "compact", "max.message.bytes": str(STATE_MAX_BYTES)}
 _GAUGE_EVERY = 1.0
 _LAG_EVERY = 5.0
 
@@ -139,7 +141,7 @@ class Daemon:
         sec = k
         self.producer = kafka_io.make_producer(
             k.bootstrap_servers, idempotence=k.enable_idempotence, security=sec,
-            client_id=k.client_id, max_request_size=max(k.max_message_bytes, 16 << 20),
+            client_id=k.client_id, max_request_size=max(k.max_message_bytes, STATE_MAX_BYTES),
             compression_type="gzip")
         await self._retry("producer start", self.producer.start)
         if k.create_topics:
@@ -147,7 +149,7 @@ class Daemon:
                      kafka_io.TopicSpec(self.t_out, k.topic_partitions),
                      kafka_io.TopicSpec(k.topics.binmaps, 1, configs=kafka_io.COMPACT),
                      kafka_io.TopicSpec(k.topics.deadletter, k.topic_partitions),
-                     kafka_io.TopicSpec(k.topics.state, 1, configs=kafka_io.COMPACT)]
+                     kafka_io.TopicSpec(k.topics.state, 1, configs=STATE_TOPIC_CONFIG)]
             await self._retry("topic creation",
                               lambda: kafka_io.ensure_topics(k.bootstrap_servers, specs,
                                                              security=sec))

@@ -53,7 +53,9 @@ async def test_prometheus_scrapes_calibrated_err_p(broker, topic_prefix, tmp_pat
     port = free_port()
     cfg = daemon_config(broker.bootstrap, names, http_port=port,
                         defaults={"eps": 0.1, "p": "inf", "k": 3, "pool": 300, "mu_pool": 300,
-                                  "window_samples": 2000})
+                                  "window_samples": 2000},
+                        # the synthetic events are 1 s of event time apart: 7,000 s in all
+                        join={"ttl_seconds": 86400})
     settings = build_settings(cfg, tmp_path)
     prom_port = free_port()
     (tmp_path / "prometheus.yml").write_text(
@@ -69,11 +71,13 @@ async def test_prometheus_scrapes_calibrated_err_p(broker, topic_prefix, tmp_pat
     try:
         async with running_daemon(settings) as rd:
             rng = np.random.default_rng(0)
-            n = 6000
+            n = 7000
             f = rng.dirichlet([0.3, 0.3, 0.3], size=n)
             q = f**0.4 / (f**0.4).sum(axis=1, keepdims=True)  # overconfident model
             y = (q.cumsum(axis=1) > rng.random(n)[:, None]).argmax(axis=1)
-            half = 4000  # fills the 13 pools of 300 once; the rest does not refill them
+            # events are routed to the 13 pools of 300 at random: 5,500 fill them all once
+            # (each gets 423 +- 20 on average), and the last 1,500 cannot fill them again
+            half = 5500
             async with EventProducer(broker.bootstrap) as prod:
                 await prod.samples(names, "m1", [f"e{i}" for i in range(half)], f[:half],
                                    y[:half])
