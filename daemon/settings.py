@@ -134,7 +134,7 @@ class ModelSettings(_Strict):
     """Target size of the mu pool (None: from ``sizing``)."""
     pool: PosInt | None = None
     """Target size of every P/E pool (None: from ``sizing``)."""
-    variant: Literal["split", "shared"] = "split"
+    variant: Literal["split", "shared"] = "shared"
     """``split``: separate P and E pools per level (the paper's); ``shared``: one PE pool."""
     k: Annotated[int, Field(ge=2, le=MAX_K)] | None = None
     """Number of classes (None: learned from the model's first valid prediction)."""

@@ -165,7 +165,7 @@ def fit(
     sizing: str = "practical",
     pool_size: int | None = None,
     mu_pool: int | None = None,
-    variant: str = "split",
+    variant: str = "shared",
     noise: bool | None = None,
     seed: int = 0,
     prescale: str = "none",
@@ -177,6 +177,10 @@ def fit(
     progress: Callable[[int, float], None] | None = None,
 ) -> BinMap:
     """Fit a bin map from one labelled sample ``(probs (n, k), labels (n,))``.
+
+    ``variant="shared"`` (default) estimates a group's P and E from one pool per level, so the
+    estimates are consistent; ``"split"`` uses the paper's separate P and E pools (often stops on
+    a cycle at practical sizes; see ``lpcal.algorithm``).
 
     ``sizing="practical"``: every estimation pool gets ``pool_size`` samples and ``mu`` gets
     ``mu_pool`` (default ``pool_size``); without ``pool_size`` the sample left after pre-scaling is

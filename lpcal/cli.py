@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--pool-size", type=int, default=None,
                    help="practical sizing: samples per pool (default: split the input evenly)")
     f.add_argument("--sizing", choices=["practical", "theory"], default="practical")
-    f.add_argument("--variant", choices=["split", "shared"], default="split")
+    f.add_argument("--variant", choices=["split", "shared"], default="shared",
+                   help="shared (default): P and E of a group from one pool; split: the paper's separate pools")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--prescale", choices=["none", "temperature"], default="none")
     f.add_argument("--outside", choices=["rho", "identity"], default="rho")

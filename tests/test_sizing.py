@@ -131,7 +131,7 @@ def test_fit_theory_on_small_sample_quotes_needed_count():
     rng = np.random.default_rng(0)
     f = rng.dirichlet(np.ones(3), size=2000)
     y = rng.integers(0, 3, size=2000)
-    need = theory_sizing(0.2, math.inf, 0.1, 3).total
+    need = theory_sizing(0.2, math.inf, 0.1, 3, "shared").total  # fit's default variant
     with pytest.raises(InputError, match="theory sizing needs") as ei:
         fit(f, y, eps=0.2, p=math.inf, sizing="theory")
     msg = str(ei.value)

@@ -21,7 +21,8 @@ K = 3
 
 def settings(**kw) -> ModelSettings:
     base = {"eps": 0.1, "p": math.inf, "pool": 60, "mu_pool": 100, "window_samples": 2000,
-                "drift_min_samples": 100}
+            "variant": "split",
+            "drift_min_samples": 100}
     base.update(kw)
     return ModelSettings(**base)
 
