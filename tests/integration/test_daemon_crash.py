@@ -15,6 +15,9 @@ and compared: pools (``PoolSet.__eq__``), ``samples_total``, pending joins.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 import uuid
 
@@ -40,7 +43,7 @@ pytestmark = pytest.mark.integration
 
 MODELS = {"ck-a": 3, "ck-b": 4}
 BURSTS, PER_BURST, HELD_BACK = 10, 240, 40
-BURST_PAUSE = 3.0  # production spans ~30 s: both kills and restarts happen while it goes on
+BURST_PAUSE = 3.0  # between bursts until both kills happened: they happen while producing
 EXPECTED = BURSTS * PER_BURST - HELD_BACK   # joined samples per model
 GRACE = 10
 
@@ -60,9 +63,9 @@ async def _scenario(bootstrap: str, workdir) -> dict:
     await create_topics(bootstrap, names, partitions=2)
     await kafka_io.ensure_topics(bootstrap, [kafka_io.TopicSpec(ref_names.state, 1,
                                                                 configs=kafka_io.COMPACT)])
-    common = dict(partitions=2, defaults={"pool": 10 ** 6, "mu_pool": 10 ** 6},
-                  models={m: {"k": k} for m, k in MODELS.items()},
-                  state={"checkpoint_interval_seconds": 0.5}, shutdown_grace_seconds=GRACE)
+    common = {"partitions": 2, "defaults": {"pool": 10 ** 6, "mu_pool": 10 ** 6},
+              "models": {m: {"k": k} for m, k in MODELS.items()},
+              "state": {"checkpoint_interval_seconds": 0.5}, "shutdown_grace_seconds": GRACE}
     crashy = SubprocessDaemon(daemon_config(bootstrap, names, http_port=free_port(),
                                             group_id=f"{prefix}-crashy", **common),
                               workdir, "crashy")
@@ -83,6 +86,7 @@ async def _scenario(bootstrap: str, workdir) -> dict:
         await asyncio.gather(crashy.wait_ready(40), ref.wait_ready(40))
         note("both daemons ready")
         bursts_done = 0
+        kills_done = asyncio.Event()
 
         async def produce():
             nonlocal bursts_done
@@ -102,8 +106,8 @@ async def _scenario(bootstrap: str, workdir) -> dict:
                                                predictions=False)
                     await prod.flush()
                     bursts_done = b + 1
-                    if b < BURSTS:
-                        await asyncio.sleep(BURST_PAUSE)
+                    if b < BURSTS:  # slow while kills are pending, then catch up quickly
+                        await asyncio.sleep(0.3 if kills_done.is_set() else BURST_PAUSE)
             note("production finished")
 
         producer = asyncio.create_task(produce())
@@ -122,6 +126,7 @@ async def _scenario(bootstrap: str, workdir) -> dict:
         await asyncio.sleep(0.3)
         note(f"SIGKILL 2 after burst {bursts_done}, samples {await _samples_of(crashy)}")
         res["kill2_rc"] = crashy.kill()
+        kills_done.set()
         crashy.start()
         await asyncio.wait_for(producer, 60)
         await crashy.wait_ready(40)
@@ -229,3 +234,15 @@ def test_sigterm_exits_zero_within_grace_and_final_checkpoint_covers_input(scena
         assert model_state.join.pending(m) == HELD_BACK
     for (topic, part), end in ends.items():
         assert st.manifests[part]["offsets"][topic] == end, (topic, part, st.manifests)
+
+
+def test_serve_with_invalid_settings_exits_2_naming_each_bad_field(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[defaults]\neps = 1.5\n[http]\nport = 0\n[kafka]\ngroup_id = ""\n')
+    proc = subprocess.run([sys.executable, "-m", "lpcal.cli", "serve", "--config", str(cfg)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items()
+                               if not k.startswith("LPCAL_")})
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    for field in ("defaults.eps", "http.port", "kafka.group_id"):
+        assert field in proc.stderr, proc.stderr

@@ -68,7 +68,7 @@ async def test_bad_binmaps_rejected_by_client_and_daemon_previous_map_stays(
         await daemon.wait_ready(60)
         gen = TrafficGenerator([SyntheticModel(m, k, T=0.4, scale=4.0, seed=j)
                                 for j, (m, k) in enumerate(MODELS.items())],
-                               1800 * len(MODELS), event_rate=500.0, delay=5.0, seed=4,
+                               1000 * len(MODELS), event_rate=500.0, delay=5.0, seed=4,
                                decimals=6)
         await simulate(broker.bootstrap, {"predictions": names.predictions,
                                           "outcomes": names.outcomes}, gen,
@@ -78,7 +78,8 @@ async def test_bad_binmaps_rejected_by_client_and_daemon_previous_map_stays(
             view = await models_view(daemon.url)
             return all(m in view and view[m]["binmap_version"] == 1
                        and not view[m]["fit_in_flight"] for m in MODELS)
-        await wait_until(v1_everywhere, 30, "bin map v1 of every model", diag=daemon.logs)
+        await wait_until(v1_everywhere, 30, "bin map v1 of every model",
+                         diag=lambda: models_view(daemon.url))
         good = {}
         for m in MODELS:
             status, good[m] = await http_get(daemon.url, f"/v1/models/{m}/binmap")

@@ -159,6 +159,10 @@ async def _scenario(tmp_path, soak: bool) -> dict:
         "daemon alive at end": r["alive_at_end"], "exit code": r["rc"],
         "daemon died in": r["death"],
         "samples joined after recovery": sum(joined.values()),
+        "input partitions after the restart": r.get("counts"),
+        "events consumed (metric, at end)": {
+            dict(lb).get("topic"): int(v) for (n, lb), v in r["mx"].items()
+            if n == "lpcal_events_consumed_total"},
         "samples lost": r["lost"], "samples doubled": r["doubled"],
         "unmatched/duplicate events": r["dup"], "dead letters": r["dlq"],
     }, soak, "make soak  # tests/reliability/test_broker_outage.py")
