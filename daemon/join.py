@@ -10,9 +10,14 @@ arrive waits in a per-model *pending* buffer, bounded two ways:
   (``evictions["ttl"]``). An outcome evicted by TTL is also an ``orphan`` (its prediction never
   arrived).
 
-The clock never reads the wall time: it is the largest time ever passed in, either each event's
-own ``ts`` (default, *event time*: the result then does not depend on how events were batched,
-so a replay after a crash joins exactly the same samples) or an explicit ``now`` per call.
+The clock never reads the wall time. By default it is an *event-time watermark*: the smaller of
+the largest ``ts`` seen on the prediction stream and the largest ``ts`` seen on the outcome stream
+(a complete sample advances both). So when one input topic is read ahead of the other (a backlog
+after downtime, a slow partition), pairs whose partner is still unread do not expire; and the
+result does not depend on how events were batched, so a replay after a crash joins exactly the
+same samples. A pending event expires once the watermark passes ``max(watermark, ts) + ttl`` as
+of its arrival. With an explicit ``now`` per call, the clock is ``now`` instead. While one stream
+is idle the watermark stands still, and only the capacity bound evicts.
 
 Ids that were joined or expired are remembered in a bounded *recent* set (``recent_per_model``,
 oldest forgotten first) to classify stragglers:
@@ -112,6 +117,7 @@ class JoinStore:
         if self.max_recent < 0:
             raise InputError("recent_per_model must be >= 0")
         self.clock = -math.inf
+        self.wm = [-math.inf, -math.inf]  # largest ts seen: predictions, outcomes
         self._models: dict[str, _ModelJoin] = {}
 
     # ---------------------------------------------------------------- reading
@@ -212,6 +218,7 @@ class JoinStore:
         p_src: list[tuple[np.ndarray, int]] = []
         new_pending: list[tuple[list, int]] = []  # prediction entries whose row is in this batch
         clock = self.clock
+        wm0, wm1 = self.wm
         remember = self._remember
         inf = math.inf
         # lower bound on the earliest pending deadline (deadlines are appended in order, and
@@ -219,13 +226,19 @@ class JoinStore:
         front = next(iter(pend.values()))[1] if pend else inf
         for i in range(n):
             t = ts_l[i]
-            if event_time and t > clock:
-                clock = t
+            kd = kind_l[i]
+            if event_time:
+                if kd != KIND_OUTCOME and t > wm0:
+                    wm0 = t
+                if kd != KIND_PREDICTION and t > wm1:
+                    wm1 = t
+                c = wm0 if wm0 < wm1 else wm1
+                if c > clock:
+                    clock = c
             if front < clock:
                 self.clock = clock
                 self._expire(m, clock, ev, um)
                 front = next(iter(pend.values()))[1] if pend else inf
-            kd = kind_l[i]
             eid = ids[i]
             entry = pend.get(eid)
             if kd == KIND_SAMPLE:
@@ -268,11 +281,12 @@ class JoinStore:
                 else:
                     um["duplicate"] += 1
                 continue
+            deadline = ((clock if clock > t else t) if event_time else clock) + ttl
             if kd == KIND_PREDICTION:
-                e = [kd, clock + ttl, t, i]
+                e = [kd, deadline, t, i]
                 new_pending.append((e, i))
             else:
-                e = [kd, clock + ttl, t, lab_l[i]]
+                e = [kd, deadline, t, lab_l[i]]
             if not pend:
                 front = e[1]
             pend[eid] = e
@@ -281,6 +295,7 @@ class JoinStore:
                 ev["capacity"] += 1
                 self._remember(m, old_id, _EXPIRED)
         self.clock = clock
+        self.wm = [wm0, wm1]
         # joined rows: one gather from this batch, one per pending block
         if p_src:
             k = p_src[0][0].shape[1]
@@ -333,10 +348,14 @@ class JoinStore:
         t = np.asarray(ts_l, dtype=np.float64)
         if not np.isfinite(t).all():
             return None
-        if event_time:
-            clk = np.maximum.accumulate(t)
-            np.maximum(clk, clock0, out=clk)
+        wm_end = list(self.wm)
+        if event_time:  # the watermark before each event: min of the two streams' maxima
+            run = np.maximum.accumulate(t)
+            w0 = np.maximum(run, self.wm[0]) if kd != KIND_OUTCOME else np.full(n, self.wm[0])
+            w1 = np.maximum(run, self.wm[1]) if kd != KIND_PREDICTION else np.full(n, self.wm[1])
+            clk = np.maximum(np.minimum(w0, w1), clock0)
             first, last = float(clk[0]), float(clk[-1])
+            wm_end = [float(w0[-1]), float(w1[-1])]
         else:
             first = last = clock0
         front = next(iter(pend.values()))[1] if pend else math.inf
@@ -363,6 +382,7 @@ class JoinStore:
                 out_ts, out_lab = out_ts[keep], out_lab[keep]
             self._remember_new(m, out_ids)
             self.clock = last
+            self.wm = wm_end
             m.joined += len(out_ids)
             _acc(m, ev, um)
             return JoinResult(out_ids, out_ts, rows, out_lab, ev, um)
@@ -403,8 +423,8 @@ class JoinStore:
             nid, nts = [ids[i] for i in new_i], [ts_l[i] for i in new_i]
         if nid:
             if event_time:
-                dl = (clk if new_i is None else clk[new_i]) + self.ttl
-                dls = dl.tolist()
+                dl = np.maximum(clk, t) if new_i is None else np.maximum(clk[new_i], t[new_i])
+                dls = (dl + self.ttl).tolist()
             else:
                 dls = repeat(clock0 + self.ttl)
             if kd == KIND_PREDICTION:
@@ -415,6 +435,7 @@ class JoinStore:
             pend.update(zip(nid, zip(repeat(kd), dls, nts, payload)))
         self._remember_new(m, out_ids)
         self.clock = last
+        self.wm = wm_end
         m.joined += len(out_ids)
         _acc(m, ev, um)
         return JoinResult(out_ids, out_ts, rows, out_lab, ev, um)
@@ -452,7 +473,8 @@ class JoinStore:
                 "joined": m.joined,
             }
         return {"max_pending": self.max_pending, "ttl": self.ttl, "max_recent": self.max_recent,
-                "clock": None if math.isinf(self.clock) else self.clock, "models": models}
+                "clock": None if math.isinf(self.clock) else self.clock,
+                "watermarks": [None if math.isinf(w) else w for w in self.wm], "models": models}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "join store") -> JoinStore:
@@ -460,6 +482,8 @@ class JoinStore:
             store = cls(int(d["max_pending"]), float(d["ttl"]), int(d["max_recent"]))
             clock = d["clock"]
             store.clock = -math.inf if clock is None else float(clock)
+            wms = d.get("watermarks", [clock, clock])
+            store.wm = [-math.inf if w is None else float(w) for w in wms][:2]
             for name, md in dict(d["models"]).items():
                 m = store._model(str(name))
                 entries = []

@@ -70,13 +70,35 @@ def test_duplicates_and_late_events():
 def test_ttl_eviction_orphans_and_late_partner():
     s = JoinStore(100, ttl_seconds=10)
     offer(s, [(P, "e1", 0, None), (O, "e2", 1, 0)])
-    r = offer(s, [(P, "e3", 10.5, None)])       # clock 10.5 > 0 + 10: e1 expires, e2 not yet
-    assert r.evicted == {"ttl": 1, "capacity": 0} and s.pending("m") == 2
-    r = offer(s, [(P, "e4", 11.5, None)])       # e2 (outcome) expires: orphan
+    # the watermark is min(predictions 10.5, outcomes 10.5) = 10.5 > 0 + 10: e1 expires
+    r = offer(s, [(P, "e3", 10.5, None), (O, "x3", 10.5, 0)])
+    assert r.evicted == {"ttl": 1, "capacity": 0} and s.pending("m") == 3
+    r = offer(s, [(P, "e4", 11.5, None), (O, "x4", 11.5, 0)])   # e2 (outcome) expires: orphan
     assert r.evicted["ttl"] == 1 and r.unmatched["orphan"] == 1
     r = offer(s, [(O, "e1", 12, 1), (P, "e2", 12, None)])
     assert len(r) == 0 and r.unmatched["late"] == 2   # partners arrive after expiry
     assert s.stats("m")["evicted"] == {"ttl": 2, "capacity": 0}
+
+
+def test_one_stream_ahead_does_not_expire_pairs():
+    """A backlog: the outcomes topic is read far ahead of the predictions topic. Event time on
+    one stream alone must not expire predictions whose outcomes are already pending."""
+    s = JoinStore(100, ttl_seconds=10)
+    r = offer(s, [(O, f"e{i}", 100 + i, i % 3) for i in range(50)])   # outcomes, t = 100..149
+    assert len(r) == 0 and r.evicted["ttl"] == 0 and s.pending("m") == 50
+    r = offer(s, [(P, f"e{i}", float(i), None) for i in range(50)])   # predictions, t = 0..49
+    assert len(r) == 50 and r.evicted["ttl"] == 0 and s.pending("m") == 0
+    # both streams past a pending prediction's deadline: it expires
+    offer(s, [(P, "e900", 150, None)])
+    r = offer(s, [(P, "e901", 161, None), (O, "e902", 161, 0)])
+    assert r.evicted["ttl"] == 1 and s.stats("m")["unmatched"]["orphan"] == 0
+
+
+def test_watermarks_survive_snapshots():
+    s = JoinStore(100, ttl_seconds=10)
+    offer(s, [(P, "e1", 5, None), (O, "e2", 3, 1)])
+    t = JoinStore.from_dict(s.to_dict())
+    assert t.wm == s.wm == [5.0, 3.0] and t.clock == s.clock == 3.0 and t == s
 
 
 def test_explicit_clock_and_advance():

@@ -240,7 +240,8 @@ def test_serve_with_invalid_settings_exits_2_naming_each_bad_field(tmp_path):
     cfg = tmp_path / "bad.toml"
     cfg.write_text('[defaults]\neps = 1.5\n[http]\nport = 0\n[kafka]\ngroup_id = ""\n')
     proc = subprocess.run([sys.executable, "-m", "lpcal.cli", "serve", "--config", str(cfg)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          check=False, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60,
                           env={k: v for k, v in os.environ.items()
                                if not k.startswith("LPCAL_")})
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)

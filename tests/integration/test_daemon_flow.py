@@ -84,7 +84,8 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
         # ---- the bin map on the compacted topic and over HTTP: same bytes, version 1
         maps = await wait_until(lambda: _maps_with(broker, names, {m: 1 for m in data}), 15,
                                 "bin maps v1 on the bin-map topic")
-        for m, (_, k, _) in ((m, (None, settings.model_settings(m).k, None)) for m in data):
+        for m in data:
+            k = settings.model_settings(m).k
             raw, bm = maps[m]
             assert bm.version == 1 and bm.model_id == m and bm.k == k
             assert bm.eps == pytest.approx(0.1) and bm.p == float("inf")

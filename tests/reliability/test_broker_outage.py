@@ -177,18 +177,22 @@ def outage(tmp_path_factory, soak):
 def test_during_outage_readyz_503_and_healthz_200(outage):
     assert outage["alive_after_outage"], outage["death"]
     assert not outage["unhealthy"], outage["unhealthy"]
-    assert outage["not_ready"] and outage["not_ready"][0] < 8.0, \
-        "/readyz never reported the outage"
+    assert len(outage["not_ready"]) >= 3, "/readyz did not report the outage"
+    assert outage["not_ready"][0] < outage["t_up"]
     # once the outage is detected, /readyz stays 503 until the broker is back
     first = outage["not_ready"][0]
     assert all(rd != 200 for t, rd, _ in outage["probes"] if t >= first), outage["probes"]
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "BUG: Daemon.main_loop awaits the periodic checkpoint() without catching its errors: the "
-    "first checkpoint produce that fails after the outage (aiokafka UnknownError from the "
-    "restarted broker; on real Kafka a KafkaTimeoutError after request_timeout_ms of outage) "
-    "propagates out of main_loop and the daemon shuts down (exit 1)"))
+    "BUG: after the outage the daemon's first checkpoint fails (aiokafka UnknownError: the "
+    "restarted broker does not have the state topic yet; on real Kafka a KafkaTimeoutError "
+    "after request_timeout_ms of outage). (a) Daemon.main_loop awaits the periodic "
+    "checkpoint() without catching its errors: the exception ends main_loop and the daemon "
+    "exits 1 (most runs); (b) when the failing checkpoint is on_revoked's (the rebalance "
+    "after the coordinator loss), on_revoked logs it and drops the models anyway, losing "
+    "their unsaved state; in the run observed the daemon was ready again but its "
+    "samples_total stayed at the pre-outage 4,755 of 12,000"))
 def test_after_outage_ready_again_and_resumes_without_loss(outage):
     assert outage["counts"] == {"rel-outage.preds": 2, "rel-outage.outs": 2}, outage["counts"]
     assert outage["alive_at_end"] and outage["rc"] == 0, outage["death"]

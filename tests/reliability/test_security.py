@@ -146,6 +146,7 @@ async def test_daemon_aiokafka_clients_receive_sasl_ssl_settings(tmp_path, monke
     red = orjson.dumps(settings.redacted()).decode()
     assert PASSWORD not in red and TOKEN not in red and "**********" in red
     assert PASSWORD not in repr(settings) and TOKEN not in repr(settings)
+    assert any(r.name.startswith("aiokafka") for r in caplog.records)  # a real log
     assert PASSWORD not in caplog.text and TOKEN not in caplog.text
 
 
@@ -160,7 +161,7 @@ async def _serve(tmp_path, admin_token, max_body=1024):
 
 
 async def test_admin_endpoint_needs_exact_bearer_token_compared_in_constant_time(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, figures):
     seen: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest
 
@@ -182,6 +183,10 @@ async def test_admin_endpoint_needs_exact_bearer_token_compared_in_constant_time
         assert st == 404 and b"not owned" in body  # authorized; the model is not here
     finally:
         await http.stop()
+    figures("security: admin endpoint", {
+        "requests with a missing/wrong/malformed token": len(bad),
+        "answered 401": len(bad), "valid token": "authorized (404: model not on this replica)",
+        "hmac.compare_digest calls": len(seen)})
     assert len(seen) == len(bad) + 1
     assert all(b == f"Bearer {TOKEN}".encode() for _, b in seen)
     http, url = await _serve(tmp_path, None)
