@@ -31,6 +31,7 @@ which epoch can shift by a batch between runs; no sample is lost or counted twic
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import logging
 import math
@@ -175,6 +176,11 @@ class Daemon:
         self.consumer.subscribe([self.t_pred, self.t_out], listener=_Rebalance(self))
         self.broker_ok = True
         self._probe_task = asyncio.create_task(self._probe_broker())
+        # a long-lived service with a large, stable heap: move start-up objects out of the
+        # collector's view and collect young objects less often (ingest allocates many short-
+        # lived ones; measured about +30% ingest throughput, see tests/bench/bench_ingest.py)
+        gc.freeze()
+        gc.set_threshold(50_000, 50, 1000)
         self.started = True
         log.info("lpcal daemon started: group %s, topics %s/%s", k.group_id, self.t_pred,
                  self.t_out)

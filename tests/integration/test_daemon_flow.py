@@ -34,16 +34,22 @@ from tests.integration.daemon_harness import (
 pytestmark = pytest.mark.integration
 
 TOKEN = "s3cret-token"
-POOL = 100  # every pool's target: small, so a fit happens after ~1300 joined samples
+POOL = 100  # every pool's target: small, so a fit happens after a few thousand samples
 
 
-def _one_epoch_precondition(settings, model: str, k: int, ids: list[str]) -> None:
-    """The data must fill every pool at least once and some pool less than twice, so that
-    exactly one epoch seals whatever the join order (routing is a hash of the id)."""
+def _one_epoch_samples(settings, model: str, seed: int):
+    """Samples of ``model`` that fill every pool at least once and some pool less than twice,
+    so that exactly one epoch seals whatever the join order (routing is a hash of the id).
+    The count is derived from the pool layout the daemon will use (not hard-coded)."""
+    k = settings.model_settings(model).k
     st = ModelState.create(model, k, settings.model_settings(model), settings.join)
-    counts = np.bincount(st.layout.route(ids), minlength=len(st.layout.names))
     targets = np.array([st.layout.targets[n] for n in st.layout.names])
-    assert (counts >= targets).all() and (counts < 2 * targets).any(), (counts, targets)
+    for n in range(int(1.2 * targets.sum()), int(1.9 * targets.sum()), 50):
+        ids, probs, labels = synth_samples(n, k, seed, model)
+        counts = np.bincount(st.layout.route(ids), minlength=targets.size)
+        if (counts >= targets).all() and (counts < 2 * targets).any():
+            return ids, probs, labels
+    raise AssertionError(f"no sample count gives exactly one epoch for {st.layout.targets}")
 
 
 async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
@@ -54,10 +60,9 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
                         admin_token=TOKEN, defaults={"pool": POOL, "mu_pool": POOL},
                         models={"flow-a": {"k": 3}, "flow-b": {"k": 4}})
     settings = build_settings(cfg, tmp_path)
-    data = {m: synth_samples(1800, k, seed, m) for seed, (m, k) in
-            enumerate((("flow-a", 3), ("flow-b", 4)))}
-    for m, (ids, _, _) in data.items():
-        _one_epoch_precondition(settings, m, settings.model_settings(m).k, ids)
+    data = {m: _one_epoch_samples(settings, m, seed) for seed, m in enumerate(("flow-a",
+                                                                             "flow-b"))}
+    n = {m: len(ids) for m, (ids, _, _) in data.items()}
 
     async with running_daemon(settings) as rd:
         url = rd.url
@@ -76,9 +81,9 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
 
         def done():
             ms = rd.daemon.models
-            return all(m in ms and ms[m].samples_total == 1800 and ms[m].binmap_version >= 1
+            return all(m in ms and ms[m].samples_total == n[m] and ms[m].binmap_version >= 1
                        and m not in rd.daemon.inflight for m in data)
-        await wait_until(done, 30, "1800 joined samples and bin map v1 for both models",
+        await wait_until(done, 30, f"{n} joined samples and bin map v1 for both models",
                          diag=rd.describe)
 
         # ---- the bin map on the compacted topic and over HTTP: same bytes, version 1
@@ -102,14 +107,14 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
         listed = {e["model"]: e for e in orjson.loads(body)["models"]}
         assert set(listed) == set(data)
         for m in data:
-            assert listed[m]["samples_total"] == 1800
+            assert listed[m]["samples_total"] == n[m]
             assert listed[m]["binmap_version"] == 1
             assert listed[m]["k"] == settings.model_settings(m).k
 
         # ---- metrics scraped over HTTP, parsed with prometheus_client's parser
         mx = await scrape_metrics(url)
         for m in data:
-            assert metric_value(mx, "lpcal_joined_samples_total", model=m) == 1800
+            assert metric_value(mx, "lpcal_joined_samples_total", model=m) == n[m]
             assert metric_value(mx, "lpcal_calibrations_total", model=m,
                                 trigger="pools_full") == 1
             assert metric_value(mx, "lpcal_calibrations_total", model=m, trigger="manual",
@@ -117,8 +122,9 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
             assert metric_value(mx, "lpcal_binmap_version", model=m) == 1
             assert metric_value(mx, "lpcal_high_probability_bins", model=m) == maps[m][1].n_bins
             assert metric_value(mx, "lpcal_fit_duration_seconds_count", model=m) == 1
-        assert metric_value(mx, "lpcal_events_consumed_total", topic="predictions") == 3600
-        assert metric_value(mx, "lpcal_events_consumed_total", topic="outcomes") == 3600
+        total = sum(n.values())
+        assert metric_value(mx, "lpcal_events_consumed_total", topic="predictions") == total
+        assert metric_value(mx, "lpcal_events_consumed_total", topic="outcomes") == total
         assert sum(v for (n, _), v in mx.items() if n == "lpcal_events_invalid_total") == 0
         assert metric_value(mx, "lpcal_ready") == 1
 

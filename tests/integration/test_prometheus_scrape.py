@@ -52,7 +52,8 @@ async def test_prometheus_scrapes_calibrated_err_p(broker, topic_prefix, tmp_pat
     names = TopicNames.for_prefix(topic_prefix)
     port = free_port()
     cfg = daemon_config(broker.bootstrap, names, http_port=port,
-                        defaults={"eps": 0.1, "p": "inf", "k": 3, "pool": 300, "mu_pool": 300,
+                        defaults={"eps": 0.1, "p": "inf", "k": 3, "pool": 570, "mu_pool": 570,
+                                  "variant": "shared",
                                   "window_samples": 2000},
                         # the synthetic events are 1 s of event time apart: 7,000 s in all
                         join={"ttl_seconds": 86400})
@@ -75,8 +76,8 @@ async def test_prometheus_scrapes_calibrated_err_p(broker, topic_prefix, tmp_pat
             f = rng.dirichlet([0.3, 0.3, 0.3], size=n)
             q = f**0.4 / (f**0.4).sum(axis=1, keepdims=True)  # overconfident model
             y = (q.cumsum(axis=1) > rng.random(n)[:, None]).argmax(axis=1)
-            # events are routed to the 13 pools of 300 at random: 5,500 fill them all once
-            # (each gets 423 +- 20 on average), and the last 1,500 cannot fill them again
+            # events are routed to the 7 pools of 570 at random: 5,500 fill them all once
+            # (each gets 786 +- 26 on average), and the ~2,700 left cannot fill them again
             half = 5500
             async with EventProducer(broker.bootstrap) as prod:
                 await prod.samples(names, "m1", [f"e{i}" for i in range(half)], f[:half],

@@ -101,7 +101,13 @@ async def test_malformed_events_dead_lettered_by_reason_valid_ones_all_joined(
             await asyncio.gather(*futs)
         finally:
             await producer.stop()
-        view = await wait_settled(daemon.url, per_model, 600 if soak else 60)
+        async def consumed_all():  # every message of the stream went through the parser
+            mx = await scrape_metrics(daemon.url)
+            return sum(v for (n, _), v in mx.items()
+                       if n == "lpcal_events_consumed_total") >= len(stream)
+        await wait_until(consumed_all, 900 if soak else 60, "the whole stream consumed",
+                         interval=1.0, diag=daemon.logs)
+        view = await wait_settled(daemon.url, per_model, 120 if soak else 30)
         last: list = []
 
         async def dl():
