@@ -285,6 +285,11 @@ class Daemon:
         new = {tp for tp in tps if tp not in self.assigned}
         self.assigned = set(tps)
         parts = {tp.partition for tp in new}
+        # aiokafka keeps fetching while this callback awaits the restore: pause the new
+        # partitions so no record is processed before its model's checkpoint is restored and
+        # the partition is positioned (else checkpointed samples would be lost, others doubled)
+        if new:
+            self.consumer.pause(*new)
         if parts:
             records = await self._store.load_all()
             manifests = {}
@@ -313,6 +318,8 @@ class Daemon:
             for model, inf in self.inflight.items():
                 if inf.task is None and self.partition_of.get(model) in parts:
                     self._launch_fit(model, inf)
+        if new:
+            self.consumer.resume(*new)
         self.restored = True
         self.metrics.set_ready(self.ready)
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in tps))

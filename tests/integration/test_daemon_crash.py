@@ -186,11 +186,6 @@ def _report(sc) -> str:
             + f"\nreference: {sc['ref_state'].summary()}\n{sc['logs']}")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: Daemon.on_assigned adds the new partitions to self.assigned before awaiting the "
-    "state restore; main_loop meanwhile processes records fetched from the committed offsets "
-    "into a fresh ModelState, so _restore_model skips the checkpoint (model already in "
-    "self.models): every sample of the checkpoint is lost after a restart"))
 def test_sigkill_twice_while_filling_then_restart_equals_uninterrupted_run(scenario):
     sc = scenario
     assert sc["kill1_rc"] == -9 and sc["kill2_rc"] == -9

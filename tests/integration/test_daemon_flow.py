@@ -262,10 +262,6 @@ async def test_malformed_events_are_deadlettered_with_reason_and_valid_ones_join
         assert "nobody" not in rd.daemon.models
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: Daemon.on_assigned sets self.assigned before awaiting the state restore "
-    "(load_all, ~2 s); aiokafka keeps fetching meanwhile, main_loop processes the new "
-    "partitions' records, then the seek re-delivers them (events consumed twice)"))
 async def test_backlog_present_at_start_is_consumed_exactly_once(broker, topic_prefix,
                                                                  tmp_path):
     names = TopicNames.for_prefix(topic_prefix)

@@ -180,10 +180,6 @@ async def test_two_replicas_split_models_and_hand_over_when_idle(broker, topic_p
     await _run(broker, topic_prefix, tmp_path, quiescent=True)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: Daemon.on_assigned adds the new partitions to self.assigned before awaiting the "
-    "state restore; records fetched during the restore are processed into a fresh "
-    "ModelState and the checkpoint of that model is then skipped (samples lost)"))
 async def test_two_replicas_split_models_and_hand_over_under_load(broker, topic_prefix,
                                                                   tmp_path):
     """Rebalances while input is pending: B joins right after phase 1 is produced, and
