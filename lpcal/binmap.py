@@ -98,11 +98,13 @@ class BinMap:
     bins: tuple[str, ...]
     group: np.ndarray  # (|B|,) int
     preds: np.ndarray  # (|G|, k) float
+    bin_rows: dataclasses.InitVar[np.ndarray | None] = None  # rows of ``bins``, if known
 
-    def __post_init__(self):
+    def __post_init__(self, bin_rows: np.ndarray | None = None):
         if self.outside not in _OUTSIDE:
             raise ArtifactError(f"outside must be one of {_OUTSIDE}, got {self.outside!r}")
-        rows = decode_keys(self.bins, self.k, self.lam)
+        # callers that built ``bins`` from their rows (fit_pools) pass them, saving the parse
+        rows = decode_keys(self.bins, self.k, self.lam) if bin_rows is None else bin_rows
         object.__setattr__(self, "_index", BinIndex(rows))
         g = np.asarray(self.group, dtype=np.int64)
         P = np.asarray(self.preds, dtype=np.float64)

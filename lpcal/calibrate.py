@@ -118,7 +118,7 @@ def fit_pools(
         est_error={"err_p": res.est_err_p, "err_max": res.est_err_max, "threshold": beta / 2,
                    "iterations_run": res.iterations_run, "merges": res.n_merges,
                    "mass_outside_B": _mass_outside(pools, hB)},
-        bins=tuple(keys), group=res.group_of_bin, preds=res.preds,
+        bins=tuple(keys), group=res.group_of_bin, preds=res.preds, bin_rows=cB,
     )
 
 

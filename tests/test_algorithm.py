@@ -16,9 +16,9 @@ import math
 
 import numpy as np
 import pytest
-from reference_algorithm import iteration_bound as ref_iteration_bound
-from reference_algorithm import project, reference_run, round_down
-from reference_algorithm import rho as ref_rho
+from tests.reference_algorithm import iteration_bound as ref_iteration_bound
+from tests.reference_algorithm import project, reference_run, round_down
+from tests.reference_algorithm import rho as ref_rho
 
 from lpcal.algorithm import (
     STOP_CONVERGED,

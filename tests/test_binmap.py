@@ -11,8 +11,8 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_algorithm import rho as ref_rho
-from reference_algorithm import round_down
+from tests.reference_algorithm import rho as ref_rho
+from tests.reference_algorithm import round_down
 
 from lpcal.binmap import BinMap, scale_temperature
 from lpcal.calibrate import fit
