@@ -40,7 +40,8 @@ class KafkaCheckpointStore:
 
     async def load_all(self) -> dict[str, bytes]:
         latest = await read_compacted_latest(self.bootstrap, self.topic,
-                                             timeout=self.read_timeout, security=self.security)
+                                             timeout=self.read_timeout, security=self.security,
+                                             missing_ok=True)
         return {(k.decode() if isinstance(k, bytes) else str(k)): v
                 for k, v in latest.items() if v is not None}
 

@@ -28,7 +28,8 @@ class HttpServer:
         self.d = daemon
         self.stall = stall_seconds
         s = daemon.s.http
-        self.app = web.Application(client_max_size=s.max_body_bytes)
+        self.app = web.Application(client_max_size=s.max_body_bytes,
+                                   middlewares=[self._bounded_body])
         self.app.add_routes([
             web.get("/metrics", self.metrics),
             web.get("/healthz", self.healthz),
@@ -39,6 +40,17 @@ class HttpServer:
         ])
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
+
+    @web.middleware
+    async def _bounded_body(self, request: web.Request, handler):
+        """413 for bodies over ``http.max_body_bytes``, declared or streamed, on every route."""
+        limit = self.d.s.http.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit,
+                                                actual_size=request.content_length)
+        if request.body_exists:
+            await request.read()  # enforces client_max_size on chunked bodies (413)
+        return await handler(request)
 
     async def start(self) -> None:
         s = self.d.s.http

@@ -129,7 +129,9 @@ class Daemon:
         self._last_ckpt = time.monotonic()
         self._last_gauges: dict[str, float] = {}
         self._last_lag = 0.0
-        self._dlq: list[asyncio.Future] = []
+        self._dlq: list[tuple[dict, asyncio.Future]] = []  # dead letters not yet acknowledged
+        # models whose partitions were revoked without a successful checkpoint (broker down)
+        self._parked: dict[str, tuple[int, ModelState, Inflight | None]] = {}
         self._probe_task: asyncio.Task | None = None
 
     # ================================================================== lifecycle
@@ -215,7 +217,11 @@ class Daemon:
                     self._process(tp, msgs)
             self._after_batch()
             if time.monotonic() - self._last_ckpt >= self.s.state.checkpoint_interval_seconds:
-                await self.checkpoint()
+                try:
+                    await self.checkpoint()
+                except Exception as e:  # noqa: BLE001 - broker trouble: keep the state, retry
+                    log.warning("checkpoint failed (%s: %s); state kept, retrying in %.0f s",
+                                type(e).__name__, e, self.s.state.checkpoint_interval_seconds)
             await asyncio.sleep(0)
 
     async def shutdown(self) -> None:
@@ -291,7 +297,7 @@ class Daemon:
         if new:
             self.consumer.pause(*new)
         if parts:
-            records = await self._store.load_all()
+            records = await self._load_checkpoints()
             manifests = {}
             for key, value in records.items():
                 if key.startswith("partition/"):
@@ -302,6 +308,7 @@ class Daemon:
             for key, value in records.items():
                 if key.startswith("model/"):
                     self._restore_model(key[6:], value, parts)
+            self._unpark(parts)
             await self._adopt_published_binmaps(parts)
             for tp in new:
                 off = manifests.get(tp.partition, {}).get("offsets", {}).get(tp.topic)
@@ -323,6 +330,45 @@ class Daemon:
         self.restored = True
         self.metrics.set_ready(self.ready)
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in tps))
+
+    async def _load_checkpoints(self) -> dict[str, bytes]:
+        """All checkpoint records; retried while the broker is unreachable (bounded)."""
+        delay, deadline = 0.5, time.monotonic() + 60.0
+        while True:
+            try:
+                return await self._store.load_all()
+            except Exception as e:  # noqa: BLE001
+                if time.monotonic() > deadline or self.stopping.is_set():
+                    raise
+                log.warning("reading checkpoints failed (%s: %s); retrying in %.1f s",
+                            type(e).__name__, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+
+    def _unpark(self, parts: set[int]) -> None:
+        """Reinstate parked states of re-assigned partitions when they are further along than
+        the checkpoint restored (or there is none): their covered offsets decide."""
+        for model, (part, st, inf) in list(self._parked.items()):
+            if part not in parts:
+                continue
+            del self._parked[model]
+            cur = self.models.get(model)
+
+            def covered(s):
+                return sum(o for t in s.offsets.values() for o in t.values())
+
+            if cur is not None and covered(cur) >= covered(st):
+                continue
+            self.models[model] = st
+            self.partition_of[model] = part
+            self.parser.admit(model, st.k)
+            self.metrics.register_model(model)
+            self.inflight.pop(model, None)
+            if inf is not None:
+                self.inflight[model] = inf
+            self.dirty.add(model)
+            log.info("model %s: reinstated the state kept in memory (its checkpoint failed)",
+                     model)
 
     def _restore_model(self, model: str, value: bytes, parts: set[int]) -> None:
         try:
@@ -365,10 +411,18 @@ class Daemon:
             bm = self.verify_binmap(data, model)
             if bm is None or bm.version <= st.binmap_version:
                 continue
-            st.install_binmap(data, bm.version)
+            # versions after the checkpoint's were fitted from the fit in flight, then from the
+            # oldest sealed epochs, in order: those epochs are consumed, not fitted again
+            steps = bm.version - st.binmap_version
             inf = self.inflight.get(model)
             if inf is not None and inf.version <= bm.version:
                 del self.inflight[model]  # its result was published before the crash
+                steps -= 1
+            for _ in range(steps):
+                if not st.pools.full:
+                    break
+                st.start_new_epoch()
+            st.install_binmap(data, bm.version)
             self.dirty.add(model)
             self.metrics.set_binmap_published(model, bm.version)
             log.info("model %s: adopted published bin map version %d", model, bm.version)
@@ -394,16 +448,23 @@ class Daemon:
 
     async def on_revoked(self, tps: set[TopicPartition]) -> None:
         parts = {tp.partition for tp in tps}
+        saved = True
         if parts and self.consumer is not None:
             try:
                 await self.checkpoint(parts, commit=True)
             except Exception as e:  # noqa: BLE001
-                log.error("checkpoint on revoke failed: %s", e)
+                saved = False
+                log.error("checkpoint on revoke failed (%s: %s): keeping the state of "
+                          "partitions %s in memory in case they come back", type(e).__name__,
+                          e, sorted(parts))
         for model in [m for m, p in self.partition_of.items() if p in parts]:
             inf = self.inflight.pop(model, None)
             if inf is not None and inf.task is not None:
                 inf.task.cancel()
-            self.models.pop(model, None)
+            st = self.models.pop(model)
+            if not saved:  # parked: on reassignment, the state further along wins
+                inf_copy = None if inf is None else Inflight(inf.pools, inf.trigger, inf.version)
+                self._parked[model] = (self.partition_of[model], st, inf_copy)
             self.partition_of.pop(model, None)
             self.dirty.discard(model)
             self.metrics.remove_model(model)
@@ -497,11 +558,25 @@ class Daemon:
                    (kafka_io.DLQ_SOURCE_TOPIC, tp.topic.encode()),
                    (kafka_io.DLQ_SOURCE_PARTITION, str(tp.partition).encode()),
                    (kafka_io.DLQ_SOURCE_OFFSET, str(msg.offset).encode())]
-        fut = asyncio.ensure_future(self.producer.send(
-            self.s.kafka.topics.deadletter, value=bytes(msg.value or b""), key=msg.key,
-            headers=headers))
-        self._dlq.append(fut)
+        record = dict(topic=self.s.kafka.topics.deadletter, value=bytes(msg.value or b""),
+                      key=msg.key, headers=headers)
+        self._dlq.append((record, asyncio.ensure_future(self.producer.send(**record))))
         self.metrics.inc_deadletter()
+
+    async def _flush_deadletters(self) -> None:
+        """Wait until every dead letter is acknowledged; re-send failures and raise, so that no
+        checkpoint covers an event whose dead letter is not on the broker."""
+        pending, self._dlq = self._dlq, []
+        failed = []
+        for record, fut in pending:
+            try:
+                await (await fut)
+            except Exception:  # noqa: BLE001 - retried below and by the next checkpoint
+                failed.append(record)
+        if failed:
+            self._dlq = [(r, asyncio.ensure_future(self.producer.send(**r)))
+                         for r in failed] + self._dlq
+            raise RuntimeError(f"{len(failed)} dead letters not delivered yet")
 
     # ================================================================== triggers and fits
     def _after_batch(self) -> None:
@@ -517,6 +592,7 @@ class Daemon:
                     log.info("model %s: drift detected, refilling pools", model)
                     st.start_new_epoch()
                 elif st.pools.tables["mu"].total > 0:
+                    st.pools.compact()  # the fit thread then only reads these tables
                     inf = Inflight(st.pools, firing.trigger, st.binmap_version + 1)
                     st.start_new_epoch()
                     self.inflight[model] = inf
@@ -623,32 +699,34 @@ class Daemon:
             parts = {tp.partition for tp in self.assigned}
         try:
             if self._dlq:
-                dlq, self._dlq = self._dlq, []
-                for f in await asyncio.gather(*dlq):
-                    await f
+                await self._flush_deadletters()
             models = [m for m, p in self.partition_of.items() if p in parts]
-            records = {}
             for m in models:
                 st, p = self.models[m], self.partition_of[m]
                 for topic in (self.t_pred, self.t_out):
                     pos = self.positions.get((topic, p))
                     if pos is not None:
                         st.advance_offsets(topic, p, pos)
-                if m in self.dirty or m in self.inflight:
-                    records[f"model/{m}"] = self._envelope(m)
-            if records:
-                await self._store.save(records)
-            manifests = {}
-            for p in parts:
-                offs = {t: self.positions[(t, p)] for t in (self.t_pred, self.t_out)
-                        if (t, p) in self.positions}
-                if offs:
-                    manifests[f"partition/{p}"] = orjson.dumps(
-                        {"offsets": offs, "models": sorted(m for m in models
-                                                           if self.partition_of[m] == p)})
-            if manifests:
-                await self._store.save(manifests)
-            self.dirty -= {m for m in models if m not in self.inflight}
+            # snapshot synchronously; marks set while the save is awaited stay for next time
+            todo = {m for m in models if m in self.dirty or m in self.inflight}
+            self.dirty -= todo
+            try:
+                records = {f"model/{m}": self._envelope(m) for m in sorted(todo)}
+                manifests = {}
+                for p in parts:
+                    offs = {t: self.positions[(t, p)] for t in (self.t_pred, self.t_out)
+                            if (t, p) in self.positions}
+                    if offs:
+                        manifests[f"partition/{p}"] = orjson.dumps(
+                            {"offsets": offs, "models": sorted(m for m in models
+                                                               if self.partition_of[m] == p)})
+                if records:
+                    await self._store.save(records)
+                if manifests:
+                    await self._store.save(manifests)
+            except BaseException:
+                self.dirty |= {m for m in todo if m in self.models}
+                raise
             self.metrics.inc_checkpoint("ok")
         except Exception:
             self.metrics.inc_checkpoint("error")

@@ -20,8 +20,10 @@ identical pools.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -39,6 +41,17 @@ from lpcal.levels import (
 )
 
 _COMPACT_EVERY = 1 << 16
+
+
+def _locked(method):
+    """Run a CountTable method under the table's re-entrant lock."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def _csr_from_dense(rows: np.ndarray):
@@ -78,6 +91,7 @@ class CountTable:
         "_h",
         "_idx",
         "_lazy",
+        "_lock",
         "_npend",
         "_pb",
         "_pc",
@@ -104,6 +118,9 @@ class CountTable:
         self._npend = 0
         # (probability rows, one row index per bin): bin rows not materialised yet
         self._lazy: tuple[np.ndarray, np.ndarray] | None = None
+        # reads compact pending rows and materialise lazy ones, i.e. they write: one re-entrant
+        # lock per table makes a table safe to read from one thread while another serialises it
+        self._lock = threading.RLock()
 
     def _materialize(self) -> None:
         """Compute the sparse rows of lazily held bins (see :func:`tables_from_rows`)."""
@@ -113,6 +130,7 @@ class CountTable:
             self._lazy = None
 
     # ------------------------------------------------------------------ building
+    @_locked
     def add(self, probs: np.ndarray | None, labels, counts: np.ndarray | None = None,
             hashes: np.ndarray | None = None) -> None:
         """Add samples given as probability rows (binned here) or as precomputed bin rows
@@ -141,6 +159,12 @@ class CountTable:
         self._npend += c.shape[0]
         if self._npend >= _COMPACT_EVERY:
             self._compact()
+
+    def compact(self) -> None:
+        """Fold buffered rows in now (reads then never write; see ``_lock``)."""
+        with self._lock:
+            self._compact()
+            self._materialize()
 
     def _compact(self) -> None:
         if not self._pending:
@@ -223,6 +247,7 @@ class CountTable:
         pc = np.bincount(where.reshape(-1), weights=cnt, minlength=up.size).astype(np.int64)
         return CountTable._raw(self.k, self.lam, uh, ptr, idx, val, up // self.k, up % self.k, pc)
 
+    @_locked
     def merge(self, other: CountTable) -> CountTable:
         """The pool of the union of both pools' samples (neither input is modified)."""
         if (self.k, self.lam) != (other.k, other.lam):
@@ -230,13 +255,15 @@ class CountTable:
                 f"cannot merge pools with (k, lambda) = {(self.k, self.lam)} and "
                 f"{(other.k, other.lam)}"
             )
-        self._compact()
-        other._compact()
-        out = self._merge_compacted(other)
-        return out.copy() if (out is self or out is other) else out
+        with other._lock:
+            self._compact()
+            other._compact()
+            out = self._merge_compacted(other)
+            return out.copy() if (out is self or out is other) else out
 
     __add__ = merge
 
+    @_locked
     def copy(self) -> CountTable:
         self._compact()
         t = CountTable._raw(self.k, self.lam, self._h, self._ptr, self._idx, self._val,
@@ -245,19 +272,23 @@ class CountTable:
 
     # ------------------------------------------------------------------ reading
     @property
+    @_locked
     def total(self) -> int:
         return int(self._pc.sum()) + self._npend
 
     @property
+    @_locked
     def n_bins(self) -> int:
         self._compact()
         return int(self._h.size)
 
+    @_locked
     def bin_mass(self) -> tuple[np.ndarray, np.ndarray]:
         """``(hashes, counts)``: number of samples per stored bin."""
         self._compact()
         return self._h, np.bincount(self._pb, weights=self._pc, minlength=self._h.size).astype(np.int64)
 
+    @_locked
     def bin_rows(self, positions: np.ndarray) -> np.ndarray:
         """Dense int32 rows ``c`` of the stored bins at ``positions``."""
         self._compact()
@@ -268,6 +299,7 @@ class CountTable:
         sub = _csr_take(self._ptr, self._idx, self._val, positions)
         return _csr_to_dense(*sub, self.k)
 
+    @_locked
     def label_counts(self, hashes: np.ndarray) -> np.ndarray:
         """Dense ``(len(hashes), k)`` label counts for the bins with these hashes (0 if absent)."""
         self._compact()
@@ -286,6 +318,7 @@ class CountTable:
         np.add.at(out, (rows[keep], self._pl[keep]), self._pc[keep])
         return out
 
+    @_locked
     def keys(self) -> list[str]:
         self._compact()
         self._materialize()
@@ -301,6 +334,7 @@ class CountTable:
         return out
 
     # ------------------------------------------------------------------ serialisation
+    @_locked
     def to_dict(self) -> dict:
         """JSON-safe dict with canonical bin keys; ``from_dict(to_dict())`` round-trips."""
         self._compact()
@@ -348,6 +382,7 @@ class CountTable:
             t._assign(CountTable._raw(k, lam, uh, ptr, idx, val, up // k, up % k, cnt))
         return t
 
+    @_locked
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CountTable):
             return NotImplemented
@@ -515,6 +550,11 @@ class PoolSet:
             sel = pool_idx == p
             self.tables[self.layout.names[int(p)]].add(None, labels[sel], counts=counts[sel],
                                                        hashes=hashes[sel])
+
+    def compact(self) -> None:
+        """Compact every table (before handing the pools to another thread)."""
+        for t in self.tables.values():
+            t.compact()
 
     def fill(self) -> dict[str, tuple[int, int]]:
         return {n: (self.tables[n].total, self.layout.targets[n]) for n in self.layout.names}

@@ -27,7 +27,8 @@ Drift refills are off (``drift_threshold`` 100): when a drift fires depends on b
 Short: 60,000 joined samples, 5 kills. Long (LPCAL_SOAK=1): 1,000,002 samples, 100 kills.
 
 ``LPCAL_RELIABILITY_PATCH=assign`` (diagnostics, with ``--runxfail``) runs both daemons with
-the fix proposed for BUG 1 below applied (see ``serve_fast.py``).
+a pause-during-restore patch of ``on_assigned`` (see ``serve_fast.py``); ``service.py`` now
+does the same, so it is a no-op there.
 """
 
 from __future__ import annotations
@@ -61,15 +62,15 @@ from tests.reliability.harness import FastDaemon, run_names, wait_settled
 pytestmark = [
     pytest.mark.integration, pytest.mark.soak,
     pytest.mark.xfail(strict=True, reason=(
-        "BUG 1: Daemon.on_assigned sets self.assigned before awaiting the state restore "
-        "(load_all + bin-map topic, ~1-2 s) while aiokafka already fetches the new partitions: "
-        "main_loop ingests them into FRESH ModelStates and _restore_model then skips every "
-        "model that exists, discarding the checkpoint (most samples lost, versions restart at "
-        "1). BUG 2: _adopt_published_binmaps installs a map published after the last "
-        "checkpoint but keeps the sealed epoch it was fitted from, which is fitted again under "
-        "the next version (extra versions; later versions differ from an uninterrupted run). "
-        "BUG 3: checkpoint() clears dirty marks set while it awaits the save (_fit_done), so "
-        "the state topic keeps an envelope with a finished fit still 'in flight'")),
+        "BUG A: _adopt_published_binmaps installs a map published after the last checkpoint "
+        "but keeps the sealed epoch it was fitted from, which is fitted again under the next "
+        "version (more versions than the uninterrupted run; later versions differ). "
+        "BUG B: checkpoint() clears dirty marks set while it awaits the save (_fit_done), so "
+        "the state topic keeps an envelope with a finished fit still 'in flight'. "
+        "BUG C: the fit thread and checkpoint() both compact the in-flight CountTables "
+        "(see test_shared_pools.py): the daemon exits with ValueError in CountTable._compact "
+        "(counted as an unexpected exit; it is restarted). "
+        "(Fixed meanwhile: on_assigned restored state after processing new partitions.)")),
 ]
 
 SAMPLE_MODELS = (("crash-a", 3), ("crash-b", 4))  # complete samples: deterministic order
@@ -158,13 +159,27 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
 
         ready_at_kill = 0
         t0 = time.monotonic()
+        kills_done = 0
+        unexpected: list[str] = []  # exits not caused by our SIGKILL (restarted like a pod)
+
+        def restart_if_dead() -> None:
+            if not crash.alive():
+                tail = crash.all_logs().strip().splitlines()[-1:]
+                unexpected.append(f"incarnation {crash.incarnation}: exit "
+                                  f"{crash.proc.returncode}: {tail[0][:160] if tail else ''}")
+                crash.returncodes.append(crash.proc.returncode)
+                crash.start()
+
         for _ in range(kills):
             await asyncio.sleep(rng.uniform(*gap))
-            assert crash.alive(), crash.logs()
+            if not crash.alive():
+                restart_if_dead()
+                continue
             with contextlib.suppress(Exception):  # not serving HTTP yet
                 st, _ = await http_get(crash.url, "/readyz", timeout=0.5)
                 ready_at_kill += st == 200
             assert crash.kill() == -9
+            kills_done += 1
             crash.start()
         reports = await asyncio.wait_for(asyncio.gather(*producers),
                                          timeout=stream_seconds * 3 + 120)
@@ -172,6 +187,7 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
         assert all(r.counts["malformed"] == r.counts["orphan"] == 0 for r in reports)
         kill_phase = time.monotonic() - t0
 
+        restart_if_dead()
         await ref.wait_ready(60)
         await crash.wait_ready(60)
         quiet = 20.0 if soak else 4.0  # a daemon that lost samples never reaches per_model
@@ -238,7 +254,7 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
                 mismatches.append(f"{m}: bin map version {v} differs from the reference")
 
     figures("crash safety", {
-        "joined samples (input)": n_events, "models": len(MODELS), "SIGKILLs": kills,
+        "joined samples (input)": n_events, "models": len(MODELS), "SIGKILLs": kills_done,
         "kills while /readyz was 200": ready_at_kill,
         "kill phase seconds": round(kill_phase, 1),
         "samples lost (samples_total)": lost, "samples doubled (samples_total)": doubled,
@@ -248,8 +264,11 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
             {m: (max(crash_maps.get(m, {0: 0})), max(ref_maps.get(m, {0: 0}))) for m in per_model},
         "joined model: epochs (crash / reference)": join_epochs,
         "dead letters (ref, crash)": tuple(dlq),
-        "mismatches": len(mismatches),
+        "unexpected daemon exits (restarted)": len(unexpected),
+        "unexpected exit causes": unexpected[:5],
+        "mismatches": len(mismatches), "first mismatches": mismatches[:6],
     })
+    assert not unexpected, unexpected
     assert dlq == [0, 0]
     assert (lost, doubled, pool_lost, pool_doubled) == (0, 0, 0, 0), "\n".join(mismatches)
     assert not mismatches, "\n".join(mismatches)
