@@ -130,6 +130,9 @@ class Daemon:
         self._last_gauges: dict[str, float] = {}
         self._last_lag = 0.0
         self._dlq: list[tuple[dict, asyncio.Future]] = []  # dead letters not yet acknowledged
+        # per model: sealed epochs to come whose bin maps were already published (see
+        # _adopt_published_binmaps); checkpointed with the model
+        self.prefitted: dict[str, int] = {}
         # models whose partitions were revoked without a successful checkpoint (broker down)
         self._parked: dict[str, tuple[int, ModelState, Inflight | None]] = {}
         self._probe_task: asyncio.Task | None = None
@@ -386,6 +389,7 @@ class Daemon:
         self.partition_of[model] = part
         self.parser.admit(model, st.k)
         self.metrics.register_model(model)
+        self.prefitted[model] = int(env.get("prefitted") or 0)
         inf = env.get("inflight")
         if inf:
             self.inflight[model] = Inflight(PoolSet.from_dict(inf["pools"]), inf["trigger"],
@@ -418,10 +422,16 @@ class Daemon:
             if inf is not None and inf.version <= bm.version:
                 del self.inflight[model]  # its result was published before the crash
                 steps -= 1
-            for _ in range(steps):
-                if not st.pools.full:
-                    break
+            while steps > 0 and st.pools.full:
                 st.start_new_epoch()
+                steps -= 1
+            # epochs still filling at the checkpoint: the replay seals them again; they were
+            # fitted already (as the adopted versions), so they are consumed without a refit
+            if steps > 0:
+                self.prefitted[model] = self.prefitted.get(model, 0) + steps
+            log.info("model %s: adopting version %d over checkpointed %d (in flight: %s, "
+                     "prefitted now %d)", model, bm.version, st.binmap_version,
+                     None if inf is None else inf.version, self.prefitted.get(model, 0))
             st.install_binmap(data, bm.version)
             self.dirty.add(model)
             self.metrics.set_binmap_published(model, bm.version)
@@ -448,6 +458,9 @@ class Daemon:
 
     async def on_revoked(self, tps: set[TopicPartition]) -> None:
         parts = {tp.partition for tp in tps}
+        if parts:
+            self.restored = False  # not ready again until the new assignment is restored
+            self.metrics.set_ready(False)
         saved = True
         if parts and self.consumer is not None:
             try:
@@ -587,6 +600,13 @@ class Daemon:
                 continue
             firing = st.check_triggers(self.event_time.get(model, 0.0),
                                        busy=model in self.inflight)
+            if (firing is not None and firing.action == "fit" and st.pools.full
+                    and self.prefitted.get(model, 0) > 0):
+                st.start_new_epoch()  # this epoch's bin map was published before a crash
+                self.prefitted[model] -= 1
+                firing = None
+                log.info("model %s: epoch already fitted as version %d before a restart; "
+                         "not fitted again", model, st.binmap_version)
             if firing is not None:
                 if firing.action == "refill":
                     log.info("model %s: drift detected, refilling pools", model)
@@ -690,6 +710,7 @@ class Daemon:
             "state": orjson.Fragment(st.to_checkpoint()),
             "inflight": None if inf is None else {
                 "pools": inf.pools.to_dict(), "trigger": inf.trigger, "version": inf.version},
+            "prefitted": self.prefitted.get(model, 0),
         })
 
     async def checkpoint(self, parts: set[int] | None = None, commit: bool = True) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import pytest
 
 from lpcal.pools import CountTable
 
