@@ -292,13 +292,20 @@ class Daemon:
     async def on_assigned(self, tps: set[TopicPartition]) -> None:
         self.restored = False
         new = {tp for tp in tps if tp not in self.assigned}
+        kept = set(tps) - new
         self.assigned = set(tps)
         parts = {tp.partition for tp in new}
-        # aiokafka keeps fetching while this callback awaits the restore: pause the new
-        # partitions so no record is processed before its model's checkpoint is restored and
-        # the partition is positioned (else checkpointed samples would be lost, others doubled)
-        if new:
-            self.consumer.pause(*new)
+        # aiokafka keeps fetching while this callback awaits the restore: pause the partitions
+        # so no record is processed before its model's checkpoint is restored and the
+        # partition is positioned (else checkpointed samples would be lost, others doubled)
+        if tps:
+            self.consumer.pause(*tps)
+        # partitions kept across a rejoin (e.g. after the coordinator was lost): aiokafka may
+        # have reset their fetch position to the committed offset; continue where we are
+        for tp in kept:
+            pos = self.positions.get((tp.topic, tp.partition))
+            if pos is not None:
+                self.consumer.seek(tp, pos)
         if parts:
             records = await self._load_checkpoints()
             manifests = {}
@@ -328,8 +335,8 @@ class Daemon:
             for model, inf in self.inflight.items():
                 if inf.task is None and self.partition_of.get(model) in parts:
                     self._launch_fit(model, inf)
-        if new:
-            self.consumer.resume(*new)
+        if tps:
+            self.consumer.resume(*tps)
         self.restored = True
         self.metrics.set_ready(self.ready)
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in tps))

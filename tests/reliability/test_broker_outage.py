@@ -18,6 +18,7 @@ Short: 10 s outage; long (LPCAL_SOAK=1): 30 s, and a longer stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 
@@ -35,7 +36,7 @@ from tests.integration.daemon_harness import (
     read_records,
     scrape_metrics,
 )
-from tests.reliability.harness import FastDaemon, record_figures, wait_settled
+from tests.reliability.harness import FastDaemon, models_view, record_figures, wait_settled
 
 pytestmark = [pytest.mark.integration, pytest.mark.soak]
 
@@ -117,6 +118,16 @@ async def _scenario(tmp_path, soak: bool) -> dict:
                 break
             await asyncio.sleep(0.25)
         await _produce(broker.bootstrap, names, msgs[half:])
+        # the group notices the lost coordinator only after the broker is back, so the daemon
+        # may still be rebalancing (not ready, its models parked): wait until it is ready with
+        # every model again before measuring
+        deadline = time.monotonic() + (300 if soak else 90)
+        while daemon.alive() and time.monotonic() < deadline:
+            if await _probe(daemon.url, "/readyz") == 200:
+                with contextlib.suppress(Exception):  # not serving yet
+                    if set(per_model) <= set(await models_view(daemon.url)):
+                        break
+            await asyncio.sleep(0.5)
         if daemon.alive():
             r["view"] = await wait_settled(daemon.url, per_model, 300 if soak else 90,
                                            quiet=6.0)
@@ -184,15 +195,15 @@ def test_during_outage_readyz_503_and_healthz_200(outage):
     assert all(rd != 200 for t, rd, _ in outage["probes"] if t >= first), outage["probes"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: after the outage the daemon's first checkpoint fails (aiokafka UnknownError: the "
-    "restarted broker does not have the state topic yet; on real Kafka a KafkaTimeoutError "
-    "after request_timeout_ms of outage). (a) Daemon.main_loop awaits the periodic "
-    "checkpoint() without catching its errors: the exception ends main_loop and the daemon "
-    "exits 1 (most runs); (b) when the failing checkpoint is on_revoked's (the rebalance "
-    "after the coordinator loss), on_revoked logs it and drops the models anyway, losing "
-    "their unsaved state; in the run observed the daemon was ready again but its "
-    "samples_total stayed at the pre-outage 4,755 of 12,000"))
+@pytest.mark.xfail(strict=False, reason=(
+    "BUG (intermittent, so not strict: 4 of 5 runs fail): with the main-loop/revoke fixes the "
+    "daemon survives the outage, but the re-assignment after the broker restart does not "
+    "reliably resume: (1) on_assigned never completes (no 'assigned' log; nothing joined; "
+    "SIGTERM then needs 15 s); (2) on_assigned times out reading the (recreated, empty) state "
+    "topic and retries past 60 s; (3) the revoke checkpoint succeeds into the new state topic, "
+    "the restore seeks to the pre-outage offsets, yet none of the later samples is joined "
+    "(4,755 of 12,000). Observed with tests/reliability/test_broker_outage.py, daemon logs "
+    "under --basetemp"))
 def test_after_outage_ready_again_and_resumes_without_loss(outage):
     assert outage["counts"] == {"rel-outage.preds": 2, "rel-outage.outs": 2}, outage["counts"]
     assert outage["alive_at_end"] and outage["rc"] == 0, outage["death"]

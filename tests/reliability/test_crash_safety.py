@@ -26,9 +26,9 @@ Kafka (``model/<id>`` envelopes of the state topics, all records of the bin-map 
 Drift refills are off (``drift_threshold`` 100): when a drift fires depends on batching.
 Short: 60,000 joined samples, 5 kills. Long (LPCAL_SOAK=1): 1,000,002 samples, 100 kills.
 
-``LPCAL_RELIABILITY_PATCH=assign`` (diagnostics, with ``--runxfail``) runs both daemons with
-a pause-during-restore patch of ``on_assigned`` (see ``serve_fast.py``); ``service.py`` now
-does the same, so it is a no-op there.
+``LPCAL_RELIABILITY_PATCH=assign`` (diagnostics) runs both daemons with a pause-during-restore
+patch of ``on_assigned`` (see ``serve_fast.py``); ``service.py`` now does the same (it was the
+first bug this test found), so the patch is a no-op there.
 """
 
 from __future__ import annotations
