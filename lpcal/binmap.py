@@ -30,7 +30,7 @@ import numpy as np
 import orjson
 
 from lpcal.errors import ArtifactError, InputError
-from lpcal.levels import FLOOR_TOL, BinIndex, _combine, _rows_per_chunk, _weights, decode_keys
+from lpcal.levels import BinIndex, _combine, _rows_per_chunk, _weights, decode_keys, floor_into
 
 SCHEMA_VERSION = 1
 _SUM_TOL = 1e-3
@@ -166,11 +166,7 @@ class BinMap:
                 _check_rows(src, s, a)
             if np.abs(s - 1.0).max() * lam > 1e-6:
                 src = src / s[:, None]
-            t = buf[: b_ - a]
-            np.multiply(src, lam, out=t)
-            t += FLOOR_TOL
-            np.floor(t, out=t)
-            np.clip(t, 0, lam, out=t)
+            t = floor_into(src, lam, buf[: b_ - a])
             hh = t @ w
             idx = self._index.lookup_hashed(_combine(hh), hh)
             o = out[a:b_]

@@ -81,6 +81,16 @@ def level_set_count(lam: int, k: int) -> int:
     return sum(math.comb(s + k - 1, k - 1) for s in range(lo, lam + 1))
 
 
+def floor_into(src: np.ndarray, lam: int, t: np.ndarray) -> np.ndarray:
+    """``lambda * R(u)`` of the rows ``src`` as floats, written into the buffer ``t``: the one
+    kernel of R, shared by every chunked pass (R, hashing, scanning, applying a bin map)."""
+    np.multiply(src, lam, out=t)
+    t += FLOOR_TOL
+    np.floor(t, out=t)
+    np.clip(t, 0, lam, out=t)
+    return t
+
+
 def bin_counts(probs: np.ndarray, lam: int) -> np.ndarray:
     """``lambda * R(u)`` as int32 rows: ``floor(u * lambda + FLOOR_TOL)`` clipped to ``[0, lambda]``.
 
@@ -97,11 +107,7 @@ def bin_counts(probs: np.ndarray, lam: int) -> np.ndarray:
     buf = np.empty((min(step, n), k))
     for a in range(0, n, step):
         b = min(a + step, n)
-        t = buf[: b - a]
-        np.multiply(u[a:b], lam, out=t)
-        t += FLOOR_TOL
-        np.floor(t, out=t)
-        np.clip(t, 0, lam, out=t)
+        t = floor_into(u[a:b], lam, buf[: b - a])
         out[a:b] = t
     return out
 
@@ -240,11 +246,7 @@ def bin_counts_hashed(probs: np.ndarray, lam: int) -> tuple[np.ndarray, np.ndarr
     buf = np.empty((min(step, n), k))
     for a in range(0, n, step):
         b = min(a + step, n)
-        t = buf[: b - a]
-        np.multiply(u[a:b], lam, out=t)
-        t += FLOOR_TOL
-        np.floor(t, out=t)
-        np.clip(t, 0, lam, out=t)
+        t = floor_into(u[a:b], lam, buf[: b - a])
         c[a:b] = t
         np.dot(t, w, out=hh[a:b])
     return c, _combine(hh)
@@ -272,11 +274,7 @@ def scan_rows(probs: np.ndarray, lam: int):
         src = u[a:b]
         np.sum(src, axis=1, out=rs[a:b])
         np.min(src, axis=1, out=rm[a:b])
-        t = buf[: b - a]
-        np.multiply(src, lam, out=t)
-        t += FLOOR_TOL
-        np.floor(t, out=t)
-        np.clip(t, 0, lam, out=t)
+        t = floor_into(src, lam, buf[: b - a])
         np.dot(t, w, out=hh[a:b])
     return _combine(hh), hh, rs, rm
 
