@@ -24,7 +24,6 @@ Two options go beyond the paper; both keep its guarantee:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
@@ -42,7 +41,7 @@ _OUTSIDE = ("rho", "identity")
 
 
 def select_high_probability_bins(pools: PoolSet, beta: float):
-    """``B = {v : mu_hat_v >= beta/6}`` from the ``mu`` pool: ``(hashes, rows, keys)`` by key order."""
+    """``B = {v : mu_hat_v >= beta/6}`` from the ``mu`` pool: ``(hashes, rows, keys)``, by key."""
     mu = pools.tables["mu"]
     if mu.total == 0:
         raise InputError("the mu pool is empty: cannot estimate bin masses")
@@ -123,9 +122,9 @@ def fit_pools(
 
 
 def _mass_outside(pools: PoolSet, hB: np.ndarray) -> float:
+    """Estimated probability mass of the bins outside ``B`` (from the ``mu`` pool)."""
     h, mass = pools.tables["mu"].bin_mass()
-    inside = np.isin(h, hB).sum() and mass[np.isin(h, hB)].sum()
-    return float(1.0 - inside / max(1, mass.sum()))
+    return float(1.0 - mass[np.isin(h, hB)].sum() / max(1, mass.sum()))
 
 
 def _scanned(probs, lam: int, tol: float = 1e-4):
@@ -242,6 +241,3 @@ def fit(
                      temperature=temperature, outside=outside, max_iter=max_iter,
                      progress=progress)
 
-
-def is_finite_p(p: float) -> bool:
-    return not math.isinf(p)
