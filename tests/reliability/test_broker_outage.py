@@ -174,6 +174,11 @@ async def _scenario(tmp_path, soak: bool) -> dict:
         "events consumed (metric, at end)": {
             dict(lb).get("topic"): int(v) for (n, lb), v in r["mx"].items()
             if n == "lpcal_events_consumed_total"},
+        "lpcal_joined_samples_total (metric, at end)": {
+            dict(lb).get("model"): int(v) for (n, lb), v in r["mx"].items()
+            if n == "lpcal_joined_samples_total"},
+        "lpcal_events_invalid_total (metric, at end)": int(sum(
+            v for (n, _), v in r["mx"].items() if n == "lpcal_events_invalid_total")),
         "samples lost": r["lost"], "samples doubled": r["doubled"],
         "unmatched/duplicate events": r["dup"], "dead letters": r["dlq"],
     }, soak, "make soak  # tests/reliability/test_broker_outage.py")
@@ -196,14 +201,15 @@ def test_during_outage_readyz_503_and_healthz_200(outage):
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "BUG (intermittent, so not strict: 4 of 5 runs fail): with the main-loop/revoke fixes the "
-    "daemon survives the outage, but the re-assignment after the broker restart does not "
-    "reliably resume: (1) on_assigned never completes (no 'assigned' log; nothing joined; "
-    "SIGTERM then needs 15 s); (2) on_assigned times out reading the (recreated, empty) state "
-    "topic and retries past 60 s; (3) the revoke checkpoint succeeds into the new state topic, "
-    "the restore seeks to the pre-outage offsets, yet none of the later samples is joined "
-    "(4,755 of 12,000). Observed with tests/reliability/test_broker_outage.py, daemon logs "
-    "under --basetemp"))
+    "BUG? (not strict: 1 of 7 runs passed): the daemon survives the outage and is ready again "
+    "within ~2 s of the broker's return, and consumes every record after it "
+    "(lpcal_events_consumed_total = the whole stream), but part of the post-outage stream is "
+    "neither joined, nor dead-lettered, nor counted unmatched (short runs: 4,712-7,245 of "
+    "12,000 samples lost; soak: 101,261 of 200,000). The only silent drop in Daemon._process "
+    "is the replay floor (record offset < the model's checkpointed offset): the restored "
+    "offsets are ahead of where the records now are. Whether the daemon or the test's replay "
+    "into the memory broker (same records, same order, expected at the same offsets) is at "
+    "fault needs a durable broker (Tansu PostgreSQL storage) to tell apart"))
 def test_after_outage_ready_again_and_resumes_without_loss(outage):
     assert outage["counts"] == {"rel-outage.preds": 2, "rel-outage.outs": 2}, outage["counts"]
     assert outage["alive_at_end"] and outage["rc"] == 0, outage["death"]
