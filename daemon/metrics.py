@@ -46,6 +46,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from daemon.events import REASONS as EVENT_REASONS
 from lpcal.errors import InputError
 
 __all__ = [
@@ -80,19 +81,8 @@ class Topic(StrEnum):
     OUTCOMES = "outcomes"
 
 
-class InvalidReason(StrEnum):
-    """Why an input event was rejected (and dead-lettered)."""
-
-    BAD_JSON = "bad_json"
-    OVERSIZE = "oversize"
-    BAD_SCHEMA = "bad_schema"
-    UNKNOWN_MODEL = "unknown_model"
-    WRONG_LENGTH = "wrong_length"
-    NON_FINITE = "non_finite"
-    NEGATIVE = "negative"
-    NOT_NORMALIZED = "not_normalized"
-    LABEL_OUT_OF_RANGE = "label_out_of_range"
-    BAD_ENCODING = "bad_encoding"
+#: Why an input event was rejected (and dead-lettered): the parser's reasons, one source of truth.
+InvalidReason = StrEnum("InvalidReason", {r.upper(): r for r in EVENT_REASONS})
 
 
 class EvictionReason(StrEnum):
