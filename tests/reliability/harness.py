@@ -1,8 +1,9 @@
 """Small additions to :mod:`tests.integration.daemon_harness` for the reliability suite.
 
-* :class:`FastDaemon`: a :class:`~tests.integration.daemon_harness.SubprocessDaemon` that runs
-  ``serve_fast.py`` (``lpcal serve`` with 2 s consumer session timeouts) instead of
-  ``python -m lpcal.cli serve``; ``fast=False`` runs the real CLI;
+* :class:`FastDaemon`: a :class:`~tests.integration.daemon_harness.SubprocessDaemon` (the real
+  ``lpcal serve``; its TOML from ``daemon_config`` sets 2 s consumer session timeouts, so a
+  restart after SIGKILL does not wait ~10 s for the dead member to leave the group), with the
+  logs of every incarnation;
 * :func:`rss_kib`: resident memory of a process (``VmRSS`` of ``/proc/<pid>/status``);
 * :func:`run_names`: topic names of one daemon run that shares the input topics of another;
 * :func:`models_view`: ``GET /v1/models`` as ``{model: entry}``;
@@ -15,8 +16,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import orjson
@@ -24,33 +23,12 @@ import orjson
 from tests.integration.daemon_harness import SubprocessDaemon, TopicNames, http_get
 
 HERE = Path(__file__).resolve().parent
-SERVE_FAST = HERE / "serve_fast.py"
 RESULTS = HERE / "RESULTS.md"
 FIGURES: list[tuple[str, str, dict]] = []
 
 
 class FastDaemon(SubprocessDaemon):
-    """A subprocess daemon; ``fast`` (default) uses ``serve_fast.py``, else ``lpcal serve``."""
-
-    def __init__(self, *args, fast: bool = True, **kw):
-        super().__init__(*args, **kw)
-        self.fast = fast
-
-    def start(self) -> FastDaemon:
-        if not self.fast:
-            super().start()
-            return self
-        if self.proc is not None and self.proc.poll() is None:
-            raise RuntimeError(f"{self.name} is already running (pid {self.proc.pid})")
-        self.incarnation += 1
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LPCAL_")}
-        env.update(PYTHONUNBUFFERED="1", **self._env)
-        with open(self._log(".out"), "wb") as out, open(self._log(".err"), "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(SERVE_FAST), "--config", str(self.config_path)],
-                cwd=self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                start_new_session=True)
-        return self
+    """A subprocess ``lpcal serve`` (see the module docstring) with :meth:`all_logs`."""
 
     def all_logs(self) -> str:
         """Complete stdout+stderr of every incarnation."""

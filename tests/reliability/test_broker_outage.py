@@ -7,7 +7,7 @@ durable broker would have kept), then produces the rest of the stream. The daemo
 topic is lost with the broker as well, so this also covers the daemon re-checkpointing its
 in-memory state into an empty state topic. (PostgreSQL storage was not used.)
 
-A dedicated broker (not the session one) and a subprocess daemon (``serve_fast.py``). During
+A dedicated broker (not the session one) and a subprocess daemon (``lpcal serve``). During
 the outage ``/readyz`` must turn 503 and ``/healthz`` must stay 200; afterwards the daemon is
 ready again and every sample of the stream is joined exactly once. The scenario runs once
 (module fixture ``outage``); one test checks the probes during the outage, the other the

@@ -26,16 +26,14 @@ Kafka (``model/<id>`` envelopes of the state topics, all records of the bin-map 
 Drift refills are off (``drift_threshold`` 100): when a drift fires depends on batching.
 Short: 60,000 joined samples, 5 kills. Long (LPCAL_SOAK=1): 1,000,002 samples, 100 kills.
 
-``LPCAL_RELIABILITY_PATCH=assign`` (diagnostics) runs both daemons with a pause-during-restore
-patch of ``on_assigned`` (see ``serve_fast.py``); ``service.py`` now does the same (it was the
-first bug this test found), so the patch is a no-op there.
+The first bug this test found (``on_assigned`` processed new partitions before restoring their
+state) is fixed in ``daemon/service.py``: new partitions stay paused until restored.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import time
 from collections import defaultdict
@@ -124,10 +122,8 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
     ref_names, crash_names = run_names(base, "ref"), run_names(base, "crash")
     await create_topics(broker.bootstrap, ref_names, partitions=2)
     await create_topics(broker.bootstrap, crash_names, partitions=2)
-    # diagnostics: LPCAL_RELIABILITY_PATCH=assign runs both daemons with the proposed fix
-    env = {"RELIABILITY_PATCH": os.environ.get("LPCAL_RELIABILITY_PATCH", "")}
-    ref = FastDaemon(_cfg(broker, ref_names, pool), tmp_path, name="ref", env=env)
-    crash = FastDaemon(_cfg(broker, crash_names, pool), tmp_path, name="crash", env=env)
+    ref = FastDaemon(_cfg(broker, ref_names, pool), tmp_path, name="ref")
+    crash = FastDaemon(_cfg(broker, crash_names, pool), tmp_path, name="crash")
     n_sample = n_events * len(SAMPLE_MODELS) // len(MODELS)
     n_join = n_events - n_sample
     per_model = {m: len(range(j, n_sample, len(SAMPLE_MODELS)))
