@@ -2,9 +2,8 @@
 with ``LPCAL_SOAK=1`` (``make soak`` runs ``pytest -m soak`` with it).
 
 * ``soak`` (session): True when ``LPCAL_SOAK=1``; tests size themselves from it;
-* ``broker`` (session): one embedded Tansu broker (memory storage) for the tests that do not
-  restart it (the outage test starts its own);
-* ``topic_prefix``: a unique topic prefix per test;
+* ``broker`` and ``topic_prefix`` come from ``tests/conftest.py`` (one session broker for all
+  suites; the outage test starts its own);
 * ``figures``: ``figures("name", {...})`` records a test's measured figures: they are printed
   in the terminal summary of every run (``-q`` included) and, in a soak run, written to
   ``tests/reliability/RESULTS.md`` (see :mod:`tests.reliability.harness`).
@@ -13,12 +12,9 @@ with ``LPCAL_SOAK=1`` (``make soak`` runs ``pytest -m soak`` with it).
 from __future__ import annotations
 
 import os
-import re
-import uuid
 
 import pytest
 
-from daemon.embedded_broker import EmbeddedBroker
 from tests.reliability.harness import FIGURES, record_figures
 
 SOAK = os.environ.get("LPCAL_SOAK", "") == "1"
@@ -32,22 +28,6 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def soak() -> bool:
     return SOAK
-
-
-@pytest.fixture(scope="session")
-def broker():
-    b = EmbeddedBroker()
-    b.start()
-    try:
-        yield b
-    finally:
-        b.stop()
-
-
-@pytest.fixture
-def topic_prefix(request) -> str:
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name)[:50].strip("-")
-    return f"rel-{name}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture
