@@ -380,12 +380,8 @@ class JoinStore:
             out_lab = np.asarray(lab_l, dtype=np.int64)
             if keep is not None:
                 out_ts, out_lab = out_ts[keep], out_lab[keep]
-            self._remember_new(m, out_ids)
-            self.clock = last
-            self.wm = wm_end
-            m.joined += len(out_ids)
-            _acc(m, ev, um)
-            return JoinResult(out_ids, out_ts, rows, out_lab, ev, um)
+            return self._fast_commit(m, last, wm_end, ev, um,
+                                     JoinResult(out_ids, out_ts, rows, out_lab, ev, um))
         entries = list(map(pend.get, ids))
         other = KIND_OUTCOME if kd == KIND_PREDICTION else KIND_PREDICTION
         if entries.count(None) == n:
@@ -433,12 +429,18 @@ class JoinStore:
             else:
                 payload = lab_l if new_i is None else [lab_l[i] for i in new_i]
             pend.update(zip(nid, zip(repeat(kd), dls, nts, payload)))
-        self._remember_new(m, out_ids)
-        self.clock = last
-        self.wm = wm_end
-        m.joined += len(out_ids)
+        return self._fast_commit(m, last, wm_end, ev, um,
+                                 JoinResult(out_ids, out_ts, rows, out_lab, ev, um))
+
+    def _fast_commit(self, m: _ModelJoin, clock: float, wm: list, ev: dict, um: dict,
+                     res: JoinResult) -> JoinResult:
+        """The state changes of a fast-path batch, applied once it is known to succeed."""
+        self._remember_new(m, res.ids)
+        self.clock = clock
+        self.wm = wm
+        m.joined += len(res.ids)
         _acc(m, ev, um)
-        return JoinResult(out_ids, out_ts, rows, out_lab, ev, um)
+        return res
 
     def _remember_new(self, m: _ModelJoin, eids: list[str]) -> None:
         """:meth:`_remember` ``_JOINED`` for distinct ids not in ``recent``, in bulk."""
