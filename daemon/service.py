@@ -446,16 +446,13 @@ class Daemon:
 
     def verify_binmap(self, data: bytes, model: str):
         """``BinMap`` of ``data`` if it verifies and belongs to ``model``, else None (counted)."""
-        from lpcal.binmap import BinMap
+        from lpcal.client import BinMapRejected, verify_artifact
 
         try:
-            bm = BinMap.from_json(data, where=f"bin map of {model!r}")
-        except ArtifactError as e:
-            msg = str(e)
-            reason = ("checksum" if "checksum" in msg else "truncated" if "JSON" in msg
-                      else "schema" if "schema" in msg else "parse")
-            self.metrics.inc_binmap_rejected(reason)
-            log.error("rejected %s", msg)
+            bm = verify_artifact(data, where=f"bin map of {model!r}")
+        except BinMapRejected as e:
+            self.metrics.inc_binmap_rejected(e.reason)
+            log.error("rejected %s", e)
             return None
         if bm.model_id != model:
             self.metrics.inc_binmap_rejected("parse")
