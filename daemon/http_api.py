@@ -88,6 +88,8 @@ class HttpServer:
                 "model": model, "k": st.k, "partition": self.d.partition_of.get(model),
                 "epoch": st.epoch, "binmap_version": st.binmap_version,
                 "fit_in_flight": model in self.d.inflight,
+                "epochs_waiting": len(st.sealed),
+                "paused": self.d.partition_of.get(model) in self.d.throttled,
                 "pool_fill": {n: {"count": c, "target": t} for n, (c, t) in st.pools.fill().items()},
                 "samples_total": st.samples_total,
             })

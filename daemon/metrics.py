@@ -173,6 +173,9 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
         "gauge", ("model", "pool"), "Samples currently in each sample pool of Algorithm 2."),
     "lpcal_pool_fill_ratio": (
         "gauge", ("model", "pool"), "Pool samples divided by the pool's target size (1 = full)."),
+    "lpcal_epochs_waiting": (
+        "gauge", ("model",), "Full pool sets (sealed epochs) waiting for their fit; at "
+        "MAX_SEALED the model's input partition is paused until fits catch up."),
     "lpcal_calibrations_total": (
         "counter", ("model", "trigger"), "Successful recalibrations (bin map fitted), by trigger."),
     "lpcal_calibration_failures_total": (
@@ -315,6 +318,7 @@ class DaemonMetrics:
         self.join_pending = make("lpcal_join_pending")
         self.pool_samples = make("lpcal_pool_samples")
         self.pool_fill_ratio = make("lpcal_pool_fill_ratio")
+        self.epochs_waiting = make("lpcal_epochs_waiting")
         self.calibrations = make("lpcal_calibrations_total")
         self.calibration_failures = make("lpcal_calibration_failures_total")
         self.fit_duration = make("lpcal_fit_duration_seconds")
@@ -380,7 +384,7 @@ class DaemonMetrics:
         if model not in self._models:
             return
         per_model = [
-            (self.joined_samples, ()), (self.join_pending, ()),
+            (self.joined_samples, ()), (self.join_pending, ()), (self.epochs_waiting, ()),
             (self.calibration_failures, ()), (self.fit_duration, ()),
             (self.fit_iterations, ()), (self.high_probability_bins, ()),
             (self.binmap_version, ()), (self.binmap_published, ()),
@@ -447,6 +451,10 @@ class DaemonMetrics:
         self.join_pending.labels(model=self._model(model)).set(_count(n, "pending"))
 
     # ------------------------------------------------------------------ pools
+
+    def set_epochs_waiting(self, model: str, n: int) -> None:
+        """Set the number of sealed epochs of ``model`` waiting for their fit."""
+        self.epochs_waiting.labels(model=self._model(model)).set(_count(n, "epochs"))
 
     def set_pool_fill(self, model: str, fill: Mapping[str, tuple[int, int]]) -> None:
         """Export ``PoolSet.fill()``: ``{pool: (count, target)}`` -> samples and count/target.

@@ -66,7 +66,10 @@ __all__ = ["CHECKPOINT_FORMAT", "DEFAULT_POOL", "IngestResult", "ModelState",
 
 CHECKPOINT_FORMAT = "lpcal.model_state/1"
 DEFAULT_POOL = 5_000
-MAX_SEALED = 4  # full epochs waiting for a fit; beyond this the oldest is dropped (counted)
+#: Sealed epochs waiting for their fit at which the daemon pauses the model's partition
+#: (backpressure). Epochs are never dropped: every sealed epoch is fitted, in order, so the
+#: published versions depend only on the input, not on how fast fits keep up.
+MAX_SEALED = 4
 Calibrator = Callable[[np.ndarray], np.ndarray]
 CalibratorFactory = Callable[[bytes], Calibrator]
 
@@ -143,7 +146,6 @@ class ModelState:
         self.filling = PoolSet(layout)        # receives the joined samples
         self.fill_epoch = 0                    # epoch number of ``filling``
         self.sealed: list[tuple[int, PoolSet]] = []  # full epochs, oldest first
-        self.sealed_dropped = 0
         self.join = join
         self.monitor = monitor or WindowMonitor(
             self.k, self.lam, self.config["p"], window_samples=self.config["window_samples"],
@@ -284,16 +286,20 @@ class ModelState:
         """Queue the filling pools (even if not full) and start filling the next epoch (with
         the current ``layout``).
 
-        Returns the sealed epoch number. At most :data:`MAX_SEALED` epochs wait; beyond that
-        the oldest is dropped (counted in ``sealed_dropped``)."""
+        Returns the sealed epoch number. Nothing is ever dropped: the queue is bounded by the
+        caller, which stops feeding samples while :attr:`backlogged` (see :data:`MAX_SEALED`)."""
         epoch = self.fill_epoch
         self.sealed.append((epoch, self.filling))
-        while len(self.sealed) > MAX_SEALED:
-            self.sealed.pop(0)
-            self.sealed_dropped += 1
         self.filling = PoolSet(self.layout)
         self.fill_epoch += 1
         return epoch
+
+    @property
+    def backlogged(self) -> bool:
+        """True while :data:`MAX_SEALED` or more sealed epochs wait for their fit: stop feeding
+        this model until fits catch up (one batch may seal several epochs, so the queue can
+        exceed the mark by what one batch holds)."""
+        return len(self.sealed) >= MAX_SEALED
 
     def start_new_epoch(self, layout: PoolLayout | None = None) -> None:
         """Hand off :attr:`pools`: pop the oldest sealed epoch (its fit was launched) or, with
@@ -334,7 +340,6 @@ class ModelState:
             "fill_epoch": self.fill_epoch,
             "filling": self.filling.to_dict(),
             "sealed": [{"epoch": e, "pools": ps.to_dict()} for e, ps in self.sealed],
-            "sealed_dropped": self.sealed_dropped,
             "monitor": self.monitor.to_dict(),
             "join": self.join.to_dict(),
             "triggers": self.triggers.to_dict(),
@@ -396,7 +401,6 @@ class ModelState:
                     raise ValueError(f"sealed epoch {e} has (k, lambda) = "
                                      f"({ps.layout.k}, {ps.layout.lam})")
             st.sealed = sealed
-            st.sealed_dropped = int(d["sealed_dropped"])
             if (monitor.k, monitor.lam) != (k, st.lam):
                 raise ValueError(f"monitor has (k, lambda) = ({monitor.k}, {monitor.lam})")
             st.fill_epoch = int(d["fill_epoch"])

@@ -50,7 +50,7 @@ from daemon import kafka_io
 from daemon.checkpoint_store import CheckpointStore, KafkaCheckpointStore, LocalCheckpointStore
 from daemon.events import EventParser, ModelBatch
 from daemon.metrics import DaemonMetrics
-from daemon.model_state import ModelState
+from daemon.model_state import MAX_SEALED, ModelState
 from lpcal.calibrate import fit_pools
 from lpcal.errors import ArtifactError, LpcalError
 from lpcal.pools import PoolSet
@@ -135,6 +135,8 @@ class Daemon:
         self.prefitted: dict[str, int] = {}
         # models whose partitions were revoked without a successful checkpoint (broker down)
         self._parked: dict[str, tuple[int, ModelState, Inflight | None]] = {}
+        # partitions paused because a model on them is backlogged (see _apply_backpressure)
+        self.throttled: set[int] = set()
         self._probe_task: asyncio.Task | None = None
 
     # ================================================================== lifecycle
@@ -335,8 +337,11 @@ class Daemon:
             for model, inf in self.inflight.items():
                 if inf.task is None and self.partition_of.get(model) in parts:
                     self._launch_fit(model, inf)
-        if tps:
-            self.consumer.resume(*tps)
+        # restored backlogs stay paused (see _apply_backpressure)
+        self.throttled = self._backlogged_partitions() & {tp.partition for tp in tps}
+        resume = [tp for tp in tps if tp.partition not in self.throttled]
+        if resume:
+            self.consumer.resume(*resume)
         self.restored = True
         self.metrics.set_ready(self.ready)
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in tps))
@@ -598,40 +603,77 @@ class Daemon:
     # ================================================================== triggers and fits
     def _after_batch(self) -> None:
         now = time.monotonic()
-        for model in list(self.dirty):
-            st = self.models.get(model)
-            if st is None:
-                continue
-            firing = st.check_triggers(self.event_time.get(model, 0.0),
-                                       busy=model in self.inflight)
-            if (firing is not None and firing.action == "fit" and st.pools.full
-                    and self.prefitted.get(model, 0) > 0):
-                st.start_new_epoch()  # this epoch's bin map was published before a crash
-                self.prefitted[model] -= 1
-                firing = None
-                log.info("model %s: epoch already fitted as version %d before a restart; "
-                         "not fitted again", model, st.binmap_version)
-            if firing is not None:
-                if firing.action == "refill":
-                    log.info("model %s: drift detected, refilling pools", model)
-                    st.start_new_epoch()
-                elif st.pools.tables["mu"].total > 0:
-                    st.pools.compact()  # the fit thread then only reads these tables
-                    inf = Inflight(st.pools, firing.trigger, st.binmap_version + 1)
-                    st.start_new_epoch()
-                    self.inflight[model] = inf
-                    self._launch_fit(model, inf)
-            if now - self._last_gauges.get(model, 0.0) >= _GAUGE_EVERY:
-                self._last_gauges[model] = now
-                self._export_gauges(model, st)
+        # models with sealed epochs too: a restored backlog on a paused partition brings no
+        # new events (so never turns dirty), yet its fits must run for ingest to resume
+        waiting = {m for m, st in self.models.items() if st.sealed}
+        for model in list(self.dirty | waiting):
+            self._check_model(model, now)
+        self._apply_backpressure()
         if now - self._last_lag >= _LAG_EVERY:
             self._last_lag = now
             self._export_lag()
+
+    def _check_model(self, model: str, now: float) -> None:
+        """Ask ``model``'s triggers what to do; launch a fit or a refill; export its gauges."""
+        st = self.models.get(model)
+        if st is None:
+            return
+        firing = st.check_triggers(self.event_time.get(model, 0.0),
+                                   busy=model in self.inflight)
+        if (firing is not None and firing.action == "fit" and st.pools.full
+                and self.prefitted.get(model, 0) > 0):
+            st.start_new_epoch()  # this epoch's bin map was published before a crash
+            self.prefitted[model] -= 1
+            firing = None
+            log.info("model %s: epoch already fitted as version %d before a restart; "
+                     "not fitted again", model, st.binmap_version)
+        if firing is not None:
+            if firing.action == "refill":
+                log.info("model %s: drift detected, refilling pools", model)
+                st.start_new_epoch()
+            elif st.pools.tables["mu"].total > 0:
+                st.pools.compact()  # the fit thread then only reads these tables
+                inf = Inflight(st.pools, firing.trigger, st.binmap_version + 1)
+                st.start_new_epoch()
+                self.inflight[model] = inf
+                self._launch_fit(model, inf)
+        if now - self._last_gauges.get(model, 0.0) >= _GAUGE_EVERY:
+            self._last_gauges[model] = now
+            self._export_gauges(model, st)
+
+    def _backlogged_partitions(self) -> set[int]:
+        return {self.partition_of[m] for m, st in self.models.items()
+                if st.backlogged and m in self.partition_of}
+
+    def _apply_backpressure(self) -> None:
+        """Pause the input partitions of backlogged models, resume them once fits caught up.
+
+        A model is backlogged while :data:`daemon.model_state.MAX_SEALED` full epochs wait for
+        their fit (a backlog consumed faster than fits run: after a restart, or with pools that
+        fill in milliseconds). Pausing instead of dropping epochs keeps every published version
+        a function of the input alone; the cost is consumer lag, which is exported and alerted
+        on. Pausing is lossless: aiokafka discards fetched records of a paused partition and
+        fetches again from the consumed position on resume."""
+        if self.consumer is None:
+            return
+        assigned = {tp.partition for tp in self.assigned}
+        want = self._backlogged_partitions() & assigned
+        pause = want - self.throttled
+        resume = (self.throttled - want) & assigned
+        if pause:
+            self.consumer.pause(*[tp for tp in self.assigned if tp.partition in pause])
+            log.info("partitions %s paused: fits are behind (%d+ sealed epochs waiting)",
+                     sorted(pause), MAX_SEALED)
+        if resume:
+            self.consumer.resume(*[tp for tp in self.assigned if tp.partition in resume])
+            log.info("partitions %s resumed: fits caught up", sorted(resume))
+        self.throttled = want
 
     def _export_gauges(self, model: str, st: ModelState) -> None:
         m = self.metrics
         m.set_pool_fill(model, st.pools.fill())
         m.set_join_pending(model, st.join.pending(model))
+        m.set_epochs_waiting(model, len(st.sealed))
         stats = st.evaluate()
         for pred in ("raw", "calibrated"):
             w = stats.get(pred)
@@ -694,6 +736,10 @@ class Daemon:
         log.info("model %s: published bin map version %d (%s, |B|=%d, %d iterations, %s, "
                  "%.3f s)", model, inf.version, inf.trigger, bm.n_bins, bm.iterations,
                  bm.stop_reason, seconds)
+        # the next sealed epoch (if any) need not wait for the next poll, which may be idle
+        # for a whole fetch timeout when its partitions are paused
+        self._check_model(model, time.monotonic())
+        self._apply_backpressure()
 
     def request_recalibration(self, model: str) -> bool:
         st = self.models.get(model)

@@ -50,6 +50,7 @@ EXPECTED = {
     "lpcal_join_evictions_total": ("counter", ("model", "reason")),
     "lpcal_join_unmatched_total": ("counter", ("model", "kind")),
     "lpcal_join_pending": ("gauge", ("model",)),
+    "lpcal_epochs_waiting": ("gauge", ("model",)),
     "lpcal_pool_samples": ("gauge", ("model", "pool")),
     "lpcal_pool_fill_ratio": ("gauge", ("model", "pool")),
     "lpcal_calibrations_total": ("counter", ("model", "trigger")),
@@ -136,6 +137,7 @@ def exercise(dm: DaemonMetrics) -> None:
     dm.inc_evicted("fraud-v3", "ttl", 1)
     dm.inc_unmatched("fraud-v3", "late", 1)
     dm.set_join_pending("fraud-v3", 7)
+    dm.set_epochs_waiting("fraud-v3", 2)
     dm.set_pool_fill("fraud-v3", {"mu": (50, 100), "P0": (10, 40), "E0": (40, 40), "PE0": (0, 8)})
     dm.observe_fit("fraud-v3", "pools_full", 0.2, 9, 31)
     dm.inc_calibration_failure("fraud-v3")
@@ -163,6 +165,7 @@ def test_helpers_set_the_right_samples(dm: DaemonMetrics, registry):
     assert g("lpcal_join_evictions_total", model="fraud-v3", reason="ttl") == 1
     assert g("lpcal_join_unmatched_total", model="fraud-v3", kind="late") == 1
     assert g("lpcal_join_pending", model="fraud-v3") == 7
+    assert g("lpcal_epochs_waiting", model="fraud-v3") == 2
     assert g("lpcal_pool_samples", model="fraud-v3", pool="mu") == 50
     assert g("lpcal_pool_fill_ratio", model="fraud-v3", pool="mu") == 0.5
     assert g("lpcal_pool_fill_ratio", model="fraud-v3", pool="P0") == 0.25

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from daemon.events import EventParser, ModelPolicy
-from daemon.model_state import ModelState, layout_for
+from daemon.model_state import MAX_SEALED, ModelState, layout_for
 from daemon.settings import JoinSettings, ModelSettings
 from lpcal.calibrate import fit_pools
 from lpcal.errors import ArtifactError, InputError
@@ -188,12 +188,20 @@ def test_check_triggers_pools_full_and_manual():
     assert st.check_triggers(2.0, busy=True) is None
     f = st.check_triggers(2.0)
     assert (f.trigger, f.action) == ("pools_full", "fit")
-    # seal() queues partial pools; at most MAX_SEALED epochs wait (oldest dropped, counted)
+    # seal() queues partial pools; none is ever dropped: past MAX_SEALED waiting epochs the
+    # state reports itself backlogged (the daemon then pauses the model's partition)
     e = st.fill_epoch
+    before = [ep for ep, _ in st.sealed]
     assert st.seal() == e and st.sealed[-1][0] == e and st.fill_epoch == e + 1
-    for _ in range(5):
+    assert st.backlogged == (len(st.sealed) >= MAX_SEALED)
+    for _ in range(MAX_SEALED + 1):
         st.seal()
-    assert len(st.sealed) == 4 and st.sealed_dropped >= 2
+    assert st.backlogged
+    assert [ep for ep, _ in st.sealed] == before + list(range(e, e + MAX_SEALED + 2))
+    while st.sealed:  # handing the epochs off, oldest first, clears the backlog
+        st.start_new_epoch()
+        assert st.backlogged == (len(st.sealed) >= MAX_SEALED)
+    assert not st.backlogged
 
 
 def test_trigger_checks_reuse_the_window_evaluation_within_eval_interval():

@@ -90,9 +90,12 @@ def write_results(name: str, values: dict, command: str) -> None:
 async def wait_settled(url: str, expected: dict[str, int], timeout: float,
                        quiet: float = 4.0) -> dict[str, dict]:
     """Poll ``/v1/models`` until every model of ``expected`` has at least that many joined
-    samples and no fit in flight, or until nothing changed for ``quiet`` seconds (a daemon
-    that lost samples never reaches ``expected``: measure it instead of timing out). Returns
-    the last view; raises only if the daemon never answered."""
+    samples and no fit in flight, or until nothing changed for ``quiet`` seconds while every
+    model of ``expected`` is on this replica, none has epochs waiting for a fit and ``/readyz``
+    is 200 (a daemon that lost samples never reaches ``expected``: measure it instead of timing
+    out; a replica still waiting for a partition, e.g. held by a killed member the broker has
+    not expired yet, is not "quiet"). Returns the last view; raises only if the daemon never
+    answered."""
     import asyncio
     import time
 
@@ -104,14 +107,20 @@ async def wait_settled(url: str, expected: dict[str, int], timeout: float,
         except Exception:  # noqa: BLE001 - restarting / not serving yet
             await asyncio.sleep(0.5)
             continue
-        busy = any(e["fit_in_flight"] for e in view.values())
+        busy = any(e["fit_in_flight"] or e.get("epochs_waiting") for e in view.values())
         key = tuple(sorted((m, e["samples_total"]) for m, e in view.items()))
         if not busy and all(m in view and view[m]["samples_total"] >= n
                             for m, n in expected.items()):
             return view
+        if not busy and set(expected) <= set(view):
+            try:
+                status, _ = await http_get(url, "/readyz", timeout=3.0)
+            except Exception:  # noqa: BLE001 - not answering: not settled
+                status = None
+            busy = status != 200
         if key != last_key or busy:
             last_key, since = key, time.monotonic()
-        elif time.monotonic() - since >= quiet:
+        elif time.monotonic() - since >= quiet and set(expected) <= set(view):
             return view
         await asyncio.sleep(0.5)
     if not view:
