@@ -436,12 +436,15 @@ class EventParser:
 
         Each check of the per-message loop is done over the whole batch with C-level passes
         (``map`` over builtins) instead of Python bytecode per message: every value is bytes
-        within ``max_bytes`` and a JSON object with string ``model`` (admitted, with a policy
-        and a known ``k``) and ``id``, a numeric ``ts``, no ``logits``, a list ``probs`` of
-        ``k`` ints/floats and/or an integer ``label`` in ``[0, k)``. Vector values are then
-        validated exactly as in the general path (:func:`_validate_rows`). Returns None
-        when any condition fails; the caller then runs the general per-message loop, which
-        produces the same result for the batches accepted here."""
+        within ``max_bytes`` and a JSON object with string ``model`` (with a policy and a known
+        ``k``; admitted, or admissible under ``max_models``) and ``id``, a numeric ``ts``, no
+        ``logits``, a list ``probs`` of ``k`` ints/floats and/or an integer ``label`` in
+        ``[0, k)``. The vectors of a model become one matrix in one ``np.array`` call, whose
+        dtype proves the entries numeric (see :func:`_numeric_matrix`); their values are then
+        validated exactly as in the general path (:func:`_validate_rows`). Returns None, with
+        no state changed, when any condition fails; the caller then runs the general
+        per-message loop, which produces the same result for the batches accepted here
+        (models not admitted yet are admitted in order of first appearance, as it would)."""
         n = len(raws)
         if n == 0:
             return None
@@ -455,13 +458,30 @@ class EventParser:
             models = list(map(get, ds, repeat("model")))
             first = models[0]
             umodels = [first] if models.count(first) == n else list(dict.fromkeys(models))
-            ks = []
+            ks, pols = [], []
+            uncached, new_models = [], []  # committed only once the batch is accepted
             for model in umodels:
-                if (type(model) is not str or not 0 < len(model) <= self.max_model_len
-                        or model not in self.admitted or self._policies.get(model) is None
-                        or self.k.get(model) is None):
+                if type(model) is not str or not 0 < len(model) <= self.max_model_len:
                     return None
-                ks.append(self.k[model])
+                if model in self._policies:
+                    pol = self._policies[model]
+                else:
+                    pol = self._policy_for(model)
+                    uncached.append((model, pol))
+                if pol is None:
+                    return None
+                k = self.k.get(model)
+                if k is None and pol.k is not None:
+                    k = int(pol.k)
+                if k is None:
+                    return None
+                if model not in self.admitted:
+                    new_models.append(model)
+                ks.append(k)
+                pols.append(pol)
+            if (new_models and self.max_models is not None
+                    and len(self.admitted) + len(new_models) > self.max_models):
+                return None
             ids = list(map(get, ds, repeat("id")))
             if set(map(type, ids)) != {str}:
                 return None
@@ -482,8 +502,7 @@ class EventParser:
             li = np.flatnonzero(hl)
             vlist = vecs if vi.size == n else [vecs[i] for i in vi.tolist()]
             llist = labs if li.size == n else [labs[i] for i in li.tolist()]
-            if vlist and (set(map(type, vlist)) != {list} or
-                          not set(map(type, chain.from_iterable(vlist))) <= {float, int}):
+            if vlist and set(map(type, vlist)) != {list}:
                 return None
             if llist and set(map(type, llist)) != {int}:
                 return None
@@ -494,7 +513,6 @@ class EventParser:
             return None
         kind = np.where(hv, np.where(hl, KIND_SAMPLE, KIND_PREDICTION), KIND_OUTCOME
                         ).astype(np.int8)
-        lens = np.fromiter(map(len, vlist), dtype=np.int64, count=len(vlist))
         if len(umodels) == 1:
             codes = None
             kv = ks[0]
@@ -502,12 +520,11 @@ class EventParser:
             code_of = {m: c for c, m in enumerate(umodels)}
             codes = np.fromiter(map(code_of.__getitem__, models), dtype=np.int64, count=n)
             kv = np.asarray(ks, dtype=np.int64)[codes]
-        if not (lens == (kv if codes is None else kv[vi])).all():
-            return None
         if li.size and not ((labels[li] >= 0).all() and
                             (labels[li] < (kv if codes is None else kv[li])).all()):
             return None
-        out = ParsedBatch(n)
+        # per model: its rows and the matrix of its vectors (None: not all numeric/length k)
+        parts = []
         for c, model in enumerate(umodels):
             if codes is None:
                 sel = np.arange(n)
@@ -517,9 +534,20 @@ class EventParser:
                 sl = sel.tolist()
                 m_ids = [ids[i] for i in sl]
                 m_vecs = [vecs[i] for i in sl if vecs[i] is not None]
-            mb = self._finish_columns(model, self._policies[model], ks[c], kind[sel], m_ids,
+            mat = _numeric_matrix(m_vecs, ks[c]) if m_vecs else None
+            if m_vecs and mat is None:
+                return None
+            parts.append((model, sel, m_ids, m_vecs, mat))
+        for model, pol in uncached:  # as self._policy(model) would have
+            self._policies[model] = pol
+            if pol.k is not None:
+                self.k.setdefault(model, int(pol.k))
+        self.admitted.update(new_models)
+        out = ParsedBatch(n)
+        for c, (model, sel, m_ids, m_vecs, mat) in enumerate(parts):
+            mb = self._finish_columns(model, pols[c], ks[c], kind[sel], m_ids,
                                       ts[sel], labels[sel], sel, m_vecs,
-                                      np.flatnonzero(hv[sel]), None, (), out.invalid)
+                                      np.flatnonzero(hv[sel]), None, (), out.invalid, mat)
             if mb is not None:
                 out.by_model[model] = mb
         if len(out.invalid) > 1:
@@ -558,9 +586,11 @@ class EventParser:
     def _finish_columns(model: str, policy: ModelPolicy, k: int, kind: np.ndarray,
                         ids: list[str], ts: np.ndarray, labels: np.ndarray, index: np.ndarray,
                         vecs: list[list], vidx: np.ndarray | None, logit: np.ndarray | None,
-                        strict: Sequence[bool], invalid: list) -> ModelBatch | None:
+                        strict: Sequence[bool], invalid: list,
+                        matrix: np.ndarray | None = None) -> ModelBatch | None:
         """Validate one model's columns (``vecs[r]`` is the vector of row ``vidx[r]``; ``k = 0``:
-        no vector yet) and build its :class:`ModelBatch`; rejected rows go to ``invalid``."""
+        no vector yet) and build its :class:`ModelBatch`; rejected rows go to ``invalid``.
+        ``matrix``: ``vecs`` already stacked by :func:`_numeric_matrix` (all rows numeric)."""
         m = len(ids)
         keep = np.ones(m, dtype=bool)
         index_l = index.tolist()
@@ -575,7 +605,10 @@ class EventParser:
                     LABEL_OUT_OF_RANGE, f"label {int(labels[j])} outside [0, {k})", model)))
             probs = np.zeros((m, k), dtype=np.float64)
             if vecs:
-                rows, ok = _to_matrix(vecs, strict, k)
+                if matrix is not None:
+                    rows, ok = matrix, np.ones(len(vecs), dtype=bool)
+                else:
+                    rows, ok = _to_matrix(vecs, strict, k)
                 if logit is None:
                     logit = np.zeros(len(vecs), dtype=bool)
                 for r in np.flatnonzero(~ok).tolist():
@@ -648,6 +681,28 @@ def _to_matrix(vecs: list[list], strict: Sequence[bool], k: int) -> tuple[np.nda
                 pass
         ok[r] = False
     return rows, ok
+
+
+def _numeric_matrix(vecs: list[list], k: int) -> np.ndarray | None:
+    """``vecs`` (lists) as a float64 ``(len(vecs), k)`` matrix if every entry is an int or a
+    float, else None. Equals :func:`_to_matrix`'s rows when all its ``ok`` are True.
+
+    One ``np.array`` call both converts and type-checks: its dtype is numeric only if every
+    entry is a number (strings, None, lists or dicts give another dtype or a ValueError),
+    except that bools silently become 0/1. So only the rows holding a 0 or a 1 get the exact
+    per-entry type check (none, for typical probability vectors)."""
+    try:
+        a = np.array(vecs)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    if a.dtype.kind not in "fiu" or a.shape != (len(vecs), k):
+        return None
+    maybe_bool = np.flatnonzero(((a == 0) | (a == 1)).any(axis=1))
+    if maybe_bool.size:
+        rows = vecs if maybe_bool.size == len(vecs) else [vecs[r] for r in maybe_bool.tolist()]
+        if not set(map(type, chain.from_iterable(rows))) <= {float, int}:
+            return None
+    return a.astype(np.float64, copy=False)
 
 
 def _validate_rows(rows: np.ndarray, logit: np.ndarray, ok: np.ndarray, pol: ModelPolicy

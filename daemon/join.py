@@ -47,7 +47,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import compress, repeat
 from operator import is_not, itemgetter
 from typing import Any
 
@@ -362,7 +362,8 @@ class JoinStore:
         # no expiry: old deadlines >= the final clock, and new ones (>= first + ttl) as well
         if front < last or first + self.ttl < last:
             return None
-        if len(set(ids)) != n or (recent and any(map(recent.__contains__, ids))):
+        uniq = set(ids)  # hashes every id once; later lookups reuse the cached str hashes
+        if len(uniq) != n or (recent and not recent.keys().isdisjoint(uniq)):
             return None
         ev, um = _zero(EVICTION_REASONS), _zero(UNMATCHED_KINDS)
         k = probs.shape[1] if probs is not None else 0
@@ -382,15 +383,15 @@ class JoinStore:
                 out_ts, out_lab = out_ts[keep], out_lab[keep]
             return self._fast_commit(m, last, wm_end, ev, um,
                                      JoinResult(out_ids, out_ts, rows, out_lab, ev, um))
-        entries = list(map(pend.get, ids))
         other = KIND_OUTCOME if kd == KIND_PREDICTION else KIND_PREDICTION
+        entries = list(map(pend.get, ids))
         if entries.count(None) == n:
             join_i: list[int] | None = []
             new_i: list[int] | None = None  # all wait
         else:  # events whose partner (or a duplicate) is pending
             hit = np.fromiter(map(is_not, entries, repeat(None)), dtype=bool, count=n)
             hit_i = np.flatnonzero(hit).tolist()
-            hit_e = [entries[i] for i in hit_i] if len(hit_i) < n else entries
+            hit_e = list(compress(entries, hit.tolist())) if len(hit_i) < n else entries
             hit_k = list(map(_KIND, hit_e))
             if hit_k.count(other) == len(hit_k):
                 join_i = hit_i
@@ -450,7 +451,7 @@ class JoinStore:
         order.extend(eids)
         rec.update(zip(eids, repeat(_JOINED)))
         excess = len(order) - self.max_recent
-        if excess > 0:
+        if excess > 0:  # forget the oldest (popleft: O(excess), not O(max_recent))
             pop = order.popleft
             deque(map(rec.__delitem__, [pop() for _ in range(excess)]), maxlen=0)
 
@@ -542,8 +543,8 @@ def _gather_rows(srcs: list[tuple[np.ndarray, int]], k: int) -> np.ndarray:
     if not srcs:
         return np.empty((0, k), dtype=np.float64)
     rows = np.empty((len(srcs), srcs[0][0].shape[1]), dtype=np.float64)
-    blocks = list(map(itemgetter(0), srcs))
-    r = np.fromiter(map(itemgetter(1), srcs), dtype=np.int64, count=len(srcs))
+    blocks, rr = zip(*srcs)
+    r = np.array(rr, dtype=np.int64)
     keys = np.fromiter(map(id, blocks), dtype=np.int64, count=len(blocks))
     if (keys == keys[0]).all():  # common: one block
         rows[:] = blocks[0][r]

@@ -170,15 +170,9 @@ class Daemon:
             else:
                 self._store = KafkaCheckpointStore(self.producer, k.bootstrap_servers,
                                                    k.topics.state, security=sec)
-        # the range assignor gives partition n of both co-partitioned topics to one member
-        # (aiokafka's default, round robin, would split a model's predictions and outcomes)
-        opts = dict(session_timeout_ms=10_000, heartbeat_interval_ms=3_000,
-                    max_partition_fetch_bytes=max(k.max_message_bytes, 1 << 20),
-                    partition_assignment_strategy=(RangePartitionAssignor,))
-        opts.update(self._consumer_options)
         self.consumer = kafka_io.make_consumer(
             k.bootstrap_servers, group_id=k.group_id, security=sec, client_id=k.client_id,
-            **opts)
+            **self.consumer_options())
         await self._retry("consumer start", self.consumer.start)
         self.consumer.subscribe([self.t_pred, self.t_out], listener=_Rebalance(self))
         self.broker_ok = True
@@ -191,6 +185,21 @@ class Daemon:
         self.started = True
         log.info("lpcal daemon started: group %s, topics %s/%s", k.group_id, self.t_pred,
                  self.t_out)
+
+    def consumer_options(self) -> dict:
+        """Options of the input consumer, from ``kafka.*`` settings (then ``consumer_options``
+        given to the constructor, which override them: tests).
+
+        The range assignor gives partition n of both co-partitioned topics to one member
+        (aiokafka's default, round robin, would split a model's predictions and outcomes)."""
+        k = self.s.kafka
+        opts = dict(session_timeout_ms=k.session_timeout_ms,
+                    heartbeat_interval_ms=k.heartbeat_interval_ms,
+                    fetch_max_wait_ms=k.fetch_max_wait_ms,
+                    max_partition_fetch_bytes=max(k.max_message_bytes, 1 << 20),
+                    partition_assignment_strategy=(RangePartitionAssignor,))
+        opts.update(self._consumer_options)
+        return opts
 
     async def _retry(self, what: str, fn):
         delay = 0.5

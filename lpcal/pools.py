@@ -468,12 +468,15 @@ def pool_names(levels: int, variant: str) -> list[str]:
 
 
 def route_uniform(ids: Iterable[str | bytes]) -> np.ndarray:
-    """Map event ids to uniforms in [0, 1) with blake2b (stable across processes and versions)."""
-    out = []
-    for i in ids:
-        b = i.encode() if isinstance(i, str) else bytes(i)
-        out.append(int.from_bytes(hashlib.blake2b(b, digest_size=8).digest(), "big"))
-    return np.asarray(out, dtype=np.uint64).astype(np.float64) / 2.0**64
+    """Map event ids to uniforms in [0, 1) with blake2b (stable across processes and versions).
+
+    ``u = int.from_bytes(blake2b(id.encode(), digest_size=8).digest(), "big") / 2**64`` (str ids
+    UTF-8 encoded; bytes-like ids as they are). The 8-byte digests are concatenated and read at
+    once as big-endian uint64 (no Python int per id); the value is unchanged."""
+    blake2b = hashlib.blake2b
+    enc = [i.encode() if isinstance(i, str) else bytes(i) for i in ids]
+    digests = b"".join([blake2b(b, digest_size=8).digest() for b in enc])
+    return np.frombuffer(digests, dtype=">u8").astype(np.float64) / 2.0**64
 
 
 @dataclass(frozen=True)

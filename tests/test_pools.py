@@ -349,3 +349,33 @@ def test_poolset_errors():
         PoolSet.from_dict(d)
     with pytest.raises(InputError, match="malformed pool set"):
         PoolSet.from_dict({"tables": {}})
+
+
+def _route_uniform_v1(ids):
+    """The original per-id implementation of :func:`lpcal.pools.route_uniform` (reference)."""
+    out = []
+    for i in ids:
+        b = i.encode() if isinstance(i, str) else bytes(i)
+        out.append(int.from_bytes(hashlib.blake2b(b, digest_size=8).digest(), "big"))
+    return np.asarray(out, dtype=np.uint64).astype(np.float64) / 2.0**64
+
+
+def test_route_uniform_equals_the_original_implementation():
+    """Routing must never change (checkpoints and crash replay depend on it): the bulk digest
+    read gives bit-identical uniforms to the per-id int.from_bytes version."""
+    from lpcal.pools import route_uniform
+
+    rng = np.random.default_rng(5)
+    ids = [f"evt-{i}" for i in range(5000)] + ["", "é-ü-😀", "x" * 300]
+    ids += ["".join(chr(int(c)) for c in rng.integers(32, 0x2FFF, size=int(n)))
+            for n in rng.integers(1, 40, size=500)]
+    mixed = ids[:50] + [i.encode() for i in ids[50:100]] + [bytearray(b"ba"), memoryview(b"mv")]
+    for batch in (ids, mixed, [], ["one"]):
+        got, ref = route_uniform(batch), _route_uniform_v1(batch)
+        assert got.dtype == ref.dtype == np.float64 and got.shape == (len(batch),)
+        assert np.array_equal(got, ref)
+        assert ((got >= 0) & (got < 1)).all()
+    lay = _layout()
+    assert np.array_equal(lay.route(ids), np.minimum(
+        np.searchsorted(lay.cumulative_weights(), _route_uniform_v1(ids), side="right"),
+        len(lay.names) - 1))

@@ -116,9 +116,13 @@ async def _raw_read(bootstrap: str, topics: list[str], expected: int) -> Run:
 
     from daemon import kafka_io
 
+    from daemon.settings import KafkaSettings
+
+    # the daemon's fetch settings (its default fetch_max_wait_ms too), so both read alike
     consumer = kafka_io.make_consumer(
         bootstrap, group_id=f"bench-raw-{uuid.uuid4().hex[:8]}", client_id="bench-raw",
         auto_offset_reset="earliest", max_partition_fetch_bytes=1 << 20,
+        fetch_max_wait_ms=KafkaSettings.model_fields["fetch_max_wait_ms"].default,
         partition_assignment_strategy=(RangePartitionAssignor,), **FAST_CONSUMER)
     await consumer.start()
     try:

@@ -277,3 +277,84 @@ def test_fuzz_any_bytes_never_raise_and_batch_equals_single(raws):
         # learning k may happen later in a batch than in a single-message stream only for labels
         # seen before the vector; otherwise the records agree exactly.
         assert _same(rec, one) or (isinstance(one, Outcome) and isinstance(rec, Invalid))
+
+
+# ----------------------------------------------------------------------------- fast path
+
+
+class _GeneralOnly(EventParser):
+    """The same parser with the batch fast path disabled: always the per-message loop."""
+
+    def _parse_uniform(self, raws):
+        return None
+
+
+def _parsers(max_models=None):
+    policies = {"m": ModelPolicy(k=3), "n": ModelPolicy(k=3, normalize="reject"),
+                "free": ModelPolicy(k=None)}
+    return (EventParser(policies.get, max_bytes=2000, max_models=max_models),
+            _GeneralOnly(policies.get, max_bytes=2000, max_models=max_models))
+
+
+def _parser_state(p):
+    return sorted(p.admitted), dict(p.k), sorted(p._policies)
+
+
+entry = st.floats(0, 1) | st.sampled_from([0, 1, 0.0, 1.0, 2, True, False, "0.5", None])
+well_formed = st.fixed_dictionaries(
+    {"model": st.sampled_from(["m", "n", "free", "zzz"]), "id": st.text(min_size=0, max_size=3),
+     "ts": st.floats(0, 2e9) | st.integers(0, 10) | st.just("1")},
+    optional={"probs": st.lists(entry, min_size=2, max_size=4),
+              "label": st.integers(-1, 3) | st.just(True)},
+)
+
+
+# batches the fast path mostly accepts: rare non-numeric entries, labels and vectors present
+vec3 = st.lists(st.floats(0, 1) | st.sampled_from([0, 1, 0.5]), min_size=3, max_size=3) | \
+    st.lists(entry, min_size=3, max_size=3)
+fast_event = st.fixed_dictionaries(
+    {"model": st.sampled_from(["m", "n"]), "id": st.text(min_size=1, max_size=3),
+     "ts": st.floats(0, 2e9)},
+    optional={"extra": st.booleans()},
+).flatmap(lambda d: st.one_of(
+    st.builds(lambda v: {**d, "probs": v}, vec3),
+    st.builds(lambda y: {**d, "label": y}, st.integers(0, 2)),
+    st.builds(lambda v, y: {**d, "probs": v, "label": y}, vec3, st.integers(0, 3))))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(fast_event.map(orjson.dumps), min_size=1, max_size=8)
+       | st.lists(well_formed.map(orjson.dumps) | any_message, min_size=1, max_size=8),
+       st.sampled_from([None, 1, 2]))
+def test_fast_path_equals_general_loop(raws, max_models):
+    """Whatever the fast path accepts, it parses exactly as the per-message loop: same records,
+    reasons and parser state (admitted models, learned k, cached policies). Vectors holding
+    bools, 0/1, ints or strings, new models and max_models are all exercised."""
+    fast, slow = _parsers(max_models)
+    for _ in range(2):  # a second pass sees the models admitted and learned by the first
+        a, b = fast.parse_batch(raws), slow.parse_batch(raws)
+        ra, rb = a.records(), b.records()
+        assert all(_same(x, y) for x, y in zip(ra, rb)), (ra, rb)
+        assert [(i, x.reason, x.detail) for i, x in a.invalid] == \
+            [(i, x.reason, x.detail) for i, x in b.invalid]
+        assert _parser_state(fast) == _parser_state(slow)
+
+
+def test_fast_path_admits_new_models_and_rejects_bools_in_vectors():
+    p = EventParser({"m": ModelPolicy(k=3)}.get)
+    raws = [msg(id=f"e{i}", probs=[0.2, 0.3, 0.5]) for i in range(4)]
+    out = p._parse_uniform(raws)  # model "m" is not admitted yet: still the fast path
+    assert out is not None and len(out.by_model["m"]) == 4 and p.admitted == {"m"}
+    assert p.k == {"m": 3}
+    # an exact 0/1 entry is type-checked: a bool (not a number) makes the batch take the loop
+    bad = raws + [msg(id="b", probs=[True, 0.0, 0.0])]
+    assert p._parse_uniform(bad) is None
+    assert reason(p.parse_batch(bad).records()[-1]) == "bad_schema"
+    ok = raws + [msg(id="c", probs=[1, 0.0, 0])]
+    assert p._parse_uniform(ok).by_model["m"].probs[-1].tolist() == [1.0, 0.0, 0.0]
+    # a model over max_models is never admitted by the fast path
+    q = EventParser({"a": ModelPolicy(k=2), "b": ModelPolicy(k=2)}.get, max_models=1)
+    two = [msg(model="a", id="1", label=0), msg(model="b", id="2", label=1)]
+    assert q._parse_uniform(two) is None and q.admitted == set()
+    recs = q.parse_batch(two).records()
+    assert isinstance(recs[0], Outcome) and reason(recs[1]) == "unknown_model"

@@ -215,3 +215,51 @@ def test_malformed_snapshot_raises_input_error(mutate, where):
     mutate(d)
     with pytest.raises(InputError, match="malformed snapshot"):
         JoinStore.from_dict(d)
+
+
+# ----------------------------------------------------------------------------- fast path
+
+
+class _GeneralOnly(JoinStore):
+    """The same store with the bulk fast path disabled: always the per-event loop."""
+
+    def _offer_uniform(self, *a, **kw):
+        return None
+
+
+one_kind_batches = st.lists(
+    st.tuples(st.sampled_from([P, O, S]),
+              st.lists(st.tuples(st.integers(0, 30), st.floats(0, 2), st.integers(0, 2)),
+                       min_size=1, max_size=12)),
+    min_size=1, max_size=10,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(one_kind_batches, st.integers(1, 6))
+def test_fast_path_equals_general_loop(batches, recent):
+    """Single-kind batches (the fast path's case, incl. forgetting from a small recent set)
+    join exactly as the per-event loop: same samples, counters and state."""
+    fast = JoinStore(max_pending_per_model=40, ttl_seconds=5.0, recent_per_model=recent)
+    slow = _GeneralOnly(max_pending_per_model=40, ttl_seconds=5.0, recent_per_model=recent)
+    t = 0.0
+    for kind, evs in batches:
+        events = []
+        for i, dt, lab in evs:
+            t += dt
+            events.append((kind, f"e{i}", t, lab))
+        a, b = offer(fast, events), offer(slow, events)
+        assert a.ids == b.ids and a.labels.tolist() == b.labels.tolist()
+        assert a.ts.tolist() == b.ts.tolist() and a.probs.tolist() == b.probs.tolist()
+        assert a.evicted == b.evicted and a.unmatched == b.unmatched
+        assert fast.to_dict() == slow.to_dict()
+
+
+def test_fast_path_forgets_oldest_recent_ids_in_order():
+    fast = JoinStore(100, 100, recent_per_model=3)
+    slow = _GeneralOnly(100, 100, recent_per_model=3)
+    for s in (fast, slow):
+        offer(s, [(S, f"s{i}", i, 0) for i in range(5)])        # fast path: s0, s1 forgotten
+        offer(s, [(S, f"s{i}", 6, 1) for i in (5, 6)])
+    assert fast.to_dict() == slow.to_dict()
+    assert [eid for eid, _ in fast.to_dict()["models"]["m"]["recent"]] == ["s4", "s5", "s6"]

@@ -237,3 +237,23 @@ def test_example_config_file_loads_and_documents_every_setting(isolated):
             assert f"`{name}`" in readme, f"config/README.md does not document {section}.{name}"
     for name in Settings.model_fields:
         assert f"`{name}`" in readme, f"config/README.md does not document {name}"
+
+
+def test_consumer_settings_reach_the_input_consumer(isolated):
+    """kafka.session_timeout_ms / heartbeat_interval_ms / fetch_max_wait_ms are what the
+    daemon's input consumer gets (they were once hard-coded); constructor overrides win."""
+    from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+
+    from daemon.service import Daemon
+
+    s = Settings(kafka={"session_timeout_ms": 4000, "heartbeat_interval_ms": 500,
+                        "fetch_max_wait_ms": 37, "max_message_bytes": 4 << 20})
+    opts = Daemon(s).consumer_options()
+    assert (opts["session_timeout_ms"], opts["heartbeat_interval_ms"],
+            opts["fetch_max_wait_ms"]) == (4000, 500, 37)
+    assert opts["max_partition_fetch_bytes"] == 4 << 20
+    assert opts["partition_assignment_strategy"] == (RangePartitionAssignor,)
+    d = Settings().kafka
+    assert Daemon(Settings()).consumer_options()["fetch_max_wait_ms"] == d.fetch_max_wait_ms
+    assert Daemon(s, consumer_options={"session_timeout_ms": 2000}).consumer_options()[
+        "session_timeout_ms"] == 2000
