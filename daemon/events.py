@@ -307,11 +307,15 @@ class EventParser:
         except KeyError:
             pass
         pol = self._policy_for(model)
+        self._cache_policy(model, pol)
+        return pol
+
+    def _cache_policy(self, model: str, pol: ModelPolicy | None) -> None:
+        """Remember ``model``'s policy (and its configured ``k``, unless one is known)."""
         if pol is not None and pol.k is not None:
             self.k.setdefault(model, int(pol.k))
         if pol is not None or len(self._policies) < 10_000:  # bound the cache of rejections
             self._policies[model] = pol
-        return pol
 
     # ---------------------------------------------------------------- parsing
     def parse(self, raw: bytes, ts: float | None = None
@@ -539,9 +543,7 @@ class EventParser:
                 return None
             parts.append((model, sel, m_ids, m_vecs, mat))
         for model, pol in uncached:  # as self._policy(model) would have
-            self._policies[model] = pol
-            if pol.k is not None:
-                self.k.setdefault(model, int(pol.k))
+            self._cache_policy(model, pol)
         self.admitted.update(new_models)
         out = ParsedBatch(n)
         for c, (model, sel, m_ids, m_vecs, mat) in enumerate(parts):
