@@ -468,9 +468,13 @@ class JoinStore:
             for eid, (kd, deadline, t, payload) in m.pending.items():
                 pl = payload[0][payload[1]].tolist() if kd == KIND_PREDICTION else int(payload)
                 pend.append([eid, kd, deadline, t, pl])
+            order = list(m.recent_order)
+            states = np.fromiter(map(m.recent.__getitem__, order), dtype=np.int8,
+                                 count=len(order))
             models[name] = {
                 "pending": pend,
-                "recent": [[eid, m.recent[eid]] for eid in m.recent_order],
+                "recent_ids": order,
+                "recent_expired": np.flatnonzero(states == _EXPIRED).tolist(),
                 "evicted": dict(m.evicted),
                 "unmatched": dict(m.unmatched),
                 "joined": m.joined,
@@ -513,13 +517,7 @@ class JoinStore:
                     block = np.stack(rows)
                     for entry in entries:
                         entry[3] = (block, entry[3])
-                for eid, st in md["recent"]:
-                    if st not in (_JOINED, _EXPIRED):
-                        raise ValueError(f"recent state {st!r}")
-                    if str(eid) in m.recent:
-                        raise ValueError(f"recent id {eid!r} listed twice")
-                    m.recent[str(eid)] = int(st)
-                    m.recent_order.append(str(eid))
+                _restore_recent(m, md)
                 for key in EVICTION_REASONS:
                     m.evicted[key] = int(md["evicted"][key])
                 for key in UNMATCHED_KINDS:
@@ -536,6 +534,34 @@ class JoinStore:
             return NotImplemented
         a, b = self.to_dict(), other.to_dict()
         return a == b
+
+
+def _restore_recent(m: _ModelJoin, md: Mapping[str, Any]) -> None:
+    """Fill ``m.recent`` from a snapshot: ``recent_ids`` (oldest first) with the positions of
+    the expired ones in ``recent_expired``, or the ``recent`` ``[[id, state], ...]`` pairs of
+    snapshots written before that (same content, one list object per id)."""
+    if "recent_ids" in md:
+        ids, expired = md["recent_ids"], md["recent_expired"]
+        if type(ids) is not list or set(map(type, ids)) - {str}:
+            raise ValueError("recent_ids must be a list of strings")
+        if type(expired) is not list or set(map(type, expired)) - {int}:
+            raise ValueError("recent_expired must be a list of integers")
+        states = dict.fromkeys(ids, _JOINED)
+        if len(states) != len(ids):
+            raise ValueError("a recent id is listed twice")
+        if expired and not (0 <= min(expired) and max(expired) < len(ids)):
+            raise ValueError("recent_expired position out of range")
+        states.update(zip(map(ids.__getitem__, expired), repeat(_EXPIRED)))
+        m.recent.update(states)
+        m.recent_order.extend(ids)
+        return
+    for eid, st in md["recent"]:
+        if st not in (_JOINED, _EXPIRED):
+            raise ValueError(f"recent state {st!r}")
+        if str(eid) in m.recent:
+            raise ValueError(f"recent id {eid!r} listed twice")
+        m.recent[str(eid)] = int(st)
+        m.recent_order.append(str(eid))
 
 
 def _gather_rows(srcs: list[tuple[np.ndarray, int]], k: int) -> np.ndarray:

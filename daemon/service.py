@@ -46,7 +46,7 @@ import orjson
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
-from daemon import kafka_io
+from daemon import heap, kafka_io
 from daemon.checkpoint_store import CheckpointStore, KafkaCheckpointStore, LocalCheckpointStore
 from daemon.events import EventParser, ModelBatch
 from daemon.metrics import DaemonMetrics
@@ -149,8 +149,9 @@ class Daemon:
         sec = k
         self.producer = kafka_io.make_producer(
             k.bootstrap_servers, idempotence=k.enable_idempotence, security=sec,
-            client_id=k.client_id, max_request_size=max(k.max_message_bytes, STATE_MAX_BYTES),
-            compression_type="gzip")
+            client_id=k.client_id, max_request_size=max(k.max_message_bytes, STATE_MAX_BYTES))
+        # no producer compression: it runs on the event loop; large checkpoint values are
+        # compressed by KafkaCheckpointStore in a worker thread instead
         await self._retry("producer start", self.producer.start)
         if k.create_topics:
             specs = [kafka_io.TopicSpec(self.t_pred, k.topic_partitions),
@@ -182,6 +183,9 @@ class Daemon:
         # lived ones; measured about +30% ingest throughput, see tests/bench/bench_ingest.py)
         gc.freeze()
         gc.set_threshold(50_000, 50, 1000)
+        if self.s.state.release_heap and not heap.available():
+            log.info("state.release_heap: this C library has no malloc_trim; freed heap "
+                     "memory stays resident until reused")
         self.started = True
         log.info("lpcal daemon started: group %s, topics %s/%s", k.group_id, self.t_pred,
                  self.t_out)
@@ -236,6 +240,8 @@ class Daemon:
                 except Exception as e:  # noqa: BLE001 - broker trouble: keep the state, retry
                     log.warning("checkpoint failed (%s: %s); state kept, retrying in %.0f s",
                                 type(e).__name__, e, self.s.state.checkpoint_interval_seconds)
+                if self.s.state.release_heap:
+                    heap.release_free_heap()
             await asyncio.sleep(0)
 
     async def shutdown(self) -> None:

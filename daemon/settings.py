@@ -310,6 +310,9 @@ class StateSettings(_Strict):
     """``kafka``: compacted state topic (no PersistentVolume needed); ``local``: a directory."""
     local_dir: Path = Path(".lpcal-state")
     checkpoint_interval_seconds: PosFloat = 10.0
+    release_heap: bool = True
+    """After each periodic checkpoint, give freed heap memory back to the OS (glibc
+    ``malloc_trim``, see :mod:`daemon.heap`); without it resident memory ratchets up."""
 
 
 # --------------------------------------------------------------------------- settings

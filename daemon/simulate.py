@@ -236,7 +236,9 @@ class TrafficGenerator:
     """The interleaved prediction/outcome stream of ``models`` (see the module docstring).
 
     Event ``i`` (``0 <= i < events``) belongs to model ``i mod M`` with id
-    ``f"{model}-{i // M}"`` and time ``start + i / event_rate``. Each event is, independently:
+    ``f"{model}-{i // M}"`` (``id_digits``: the counter zero-padded to that many digits, so that
+    every id of a model has the same length, as UUIDs do) and time ``start + i / event_rate``.
+    Each event is, independently:
     malformed with probability ``malformed_frac`` (never a model's first event, so a daemon
     that learns ``k`` learns the right one), else a complete sample with probability
     ``sample_frac``, else a prediction whose outcome is dropped (an orphan) with probability
@@ -258,7 +260,7 @@ class TrafficGenerator:
                  logits_frac: float = 0.0, malformed_frac: float = 0.0,
                  malformed_kinds: Sequence[str] | None = None, drift_after: int | None = None,
                  drift_T: float | None = None, seed: int = 0, decimals: int | None = None,
-                 chunk: int = 1000):
+                 chunk: int = 1000, id_digits: int | None = None):
         self.models = list(models)
         if not self.models:
             raise InputError("TrafficGenerator: at least one model is required")
@@ -299,6 +301,11 @@ class TrafficGenerator:
             raise InputError(f"decimals must be in [1, 17] or None, got {decimals}")
         if chunk < 1:
             raise InputError(f"chunk must be >= 1, got {chunk}")
+        per_model = -(-int(events) // len(self.models))
+        if id_digits is not None and not (1 <= id_digits <= 30 and per_model <= 10 ** id_digits):
+            raise InputError(f"id_digits must be in [1, 30] and fit {per_model} events per "
+                             f"model, got {id_digits}")
+        self._id = "{}-{}" if id_digits is None else f"{{}}-{{:0{id_digits}d}}"
         self.events, self.event_rate, self.start = int(events), float(event_rate), float(start)
         self.delay, self.jitter = float(delay), float(jitter)
         self.drift_after, self.drift_T = drift_after, drift_T
@@ -382,7 +389,7 @@ class TrafficGenerator:
         c["orphan"] += int(orphan.sum())
         c["malformed"] += int(bad.sum())
         c["outcome"] += int(o_idx.size)
-        dumps, keys, models = orjson.dumps, self._keys, self.models
+        dumps, keys, models, eid = orjson.dumps, self._keys, self.models, self._id.format
         out: list[tuple] = []
         append = out.append
         ts_l, o_ts_l, o_idx_l, o_lab_l = ts.tolist(), o_ts.tolist(), o_idx.tolist(), \
@@ -395,14 +402,14 @@ class TrafficGenerator:
                 i = o_idx_l[r]
                 m = i % M
                 model_id = models[m].model_id
-                v = dumps({"model": model_id, "id": f"{model_id}-{i // M}", "ts": o_ts_l[r],
+                v = dumps({"model": model_id, "id": eid(model_id, i // M), "ts": o_ts_l[r],
                            "label": o_lab_l[r]})
                 append((OUTCOMES, keys[m], v, "outcome") if annotate else (OUTCOMES, keys[m], v))
                 continue
             i = i0 + o
             m = i % M
             model_id = models[m].model_id
-            d: dict[str, Any] = {"model": model_id, "id": f"{model_id}-{i // M}", "ts": ts_l[o]}
+            d: dict[str, Any] = {"model": model_id, "id": eid(model_id, i // M), "ts": ts_l[o]}
             d["logits" if lg_l[o] else "probs"] = vecs[o]
             kd = kind_l[o]
             if kd == _KIND_PRED:
@@ -432,7 +439,8 @@ class TrafficGenerator:
         self.counts["outcome"] += int(idx.size)
         for i, t, y in zip(idx.tolist(), ts.tolist(), label.tolist()):
             model_id = self.models[i % M].model_id
-            v = dumps({"model": model_id, "id": f"{model_id}-{i // M}", "ts": t, "label": y})
+            v = dumps({"model": model_id, "id": self._id.format(model_id, i // M), "ts": t,
+                       "label": y})
             key = self._keys[i % M]
             out.append((OUTCOMES, key, v, "outcome") if annotate else (OUTCOMES, key, v))
         return out

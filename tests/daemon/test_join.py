@@ -205,7 +205,10 @@ def test_snapshot_round_trip_is_exact():
 @pytest.mark.parametrize("mutate, where", [
     (lambda d: d.pop("ttl"), "ttl"),
     (lambda d: d["models"]["m"]["pending"][0].__setitem__(1, 9), "kind"),
-    (lambda d: d["models"]["m"]["recent"].append(["x", 7]), "recent"),
+    (lambda d: d["models"]["m"]["recent_ids"].append("e3"), "twice"),
+    (lambda d: d["models"]["m"]["recent_ids"].append(7), "recent_ids"),
+    (lambda d: d["models"]["m"]["recent_expired"].append(5), "out of range"),
+    (lambda d: d["models"]["m"].pop("recent_expired"), "recent_expired"),
     (lambda d: d["models"]["m"]["evicted"].pop("ttl"), "ttl"),
 ])
 def test_malformed_snapshot_raises_input_error(mutate, where):
@@ -214,6 +217,42 @@ def test_malformed_snapshot_raises_input_error(mutate, where):
     d = s.to_dict()
     mutate(d)
     with pytest.raises(InputError, match="malformed snapshot"):
+        JoinStore.from_dict(d)
+
+
+def _store_with_expired_ids() -> JoinStore:
+    s = JoinStore(50, 5)
+    offer(s, [(P, "e1", 0, None), (O, "e2", 0, 1), (S, "e3", 0, 2)])
+    offer(s, [(P, "e4", 100, None), (O, "e5", 100, 2)])  # watermark 100: e1, e2 expire
+    return s
+
+
+def test_snapshot_keeps_expired_and_joined_recent_ids_in_order():
+    s = _store_with_expired_ids()
+    m = s.to_dict()["models"]["m"]
+    assert m["recent_ids"] == ["e3", "e1", "e2"]
+    assert m["recent_expired"] == [1, 2]
+    s2 = JoinStore.from_dict(orjson.loads(orjson.dumps(s.to_dict())))
+    assert s2 == s
+    # stragglers are classified alike: late outcome of an expired id, duplicate of a joined one
+    for store in (s, s2):
+        r = offer(store, [(O, "e1", 101, 0)])
+        r2 = offer(store, [(S, "e3", 101, 0)])
+        assert not len(r) and r.unmatched["late"] == 1
+        assert not len(r2) and r2.unmatched["duplicate"] == 1
+
+
+def test_snapshot_of_the_previous_format_restores_the_same_store():
+    """Checkpoints written before ``recent_ids`` list ``recent`` as ``[id, state]`` pairs."""
+    s = _store_with_expired_ids()
+    d = s.to_dict()
+    m = d["models"]["m"]
+    expired = set(m.pop("recent_expired"))
+    m["recent"] = [[eid, int(i in expired)] for i, eid in enumerate(m.pop("recent_ids"))]
+    assert m["recent"] == [["e3", 0], ["e1", 1], ["e2", 1]]
+    assert JoinStore.from_dict(d) == s
+    m["recent"].append(["x", 7])
+    with pytest.raises(InputError, match="recent state"):
         JoinStore.from_dict(d)
 
 
@@ -262,4 +301,4 @@ def test_fast_path_forgets_oldest_recent_ids_in_order():
         offer(s, [(S, f"s{i}", i, 0) for i in range(5)])        # fast path: s0, s1 forgotten
         offer(s, [(S, f"s{i}", 6, 1) for i in (5, 6)])
     assert fast.to_dict() == slow.to_dict()
-    assert [eid for eid, _ in fast.to_dict()["models"]["m"]["recent"]] == ["s4", "s5", "s6"]
+    assert fast.to_dict()["models"]["m"]["recent_ids"] == ["s4", "s5", "s6"]

@@ -309,10 +309,28 @@ def test_true_err_p_and_brier():
     ({"drift_after": 10}, "drift"),
     ({"event_rate": 0.0}, "event_rate"),
     ({"decimals": 0}, "decimals"),
+    ({"id_digits": 0}, "id_digits"),
+    ({"id_digits": 31}, "id_digits"),
 ])
 def test_bad_generator_arguments_raise(kw, match):
     with pytest.raises(InputError, match=match):
         _gen(10, **kw)
+
+
+def test_fixed_width_ids_are_the_plain_ids_zero_padded():
+    """``id_digits``: every id of a model has the same length; otherwise the same stream."""
+    plain = [orjson.loads(v) for _, _, v in _gen(300, orphan_frac=0.1, sample_frac=0.2)]
+    padded = [orjson.loads(v) for _, _, v in _gen(300, orphan_frac=0.1, sample_frac=0.2,
+                                                   id_digits=6)]
+    assert len(plain) == len(padded) > 300
+    assert {len(e["id"]) - len(e["model"]) for e in padded} == {7}
+    for a, b in zip(plain, padded):
+        model, n = a.pop("id").rsplit("-", 1)
+        assert b.pop("id") == f"{model}-{int(n):06d}"
+        assert a == b
+    assert _gen(20, id_digits=1)    # 10 events per model: ids 0..9 fit in one digit
+    with pytest.raises(InputError, match="fit 11 events per model"):
+        _gen(22, id_digits=1)
 
 
 def test_bad_model_arguments_raise():

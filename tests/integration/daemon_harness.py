@@ -51,6 +51,7 @@ from aiokafka import TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon import kafka_io
+from daemon.checkpoint_store import decode_value
 from daemon.model_state import ModelState
 from daemon.settings import KafkaSettings, Settings, load_settings
 from lpcal.binmap import BinMap
@@ -584,7 +585,7 @@ async def read_state(bootstrap: str, topic: str, timeout: float = 20.0) -> State
     latest = await read_latest(bootstrap, topic, timeout)
     for key, value in latest.items():
         if key.startswith("model/"):
-            env = orjson.loads(value)
+            env = orjson.loads(decode_value(value))
             snap.envelopes[key[6:]] = env
             snap.models[key[6:]] = ModelState.from_checkpoint(orjson.dumps(env["state"]))
         elif key.startswith("partition/"):

@@ -1,0 +1,113 @@
+"""Checkpoint values on the state topic: large ones are zlib-compressed by the store (off the
+event loop), small ones and values of earlier versions pass unchanged, corrupt ones are
+reported, not raised. The round trip through the real broker is covered by the integration
+and crash tests (they read the state topic with :func:`decode_value`)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import zlib
+
+import orjson
+import pytest
+
+from daemon import checkpoint_store as cs
+from daemon.checkpoint_store import (
+    COMPRESS_MIN_BYTES,
+    COMPRESSED,
+    KafkaCheckpointStore,
+    LocalCheckpointStore,
+    decode_value,
+    encode_value,
+)
+
+
+def _big_checkpoint(n: int = 20_000) -> bytes:
+    return orjson.dumps({"format": "x", "recent_ids": [f"model-a-{i}" for i in range(n)]})
+
+
+def test_large_values_are_compressed_and_round_trip():
+    v = _big_checkpoint()
+    assert len(v) >= COMPRESS_MIN_BYTES
+    enc = encode_value(v)
+    assert enc.startswith(COMPRESSED) and len(enc) < len(v) / 3
+    assert decode_value(enc) == v
+
+
+def test_small_values_and_earlier_plain_values_pass_unchanged():
+    small = b'{"offsets": {"p": 3}}'
+    assert encode_value(small) is small
+    assert decode_value(small) is small
+    plain_big = _big_checkpoint()            # as written by versions before compression
+    assert decode_value(plain_big) is plain_big
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda e: e[:len(COMPRESSED) + 20], "truncated"),
+    (lambda e: COMPRESSED + b"\x00not zlib at all", "corrupt"),
+])
+def test_corrupt_compressed_values_raise_value_error(damage, match):
+    with pytest.raises(ValueError, match=match):
+        decode_value(damage(encode_value(_big_checkpoint())))
+
+
+def test_inflation_is_bounded(monkeypatch):
+    monkeypatch.setattr(cs, "MAX_INFLATED_BYTES", 1000)
+    with pytest.raises(ValueError, match="inflates beyond 1000 bytes"):
+        decode_value(COMPRESSED + zlib.compress(b"0" * 10_000))
+
+
+class _RecordingProducer:
+    def __init__(self):
+        self.sent: list[tuple[str, bytes, bytes]] = []
+
+    async def send(self, topic, key, value):
+        self.sent.append((topic, key, value))
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        return fut
+
+
+async def test_kafka_store_compresses_large_values_in_a_worker_thread(monkeypatch):
+    threads = []
+    encode = cs.encode_value
+
+    def spy(v):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return encode(v)
+
+    monkeypatch.setattr(cs, "encode_value", spy)
+    prod = _RecordingProducer()
+    store = KafkaCheckpointStore(prod, "127.0.0.1:1", "state")
+    big, small = _big_checkpoint(), b'{"offsets": {}}'
+    await store.save({"model/a": big, "partition/0": small})
+    assert [(t, k) for t, k, _ in prod.sent] == [("state", b"model/a"), ("state", b"partition/0")]
+    assert prod.sent[0][2].startswith(COMPRESSED) and decode_value(prod.sent[0][2]) == big
+    assert prod.sent[1][2] == small
+    assert threads == [False, False]          # both encoded off the event loop's thread
+    threads.clear()
+    await store.save({"partition/0": small})  # nothing large: no thread hop
+    assert threads == [] and prod.sent[-1][2] == small
+
+
+async def test_kafka_store_load_decodes_and_keeps_corrupt_values(monkeypatch, caplog):
+    big = _big_checkpoint()
+    latest = {b"model/a": encode_value(big), b"model/b": COMPRESSED + b"garbage",
+              b"partition/0": b'{"offsets": {}}', b"model/gone": None}
+
+    async def fake_read(*a, **kw):
+        return latest
+
+    monkeypatch.setattr(cs, "read_compacted_latest", fake_read)
+    out = await KafkaCheckpointStore(None, "127.0.0.1:1", "state").load_all()
+    assert out == {"model/a": big, "model/b": COMPRESSED + b"garbage",
+                   "partition/0": b'{"offsets": {}}'}
+    assert "checkpoint record model/b: corrupt compressed checkpoint" in caplog.text
+
+
+async def test_local_store_round_trip(tmp_path):
+    store = LocalCheckpointStore(tmp_path)
+    await store.save({"model/a b": b"1", "partition/0": b"2"})
+    await store.save({"model/a b": b"3"})
+    assert await store.load_all() == {"model/a b": b"3", "partition/0": b"2"}
