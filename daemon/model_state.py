@@ -64,7 +64,10 @@ from lpcal.pools import PoolLayout, PoolSet
 __all__ = ["CHECKPOINT_FORMAT", "DEFAULT_POOL", "IngestResult", "ModelState",
            "binmap_calibrator", "layout_for"]
 
-CHECKPOINT_FORMAT = "lpcal.model_state/1"
+CHECKPOINT_FORMAT = "lpcal.model_state/2"
+# /1 listed the join's recent ids as [id, state] pairs (/2: recent_ids + recent_expired); both
+# restore. Earlier versions of the daemon cannot read /2 and say so (format mismatch).
+READABLE_CHECKPOINT_FORMATS = ("lpcal.model_state/1", CHECKPOINT_FORMAT)
 DEFAULT_POOL = 5_000
 #: Sealed epochs waiting for their fit at which the daemon pauses the model's partition
 #: (backpressure). Epochs are never dropped: every sealed epoch is fitted, in order, so the
@@ -367,8 +370,9 @@ class ModelState:
         if not isinstance(d, dict):
             raise ArtifactError("checkpoint is not a JSON object")
         fmt = d.get("format")
-        if fmt != CHECKPOINT_FORMAT:
-            raise ArtifactError(f"checkpoint format {fmt!r}, expected {CHECKPOINT_FORMAT!r}")
+        if fmt not in READABLE_CHECKPOINT_FORMATS:
+            raise ArtifactError(f"checkpoint format {fmt!r}, expected one of "
+                                f"{', '.join(READABLE_CHECKPOINT_FORMATS)}")
         model = d.get("model")
         if not isinstance(model, str) or not model:
             raise ArtifactError("checkpoint: 'model' must be a non-empty string")

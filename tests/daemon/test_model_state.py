@@ -238,6 +238,22 @@ def test_prescale_temperature_is_refused():
         ModelState.create(MODEL, K, settings(prescale="temperature"), JoinSettings())
 
 
+def test_checkpoints_of_format_1_still_restore():
+    """/1 listed the join's recent ids as [id, state] pairs; a daemon upgraded over a state
+    topic written by the previous version restores it to the same state."""
+    st = new_state()
+    feed(st, parser(), traffic(2500, seed=4), fit=True)
+    d = orjson.loads(st.to_checkpoint())
+    assert d["format"] == "lpcal.model_state/2"
+    for m in d["join"]["models"].values():
+        expired = set(m.pop("recent_expired"))
+        m["recent"] = [[eid, int(i in expired)] for i, eid in enumerate(m.pop("recent_ids"))]
+        assert len(m["recent"]) > 1000
+    d["format"] = "lpcal.model_state/1"
+    old = ModelState.from_checkpoint(orjson.dumps(d))
+    assert old.to_checkpoint() == st.to_checkpoint()
+
+
 @pytest.mark.parametrize("mutate, match", [
     (lambda d: d.update(format="other/9"), "format"),
     (lambda d: d.update(model=""), "model"),
