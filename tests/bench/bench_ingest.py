@@ -248,11 +248,20 @@ def _stream(events: int) -> tuple[list[bytes], list[bytes]]:
     return preds, outs
 
 
+def _batches(events: int, size: int = 5000) -> tuple[list[tuple[int, list[bytes]]], int]:
+    """The stream cut into batches of ``size`` messages, alternating between the two topics (as
+    ``getmany`` interleaves partitions): ``([(0 predictions | 1 outcomes, values)], messages)``."""
+    preds, outs = _stream(events)
+    batches = []
+    for a in range(0, max(len(preds), len(outs)), size):
+        batches += [(kind, b) for kind, b in ((0, preds[a:a + size]), (1, outs[a:a + size])) if b]
+    return batches, len(preds) + len(outs)
+
+
 def stage_costs(events: int, rounds: int = 3) -> dict[str, float]:
     """CPU microseconds per message of each step of the ingest path, without Kafka.
 
-    The stream is cut into batches of 5000 messages, alternating between the two topics (as
-    ``getmany`` interleaves partitions); each round runs the whole path on a fresh
+    On the batches of :func:`_batches`; each round runs the whole path on a fresh
     :class:`~daemon.model_state.ModelState` with the garbage collector paused (as in
     ``Daemon._process``). Minimum over ``rounds``."""
     import gc
@@ -260,11 +269,7 @@ def stage_costs(events: int, rounds: int = 3) -> dict[str, float]:
     from daemon.events import EventParser
     from daemon.model_state import ModelState
 
-    preds, outs = _stream(events)
-    batches = []
-    for a in range(0, max(len(preds), len(outs)), 5000):
-        batches += [b for b in (preds[a:a + 5000], outs[a:a + 5000]) if b]
-    n = len(preds) + len(outs)
+    batches, n = _batches(events)
     settings = _settings("127.0.0.1:1", {"predictions": "p", "outcomes": "o", "binmaps": "b",
                                          "deadletter": "d"}, HUGE_POOL, "s", 8080)
     best: dict[str, float] = {}
@@ -279,7 +284,7 @@ def stage_costs(events: int, rounds: int = 3) -> dict[str, float]:
             parser = EventParser.from_settings(settings)
             st = None
             loads = orjson.loads
-            for vals in batches:
+            for _kind, vals in batches:
                 c0 = time.process_time()
                 for v in vals:
                     loads(v)
@@ -315,7 +320,7 @@ def stage_costs(events: int, rounds: int = 3) -> dict[str, float]:
 
 
 def floor_cost(events: int, rounds: int = 3) -> float:
-    """CPU microseconds per message of a *floor*: the least any exact Python ingest path does.
+    """CPU microseconds per message of a *floor*: the core of the ingest path's work, alone.
 
     On the same batches as :func:`stage_costs`: ``orjson.loads`` of every value, the fields
     taken out of the dicts (``id``; ``probs`` into one matrix per batch, or ``label``), one
@@ -329,11 +334,7 @@ def floor_cost(events: int, rounds: int = 3) -> float:
 
     import numpy as np
 
-    preds, outs = _stream(events)
-    batches = []
-    for a in range(0, max(len(preds), len(outs)), 5000):
-        batches += [(kind, b) for kind, b in ((0, preds[a:a + 5000]), (1, outs[a:a + 5000])) if b]
-    n = len(preds) + len(outs)
+    batches, n = _batches(events)
     get, loads = dict.get, orjson.loads
     best = math.inf
     was = gc.isenabled()
