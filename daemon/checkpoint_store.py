@@ -18,7 +18,7 @@ bounds, and the producer's gzip (level 9) runs on the event loop (gzip of a 5.6 
 took 134 ms even at level 6), blocking consumption. zlib releases the GIL, so the loop keeps
 polling meanwhile (level 1: 41 ms for 3.5 MB, to 44 %).
 :func:`decode_value` reads both forms (values without the prefix pass unchanged: checkpoints
-of earlier versions, manifests, the local backend's files).
+of earlier versions, manifests). The local backend writes values as they are.
 """
 
 from __future__ import annotations
