@@ -51,12 +51,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, repeat
-from operator import is_not
 from typing import Any
 
 import numpy as np
 import orjson
+
+from daemon.columns import all_bytes_within, columns
 
 __all__ = [
     "BAD_ENCODING",
@@ -438,83 +438,55 @@ class EventParser:
     def _parse_uniform(self, raws: Sequence[bytes]) -> ParsedBatch | None:
         """Fast path of :meth:`parse_batch` for a batch of well-formed events of known models.
 
-        Each check of the per-message loop is done over the whole batch with C-level passes
-        (``map`` over builtins) instead of Python bytecode per message: every value is bytes
-        within ``max_bytes`` and a JSON object with string ``model`` (with a policy and a known
-        ``k``; admitted, or admissible under ``max_models``) and ``id``, a numeric ``ts``, no
-        ``logits``, a list ``probs`` of ``k`` ints/floats and/or an integer ``label`` in
-        ``[0, k)``. The vectors of a model become one matrix in one ``np.array`` call, whose
-        dtype proves the entries numeric (see :func:`_numeric_matrix`); their values are then
-        validated exactly as in the general path (:func:`_validate_rows`). Returns None, with
-        no state changed, when any condition fails; the caller then runs the general
-        per-message loop, which produces the same result for the batches accepted here
-        (models not admitted yet are admitted in order of first appearance, as it would)."""
+        The per-message checks of the general loop are done over the whole batch: every value
+        is bytes within ``max_bytes``; :func:`daemon.columns.columns` (a C kernel, or C-level
+        ``map`` passes) takes out the fields if every event has the common shape; every model
+        has a policy and a known ``k`` (admitted, or admissible under ``max_models``), every
+        label is below its model's ``k`` and every vector has ``k`` numeric entries. The
+        vectors of a model become one matrix, validated exactly as in the general path
+        (:func:`_validate_rows`). Returns None, with no state changed, when any condition
+        fails; the caller then runs the general per-message loop, which produces the same
+        result for the batches accepted here (models not admitted yet are admitted in order of
+        first appearance, as it would)."""
         n = len(raws)
         if n == 0:
             return None
-        try:
-            if set(map(type, raws)) != {bytes} or max(map(len, raws)) > self.max_bytes:
-                return None
-            ds = list(map(orjson.loads, raws))
-            if set(map(type, ds)) != {dict}:
-                return None
-            get = dict.get
-            models = list(map(get, ds, repeat("model")))
-            first = models[0]
-            umodels = [first] if models.count(first) == n else list(dict.fromkeys(models))
-            ks, pols = [], []
-            uncached, new_models = [], []  # committed only once the batch is accepted
-            for model in umodels:
-                if type(model) is not str or not 0 < len(model) <= self.max_model_len:
-                    return None
-                if model in self._policies:
-                    pol = self._policies[model]
-                else:
-                    pol = self._policy_for(model)
-                    uncached.append((model, pol))
-                if pol is None:
-                    return None
-                k = self.k.get(model)
-                if k is None and pol.k is not None:
-                    k = int(pol.k)
-                if k is None:
-                    return None
-                if model not in self.admitted:
-                    new_models.append(model)
-                ks.append(k)
-                pols.append(pol)
-            if (new_models and self.max_models is not None
-                    and len(self.admitted) + len(new_models) > self.max_models):
-                return None
-            ids = list(map(get, ds, repeat("id")))
-            if set(map(type, ids)) != {str}:
-                return None
-            if min(map(len, ids)) < 1 or max(map(len, ids)) > self.max_id_len:
-                return None
-            tss = list(map(get, ds, repeat("ts")))
-            if not set(map(type, tss)) <= {float, int}:
-                return None
-            if list(map(get, ds, repeat("logits"))).count(None) != n:
-                return None
-            vecs = list(map(get, ds, repeat("probs")))
-            labs = list(map(get, ds, repeat("label")))
-            hv = _present(vecs)
-            hl = _present(labs)
-            if not (hv | hl).all():
-                return None
-            vi = np.flatnonzero(hv)
-            li = np.flatnonzero(hl)
-            vlist = vecs if vi.size == n else [vecs[i] for i in vi.tolist()]
-            llist = labs if li.size == n else [labs[i] for i in li.tolist()]
-            if vlist and set(map(type, vlist)) != {list}:
-                return None
-            if llist and set(map(type, llist)) != {int}:
-                return None
-            labels = np.full(n, -1, dtype=np.int64)
-            labels[li] = llist
-            ts = np.array(tss, dtype=np.float64)
-        except (TypeError, ValueError, OverflowError):
+        if not all_bytes_within(raws, self.max_bytes):
             return None
+        try:
+            ds = list(map(orjson.loads, raws))
+        except orjson.JSONDecodeError:
+            return None
+        cols = columns(ds, self.max_model_len, self.max_id_len)
+        if cols is None:
+            return None
+        models = cols.models
+        first = models[0]
+        umodels = [first] if models.count(first) == n else list(dict.fromkeys(models))
+        ks, pols = [], []
+        uncached, new_models = [], []  # committed only once the batch is accepted
+        for model in umodels:
+            if model in self._policies:
+                pol = self._policies[model]
+            else:
+                pol = self._policy_for(model)
+                uncached.append((model, pol))
+            if pol is None:
+                return None
+            k = self.k.get(model)
+            if k is None and pol.k is not None:
+                k = int(pol.k)
+            if k is None:
+                return None
+            if model not in self.admitted:
+                new_models.append(model)
+            ks.append(k)
+            pols.append(pol)
+        if (new_models and self.max_models is not None
+                and len(self.admitted) + len(new_models) > self.max_models):
+            return None
+        hv, labels, ids = cols.has_vec, cols.labels, cols.ids
+        hl = labels >= 0
         kind = np.where(hv, np.where(hl, KIND_SAMPLE, KIND_PREDICTION), KIND_OUTCOME
                         ).astype(np.int8)
         if len(umodels) == 1:
@@ -524,31 +496,26 @@ class EventParser:
             code_of = {m: c for c, m in enumerate(umodels)}
             codes = np.fromiter(map(code_of.__getitem__, models), dtype=np.int64, count=n)
             kv = np.asarray(ks, dtype=np.int64)[codes]
-        if li.size and not ((labels[li] >= 0).all() and
-                            (labels[li] < (kv if codes is None else kv[li])).all()):
+        if not (labels < kv).all():  # absent labels are -1
             return None
         # per model: its rows and the matrix of its vectors (None: not all numeric/length k)
         parts = []
         for c, model in enumerate(umodels):
-            if codes is None:
-                sel = np.arange(n)
-                m_ids, m_vecs = ids, vlist
-            else:
-                sel = np.flatnonzero(codes == c)
-                sl = sel.tolist()
-                m_ids = [ids[i] for i in sl]
-                m_vecs = [vecs[i] for i in sl if vecs[i] is not None]
-            mat = _numeric_matrix(m_vecs, ks[c]) if m_vecs else None
-            if m_vecs and mat is None:
+            sel = np.arange(n) if codes is None else np.flatnonzero(codes == c)
+            m_ids = ids if codes is None else [ids[i] for i in sel.tolist()]
+            vrows = sel[hv[sel]]
+            mat = cols.matrix(vrows, ks[c]) if vrows.size else None
+            if vrows.size and mat is None:
                 return None
-            parts.append((model, sel, m_ids, m_vecs, mat))
+            parts.append((model, sel, m_ids, mat))
         for model, pol in uncached:  # as self._policy(model) would have
             self._cache_policy(model, pol)
         self.admitted.update(new_models)
         out = ParsedBatch(n)
-        for c, (model, sel, m_ids, m_vecs, mat) in enumerate(parts):
+        ts = cols.ts
+        for c, (model, sel, m_ids, mat) in enumerate(parts):
             mb = self._finish_columns(model, pols[c], ks[c], kind[sel], m_ids,
-                                      ts[sel], labels[sel], sel, m_vecs,
+                                      ts[sel], labels[sel], sel, None,
                                       np.flatnonzero(hv[sel]), None, (), out.invalid, mat)
             if mb is not None:
                 out.by_model[model] = mb
@@ -587,12 +554,13 @@ class EventParser:
     @staticmethod
     def _finish_columns(model: str, policy: ModelPolicy, k: int, kind: np.ndarray,
                         ids: list[str], ts: np.ndarray, labels: np.ndarray, index: np.ndarray,
-                        vecs: list[list], vidx: np.ndarray | None, logit: np.ndarray | None,
+                        vecs: list[list] | None, vidx: np.ndarray | None,
+                        logit: np.ndarray | None,
                         strict: Sequence[bool], invalid: list,
                         matrix: np.ndarray | None = None) -> ModelBatch | None:
         """Validate one model's columns (``vecs[r]`` is the vector of row ``vidx[r]``; ``k = 0``:
         no vector yet) and build its :class:`ModelBatch`; rejected rows go to ``invalid``.
-        ``matrix``: ``vecs`` already stacked by :func:`_numeric_matrix` (all rows numeric)."""
+        ``matrix``: the vectors already stacked as float64 rows, all numeric (``vecs`` unused)."""
         m = len(ids)
         keep = np.ones(m, dtype=bool)
         index_l = index.tolist()
@@ -606,13 +574,14 @@ class EventParser:
                 invalid.append((index_l[j], Invalid(
                     LABEL_OUT_OF_RANGE, f"label {int(labels[j])} outside [0, {k})", model)))
             probs = np.zeros((m, k), dtype=np.float64)
-            if vecs:
+            nvec = len(matrix) if matrix is not None else len(vecs or ())
+            if nvec:
                 if matrix is not None:
-                    rows, ok = matrix, np.ones(len(vecs), dtype=bool)
+                    rows, ok = matrix, np.ones(nvec, dtype=bool)
                 else:
                     rows, ok = _to_matrix(vecs, strict, k)
                 if logit is None:
-                    logit = np.zeros(len(vecs), dtype=bool)
+                    logit = np.zeros(nvec, dtype=bool)
                 for r in np.flatnonzero(~ok).tolist():
                     keep[vidx[r]] = False
                     invalid.append((index_l[vidx[r]], Invalid(
@@ -639,17 +608,6 @@ class EventParser:
                 probs[good]
             ids = [ids[j] for j in good.tolist()]
         return ModelBatch(model, k, kind, ids, ts, probs, labels, index)
-
-
-def _present(values: list) -> np.ndarray:
-    """``values[i] is not None`` as a bool array (cheap for all-None / no-None lists)."""
-    n = len(values)
-    missing = values.count(None)
-    if missing == 0:
-        return np.ones(n, dtype=bool)
-    if missing == n:
-        return np.zeros(n, dtype=bool)
-    return np.fromiter(map(is_not, values, repeat(None)), dtype=bool, count=n)
 
 
 def _json_error(raw: bytes, e: Exception) -> Invalid:
@@ -683,28 +641,6 @@ def _to_matrix(vecs: list[list], strict: Sequence[bool], k: int) -> tuple[np.nda
                 pass
         ok[r] = False
     return rows, ok
-
-
-def _numeric_matrix(vecs: list[list], k: int) -> np.ndarray | None:
-    """``vecs`` (lists) as a float64 ``(len(vecs), k)`` matrix if every entry is an int or a
-    float, else None. Equals :func:`_to_matrix`'s rows when all its ``ok`` are True.
-
-    One ``np.array`` call both converts and type-checks: its dtype is numeric only if every
-    entry is a number (strings, None, lists or dicts give another dtype or a ValueError),
-    except that bools silently become 0/1. So only the rows holding a 0 or a 1 get the exact
-    per-entry type check (none, for typical probability vectors)."""
-    try:
-        a = np.array(vecs)
-    except (ValueError, TypeError, OverflowError):
-        return None
-    if a.dtype.kind not in "fiu" or a.shape != (len(vecs), k):
-        return None
-    maybe_bool = np.flatnonzero(((a == 0) | (a == 1)).any(axis=1))
-    if maybe_bool.size:
-        rows = vecs if maybe_bool.size == len(vecs) else [vecs[r] for r in maybe_bool.tolist()]
-        if not set(map(type, chain.from_iterable(rows))) <= {float, int}:
-            return None
-    return a.astype(np.float64, copy=False)
 
 
 def _validate_rows(rows: np.ndarray, logit: np.ndarray, ok: np.ndarray, pol: ModelPolicy

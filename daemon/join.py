@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from daemon.native import SPEEDUPS
 from lpcal.errors import InputError
 
 __all__ = ["KIND_OUTCOME", "KIND_PREDICTION", "KIND_SAMPLE", "JoinResult", "JoinStore"]
@@ -203,6 +204,8 @@ class JoinStore:
             raise InputError(f"offer: probs must have shape ({n}, k), got {probs.shape}")
         if now is not None and now > self.clock:
             self.clock = float(now)
+        if SPEEDUPS is not None:
+            return self._offer_native(m, kind_l, ids, ts_l, probs, lab_l, now is None)
         fast = self._offer_uniform(m, kind, kind_l, ids, ts_l, probs, lab_l, now is None)
         if fast is not None:
             return fast
@@ -296,30 +299,65 @@ class JoinStore:
                 self._remember(m, old_id, _EXPIRED)
         self.clock = clock
         self.wm = [wm0, wm1]
-        # joined rows: one gather from this batch, one per pending block
-        if p_src:
-            k = p_src[0][0].shape[1]
+        live = [(e, i) for e, i in new_pending if pend.get(ids[i]) is e]
+        groups: dict[int, tuple[np.ndarray, list[int], list[int]]] = {}
+        for j, (blk, r) in zip(p_out, p_src):
+            g = groups.get(id(blk))
+            if g is None:
+                g = groups[id(blk)] = (blk, [], [])
+            g[1].append(j)
+            g[2].append(r)
+        return self._finish_offer(m, probs, out_ids, out_ts, out_lab, b_out, b_idx,
+                                  list(groups.values()), [e for e, _ in live],
+                                  [i for _, i in live], ev, um)
+
+    def _offer_native(self, m: _ModelJoin, kind_l: list, ids: Sequence[str], ts_l: list,
+                      probs: np.ndarray | None, lab_l: list, event_time: bool) -> JoinResult:
+        """:meth:`offer` with its event loop in C (``daemon._speedups.offer_loop``, a line-by-line
+        port of the Python loop above, on the same state objects; see :mod:`daemon.native`)."""
+        (clock, wm0, wm1, counts, out_ids, out_ts, out_lab, b_out, b_idx, p_groups, live_e,
+         live_r) = SPEEDUPS.offer_loop(
+            m.pending, m.recent, m.recent_order, self.max_recent, self.max_pending, self.ttl,
+            event_time, self.clock, self.wm[0], self.wm[1], kind_l,
+            ids if type(ids) is list else list(ids), ts_l, lab_l, _JOINED, _EXPIRED)
+        self.clock = clock
+        self.wm = [wm0, wm1]
+        ev = dict(zip(EVICTION_REASONS, counts[:2]))
+        um = dict(zip(UNMATCHED_KINDS, counts[2:]))
+        i64 = np.int64
+        return self._finish_offer(
+            m, probs, out_ids, np.frombuffer(out_ts, dtype=np.float64),
+            np.frombuffer(out_lab, dtype=i64), np.frombuffer(b_out, dtype=i64),
+            np.frombuffer(b_idx, dtype=i64),
+            [(blk, np.frombuffer(js, dtype=i64), np.frombuffer(rs, dtype=i64))
+             for blk, js, rs in p_groups],
+            live_e, np.frombuffer(live_r, dtype=i64), ev, um)
+
+    def _finish_offer(self, m: _ModelJoin, probs: np.ndarray | None, out_ids: list[str],
+                      out_ts: Sequence[float], out_lab: Sequence[int], b_out: Sequence[int],
+                      b_idx: Sequence[int], p_groups: Sequence[Sequence[Any]],
+                      live_e: list[list], live_r: Sequence[int], ev: dict, um: dict
+                      ) -> JoinResult:
+        """After the event loop: gather the joined rows (``out[b_out] = probs[b_idx]`` from this
+        batch, ``out[js] = block[rs]`` for each ``(block, js, rs)`` of ``p_groups`` from earlier
+        batches) and copy the rows ``live_r`` of the predictions still pending (entries
+        ``live_e``) into one compact block. Index sequences: lists or int64 arrays."""
+        if p_groups:
+            k = p_groups[0][0].shape[1]
         else:
             k = probs.shape[1] if probs is not None else 0
         rows = np.empty((len(out_ids), k), dtype=np.float64)
-        if b_out:
+        if len(b_out):
             rows[b_out] = probs[b_idx]
-        if p_out:
-            groups: dict[int, tuple[np.ndarray, list[int], list[int]]] = {}
-            for j, (blk, r) in zip(p_out, p_src):
-                g = groups.get(id(blk))
-                if g is None:
-                    g = groups[id(blk)] = (blk, [], [])
-                g[1].append(j)
-                g[2].append(r)
-            for blk, js, rs in groups.values():
-                rows[js] = blk[rs]
-        # predictions of this batch still pending: copy their rows into one compact block
-        live = [(e, i) for e, i in new_pending if pend.get(ids[i]) is e]
-        if live:
-            block = probs[[i for _, i in live]]  # fancy indexing copies
-            for r, (e, _) in enumerate(live):
-                e[3] = (block, r)
+        for blk, js, rs in p_groups:
+            rows[js] = blk[rs]
+        if live_e:
+            block = probs[live_r]  # fancy indexing copies
+            if SPEEDUPS is not None:
+                SPEEDUPS.attach_rows(live_e, block)
+            else:
+                for r, e in enumerate(live_e):
+                    e[3] = (block, r)
         m.joined += len(out_ids)
         _acc(m, ev, um)
         return JoinResult(out_ids, np.asarray(out_ts, dtype=np.float64), rows,

@@ -10,7 +10,8 @@ counts), counters end in ``_total``, and every label has a bounded value set:
   needs O(log |B|) pools (one per merge level of the groups in M), so the set is bounded.
 * ``model`` is bounded by the daemon, which only admits configured models (or at most
   ``max_models`` of them); :class:`DaemonMetrics` enforces the same cap as a guard.
-* ``version`` on ``lpcal_build_info`` has one value per process.
+* ``version`` and ``ingest_path`` (``c`` | ``python``, see :mod:`daemon.native`) on
+  ``lpcal_build_info`` have one value per process.
 
 Quality gauges (labels ``{model, predictor}``, predictor = raw | calibrated):
 ``lpcal_calibration_error`` is the windowed estimate of the lp calibration error
@@ -46,6 +47,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from daemon import native
 from daemon.events import REASONS as EVENT_REASONS
 from lpcal.errors import InputError
 
@@ -213,7 +215,9 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
     "lpcal_ready": (
         "gauge", (), "1 when the daemon is ready (consuming and state restored), else 0."),
     "lpcal_build_info": (
-        "gauge", ("version",), "Always 1; the version label carries the daemon version."),
+        "gauge", ("version", "ingest_path"),
+        ("Always 1; the labels carry the daemon version and whether its ingest path runs the C "
+         "accelerator (c) or pure Python (python).")),
 }
 
 #: Every metric the daemon exports, as written in PromQL.
@@ -339,7 +343,8 @@ class DaemonMetrics:
         self.ready = make("lpcal_ready")
         self.build_info = make("lpcal_build_info")
 
-        self.build_info.labels(version=version or _default_version()).set(1)
+        self.build_info.labels(version=version or _default_version(),
+                               ingest_path=native.describe()).set(1)
         self.ready.set(0)
         # Pre-create the enum-labelled children so rate()/increase() see a 0 before the first
         # event (otherwise the first increment is invisible to rate()).

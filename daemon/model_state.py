@@ -56,6 +56,7 @@ import orjson
 
 from daemon.join import JoinResult, JoinStore
 from daemon.monitor import WindowMonitor, WindowStats
+from daemon.native import route_uniform_fast
 from daemon.trigger import DriftTrigger, Firing, Triggers
 from lpcal.errors import ArtifactError, InputError
 from lpcal.levels import beta_for, lambda_for
@@ -212,7 +213,7 @@ class ModelState:
             probs, labels = probs[keep], labels[keep]
             ts = None if ts is None else np.asarray(ts)[keep]
         if labels.size:
-            route = self.filling.layout.route(ids)
+            route = self.filling.layout.route_uniforms(route_uniform_fast(ids))
             if self.filling.full:  # e.g. after a layout change
                 self.seal()
                 res.sealed += 1

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from lpcal.errors import InputError
-from lpcal.levels import bin_counts_hashed, group_rows
+from lpcal.levels import bin_hashes, group_hashed
 from lpcal.metrics import lp_norm as _lp_norm
 
 __all__ = ["PREDICTORS", "CellSums", "WindowMonitor", "WindowStats", "cell_bounds"]
@@ -98,8 +98,7 @@ def _cell_stats(x: np.ndarray, y: np.ndarray, lam: int):
     as ``sum x_ij^2 - sum_{y_i = j} (2 x_ij - 1)``. Same statistics as
     :func:`lpcal.metrics.batch_stats` (up to float rounding), with ``np.bincount`` over the
     flattened (bin, class) cells instead of the much slower unbuffered ``ufunc.at``."""
-    c, h = bin_counts_hashed(x, lam)
-    uh, _, inv = group_rows(c, h)
+    uh, _, inv = group_hashed(*bin_hashes(x, lam))
     n, k = x.shape
     g = uh.size
     inv = inv.astype(np.int64, copy=False)

@@ -511,7 +511,11 @@ class PoolLayout:
 
     def route(self, ids: Iterable[str | bytes]) -> np.ndarray:
         """Pool index of each event id, with probability proportional to the target sizes."""
-        u = route_uniform(ids)
+        return self.route_uniforms(route_uniform(ids))
+
+    def route_uniforms(self, u: np.ndarray) -> np.ndarray:
+        """Pool index of each uniform ``u`` in [0, 1) (``route(ids)`` is
+        ``route_uniforms(route_uniform(ids))``; for callers that hash ids their own way)."""
         return np.minimum(np.searchsorted(self.cumulative_weights(), u, side="right"),
                           len(self.names) - 1)
 

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon import metrics as m
+from daemon import native
 from daemon.metrics import DaemonMetrics
 from lpcal.errors import InputError
 
@@ -71,7 +72,7 @@ EXPECTED = {
     "lpcal_last_poll_timestamp_seconds": ("gauge", ()),
     "lpcal_checkpoints_total": ("counter", ("outcome",)),
     "lpcal_ready": ("gauge", ()),
-    "lpcal_build_info": ("gauge", ("version",)),
+    "lpcal_build_info": ("gauge", ("version", "ingest_path")),
 }
 
 
@@ -195,7 +196,7 @@ def test_helpers_set_the_right_samples(dm: DaemonMetrics, registry):
     assert g("lpcal_checkpoints_total", outcome="ok") == 1
     assert g("lpcal_checkpoints_total", outcome="error") == 0
     assert g("lpcal_ready") == 1
-    assert g("lpcal_build_info", version="1.2.3") == 1
+    assert g("lpcal_build_info", version="1.2.3", ingest_path=native.describe()) == 1
     dm.set_ready(False)
     assert g("lpcal_ready") == 0
 

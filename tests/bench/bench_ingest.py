@@ -268,6 +268,7 @@ def stage_costs(events: int, rounds: int = 3) -> dict[str, float]:
 
     from daemon.events import EventParser
     from daemon.model_state import ModelState
+    from daemon.native import route_uniform_fast
 
     batches, n = _batches(events)
     settings = _settings("127.0.0.1:1", {"predictions": "p", "outcomes": "o", "binmaps": "b",
@@ -302,7 +303,7 @@ def stage_costs(events: int, rounds: int = 3) -> dict[str, float]:
                     c1 = time.process_time()
                     t["join"] += c1 - c0
                     if len(jr):
-                        route = st.filling.layout.route(jr.ids)
+                        route = st.filling.layout.route_uniforms(route_uniform_fast(jr.ids))
                         c2 = time.process_time()
                         st.filling.add(route, jr.probs, jr.labels)
                         c3 = time.process_time()

@@ -82,6 +82,19 @@ def test_builder_builds_a_wheel_and_runtime_installs_it(parsed):
         assert any(needed in a for a in copied), needed
 
 
+def test_builder_compiles_the_c_accelerator(parsed):
+    """The project wheel carries daemon._speedups: the builder has a C compiler and fails the
+    build if the wheel came out pure Python; the runtime stage installs no compiler."""
+    _, st = parsed
+    builder, runtime = st[0][1], st[-1][1]
+    runs = [a for op, a in builder if op == "RUN"]
+    assert any("apt-get install" in a and "gcc" in a for a in runs)
+    assert any("cp311" in a and "sys.exit" in a for a in runs)
+    assert not any("gcc" in a for op, a in runtime if op == "RUN")
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text()
+    assert "**/*.so" in ignore  # a locally built module never enters the image
+
+
 def test_runtime_is_non_root_and_read_only_friendly(parsed):
     _, st = parsed
     runtime = st[-1][1]

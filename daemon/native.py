@@ -1,0 +1,52 @@
+"""The optional C accelerator of the ingest path, and the switch that turns it off.
+
+``daemon/_speedups.c`` holds native versions of the three per-event loops of ingestion:
+extracting the fields of parsed events (:meth:`daemon.events.EventParser.parse_batch`), the join
+loop (:meth:`daemon.join.JoinStore.offer`) and the blake2b pool routing
+(:func:`lpcal.pools.route_uniform`). Each one computes exactly what its pure-Python reference
+computes; ``tests/daemon/test_native.py`` checks that on random and adversarial input.
+
+The extension is built by ``pip install`` when a C compiler and the Python headers are present,
+and skipped with a warning otherwise (``optional = true`` in pyproject.toml). ``SPEEDUPS`` is the
+loaded module, or None: then, or with ``LPCAL_NATIVE=0`` in the environment, the daemon runs
+the pure-Python path, with the same results at about half the ingest throughput (README,
+benchmark 5). ``lpcal_native_info`` on ``/metrics`` says which path a process runs.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import numpy as np
+
+from lpcal.pools import route_uniform
+
+__all__ = ["SPEEDUPS", "describe", "route_uniform_fast"]
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("LPCAL_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        from daemon import _speedups
+    except ImportError:
+        return None
+    return _speedups
+
+
+SPEEDUPS: ModuleType | None = _load()
+
+
+def describe() -> str:
+    """``"c"`` when the accelerator runs in this process, else ``"python"``."""
+    return "python" if SPEEDUPS is None else "c"
+
+
+def route_uniform_fast(ids: list[str]) -> np.ndarray:
+    """:func:`lpcal.pools.route_uniform` of str ids: the same values, hashed in C if it can."""
+    if SPEEDUPS is not None and type(ids) is list:
+        digests = SPEEDUPS.route_u64(ids)
+        if digests is not None:
+            return np.frombuffer(digests, dtype=np.uint64).astype(np.float64) / 2.0**64
+    return route_uniform(ids)

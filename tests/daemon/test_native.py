@@ -1,0 +1,294 @@
+"""daemon._speedups (the optional C accelerator) against its pure-Python references.
+
+Every native kernel must compute exactly what the Python code computes, so that a process
+with the accelerator and one without (``LPCAL_NATIVE=0``, or no compiler at install) fill the
+same pools from the same input. Each test runs both paths on the same random or adversarial
+input and compares everything observable: results, counters and snapshots.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import daemon.columns
+import daemon.join
+import daemon.native
+from daemon.columns import columns, columns_python
+from daemon.events import EventParser, ModelPolicy
+from daemon.join import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE, JoinStore
+from daemon.native import route_uniform_fast
+from lpcal.pools import route_uniform
+
+NATIVE = daemon.native.SPEEDUPS
+needs_native = pytest.mark.skipif(NATIVE is None, reason="daemon._speedups is not built here")
+
+
+@contextmanager
+def pure_python():
+    """Within the block, every user of the accelerator runs its pure-Python reference."""
+    mods = (daemon.columns, daemon.join, daemon.native)
+    saved = [m.SPEEDUPS for m in mods]
+    for m in mods:
+        m.SPEEDUPS = None
+    try:
+        yield
+    finally:
+        for m, v in zip(mods, saved):
+            m.SPEEDUPS = v
+
+
+def test_accelerator_is_built_where_it_can_be():
+    """With a C compiler and the Python headers, ``pip install`` must have built the module
+    (a silent fallback would halve ingest throughput). LPCAL_NATIVE=0 switches it off."""
+    if os.environ.get("LPCAL_NATIVE", "1") == "0":
+        assert NATIVE is None and daemon.native.describe() == "python"
+        return
+    headers = Path(sysconfig.get_paths()["include"], "Python.h").exists()
+    if not (shutil.which("cc") or shutil.which("gcc")) or not headers:
+        pytest.skip("no C compiler or Python headers: the pure-Python path is expected")
+    assert NATIVE is not None, "daemon._speedups was not built; see the pip install output"
+    assert daemon.native.describe() == "c"
+
+
+# ------------------------------------------------------------------------------ routing
+ids_strategy = st.lists(st.text(min_size=0, max_size=300), max_size=40)
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(ids_strategy)
+def test_route_hash_equals_hashlib_blake2b(ids):
+    """Any str (empty, non-ASCII, longer than one 128-byte block) hashes as hashlib does."""
+    try:
+        ref = route_uniform(ids)
+    except UnicodeEncodeError:  # lone surrogates: the C path must fall back, not guess
+        assert NATIVE.route_u64(ids) is None
+        return
+    digests = np.frombuffer(NATIVE.route_u64(ids), dtype=np.uint64)
+    want = [int.from_bytes(hashlib.blake2b(i.encode(), digest_size=8).digest(), "big")
+            for i in ids]
+    assert digests.tolist() == want
+    assert np.array_equal(route_uniform_fast(ids), ref)
+
+
+@needs_native
+def test_route_block_boundaries():
+    ids = ["x" * n for n in (0, 1, 127, 128, 129, 255, 256, 257, 1000)]
+    assert np.array_equal(route_uniform_fast(ids), route_uniform(ids))
+
+
+# ------------------------------------------------------------------------------ columns
+scalar = st.one_of(st.none(), st.booleans(), st.integers(-3, 12), st.integers(2**53 - 2, 2**64 + 5),
+                   st.floats(allow_nan=False), st.text(max_size=3), st.just([]), st.just({}))
+number = st.one_of(st.floats(0, 1), st.integers(0, 3), st.sampled_from([True, 0, 1, 2**53, 2**53 + 1,
+                                                                        -(2**60), 1e300]))
+vector = st.one_of(st.lists(number, min_size=0, max_size=4), scalar)
+
+
+@st.composite
+def event(draw):
+    d = {}
+    for key, strat in (("model", st.one_of(st.sampled_from(["m", "n", "", "x" * 300]), scalar)),
+                       ("id", st.one_of(st.text(min_size=0, max_size=4), scalar)),
+                       ("ts", st.one_of(st.floats(0, 2e9), st.integers(0, 2**70), scalar)),
+                       ("probs", vector), ("label", st.one_of(st.integers(-2, 4), scalar)),
+                       ("logits", st.one_of(st.none(), vector))):
+        if draw(st.booleans()) or key in ("model", "id", "ts"):
+            d[key] = draw(strat)
+    return d
+
+
+def well_formed(rng: np.random.Generator, n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        d = {"model": ["m", "n"][i % 2], "id": f"e{i}", "ts": float(i) if i % 3 else i}
+        if i % 4 != 1:
+            d["probs"] = rng.dirichlet(np.ones(3)).tolist() if i % 2 == 0 else [0, 1, 0.0]
+        if i % 4 != 0:
+            d["label"] = int(rng.integers(0, 3))
+        out.append(d)
+    return out
+
+
+def rejected(cols, k_values) -> bool:
+    """Whether the parser's fast path gives up on these columns for every k: ``columns`` says
+    None, or (the Python reference checks vector entries only there) no matrix can be built."""
+    if cols is None:
+        return True
+    rows = np.flatnonzero(cols.has_vec)
+    return rows.size > 0 and all(cols.matrix(rows, k) is None for k in k_values)
+
+
+def assert_same_columns(ds: list, k_values=(0, 1, 2, 3, 4)):
+    a = columns(ds, 255, 256)           # native (when built)
+    b = columns_python(ds, 255, 256)
+    assert rejected(a, k_values) == rejected(b, k_values), (ds, a, b)
+    if rejected(a, k_values):
+        return
+    assert a.models == b.models and a.ids == b.ids
+    assert np.array_equal(a.ts, b.ts) and a.ts.dtype == b.ts.dtype
+    assert np.array_equal(a.labels, b.labels) and np.array_equal(a.has_vec, b.has_vec)
+    rows = np.flatnonzero(a.has_vec)
+    for k in k_values:
+        ma, mb = a.matrix(rows, k), b.matrix(rows, k)
+        assert (ma is None) == (mb is None), (ds, k)
+        if ma is not None:
+            assert ma.dtype == mb.dtype == np.float64 and np.array_equal(ma, mb)
+    for part in (rows[::2], rows[1::2]):
+        for k in k_values:
+            ma, mb = a.matrix(part, k), b.matrix(part, k)
+            assert (ma is None) == (mb is None)
+            if ma is not None:
+                assert np.array_equal(ma, mb)
+
+
+@needs_native
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(event(), min_size=1, max_size=6))
+def test_columns_native_equals_python_on_arbitrary_events(ds):
+    assert_same_columns(ds)
+
+
+@needs_native
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 60), st.integers(0, 2**32 - 1))
+def test_columns_native_equals_python_on_well_formed_batches(n, seed):
+    ds = well_formed(np.random.default_rng(seed), n)
+    assert columns(ds, 255, 256) is not None
+    assert_same_columns(ds)
+
+
+@needs_native
+def test_columns_rejections_match():
+    good = {"model": "m", "id": "a", "ts": 1.0, "probs": [0.5, 0.5]}
+    for bad in ({**good, "label": -1}, {**good, "label": True}, {**good, "ts": True},
+                {**good, "probs": [0.5, True]}, {**good, "probs": [2**53 + 1, 0]},
+                {**good, "logits": [1, 2]}, {"model": "m", "id": "a", "ts": 1.0},
+                {**good, "id": ""}, {**good, "model": "m" * 256}, {**good, "ts": 10**400},
+                {**good, "label": 2**63}):
+        assert columns([good, bad], 255, 256) is None
+        assert rejected(columns_python([good, bad], 255, 256), range(5)), bad
+    assert columns([good, {**good, "logits": None, "label": None, "id": "b"}], 255, 256)
+
+
+@needs_native
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.one_of(st.builds(lambda d: json.dumps(d).encode(), event()),
+                          st.binary(max_size=8)), min_size=1, max_size=8),
+       st.booleans())
+def test_parse_batch_native_equals_python(raws, policy_k):
+    """The whole parser: same records, invalid reasons and learned k either way."""
+    def parse():
+        p = EventParser(lambda m: ModelPolicy(k=3 if policy_k else None), max_bytes=200)
+        return repr(p.parse_batch(raws, [5.0] * len(raws)).records()), dict(p.k)
+    with_native = parse()
+    with pure_python():
+        assert parse() == with_native
+
+
+# ------------------------------------------------------------------------------ join
+@st.composite
+def join_script(draw):
+    """Batches of events over a small id space: duplicates, late and orphan events, samples,
+    in-batch joins, TTL expiry and capacity evictions all happen."""
+    batches = []
+    t = 0.0
+    for _ in range(draw(st.integers(1, 6))):
+        evs = []
+        for _ in range(draw(st.integers(0, 12))):
+            t += draw(st.sampled_from([0.0, 0.5, 3.0, -2.0]))
+            kind = draw(st.sampled_from([KIND_PREDICTION, KIND_OUTCOME, KIND_SAMPLE]))
+            evs.append((kind, f"e{draw(st.integers(0, 15))}", t, draw(st.integers(0, 2))))
+        now = draw(st.one_of(st.none(), st.floats(0, 40)))
+        batches.append((evs, now))
+    return (draw(st.integers(1, 6)), draw(st.sampled_from([1.0, 4.0, 100.0])),
+            draw(st.integers(0, 8)), batches)
+
+
+def run_script(script, models=("m", "w")):
+    cap, ttl, recent, batches = script
+    store = JoinStore(cap, ttl, recent_per_model=recent)
+    results = []
+    for b, (evs, now) in enumerate(batches):
+        model = models[b % len(models)]
+        kind = np.array([e[0] for e in evs], dtype=np.int8)
+        ids = [e[1] for e in evs]
+        ts = np.array([e[2] for e in evs], dtype=np.float64)
+        labels = np.array([e[3] if e[0] != KIND_PREDICTION else -1 for e in evs],
+                          dtype=np.int64)
+        probs = np.array([[int(e[1].lstrip("eid")) + 1.0, float(b), 1.0] for e in evs]
+                         ).reshape(len(evs), 3)
+        r = store.offer(model, kind, ids, ts, probs, labels, now)
+        results.append((r.ids, r.ts.tolist(), r.probs.tolist(), r.labels.tolist(), r.evicted,
+                        r.unmatched))
+        if b % 2:
+            results.append(store.advance(now if now is not None else ts.max(initial=0.0))
+                           .evicted)
+    stats = {m: store.stats(m) for m in store.models()}
+    return results, stats, store.to_dict(), store.clock, list(store.wm)
+
+
+@needs_native
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(join_script())
+def test_join_native_equals_python(script):
+    with_native = run_script(script)
+    with pure_python():
+        assert run_script(script) == with_native
+
+
+@needs_native
+def test_join_native_equals_python_at_scale():
+    """Long, realistic streams (the uniform-batch fast path of the Python side included):
+    predictions then their outcomes, some duplicated, some lost, tight capacity."""
+    rng = np.random.default_rng(3)
+    batches, t = [], 0.0
+    for b in range(40):
+        n = 300
+        base = b * 200
+        ids = [f"id{base + i}" for i in range(n)]
+        if b % 5 == 4:
+            ids[7] = ids[3]  # a duplicate inside a batch
+        kind = KIND_PREDICTION if b % 2 == 0 else KIND_OUTCOME
+        evs = [(kind, ids[i], t + i * 0.01, int(rng.integers(0, 3))) for i in range(n)]
+        t += 3.0
+        batches.append((evs, None))
+    script = (5000, 20.0, 2000, batches)
+    with_native = run_script(script, models=("m",))
+    with pure_python():
+        assert run_script(script, models=("m",)) == with_native
+    assert sum(len(r[0]) for r in with_native[0] if isinstance(r, tuple)) > 1000
+
+
+@needs_native
+def test_join_snapshot_round_trip_across_paths():
+    """A store snapshotted by one path restores and continues identically under the other."""
+    script = (50, 10.0, 20, [([(KIND_PREDICTION, f"e{i}", float(i), 0) for i in range(30)],
+                              None)])
+    first = JoinStore(50, 10.0, recent_per_model=20)
+    evs = script[3][0][0]
+    first.offer("m", [e[0] for e in evs], [e[1] for e in evs], [e[2] for e in evs],
+                np.ones((30, 3)) / 3, [-1] * 30)
+    snap = orjson.loads(orjson.dumps(first.to_dict()))
+    outs = [(KIND_OUTCOME, f"e{i}", 31.0 + i, 1) for i in range(0, 30, 2)]
+
+    def continue_from(s):
+        r = s.offer("m", [e[0] for e in outs], [e[1] for e in outs], [e[2] for e in outs],
+                    np.zeros((len(outs), 3)), [e[3] for e in outs])
+        return r.ids, r.probs.tolist(), r.evicted, r.unmatched, s.to_dict()
+
+    a = continue_from(JoinStore.from_dict(snap))
+    with pure_python():
+        assert continue_from(JoinStore.from_dict(snap)) == a
