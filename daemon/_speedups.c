@@ -57,7 +57,11 @@ get(PyObject *d, PyObject *key)
 }
 
 PyDoc_STRVAR(scan_doc,
-"scan(ds, max_model_len, max_id_len) -> (models, ids, ts, labels, vlen, flat) | None\n\n"
+"scan(ds, max_model_len, max_id_len, loads=None, max_bytes=0)\n"
+"-> (models, ids, ts, labels, vlen, flat) | None\n\n"
+"With loads (orjson.loads), ds are message values instead: each must be bytes of at most\n"
+"max_bytes bytes and is parsed by loads, read and dropped at once (the parsed batch is never\n"
+"alive as a whole; a ValueError from loads gives None).\n"
 "Columns of a list of parsed events, if every one is a dict with a str 'model' of\n"
 "1..max_model_len and a str 'id' of 1..max_id_len characters, a float/int 'ts', no\n"
 "'logits', and a list 'probs' of floats/ints (|int| <= 2**53) and/or an int 'label'\n"
@@ -67,9 +71,10 @@ PyDoc_STRVAR(scan_doc,
 static PyObject *
 scan(PyObject *self, PyObject *args)
 {
-    PyObject *ds;
-    Py_ssize_t max_model, max_id;
-    if (!PyArg_ParseTuple(args, "O!nn", &PyList_Type, &ds, &max_model, &max_id))
+    PyObject *ds, *loads = Py_None, *owned = NULL;
+    Py_ssize_t max_model, max_id, max_bytes = 0;
+    if (!PyArg_ParseTuple(args, "O!nn|On", &PyList_Type, &ds, &max_model, &max_id, &loads,
+                          &max_bytes))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(ds);
     PyObject *models = PyList_New(n), *ids = PyList_New(n);
@@ -86,6 +91,18 @@ scan(PyObject *self, PyObject *args)
     int64_t *lenv = (int64_t *)PyByteArray_AS_STRING(vlen);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *d = PyList_GET_ITEM(ds, i);
+        Py_CLEAR(owned);
+        if (loads != Py_None) { /* d is a message value: parse it, keep it only while read */
+            if (!PyBytes_CheckExact(d) || PyBytes_GET_SIZE(d) > max_bytes)
+                goto reject;
+            d = owned = PyObject_CallOneArg(loads, d);
+            if (!d) {
+                if (!PyErr_ExceptionMatches(PyExc_ValueError))
+                    goto done;
+                PyErr_Clear(); /* bad JSON: the general path says which and where */
+                goto reject;
+            }
+        }
         if (!PyDict_CheckExact(d))
             goto reject;
         PyObject *model = get(d, s_model), *eid = get(d, s_id), *t = get(d, s_ts);
@@ -170,6 +187,7 @@ scan(PyObject *self, PyObject *args)
 reject:
     result = Py_NewRef(Py_None);
 done:
+    Py_XDECREF(owned);
     PyMem_Free(flat);
     Py_XDECREF(models);
     Py_XDECREF(ids);

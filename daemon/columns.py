@@ -21,10 +21,11 @@ from itertools import repeat
 from operator import is_not
 
 import numpy as np
+import orjson
 
 from daemon.native import SPEEDUPS
 
-__all__ = ["Columns", "all_bytes_within", "columns", "columns_python"]
+__all__ = ["Columns", "all_bytes_within", "columns", "columns_python", "parse_columns"]
 
 _EXACT = 2.0**53
 
@@ -68,11 +69,32 @@ def all_bytes_within(values: list, max_bytes: int) -> bool:
     return set(map(type, values)) == {bytes} and max(map(len, values)) <= max_bytes
 
 
+def parse_columns(values: list, max_bytes: int, max_model_len: int, max_id_len: int
+                  ) -> Columns | None:
+    """:func:`columns` of message values: None unless every value is bytes of at most
+    ``max_bytes`` bytes holding JSON that ``orjson.loads`` parses to an event of the common
+    shape. The C kernel parses, reads and drops one message at a time, so that the parsed
+    batch is never alive as a whole (as in a plain ``loads`` loop: its memory stays in cache)."""
+    if SPEEDUPS is not None and type(values) is list:
+        return _native_columns(SPEEDUPS.scan(values, max_model_len, max_id_len, orjson.loads,
+                                             max_bytes))
+    if not all_bytes_within(values, max_bytes):
+        return None
+    try:
+        ds = list(map(orjson.loads, values))
+    except orjson.JSONDecodeError:
+        return None
+    return columns(ds, max_model_len, max_id_len)
+
+
 def columns(ds: list, max_model_len: int, max_id_len: int) -> Columns | None:
     """:class:`Columns` of the dicts ``ds``, or None unless every event has the common shape."""
     if SPEEDUPS is None:
         return columns_python(ds, max_model_len, max_id_len)
-    cols = SPEEDUPS.scan(ds, max_model_len, max_id_len)
+    return _native_columns(SPEEDUPS.scan(ds, max_model_len, max_id_len))
+
+
+def _native_columns(cols: tuple | None) -> Columns | None:
     if cols is None:
         return None
     models, ids, ts, labels, vlen, flat = cols

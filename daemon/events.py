@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from daemon.columns import all_bytes_within, columns
+from daemon.columns import parse_columns
 
 __all__ = [
     "BAD_ENCODING",
@@ -438,11 +438,12 @@ class EventParser:
     def _parse_uniform(self, raws: Sequence[bytes]) -> ParsedBatch | None:
         """Fast path of :meth:`parse_batch` for a batch of well-formed events of known models.
 
-        The per-message checks of the general loop are done over the whole batch: every value
-        is bytes within ``max_bytes``; :func:`daemon.columns.columns` (a C kernel, or C-level
-        ``map`` passes) takes out the fields if every event has the common shape; every model
-        has a policy and a known ``k`` (admitted, or admissible under ``max_models``), every
-        label is below its model's ``k`` and every vector has ``k`` numeric entries. The
+        The per-message checks of the general loop are done over the whole batch:
+        :func:`daemon.columns.parse_columns` (a C kernel, or C-level ``map`` passes) parses
+        every value (bytes within ``max_bytes``) and takes out the fields if every event has
+        the common shape; every model has a policy and a known ``k`` (admitted, or admissible
+        under ``max_models``), every label is below its model's ``k`` and every vector has
+        ``k`` numeric entries. The
         vectors of a model become one matrix, validated exactly as in the general path
         (:func:`_validate_rows`). Returns None, with no state changed, when any condition
         fails; the caller then runs the general per-message loop, which produces the same
@@ -451,13 +452,7 @@ class EventParser:
         n = len(raws)
         if n == 0:
             return None
-        if not all_bytes_within(raws, self.max_bytes):
-            return None
-        try:
-            ds = list(map(orjson.loads, raws))
-        except orjson.JSONDecodeError:
-            return None
-        cols = columns(ds, self.max_model_len, self.max_id_len)
+        cols = parse_columns(raws, self.max_bytes, self.max_model_len, self.max_id_len)
         if cols is None:
             return None
         models = cols.models

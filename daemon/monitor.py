@@ -92,26 +92,50 @@ def _dec(d: Mapping[str, Any], where: str) -> np.ndarray:
 # --------------------------------------------------------------------------- sums
 
 
-def _cell_stats(x: np.ndarray, y: np.ndarray, lam: int):
-    """``(hashes, N, S, Q)`` of one batch: per bin ``v`` (sorted row hashes) the count ``N_v``,
-    ``S_vj = sum (x_ij - 1[y_i = j])`` and ``Q_vj = sum (x_ij - 1[y_i = j])^2``, the latter
-    as ``sum x_ij^2 - sum_{y_i = j} (2 x_ij - 1)``. Same statistics as
+class _Rows:
+    """Per-row quantities of one batch of validated rows ``x`` (n, k) with labels ``y``, computed
+    once per :meth:`WindowMonitor.update` and summed per window bucket by
+    :meth:`CellSums.from_rows`: the bin hashes of ``R(x)`` (folded ``h`` and the exact ``pair``),
+    the top label's confidence and hit, ``x_iy``, ``||x_i||^2`` and the ECE bin of the top
+    confidence."""
+
+    __slots__ = ("conf", "ece_bin", "fy", "h", "hit", "pair", "sq", "x", "y")
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, lam: int):
+        n = x.shape[0]
+        self.x, self.y = x, y
+        self.h, self.pair = bin_hashes(x, lam)
+        idx = np.arange(n)
+        pred = x.argmax(axis=1)
+        self.conf = x[idx, pred]
+        self.hit = (pred == y).astype(np.float64)
+        self.fy = x[idx, y]
+        self.sq = np.einsum("ij,ij->i", x, x)
+        self.ece_bin = np.searchsorted(_ECE_INNER, self.conf, side="left")
+
+
+_ECE_INNER = np.linspace(0.0, 1.0, ECE_BINS + 1)[1:-1]
+
+
+def _cell_stats(r: _Rows, sel: slice | np.ndarray):
+    """``(hashes, N, S, Q)`` of the rows ``sel`` of ``r``: per bin ``v`` (sorted row hashes) the
+    count ``N_v``, ``S_vj = sum (x_ij - 1[y_i = j])`` and ``Q_vj = sum (x_ij - 1[y_i = j])^2``,
+    the latter as ``sum x_ij^2 - sum_{y_i = j} (2 x_ij - 1)``. Same statistics as
     :func:`lpcal.metrics.batch_stats` (up to float rounding), with ``np.bincount`` over the
     flattened (bin, class) cells instead of the much slower unbuffered ``ufunc.at``."""
-    uh, _, inv = group_hashed(*bin_hashes(x, lam))
-    n, k = x.shape
+    x, y = r.x[sel], r.y[sel]
+    uh, _, inv = group_hashed(r.h[sel], r.pair[sel])
+    k = x.shape[1]
     g = uh.size
     inv = inv.astype(np.int64, copy=False)
     counts = np.bincount(inv, minlength=g).astype(np.int64)
     cells = (inv[:, None] * k + np.arange(k)).ravel()
     hit = inv * k + y
-    xy = x[np.arange(n), y]
     s = np.bincount(cells, weights=x.ravel(), minlength=g * k)
     s -= np.bincount(hit, minlength=g * k)
     q = np.bincount(cells, weights=(x * x).ravel(), minlength=g * k)
-    q -= np.bincount(hit, weights=2.0 * xy - 1.0, minlength=g * k)
+    q -= np.bincount(hit, weights=2.0 * r.fy[sel] - 1.0, minlength=g * k)
     return uh, counts, s.reshape(g, k), q.reshape(g, k)
-
 
 
 class CellSums:
@@ -135,21 +159,21 @@ class CellSums:
         """Sums of one batch of validated rows ``probs`` (n, k) and labels (n,)."""
         x = np.asarray(probs, dtype=np.float64)
         y = np.asarray(labels, dtype=np.int64)
-        out = cls(x.shape[1])
-        n = x.shape[0]
-        if n == 0:
-            return out
-        out.hashes, out.counts, out.s, out.q = _cell_stats(x, y, lam)
-        idx = np.arange(n)
-        pred = x.argmax(axis=1)
-        conf = x[idx, pred]
-        hit = (pred == y).astype(np.float64)
-        fy = x[idx, y]
-        out.n = n
-        out.brier = float(np.sum(np.einsum("ij,ij->i", x, x) - 2.0 * fy + 1.0))
+        if x.shape[0] == 0:
+            return cls(x.shape[1])
+        return cls.from_rows(_Rows(x, y, lam), slice(None))
+
+    @classmethod
+    def from_rows(cls, r: _Rows, sel: slice | np.ndarray) -> CellSums:
+        """Sums of the rows ``sel`` (a non-empty slice or index array) of a batch's
+        :class:`_Rows`."""
+        out = cls(r.x.shape[1])
+        out.hashes, out.counts, out.s, out.q = _cell_stats(r, sel)
+        hit, conf = r.hit[sel], r.conf[sel]
+        out.n = hit.shape[0]
+        out.brier = float(np.sum(r.sq[sel] - 2.0 * r.fy[sel] + 1.0))
         out.correct = int(hit.sum())
-        inner = np.linspace(0.0, 1.0, ECE_BINS + 1)[1:-1]
-        out.gap = np.bincount(np.searchsorted(inner, conf, side="left"), weights=hit - conf,
+        out.gap = np.bincount(r.ece_bin[sel], weights=hit - conf,
                               minlength=ECE_BINS).astype(np.float64)
         return out
 
@@ -334,6 +358,9 @@ class WindowMonitor:
         if n == 0:
             return 0
         self._cache.clear()
+        rows = (_Rows(x, y, self.lam),
+                None if calibrated is None else
+                _Rows(np.asarray(calibrated, dtype=np.float64), y, self.lam))
         if self.by_time:
             if ts is None:
                 raise InputError("monitor: a time window needs ts")
@@ -348,7 +375,7 @@ class WindowMonitor:
                 if b < lo:
                     continue
                 sel = np.flatnonzero(bid == b)
-                self._add(self._bucket(b), x, y, calibrated, sel)
+                self._add(self._bucket(b), rows, sel)
                 counted += sel.size
             self.total_samples += counted
             return counted
@@ -363,7 +390,7 @@ class WindowMonitor:
             bid_last = next(reversed(self.buckets))
             cur = self.buckets[bid_last]
             take = min(n - a, int(self.width) - cur.n)
-            self._add(cur, x, y, calibrated, slice(a, a + take))
+            self._add(cur, rows, slice(a, a + take))
             a += take
         self.total_samples += n
         return n
@@ -382,12 +409,14 @@ class WindowMonitor:
             self.buckets.popitem(last=False)
             self._cache.clear()
 
-    def _add(self, bk: _Bucket, x, y, cal, sel) -> None:
-        xs, ys = x[sel], y[sel]
-        bk.n += ys.shape[0]
-        bk.add("raw", CellSums.from_batch(xs, ys, self.lam), self.k)
+    def _add(self, bk: _Bucket, rows: tuple[_Rows, _Rows | None], sel: slice | np.ndarray
+             ) -> None:
+        """Add the samples ``sel`` (non-empty) of a batch to bucket ``bk``."""
+        raw, cal = rows
+        bk.n += raw.y[sel].shape[0]
+        bk.add("raw", CellSums.from_rows(raw, sel), self.k)
         if cal is not None:
-            bk.add("calibrated", CellSums.from_batch(np.asarray(cal)[sel], ys, self.lam), self.k)
+            bk.add("calibrated", CellSums.from_rows(cal, sel), self.k)
 
     def advance(self, now: float) -> None:
         """Time windows: move the clock to ``now`` and drop buckets that left the window."""

@@ -538,7 +538,7 @@ class Daemon:
             for i, bad in pb.invalid:
                 self._deadletter(tp, msgs[i], bad.reason)
             offset_of = attrgetter("offset")
-            lowest = min(map(offset_of, msgs))
+            lowest = msgs[0].offset  # a partition's records come in offset order
             offsets = None
             for model, mb in pb.by_model.items():
                 st = self._state_for(model, mb, tp)
