@@ -23,7 +23,7 @@
 #include <string.h>
 
 static PyObject *s_model, *s_id, *s_ts, *s_probs, *s_logits, *s_label;
-static PyObject *s_append, *s_popleft, *s_popitem;
+static PyObject *s_append, *s_popleft;
 
 #define EXACT_INT_LIMIT 9007199254740992.0 /* 2**53: ints beyond it are left to NumPy's rules */
 
@@ -345,20 +345,40 @@ route_u64(PyObject *self, PyObject *arg)
 /* ---------------------------------------------------------------------------- join loop */
 /* The per-event loop of daemon.join.JoinStore.offer, on the store's own Python objects. */
 
-enum { KIND_PREDICTION = 0, KIND_OUTCOME = 1, KIND_SAMPLE = 2 };
+enum { KIND_PREDICTION = 0, KIND_OUTCOME = 1, KIND_SAMPLE = 2, DEAD = -1 };
 enum { JOINED = 0, EXPIRED = 1 };
 enum { EV_TTL, EV_CAPACITY, UM_LATE, UM_DUPLICATE, UM_ORPHAN, NCOUNT };
 
 typedef struct {
-    PyObject *pend;      /* OrderedDict id -> [kind, deadline, ts, payload] */
+    PyObject *pend;      /* dict id -> [kind, deadline, ts, payload, id] */
+    PyObject *queue;     /* deque of the pending entries, oldest first (and DEAD ones) */
+    PyObject *q_append, *q_popleft; /* its bound methods */
     PyObject *recent;    /* dict id -> JOINED | EXPIRED */
     PyObject *order;     /* deque of the ids of recent, oldest first */
     PyObject *append, *popleft; /* its bound methods */
     Py_ssize_t order_len; /* len(order), kept in step */
-    PyObject *joined, *expired;
+    PyObject *joined, *expired, *dead;
     Py_ssize_t max_recent, cap;
     long long count[NCOUNT];
 } Join;
+
+static int
+entry_ok(PyObject *e)
+{
+    if (PyList_CheckExact(e) && PyList_GET_SIZE(e) == 5)
+        return 1;
+    PyErr_SetString(PyExc_RuntimeError, "join: malformed pending entry");
+    return 0;
+}
+
+/* Mark an entry that left the pending dict (its queue slot is then skipped). */
+static void
+mark_dead(Join *j, PyObject *e)
+{
+    PyObject *old = PyList_GET_ITEM(e, 0);
+    PyList_SET_ITEM(e, 0, Py_NewRef(j->dead));
+    Py_DECREF(old);
+}
 
 /* JoinStore._remember: remember eid as state (a remembered id keeps its place). One lookup for
  * the common case, a new id: setdefault inserts it. */
@@ -390,45 +410,71 @@ remember(Join *j, PyObject *eid, PyObject *state)
     return 0;
 }
 
-/* The first (oldest) pending entry's deadline, or +inf when nothing is pending. */
+/* _ModelJoin.oldest: the oldest pending entry (borrowed; NULL without error: none), dropping
+ * DEAD entries from the front of the queue. */
+static PyObject *
+oldest(Join *j)
+{
+    for (;;) {
+        if (PyObject_Size(j->queue) == 0)
+            return NULL;
+        PyObject *e = PySequence_GetItem(j->queue, 0);
+        if (!e)
+            return NULL;
+        Py_DECREF(e); /* the queue holds it */
+        if (!entry_ok(e))
+            return NULL;
+        long k = PyLong_AsLong(PyList_GET_ITEM(e, 0));
+        if (k == -1 && PyErr_Occurred())
+            return NULL;
+        if (k != DEAD)
+            return e;
+        PyObject *r = PyObject_CallNoArgs(j->q_popleft);
+        if (!r)
+            return NULL;
+        Py_DECREF(r);
+    }
+}
+
+/* The oldest pending entry's deadline, or +inf when nothing is pending. */
 static int
 front_deadline(Join *j, double *out)
 {
-    if (PyDict_GET_SIZE(j->pend) == 0) {
+    PyObject *e = oldest(j);
+    if (!e) {
+        if (PyErr_Occurred())
+            return -1;
         *out = INFINITY;
         return 0;
     }
-    PyObject *it = PyObject_GetIter(j->pend);
-    if (!it)
-        return -1;
-    PyObject *key = PyIter_Next(it);
-    Py_DECREF(it);
-    if (!key)
-        return PyErr_Occurred() ? -1 : (*out = INFINITY, 0);
-    PyObject *entry = PyDict_GetItemWithError(j->pend, key);
-    Py_DECREF(key);
-    if (!entry || !PyList_Check(entry) || PyList_GET_SIZE(entry) != 4) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_RuntimeError, "join: malformed pending entry");
-        return -1;
-    }
-    double d = PyFloat_AsDouble(PyList_GET_ITEM(entry, 1));
+    double d = PyFloat_AsDouble(PyList_GET_ITEM(e, 1));
     if (d == -1.0 && PyErr_Occurred())
         return -1;
     *out = d;
     return 0;
 }
 
-/* Pop the oldest pending entry: (id, entry) new references, via OrderedDict.popitem(False). */
+/* _ModelJoin.pop_oldest: remove the oldest pending entry (one must exist); its id (a new
+ * reference) and kind; the entry is marked DEAD. */
 static int
-pop_oldest(Join *j, PyObject **eid, PyObject **entry)
+pop_oldest(Join *j, PyObject **eid, long *kind)
 {
-    PyObject *pair = PyObject_CallMethodOneArg(j->pend, s_popitem, Py_False);
-    if (!pair)
+    if (!oldest(j)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "join: nothing pending to evict");
         return -1;
-    *eid = Py_NewRef(PyTuple_GET_ITEM(pair, 0));
-    *entry = Py_NewRef(PyTuple_GET_ITEM(pair, 1));
-    Py_DECREF(pair);
+    }
+    PyObject *e = PyObject_CallNoArgs(j->q_popleft);
+    if (!e)
+        return -1;
+    *kind = PyLong_AsLong(PyList_GET_ITEM(e, 0));
+    *eid = Py_NewRef(PyList_GET_ITEM(e, 4));
+    mark_dead(j, e);
+    Py_DECREF(e);
+    if (PyDict_DelItem(j->pend, *eid) < 0) {
+        Py_CLEAR(*eid);
+        return -1;
+    }
     return 0;
 }
 
@@ -442,14 +488,13 @@ expire(Join *j, double clock)
             return -1;
         if (d >= clock) /* also +inf: nothing pending */
             return 0;
-        PyObject *eid, *entry;
-        if (pop_oldest(j, &eid, &entry) < 0)
+        PyObject *eid;
+        long kd;
+        if (pop_oldest(j, &eid, &kd) < 0)
             return -1;
         j->count[EV_TTL]++;
-        long kd = PyLong_AsLong(PyList_GET_ITEM(entry, 0));
         if (kd == KIND_OUTCOME)
             j->count[UM_ORPHAN]++;
-        Py_DECREF(entry);
         int rc = remember(j, eid, j->expired);
         Py_DECREF(eid);
         if (rc < 0)
@@ -552,12 +597,13 @@ add_to_group(Groups *gs, PyObject *payload, Py_ssize_t pos)
 }
 
 PyDoc_STRVAR(offer_loop_doc,
-"offer_loop(pend, recent, order, max_recent, cap, ttl, event_time, clock, wm0, wm1,\n"
-"           kind, ids, ts, labels, joined, expired)\n"
+"offer_loop(pend, queue, recent, order, max_recent, cap, ttl, event_time, clock, wm0,\n"
+"           wm1, kind, ids, ts, labels, joined, expired, dead)\n"
 "-> (clock, wm0, wm1, counts, out_ids, out_ts, out_lab, b_out, b_idx, p_groups,\n"
 "    live_entries, live_rows)\n\n"
 "The event loop of JoinStore.offer (see daemon/join.py, whose Python loop is the reference):\n"
-"updates pend/recent/order in place and returns what the Python loop leaves in its locals,\n"
+"updates pend/queue/recent/order in place and returns what the Python loop leaves in its\n"
+"locals,\n"
 "its number lists as bytearrays (out_ts float64; the rest int64). counts: (ttl, capacity,\n"
 "late, duplicate, orphan). p_groups: [(block, out positions, rows)] of the joined rows held\n"
 "by earlier batches. live_*: the new prediction entries of this batch still pending at the\n"
@@ -571,10 +617,11 @@ offer_loop(PyObject *self, PyObject *args)
     int event_time;
     PyObject *kind, *ids, *ts, *labs;
     memset(&j, 0, sizeof j);
-    if (!PyArg_ParseTuple(args, "O!O!OnndpdddO!O!O!O!OO", &PyDict_Type, &j.pend, &PyDict_Type,
-                          &j.recent, &j.order, &j.max_recent, &j.cap, &ttl, &event_time, &clock,
-                          &wm0, &wm1, &PyList_Type, &kind, &PyList_Type, &ids, &PyList_Type, &ts,
-                          &PyList_Type, &labs, &j.joined, &j.expired))
+    if (!PyArg_ParseTuple(args, "O!OO!OnndpdddO!O!O!O!OOO", &PyDict_Type, &j.pend, &j.queue,
+                          &PyDict_Type, &j.recent, &j.order, &j.max_recent, &j.cap, &ttl,
+                          &event_time, &clock, &wm0, &wm1, &PyList_Type, &kind, &PyList_Type,
+                          &ids, &PyList_Type, &ts, &PyList_Type, &labs, &j.joined, &j.expired,
+                          &j.dead))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(kind);
     if (PyList_GET_SIZE(ids) != n || PyList_GET_SIZE(ts) != n || PyList_GET_SIZE(labs) != n) {
@@ -590,7 +637,9 @@ offer_loop(PyObject *self, PyObject *args)
     PyObject *result = NULL, *p_groups = NULL;
     j.append = PyObject_GetAttr(j.order, s_append);
     j.popleft = PyObject_GetAttr(j.order, s_popleft);
-    if (!out_ids || !new_e || !live_e || !j.append || !j.popleft)
+    j.q_append = PyObject_GetAttr(j.queue, s_append);
+    j.q_popleft = PyObject_GetAttr(j.queue, s_popleft);
+    if (!out_ids || !new_e || !live_e || !j.append || !j.popleft || !j.q_append || !j.q_popleft)
         goto done;
     double front;
     if (front_deadline(&j, &front) < 0)
@@ -618,6 +667,8 @@ offer_loop(PyObject *self, PyObject *args)
         PyObject *entry = PyDict_GetItemWithError(j.pend, eid); /* borrowed */
         if (!entry && PyErr_Occurred())
             goto done;
+        if (entry && !entry_ok(entry))
+            goto done;
         if (kd == KIND_SAMPLE) {
             int rec = entry ? 1 : PyDict_Contains(j.recent, eid);
             if (rec < 0)
@@ -641,7 +692,7 @@ offer_loop(PyObject *self, PyObject *args)
             }
             Py_INCREF(entry);
             double et = PyFloat_AsDouble(PyList_GET_ITEM(entry, 2));
-            int rc = PyErr_Occurred() ? -1 : PyObject_DelItem(j.pend, eid);
+            int rc = PyErr_Occurred() ? -1 : PyDict_DelItem(j.pend, eid);
             if (rc == 0) {
                 Py_ssize_t pos = PyList_GET_SIZE(out_ids);
                 PyObject *payload = PyList_GET_ITEM(entry, 3);
@@ -662,6 +713,7 @@ offer_loop(PyObject *self, PyObject *args)
                              ? -1 : 0;
                 if (rc == 0)
                     rc = remember(&j, eid, j.joined);
+                mark_dead(&j, entry);
             }
             Py_DECREF(entry);
             if (rc < 0)
@@ -680,7 +732,7 @@ offer_loop(PyObject *self, PyObject *args)
         if (PyErr_Occurred())
             goto done;
         double deadline = (event_time ? (clock > t ? clock : t) : clock) + ttl;
-        PyObject *e = PyList_New(4);
+        PyObject *e = PyList_New(5);
         if (!e)
             goto done;
         PyObject *dl = PyFloat_FromDouble(deadline);
@@ -696,21 +748,27 @@ offer_loop(PyObject *self, PyObject *args)
         PyList_SET_ITEM(e, 1, dl);
         PyList_SET_ITEM(e, 2, Py_NewRef(tobj));
         PyList_SET_ITEM(e, 3, payload);
+        PyList_SET_ITEM(e, 4, Py_NewRef(eid));
         int rc = 0;
         if (kd == KIND_PREDICTION)
             rc = PyList_Append(new_e, e) < 0 || push_i64(&new_i, i) < 0 ? -1 : 0;
         if (rc == 0 && PyDict_GET_SIZE(j.pend) == 0)
             front = deadline;
         if (rc == 0)
-            rc = PyObject_SetItem(j.pend, eid, e);
+            rc = PyDict_SetItem(j.pend, eid, e);
+        if (rc == 0) {
+            PyObject *r = PyObject_CallOneArg(j.q_append, e);
+            rc = r ? 0 : -1;
+            Py_XDECREF(r);
+        }
         Py_DECREF(e);
         if (rc < 0)
             goto done;
         if (PyDict_GET_SIZE(j.pend) > j.cap) {
-            PyObject *old_id, *old_e;
-            if (pop_oldest(&j, &old_id, &old_e) < 0)
+            PyObject *old_id;
+            long old_kind;
+            if (pop_oldest(&j, &old_id, &old_kind) < 0)
                 goto done;
-            Py_DECREF(old_e);
             j.count[EV_CAPACITY]++;
             rc = remember(&j, old_id, j.expired);
             Py_DECREF(old_id);
@@ -718,14 +776,12 @@ offer_loop(PyObject *self, PyObject *args)
                 goto done;
         }
     }
-    /* predictions of this batch still pending (not joined or evicted since) */
+    /* predictions of this batch still pending (not joined or evicted since: not DEAD) */
     for (Py_ssize_t r = 0; r < new_i.len; r++) {
         PyObject *e = PyList_GET_ITEM(new_e, r);
         Py_ssize_t i = (Py_ssize_t)((const int64_t *)new_i.data)[r];
-        PyObject *cur = PyDict_GetItemWithError(j.pend, PyList_GET_ITEM(ids, i));
-        if (!cur && PyErr_Occurred())
-            goto done;
-        if (cur == e && (PyList_Append(live_e, e) < 0 || push_i64(&live_r, i) < 0))
+        if (PyLong_AsLong(PyList_GET_ITEM(e, 0)) != DEAD &&
+            (PyList_Append(live_e, e) < 0 || push_i64(&live_r, i) < 0))
             goto done;
     }
     p_groups = PyList_New(groups.len);
@@ -758,6 +814,8 @@ done:
     PyMem_Free(live_r.data);
     Py_XDECREF(j.append);
     Py_XDECREF(j.popleft);
+    Py_XDECREF(j.q_append);
+    Py_XDECREF(j.q_popleft);
     Py_XDECREF(out_ids);
     Py_XDECREF(new_e);
     Py_XDECREF(live_e);
@@ -777,8 +835,8 @@ attach_rows(PyObject *self, PyObject *args)
         return NULL;
     for (Py_ssize_t r = 0; r < PyList_GET_SIZE(entries); r++) {
         PyObject *e = PyList_GET_ITEM(entries, r);
-        if (!PyList_Check(e) || PyList_GET_SIZE(e) != 4) {
-            PyErr_SetString(PyExc_TypeError, "attach_rows: entries must be 4-item lists");
+        if (!PyList_Check(e) || PyList_GET_SIZE(e) != 5) {
+            PyErr_SetString(PyExc_TypeError, "attach_rows: entries must be pending entries (5-item lists)");
             return NULL;
         }
         PyObject *pair = Py_BuildValue("(On)", block, r);
@@ -805,11 +863,10 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "daemon._speedups",
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
-    const char *names[] = {"model", "id", "ts", "probs", "logits", "label",
-                           "append", "popleft", "popitem"};
-    PyObject **slots[] = {&s_model, &s_id, &s_ts, &s_probs, &s_logits, &s_label,
-                          &s_append, &s_popleft, &s_popitem};
-    for (int i = 0; i < 9; i++) {
+    const char *names[] = {"model", "id", "ts", "probs", "logits", "label", "append", "popleft"};
+    PyObject **slots[] = {&s_model, &s_id, &s_ts, &s_probs, &s_logits, &s_label, &s_append,
+                          &s_popleft};
+    for (int i = 0; i < 8; i++) {
         *slots[i] = PyUnicode_InternFromString(names[i]);
         if (!*slots[i])
             return NULL;

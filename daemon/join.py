@@ -44,11 +44,11 @@ Usage::
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from operator import is_not, itemgetter
+from operator import is_not, itemgetter, setitem
 from typing import Any
 
 import numpy as np
@@ -65,6 +65,8 @@ UNMATCHED_KINDS = ("late", "duplicate", "orphan")
 
 
 _KIND, _TS, _PAYLOAD = itemgetter(0), itemgetter(2), itemgetter(3)  # of a pending entry
+_DEAD = -1  # kind of an entry that left ``pending`` (joined) but may still sit in ``queue``
+_COMPACT_SLACK = 1024
 
 
 def _zero(keys: Iterable[str]) -> dict[str, int]:
@@ -87,19 +89,56 @@ class JoinResult:
 
 
 class _ModelJoin:
-    """Pending + recent state of one model. ``pending[id] = [kind, deadline, ts, payload]`` with
-    ``payload`` the label (outcomes) or ``(block, row)`` (predictions: row ``row`` of the 2-D
-    array ``block``, a compact copy shared by the predictions of one batch)."""
+    """Pending + recent state of one model.
 
-    __slots__ = ("evicted", "joined", "pending", "recent", "recent_order", "unmatched")
+    ``pending[id] = [kind, deadline, ts, payload, id]`` with ``payload`` the label (outcomes) or
+    ``(block, row)`` (predictions: row ``row`` of the 2-D array ``block``, a compact copy shared
+    by the predictions of one batch). A plain dict keeps its entries in arrival order, which is
+    deadline order; ``queue`` holds the same entries in the same order, for the oldest one in
+    O(1): an entry that leaves ``pending`` by a join gets kind ``_DEAD`` and is dropped from
+    ``queue`` once it reaches the front (or by :meth:`compact`). An OrderedDict did this at
+    twice the cost per event (a linked node per entry)."""
+
+    __slots__ = ("evicted", "joined", "pending", "queue", "recent", "recent_order", "unmatched")
 
     def __init__(self):
-        self.pending: OrderedDict[str, list] = OrderedDict()
+        self.pending: dict[str, list] = {}
+        self.queue: deque[list] = deque()
         self.recent: dict[str, int] = {}          # id -> _JOINED | _EXPIRED
         self.recent_order: deque[str] = deque()   # ids of ``recent``, oldest first
         self.evicted = _zero(EVICTION_REASONS)
         self.unmatched = _zero(UNMATCHED_KINDS)
         self.joined = 0
+
+    def oldest(self) -> list | None:
+        """The oldest pending entry (dropping joined ones from the front of ``queue``)."""
+        q = self.queue
+        while q:
+            e = q[0]
+            if e[0] != _DEAD:
+                return e
+            q.popleft()
+        return None
+
+    def pop_oldest(self) -> tuple[str, int]:
+        """Remove the oldest pending entry (``pending`` must not be empty); return its id and
+        kind (the entry itself is marked ``_DEAD``)."""
+        self.oldest()
+        e = self.queue.popleft()
+        del self.pending[e[4]]
+        kind, e[0] = e[0], _DEAD
+        return e[4], kind
+
+    def add(self, eid: str, e: list) -> None:
+        self.pending[eid] = e
+        self.queue.append(e)
+
+    def compact(self) -> None:
+        """Drop joined entries from ``queue`` once they outnumber the pending ones (amortised
+        O(1) per join: they pile up behind an old entry that waits long for its partner)."""
+        q = self.queue
+        if len(q) > 2 * len(self.pending) + _COMPACT_SLACK:
+            self.queue = deque(compress(q, map(_DEAD.__ne__, map(_KIND, q))))
 
 
 class JoinStore:
@@ -146,14 +185,13 @@ class JoinStore:
 
     # ---------------------------------------------------------------- expiry
     def _expire(self, m: _ModelJoin, clock: float, ev: dict, um: dict) -> None:
-        pend = m.pending
-        while pend:
-            eid, entry = next(iter(pend.items()))
-            if entry[1] >= clock:
+        while True:
+            entry = m.oldest()
+            if entry is None or entry[1] >= clock:
                 break
-            pend.popitem(last=False)
+            eid, kind = m.pop_oldest()
             ev["ttl"] += 1
-            if entry[0] == KIND_OUTCOME:
+            if kind == KIND_OUTCOME:
                 um["orphan"] += 1
             self._remember(m, eid, _EXPIRED)
 
@@ -177,6 +215,7 @@ class JoinStore:
         for m in self._models.values():
             ev, um = _zero(EVICTION_REASONS), _zero(UNMATCHED_KINDS)
             self._expire(m, self.clock, ev, um)
+            m.compact()
             _acc(m, ev, um)
             _acc_result(res, ev, um)
         return res
@@ -226,7 +265,8 @@ class JoinStore:
         inf = math.inf
         # lower bound on the earliest pending deadline (deadlines are appended in order, and
         # removing entries can only raise the true minimum), so the check below is exact
-        front = next(iter(pend.values()))[1] if pend else inf
+        e0 = m.oldest()
+        front = inf if e0 is None else e0[1]
         for i in range(n):
             t = ts_l[i]
             kd = kind_l[i]
@@ -241,7 +281,8 @@ class JoinStore:
             if front < clock:
                 self.clock = clock
                 self._expire(m, clock, ev, um)
-                front = next(iter(pend.values()))[1] if pend else inf
+                e0 = m.oldest()
+                front = inf if e0 is None else e0[1]
             eid = ids[i]
             entry = pend.get(eid)
             if kd == KIND_SAMPLE:
@@ -260,6 +301,7 @@ class JoinStore:
                     um["duplicate"] += 1
                     continue
                 del pend[eid]
+                entry[0] = _DEAD
                 if kd == KIND_PREDICTION:
                     b_out.append(len(out_ids))
                     b_idx.append(i)
@@ -286,20 +328,20 @@ class JoinStore:
                 continue
             deadline = ((clock if clock > t else t) if event_time else clock) + ttl
             if kd == KIND_PREDICTION:
-                e = [kd, deadline, t, i]
+                e = [kd, deadline, t, i, eid]
                 new_pending.append((e, i))
             else:
-                e = [kd, deadline, t, lab_l[i]]
+                e = [kd, deadline, t, lab_l[i], eid]
             if not pend:
                 front = e[1]
-            pend[eid] = e
+            m.add(eid, e)
             if len(pend) > cap:
-                old_id, _old = pend.popitem(last=False)
+                old_id, _kind = m.pop_oldest()
                 ev["capacity"] += 1
                 self._remember(m, old_id, _EXPIRED)
         self.clock = clock
         self.wm = [wm0, wm1]
-        live = [(e, i) for e, i in new_pending if pend.get(ids[i]) is e]
+        live = [(e, i) for e, i in new_pending if e[0] != _DEAD]
         groups: dict[int, tuple[np.ndarray, list[int], list[int]]] = {}
         for j, (blk, r) in zip(p_out, p_src):
             g = groups.get(id(blk))
@@ -317,9 +359,9 @@ class JoinStore:
         port of the Python loop above, on the same state objects; see :mod:`daemon.native`)."""
         (clock, wm0, wm1, counts, out_ids, out_ts, out_lab, b_out, b_idx, p_groups, live_e,
          live_r) = SPEEDUPS.offer_loop(
-            m.pending, m.recent, m.recent_order, self.max_recent, self.max_pending, self.ttl,
-            event_time, self.clock, self.wm[0], self.wm[1], kind_l,
-            ids if type(ids) is list else list(ids), ts_l, lab_l, _JOINED, _EXPIRED)
+            m.pending, m.queue, m.recent, m.recent_order, self.max_recent, self.max_pending,
+            self.ttl, event_time, self.clock, self.wm[0], self.wm[1], kind_l,
+            ids if type(ids) is list else list(ids), ts_l, lab_l, _JOINED, _EXPIRED, _DEAD)
         self.clock = clock
         self.wm = [wm0, wm1]
         ev = dict(zip(EVICTION_REASONS, counts[:2]))
@@ -359,6 +401,7 @@ class JoinStore:
                 for r, e in enumerate(live_e):
                     e[3] = (block, r)
         m.joined += len(out_ids)
+        m.compact()
         _acc(m, ev, um)
         return JoinResult(out_ids, np.asarray(out_ts, dtype=np.float64), rows,
                           np.asarray(out_lab, dtype=np.int64), ev, um)
@@ -396,7 +439,8 @@ class JoinStore:
             wm_end = [float(w0[-1]), float(w1[-1])]
         else:
             first = last = clock0
-        front = next(iter(pend.values()))[1] if pend else math.inf
+        e0 = m.oldest()
+        front = math.inf if e0 is None else e0[1]
         # no expiry: old deadlines >= the final clock, and new ones (>= first + ttl) as well
         if front < last or first + self.ttl < last:
             return None
@@ -442,6 +486,7 @@ class JoinStore:
         all_join = len(join_i) == n
         out_ids = list(ids) if all_join else [ids[i] for i in join_i]
         jent = list(map(pend.pop, out_ids))
+        deque(map(setitem, jent, repeat(0), repeat(_DEAD)), maxlen=0)  # e[0] = _DEAD
         jts = np.fromiter(map(_TS, jent), dtype=np.float64, count=len(jent))
         out_ts = np.maximum(jts, t if all_join else t[join_i])
         if kd == KIND_PREDICTION:
@@ -451,7 +496,7 @@ class JoinStore:
             out_lab = np.asarray(lab_l if all_join else [lab_l[i] for i in join_i],
                                  dtype=np.int64)
             rows = _gather_rows(list(map(_PAYLOAD, jent)), k)
-        # the others wait: (kind, deadline, ts, payload) tuples, in event order
+        # the others wait: [kind, deadline, ts, payload, id] entries, in event order
         if new_i is None:
             nid, nts = ids, ts_l
         else:
@@ -467,7 +512,9 @@ class JoinStore:
                 payload = zip(repeat(block), range(len(nid)))
             else:
                 payload = lab_l if new_i is None else [lab_l[i] for i in new_i]
-            pend.update(zip(nid, zip(repeat(kd), dls, nts, payload)))
+            ents = list(map(list, zip(repeat(kd), dls, nts, payload, nid)))
+            pend.update(zip(nid, ents))
+            m.queue.extend(ents)
         return self._fast_commit(m, last, wm_end, ev, um,
                                  JoinResult(out_ids, out_ts, rows, out_lab, ev, um))
 
@@ -478,6 +525,7 @@ class JoinStore:
         self.clock = clock
         self.wm = wm
         m.joined += len(res.ids)
+        m.compact()
         _acc(m, ev, um)
         return res
 
@@ -503,7 +551,7 @@ class JoinStore:
         models = {}
         for name, m in self._models.items():
             pend = []
-            for eid, (kd, deadline, t, payload) in m.pending.items():
+            for eid, (kd, deadline, t, payload, _eid) in m.pending.items():
                 pl = payload[0][payload[1]].tolist() if kd == KIND_PREDICTION else int(payload)
                 pend.append([eid, kd, deadline, t, pl])
             order = list(m.recent_order)
@@ -545,8 +593,10 @@ class JoinStore:
                         payload = int(pl)
                     else:
                         raise ValueError(f"pending kind {kd!r} of {eid!r}")
-                    entry = [int(kd), float(deadline), float(t), payload]
-                    m.pending[str(eid)] = entry
+                    entry = [int(kd), float(deadline), float(t), payload, str(eid)]
+                    if entry[4] in m.pending:
+                        raise ValueError(f"pending id {eid!r} twice")
+                    m.add(entry[4], entry)
                     if kd == KIND_PREDICTION:
                         entries.append(entry)
                 if rows:
