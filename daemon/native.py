@@ -16,13 +16,16 @@ benchmark 5). ``lpcal_native_info`` on ``/metrics`` says which path a process ru
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import numpy as np
 
 from lpcal.pools import route_uniform
 
-__all__ = ["SPEEDUPS", "describe", "route_uniform_fast"]
+__all__ = ["SPEEDUPS", "describe", "pure_python", "route_uniform_fast"]
 
 
 def _load() -> ModuleType | None:
@@ -50,3 +53,22 @@ def route_uniform_fast(ids: list[str]) -> np.ndarray:
         if digests is not None:
             return np.frombuffer(digests, dtype=np.uint64).astype(np.float64) / 2.0**64
     return route_uniform(ids)
+
+
+@contextmanager
+def pure_python() -> Iterator[None]:
+    """Within the block, every user of the accelerator in this process runs its pure-Python
+    reference (for the equivalence tests and the benchmark's in-run comparison; a deployment
+    sets ``LPCAL_NATIVE=0`` instead). Not thread-safe: nothing else may ingest meanwhile."""
+    import daemon.columns
+    import daemon.join
+
+    mods = (daemon.columns, daemon.join, sys.modules[__name__])
+    saved = [m.SPEEDUPS for m in mods]
+    for m in mods:
+        m.SPEEDUPS = None
+    try:
+        yield
+    finally:
+        for m, v in zip(mods, saved):
+            m.SPEEDUPS = v

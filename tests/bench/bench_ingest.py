@@ -14,7 +14,9 @@ all of those messages twice, each time with a fresh consumer group:
   ``getmany(max_records=5000)`` and ``orjson.loads`` on every value;
 * **lpcal**: a real in-process :class:`daemon.service.Daemon` (its poll loop, parsing,
   validation, join, pool routing, monitor, triggers, gauges and Kafka checkpoints at the default
-  10 s interval, into a fresh state topic) with pool targets so large that no fit runs.
+  10 s interval, into a fresh state topic) with pool targets so large that no fit runs; it runs
+  the C accelerator of :mod:`daemon.native` when it is built, and then a third read per
+  repetition runs the same daemon on its pure-Python path (:func:`daemon.native.pure_python`).
 
 Both are timed from the moment the first message is handed to the consumer's code (the
 ``getmany`` that returned it has finished) to the moment the last one is processed, so group
@@ -366,6 +368,7 @@ def floor_cost(events: int, rounds: int = 3) -> float:
 
 
 async def measure(events: int, repeats: int, log=print, small_pool: int = SMALL_POOL) -> dict:
+    from daemon import native
     from daemon.embedded_broker import EmbeddedBroker
 
     with EmbeddedBroker() as broker:
@@ -377,19 +380,25 @@ async def measure(events: int, repeats: int, log=print, small_pool: int = SMALL_
         total = sum(sent.values())
         log(f"[ingest] produced {sent} in {time.perf_counter() - t:.1f} s")
         pair = [topics["predictions"], topics["outcomes"]]
-        raws, lps = [], []
+        raws, lps, pys = [], [], []
         for r in range(repeats):
             raws.append(await raw_read(broker.bootstrap, pair, total))
             lps.append(await daemon_read(broker.bootstrap, topics, total, HUGE_POOL))
-            log(f"[ingest] rep {r}: raw {raws[-1].rate:,.0f} msg/s, lpcal {lps[-1].rate:,.0f} "
-                f"msg/s, ratio {lps[-1].rate / raws[-1].rate:.2f}")
+            msg = (f"[ingest] rep {r}: raw {raws[-1].rate:,.0f} msg/s, lpcal {lps[-1].rate:,.0f} "
+                   f"msg/s, ratio {lps[-1].rate / raws[-1].rate:.2f}")
+            if native.SPEEDUPS is not None:  # the same daemon without its C accelerator
+                with native.pure_python():
+                    pys.append(await daemon_read(broker.bootstrap, topics, total, HUGE_POOL))
+                msg += f"; pure Python {pys[-1].rate / raws[-1].rate:.2f}"
+            log(msg)
         fit_run = await daemon_read(broker.bootstrap, topics, total, small_pool)
         log(f"[ingest] with fits: {fit_run.rate:,.0f} msg/s, {len(fit_run.fits)} fits, max gap "
             f"{fit_run.max_gap(True):.3f} s during fits")
     costs = stage_costs(events)
     floor = floor_cost(events)
     return {"events": events, "messages": total, "sent": sent, "raw": raws, "lpcal": lps,
-            "fit": fit_run, "costs": costs, "floor": floor, "small_pool": small_pool}
+            "python": pys, "fit": fit_run, "costs": costs, "floor": floor,
+            "small_pool": small_pool, "ingest_path": native.describe()}
 
 
 def render(res: dict) -> str:
@@ -402,12 +411,24 @@ def render(res: dict) -> str:
     def yes(ok: bool) -> str:
         return "yes" if ok else "**NO**"
 
+    pys = res.get("python") or []
+    py_row = []
+    if pys:
+        py_ratios = [b.rate / a.rate for a, b in zip(raws, pys)]
+        py_row = [f"| the same daemon, pure-Python path (`daemon.native.pure_python`) | "
+                  f"{statistics.median(r.rate for r in pys):,.0f} | "
+                  + ", ".join(f"{r.rate:,.0f}" for r in pys)
+                  + f" | {statistics.median(py_ratios):.2f} "
+                  f"({', '.join(f'{x:.2f}' for x in py_ratios)}) | |"]
+
     lines = [
         "### Ingest throughput (k = 10 JSON events, real broker)",
         "",
         (f"{res['events']:,} events = {res['messages']:,} messages "
          f"({res['sent']}), one model, 1 partition per topic, Tansu embedded broker; "
-         f"median of {len(raws)} alternating repetitions, fresh consumer group each; the raw reader runs with CPython's default garbage-collector settings."),
+         f"median of {len(raws)} alternating repetitions, fresh consumer group each; the raw "
+         f"reader runs with CPython's default garbage-collector settings. Daemon ingest path: "
+         f"**{res.get('ingest_path', '?')}** (`daemon.native`)."),
         "",
         "| path | msgs/s (median) | per repetition | ratio to raw | target |",
         "|---|---|---|---|---|",
@@ -417,8 +438,9 @@ def render(res: dict) -> str:
         + ", ".join(f"{r.rate:,.0f}" for r in lps)
         + f" | **{ratio:.2f}** ({', '.join(f'{x:.2f}' for x in ratios)}) | >= {TARGET_RATIO}: "
         f"{yes(ratio >= TARGET_RATIO)} |",
-        (f"| lpcal daemon with fits running (pools of {res['small_pool']} samples) | {fit.rate:,.0f} | | "
-         f"{fit.rate / raw_rate:.2f} | |"),
+        *py_row,
+        (f"| lpcal daemon with fits running (pools of {res['small_pool']} samples) | "
+         f"{fit.rate:,.0f} | | {fit.rate / raw_rate:.2f} | |"),
         "",
         "| fit stall (issue 5) | value | target |",
         "|---|---|---|",
@@ -458,9 +480,10 @@ def _bound_lines(costs: dict[str, float], raw_rate: float, lp_rate: float, floor
         f"| lpcal daemon per message (measured above) | {1e6 / lp_rate:.2f} |",
         f"| predicted ratio (g + loads) / (g + P) | {(g + loads) / (g + pipeline):.2f} |",
         f"| budget for P at ratio {TARGET_RATIO} | {budget:.2f} |",
-        (f"| floor: loads, fields, one dict op per event, blake2b of joined ids (no validation, "
-         f"TTL, duplicates, pools or monitor) | {floor:.2f} |"),
-        f"| ratio ceiling of that floor (g + loads) / (g + floor) | {(g + loads) / (g + floor):.2f} |",
+        (f"| floor of a pure-Python path: loads, fields, one dict op per event, blake2b of "
+         f"joined ids (no validation, TTL, duplicates, pools or monitor) | {floor:.2f} |"),
+        (f"| ratio ceiling of that floor (g + loads) / (g + floor) | "
+         f"{(g + loads) / (g + floor):.2f} |"),
         "",
     ]
     return out

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import sysconfig
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -28,25 +27,11 @@ import daemon.native
 from daemon.columns import columns, columns_python
 from daemon.events import EventParser, ModelPolicy
 from daemon.join import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE, JoinStore
-from daemon.native import route_uniform_fast
+from daemon.native import pure_python, route_uniform_fast
 from lpcal.pools import route_uniform
 
 NATIVE = daemon.native.SPEEDUPS
 needs_native = pytest.mark.skipif(NATIVE is None, reason="daemon._speedups is not built here")
-
-
-@contextmanager
-def pure_python():
-    """Within the block, every user of the accelerator runs its pure-Python reference."""
-    mods = (daemon.columns, daemon.join, daemon.native)
-    saved = [m.SPEEDUPS for m in mods]
-    for m in mods:
-        m.SPEEDUPS = None
-    try:
-        yield
-    finally:
-        for m, v in zip(mods, saved):
-            m.SPEEDUPS = v
 
 
 def test_accelerator_is_built_where_it_can_be():
@@ -60,6 +45,18 @@ def test_accelerator_is_built_where_it_can_be():
         pytest.skip("no C compiler or Python headers: the pure-Python path is expected")
     assert NATIVE is not None, "daemon._speedups was not built; see the pip install output"
     assert daemon.native.describe() == "c"
+
+
+@needs_native
+def test_pure_python_switches_every_user_and_restores():
+    """The equivalence tests below are only meaningful if the switch really switches."""
+    with pure_python():
+        assert daemon.columns.SPEEDUPS is None and daemon.join.SPEEDUPS is None
+        assert daemon.native.describe() == "python"
+        cols = columns([{"model": "m", "id": "a", "ts": 1.0, "label": 1}], 255, 256)
+        assert cols.vecs is not None  # the Python reference built it (the C one sets flat)
+    assert daemon.columns.SPEEDUPS is NATIVE and daemon.join.SPEEDUPS is NATIVE
+    assert columns([{"model": "m", "id": "a", "ts": 1.0, "label": 1}], 255, 256).vecs is None
 
 
 # ------------------------------------------------------------------------------ routing
