@@ -59,7 +59,7 @@ from daemon.monitor import WindowMonitor, WindowStats
 from daemon.native import route_uniform_fast
 from daemon.trigger import DriftTrigger, Firing, Triggers
 from lpcal.errors import ArtifactError, InputError
-from lpcal.levels import beta_for, lambda_for
+from lpcal.levels import beta_for, bin_rows, lambda_for
 from lpcal.pools import PoolLayout, PoolSet
 
 __all__ = ["CHECKPOINT_FORMAT", "DEFAULT_POOL", "IngestResult", "ModelState",
@@ -213,6 +213,7 @@ class ModelState:
             probs, labels = probs[keep], labels[keep]
             ts = None if ts is None else np.asarray(ts)[keep]
         if labels.size:
+            c, h, pair = bin_rows(probs, self.lam)  # shared by the pools and the monitor
             route = self.filling.layout.route_uniforms(route_uniform_fast(ids))
             if self.filling.full:  # e.g. after a layout change
                 self.seal()
@@ -221,13 +222,13 @@ class ModelState:
             while a < route.size:
                 cut = self._fill_point(route[a:])
                 b = route.size if cut is None else a + cut + 1
-                self.filling.add(route[a:b], probs[a:b], labels[a:b])
+                self.filling.add(route[a:b], None, labels[a:b], counts=c[a:b], hashes=h[a:b])
                 if cut is not None:
                     self.seal()
                     res.sealed += 1
                 a = b
             cal = self._calibrator(probs) if self._calibrator is not None else None
-            self.monitor.update(probs, labels, ts, calibrated=cal)
+            self.monitor.update(probs, labels, ts, calibrated=cal, hashes=(h, pair))
         res.joined = int(labels.size)
         self.samples_total += res.joined
         return res

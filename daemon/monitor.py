@@ -101,10 +101,11 @@ class _Rows:
 
     __slots__ = ("conf", "ece_bin", "fy", "h", "hit", "pair", "sq", "x", "y")
 
-    def __init__(self, x: np.ndarray, y: np.ndarray, lam: int):
+    def __init__(self, x: np.ndarray, y: np.ndarray, lam: int,
+                 hashes: tuple[np.ndarray, np.ndarray] | None = None):
         n = x.shape[0]
         self.x, self.y = x, y
-        self.h, self.pair = bin_hashes(x, lam)
+        self.h, self.pair = bin_hashes(x, lam) if hashes is None else hashes
         idx = np.arange(n)
         pred = x.argmax(axis=1)
         self.conf = x[idx, pred]
@@ -341,12 +342,14 @@ class WindowMonitor:
 
     # ---------------------------------------------------------------- updating
     def update(self, probs: np.ndarray, labels: np.ndarray, ts: np.ndarray | None = None,
-               calibrated: np.ndarray | None = None) -> int:
+               calibrated: np.ndarray | None = None,
+               hashes: tuple[np.ndarray, np.ndarray] | None = None) -> int:
         """Add joined samples (rows on the simplex, labels in [0, k)); return how many counted.
 
         ``ts`` (event times) is required for time windows. ``calibrated``: the same samples'
-        calibrated rows (None while there is no bin map). Samples older than a time window are
-        ignored.
+        calibrated rows (None while there is no bin map). ``hashes``: the ``(h, pair)`` bin
+        hashes of ``probs`` at this monitor's lambda, if the caller has them
+        (:func:`lpcal.levels.bin_rows`). Samples older than a time window are ignored.
         """
         x = np.asarray(probs, dtype=np.float64)
         y = np.asarray(labels, dtype=np.int64)
@@ -358,7 +361,9 @@ class WindowMonitor:
         if n == 0:
             return 0
         self._cache.clear()
-        rows = (_Rows(x, y, self.lam),
+        if hashes is not None and hashes[0].shape != (n,):
+            raise InputError(f"monitor: hashes must be given for all {n} rows")
+        rows = (_Rows(x, y, self.lam, hashes),
                 None if calibrated is None else
                 _Rows(np.asarray(calibrated, dtype=np.float64), y, self.lam))
         if self.by_time:

@@ -235,6 +235,13 @@ def _rows_per_chunk(k: int) -> int:
 
 def bin_counts_hashed(probs: np.ndarray, lam: int) -> tuple[np.ndarray, np.ndarray]:
     """``(c, h)``: ``bin_counts`` and the row hash of ``c`` in one fused, cache-resident pass."""
+    c, h, _ = bin_rows(probs, lam)
+    return c, h
+
+
+def bin_rows(probs: np.ndarray, lam: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(c, h, pair)``: :func:`bin_counts_hashed` plus the two exact hashes of every row (as
+    :func:`bin_hashes`), for callers that need both the bins and a grouping of the rows."""
     u = np.atleast_2d(np.asarray(probs, dtype=np.float64))
     n, k = u.shape
     if lam > MAX_LAMBDA:
@@ -249,7 +256,7 @@ def bin_counts_hashed(probs: np.ndarray, lam: int) -> tuple[np.ndarray, np.ndarr
         t = floor_into(u[a:b], lam, buf[: b - a])
         c[a:b] = t
         np.dot(t, w, out=hh[a:b])
-    return c, _combine(hh)
+    return c, _combine(hh), hh
 
 
 def scan_rows(probs: np.ndarray, lam: int):

@@ -54,6 +54,25 @@ def _locked(method):
     return wrapper
 
 
+def _checked_rows(counts, labels, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bin rows and labels of samples to add, checked, as int32 arrays; InputError if not
+    ``(n, k)`` rows with ``n`` integer labels in ``[0, k)``."""
+    labels = np.asarray(labels)
+    c = np.atleast_2d(np.asarray(counts))
+    if c.shape[1] != k:
+        raise InputError(f"pool has k={k} classes, got rows of length {c.shape[1]}")
+    if labels.shape != (c.shape[0],):
+        raise InputError(f"labels must have shape ({c.shape[0]},), got {labels.shape}")
+    if c.shape[0] == 0:
+        return c, labels
+    if labels.dtype.kind not in "iu":
+        raise InputError(f"labels must be integers, got dtype {labels.dtype}")
+    if labels.min() < 0 or labels.max() >= k:
+        bad = int(np.flatnonzero((labels < 0) | (labels >= k))[0])
+        raise InputError(f"label {int(labels[bad])} at row {bad} outside [0, {k})")
+    return c.astype(np.int32, copy=False), labels.astype(np.int32)
+
+
 def _csr_from_dense(rows: np.ndarray):
     ii, jj = np.nonzero(rows)
     indptr = np.zeros(rows.shape[0] + 1, dtype=np.int64)
@@ -135,27 +154,20 @@ class CountTable:
             hashes: np.ndarray | None = None) -> None:
         """Add samples given as probability rows (binned here) or as precomputed bin rows
         (optionally with their ``row_hash``)."""
-        labels = np.asarray(labels)
         if counts is None:
             if probs is None:
                 raise InputError("add() needs probs or counts")
             counts, hashes = bin_counts_hashed(probs, self.lam)
-        c = np.atleast_2d(np.asarray(counts))
-        if c.shape[1] != self.k:
-            raise InputError(f"pool has k={self.k} classes, got rows of length {c.shape[1]}")
-        if labels.shape != (c.shape[0],):
-            raise InputError(f"labels must have shape ({c.shape[0]},), got {labels.shape}")
+        c, y = _checked_rows(counts, labels, self.k)
         if c.shape[0] == 0:
             return
-        if labels.dtype.kind not in "iu":
-            raise InputError(f"labels must be integers, got dtype {labels.dtype}")
-        if labels.min() < 0 or labels.max() >= self.k:
-            bad = int(np.flatnonzero((labels < 0) | (labels >= self.k))[0])
-            raise InputError(f"label {int(labels[bad])} at row {bad} outside [0, {self.k})")
         if hashes is None:
             hashes = row_hash(c)
-        self._pending.append((c.astype(np.int32, copy=False), labels.astype(np.int32),
-                              np.asarray(hashes, dtype=np.int64)))
+        self._append(c, y, np.asarray(hashes, dtype=np.int64))
+
+    def _append(self, c: np.ndarray, y: np.ndarray, h: np.ndarray) -> None:
+        """Buffer checked rows (int32 bins, int32 labels, int64 hashes; see :meth:`add`)."""
+        self._pending.append((c, y, h))
         self._npend += c.shape[0]
         if self._npend >= _COMPACT_EVERY:
             self._compact()
@@ -546,17 +558,26 @@ class PoolSet:
 
     def add(self, pool_idx: np.ndarray, probs: np.ndarray | None, labels,
             counts: np.ndarray | None = None, hashes: np.ndarray | None = None) -> None:
-        """Add samples, each to the pool ``pool_idx[i]`` (vectorised per pool)."""
+        """Add samples, each to the pool ``pool_idx[i]``: checked once, sorted by pool (stable),
+        then one contiguous slice per pool."""
         pool_idx = np.asarray(pool_idx)
-        labels = np.asarray(labels)
         if counts is None:
             counts, hashes = bin_counts_hashed(probs, self.layout.lam)
         elif hashes is None:
             hashes = row_hash(counts)
-        for p in np.unique(pool_idx):
-            sel = pool_idx == p
-            self.tables[self.layout.names[int(p)]].add(None, labels[sel], counts=counts[sel],
-                                                       hashes=hashes[sel])
+        c, y = _checked_rows(counts, labels, self.layout.k)
+        if pool_idx.shape != y.shape:
+            raise InputError(f"pool_idx must have shape {y.shape}, got {pool_idx.shape}")
+        if y.size == 0:
+            return
+        order = np.argsort(pool_idx, kind="stable")
+        ps = pool_idx[order]
+        c, y, h = c[order], y[order], np.asarray(hashes, dtype=np.int64)[order]
+        cuts = (np.flatnonzero(ps[1:] != ps[:-1]) + 1).tolist()
+        for a, b in zip([0, *cuts], [*cuts, ps.size]):
+            table = self.tables[self.layout.names[int(ps[a])]]
+            with table._lock:
+                table._append(c[a:b], y[a:b], h[a:b])
 
     def compact(self) -> None:
         """Compact every table (before handing the pools to another thread)."""

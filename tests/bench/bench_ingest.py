@@ -271,6 +271,7 @@ def stage_costs(events: int, rounds: int = 3) -> dict[str, float]:
     from daemon.events import EventParser
     from daemon.model_state import ModelState
     from daemon.native import route_uniform_fast
+    from lpcal.levels import bin_rows
 
     batches, n = _batches(events)
     settings = _settings("127.0.0.1:1", {"predictions": "p", "outcomes": "o", "binmaps": "b",
@@ -282,7 +283,7 @@ def stage_costs(events: int, rounds: int = 3) -> dict[str, float]:
         gc.disable()
         try:
             t = {"orjson.loads (in raw too)": 0.0, "parse + validate (rest of parse_batch)": 0.0,
-                 "join": 0.0, "pool routing (blake2b of ids)": 0.0, "pools add": 0.0,
+                 "join": 0.0, "pool routing (blake2b of ids)": 0.0, "pools add (bins, tables)": 0.0,
                  "monitor update": 0.0}
             parser = EventParser.from_settings(settings)
             st = None
@@ -307,12 +308,13 @@ def stage_costs(events: int, rounds: int = 3) -> dict[str, float]:
                     if len(jr):
                         route = st.filling.layout.route_uniforms(route_uniform_fast(jr.ids))
                         c2 = time.process_time()
-                        st.filling.add(route, jr.probs, jr.labels)
+                        c, h, pair = bin_rows(jr.probs, st.lam)  # as ModelState.ingest
+                        st.filling.add(route, None, jr.labels, counts=c, hashes=h)
                         c3 = time.process_time()
-                        st.monitor.update(jr.probs, jr.labels, jr.ts)
+                        st.monitor.update(jr.probs, jr.labels, jr.ts, hashes=(h, pair))
                         c4 = time.process_time()
                         t["pool routing (blake2b of ids)"] += c2 - c1
-                        t["pools add"] += c3 - c2
+                        t["pools add (bins, tables)"] += c3 - c2
                         t["monitor update"] += c4 - c3
         finally:
             if was:
