@@ -32,8 +32,11 @@ Nothing here raises on bad input: every message becomes a :class:`Prediction`, :
 the model's first event whose vector is a list of 2..100000 entries and keeps it
 (:meth:`EventParser.set_k` restores it from a checkpoint; :attr:`EventParser.k` exposes it).
 
-Throughput: :meth:`EventParser.parse_batch` does the per-message work in one tight Python loop
-(``orjson.loads`` + field checks) and validates all vectors of a model at once with numpy.
+Throughput: :meth:`EventParser.parse_batch` first tries a batch fast path: every message parsed
+and its fields taken out in one pass (:func:`daemon.columns.parse_columns`, a C kernel when
+:mod:`daemon.native` has it), all vectors of a model validated at once with numpy. A batch with
+any unusual event goes through the general per-message loop, which gives every event its own
+verdict; both paths produce the same records.
 
 Usage::
 

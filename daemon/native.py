@@ -25,11 +25,16 @@ import numpy as np
 
 from lpcal.pools import route_uniform
 
-__all__ = ["SPEEDUPS", "describe", "pure_python", "route_uniform_fast"]
+__all__ = ["SPEEDUPS", "describe", "disabled_by_env", "pure_python", "route_uniform_fast"]
+
+
+def disabled_by_env() -> bool:
+    """Whether ``LPCAL_NATIVE`` asks for the pure-Python path (0, false, no or off)."""
+    return os.environ.get("LPCAL_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def _load() -> ModuleType | None:
-    if os.environ.get("LPCAL_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if disabled_by_env():
         return None
     try:
         from daemon import _speedups

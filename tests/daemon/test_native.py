@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sysconfig
 from pathlib import Path
@@ -37,7 +36,7 @@ needs_native = pytest.mark.skipif(NATIVE is None, reason="daemon._speedups is no
 def test_accelerator_is_built_where_it_can_be():
     """With a C compiler and the Python headers, ``pip install`` must have built the module
     (a silent fallback would halve ingest throughput). LPCAL_NATIVE=0 switches it off."""
-    if os.environ.get("LPCAL_NATIVE", "1") == "0":
+    if daemon.native.disabled_by_env():
         assert NATIVE is None and daemon.native.describe() == "python"
         return
     headers = Path(sysconfig.get_paths()["include"], "Python.h").exists()
