@@ -302,3 +302,35 @@ def test_fast_path_forgets_oldest_recent_ids_in_order():
         offer(s, [(S, f"s{i}", 6, 1) for i in (5, 6)])
     assert fast.to_dict() == slow.to_dict()
     assert fast.to_dict()["models"]["m"]["recent_ids"] == ["s4", "s5", "s6"]
+
+
+def test_queue_of_joined_entries_stays_bounded_behind_a_straggler():
+    """Joined entries leave the arrival queue lazily; an old entry that keeps waiting must not
+    let them pile up (compaction), and order, expiry and snapshots stay exact."""
+    s = JoinStore(100_000, 1e9)
+    offer(s, [(P, "e0", 0, None)])                      # never gets its outcome (until the end)
+    for b in range(12):
+        ids = [f"e{b * 1000 + i + 1}" for i in range(1000)]
+        offer(s, [(P, i, b + 1, None) for i in ids])
+        r = offer(s, [(O, i, b + 1.5, 1) for i in ids])
+        assert len(r) == 1000
+        q = s._models["m"].queue
+        assert s.pending("m") == 1 and len(q) <= 2 * 1 + 1024 + 1000
+    snap = s.to_dict()
+    assert [p[0] for p in snap["models"]["m"]["pending"]] == ["e0"]
+    assert JoinStore.from_dict(orjson.loads(orjson.dumps(snap))) == s
+    r = offer(s, [(O, "e0", 20, 2)])
+    assert r.ids == ["e0"] and r.labels.tolist() == [2] and s.pending("m") == 0
+    assert np.array_equal(r.probs, np.array([row(0)]))
+
+
+def test_capacity_evicts_oldest_pending_not_joined_ones():
+    """With joined entries still queued ahead of it, the oldest *pending* entry is evicted."""
+    s = JoinStore(3, 1e9)
+    offer(s, [(P, "e1", 0, None), (P, "e2", 1, None), (P, "e3", 2, None)])
+    offer(s, [(O, "e1", 3, 0)])                          # e1 joined: its queue slot is dead
+    r = offer(s, [(P, "e4", 4, None), (P, "e5", 5, None)])
+    assert r.evicted["capacity"] == 1                    # e2 went, not the joined e1
+    assert [p[0] for p in s.to_dict()["models"]["m"]["pending"]] == ["e3", "e4", "e5"]
+    r = offer(s, [(O, "e2", 6, 1)])
+    assert len(r) == 0 and r.unmatched["late"] == 1      # e2 was remembered as expired
