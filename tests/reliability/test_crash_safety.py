@@ -207,7 +207,9 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
                 mismatches.append(f"{m}: {label} run ended with a fit in flight")
         if c.join.pending(m) or r.join.pending(m):
             mismatches.append(f"{m}: events left unjoined ({c.join.pending(m)} / "
-                              f"{r.join.pending(m)})")
+                              f"{r.join.pending(m)}); join stats crash {c.join.stats(m)}, "
+                              f"reference {r.join.stats(m)}; offsets crash {c.offsets}, "
+                              f"reference {r.offsets}")
         rv, cv = ref_maps.get(m, {}), crash_maps.get(m, {})
         if sorted(rv) != list(range(1, len(rv) + 1)) or not rv:
             mismatches.append(f"{m}: reference versions {sorted(rv)}")
