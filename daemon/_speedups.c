@@ -59,14 +59,14 @@ get(PyObject *d, PyObject *key)
 PyDoc_STRVAR(scan_doc,
 "scan(ds, max_model_len, max_id_len, loads=None, max_bytes=0)\n"
 "-> (models, ids, ts, labels, vlen, flat) | None\n\n"
-"With loads (orjson.loads), ds are message values instead: each must be bytes of at most\n"
-"max_bytes bytes and is parsed by loads, read and dropped at once (the parsed batch is never\n"
-"alive as a whole; a ValueError from loads gives None).\n"
 "Columns of a list of parsed events, if every one is a dict with a str 'model' of\n"
 "1..max_model_len and a str 'id' of 1..max_id_len characters, a float/int 'ts', no\n"
 "'logits', and a list 'probs' of floats/ints (|int| <= 2**53) and/or an int 'label'\n"
 "in [0, 2**63); else None. ts: float64 bytes; labels, vlen: int64 bytes (-1: absent);\n"
-"flat: the float64 entries of all vectors, concatenated in event order.");
+"flat: the float64 entries of all vectors, concatenated in event order.\n"
+"With loads (orjson.loads), ds are message values instead: each must be bytes of at most\n"
+"max_bytes bytes and is parsed by loads, read and dropped at once (the parsed batch is never\n"
+"alive as a whole; a ValueError from loads gives None).");
 
 static PyObject *
 scan(PyObject *self, PyObject *args)
