@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv demo test bench soak lint clean
 
-$(STAMP): pyproject.toml daemon/_speedups.c
+$(STAMP): pyproject.toml $(wildcard daemon/csrc/*)
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip

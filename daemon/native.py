@@ -1,8 +1,9 @@
 """The optional C accelerator of the ingest path, and the switch that turns it off.
 
-``daemon/_speedups.c`` holds native versions of the three per-event loops of ingestion:
-extracting the fields of parsed events (:meth:`daemon.events.EventParser.parse_batch`), the join
-loop (:meth:`daemon.join.JoinStore.offer`) and the blake2b pool routing
+``daemon/csrc/`` (the extension module ``daemon._speedups``) holds native versions of the three
+per-event loops of ingestion: parsing events and extracting their fields
+(:meth:`daemon.events.EventParser.parse_batch`), the join loop
+(:meth:`daemon.join.JoinStore.offer`) and the blake2b pool routing
 (:func:`lpcal.pools.route_uniform`). Each one computes exactly what its pure-Python reference
 computes; ``tests/daemon/test_native.py`` checks that on random and adversarial input.
 

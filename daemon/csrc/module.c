@@ -1,0 +1,38 @@
+/* daemon._speedups: optional native kernels of the daemon's ingest path.
+ *
+ * Each function does exactly what a pure-Python reference in daemon/ does, only without the
+ * interpreter loop; daemon/native.py loads this module if it was built and falls back to the
+ * Python code otherwise (or when LPCAL_NATIVE=0). tests/daemon/test_native.py checks every
+ * function against its reference on random and adversarial input.
+ *
+ * Parts: scan.c, blake2b.c, join.c; this file only assembles the module.
+ *
+ *   all_bytes_within(values, max_bytes)       every value bytes of at most max_bytes bytes
+ *   scan(ds, max_model_len, max_id_len)        columns of a batch of parsed events, or None
+ *                                              (reference: daemon.columns.columns_python)
+ *   route_u64(ids)                             blake2b-64 of each id's UTF-8, or None
+ *                                              (reference: lpcal.pools.route_uniform)
+ *   offer_loop(...)                            the per-event join loop of JoinStore.offer
+ *   attach_rows(entries, block)                entry[3] = (block, r) for each pending entry
+ *
+ * No NumPy C API: arrays cross the boundary as bytearrays (np.frombuffer on the Python side),
+ * so the module builds with nothing but a C compiler and the Python headers.
+ */
+#include "speedups.h"
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "daemon._speedups",
+                                    "Optional native kernels of the lpcal daemon's ingest path.",
+                                    -1, NULL};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    if (speedups_add_scan(m) < 0 || speedups_add_blake2b(m) < 0 || speedups_add_join(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
