@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from lpcal.errors import InputError
-from lpcal.levels import bin_hashes, group_hashed
+from lpcal.levels import bin_rows, group_hashed
 from lpcal.metrics import lp_norm as _lp_norm
 
 __all__ = ["PREDICTORS", "CellSums", "WindowMonitor", "WindowStats", "cell_bounds"]
@@ -105,7 +105,7 @@ class _Rows:
                  hashes: tuple[np.ndarray, np.ndarray] | None = None):
         n = x.shape[0]
         self.x, self.y = x, y
-        self.h, self.pair = bin_hashes(x, lam) if hashes is None else hashes
+        self.h, self.pair = bin_rows(x, lam)[1:] if hashes is None else hashes
         idx = np.arange(n)
         pred = x.argmax(axis=1)
         self.conf = x[idx, pred]

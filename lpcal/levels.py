@@ -240,8 +240,9 @@ def bin_counts_hashed(probs: np.ndarray, lam: int) -> tuple[np.ndarray, np.ndarr
 
 
 def bin_rows(probs: np.ndarray, lam: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(c, h, pair)``: :func:`bin_counts_hashed` plus the two exact hashes of every row (as
-    :func:`bin_hashes`), for callers that need both the bins and a grouping of the rows."""
+    """``(c, h, pair)``: :func:`bin_counts_hashed` plus ``pair``, the two exact 53-bit hashes of
+    every row that ``h`` folds (as :func:`scan_rows` returns them), for callers that need both
+    the bins and a checked grouping of the rows (:func:`group_hashed`)."""
     u = np.atleast_2d(np.asarray(probs, dtype=np.float64))
     n, k = u.shape
     if lam > MAX_LAMBDA:
@@ -286,26 +287,8 @@ def scan_rows(probs: np.ndarray, lam: int):
     return _combine(hh), hh, rs, rm
 
 
-def bin_hashes(probs: np.ndarray, lam: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(h, pair)`` of :func:`scan_rows` alone: the folded hash and the two exact hashes of
-    every row's bin, for callers that group rows by bin and need neither ``c`` nor the row
-    sums (see :func:`group_hashed`)."""
-    u = np.atleast_2d(np.asarray(probs, dtype=np.float64))
-    n, k = u.shape
-    if lam > MAX_LAMBDA:
-        raise InputError(f"lambda = {lam} exceeds the supported maximum {MAX_LAMBDA}")
-    w = _weights(k)
-    hh = np.empty((n, 2), dtype=np.float64)
-    step = _rows_per_chunk(k)
-    buf = np.empty((min(step, n), k))
-    for a in range(0, n, step):
-        b = min(a + step, n)
-        np.dot(floor_into(u[a:b], lam, buf[: b - a]), w, out=hh[a:b])
-    return _combine(hh), hh
-
-
 def group_hashed(h: np.ndarray, pair: np.ndarray):
-    """:func:`group_rows` from the hashes of :func:`bin_hashes` (no bin rows needed): returns
+    """:func:`group_rows` from the hashes of :func:`bin_rows` (no bin rows needed): returns
     ``(unique_hashes, first_index, inverse)``; rows of a group must share both exact hashes
     (checked, :class:`HashCollision` otherwise)."""
     uh, first, inv = np.unique(h, return_index=True, return_inverse=True)

@@ -164,44 +164,6 @@ expire(Join *j, double clock)
     }
 }
 
-/* A growable array of 8-byte numbers, handed to Python as a bytearray (np.frombuffer). */
-typedef struct {
-    char *data;
-    Py_ssize_t len, cap; /* in items */
-} Buf;
-
-static int
-buf_grow(Buf *b)
-{
-    Py_ssize_t cap = b->cap ? 2 * b->cap : 256;
-    char *d = PyMem_Realloc(b->data, (size_t)cap * 8);
-    if (!d) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    b->data = d;
-    b->cap = cap;
-    return 0;
-}
-
-static int
-push_i64(Buf *b, int64_t x)
-{
-    if (b->len == b->cap && buf_grow(b) < 0)
-        return -1;
-    ((int64_t *)b->data)[b->len++] = x;
-    return 0;
-}
-
-static int
-push_f64(Buf *b, double x)
-{
-    if (b->len == b->cap && buf_grow(b) < 0)
-        return -1;
-    ((double *)b->data)[b->len++] = x;
-    return 0;
-}
-
 static int
 push_long(Buf *b, PyObject *v)
 {   /* a Python int (a label or a row index) */
@@ -209,12 +171,6 @@ push_long(Buf *b, PyObject *v)
     if (x == -1 && PyErr_Occurred())
         return -1;
     return push_i64(b, x);
-}
-
-static PyObject *
-buf_bytes(Buf *b)
-{
-    return PyByteArray_FromStringAndSize(b->data ? b->data : "", b->len * 8);
 }
 
 /* Rows of the output held by earlier batches, grouped by block: out[pos] = block[row]. */
@@ -498,7 +454,8 @@ attach_rows(PyObject *self, PyObject *args)
     for (Py_ssize_t r = 0; r < PyList_GET_SIZE(entries); r++) {
         PyObject *e = PyList_GET_ITEM(entries, r);
         if (!PyList_Check(e) || PyList_GET_SIZE(e) != 5) {
-            PyErr_SetString(PyExc_TypeError, "attach_rows: entries must be pending entries (5-item lists)");
+            PyErr_SetString(PyExc_TypeError,
+                            "attach_rows: entries must be pending entries (5-item lists)");
             return NULL;
         }
         PyObject *pair = Py_BuildValue("(On)", block, r);

@@ -56,8 +56,7 @@ scan(PyObject *self, PyObject *args)
     PyObject *ts = PyByteArray_FromStringAndSize(NULL, n * 8);
     PyObject *labels = PyByteArray_FromStringAndSize(NULL, n * 8);
     PyObject *vlen = PyByteArray_FromStringAndSize(NULL, n * 8);
-    double *flat = NULL;
-    Py_ssize_t nflat = 0, capflat = 0;
+    Buf flat = {0};
     PyObject *result = NULL;
     if (!models || !ids || !ts || !labels || !vlen)
         goto done;
@@ -125,22 +124,13 @@ scan(PyObject *self, PyObject *args)
             if (!PyList_CheckExact(vec))
                 goto reject;
             Py_ssize_t m = PyList_GET_SIZE(vec);
-            if (nflat + m > capflat) {
-                Py_ssize_t want = capflat ? capflat * 2 : 16 * (m > 0 ? m : 1) + 64;
-                while (want < nflat + m)
-                    want *= 2;
-                double *grown = PyMem_Realloc(flat, (size_t)want * sizeof(double));
-                if (!grown) {
-                    PyErr_NoMemory();
-                    goto done;
-                }
-                flat = grown;
-                capflat = want;
-            }
+            if (buf_reserve(&flat, m) < 0)
+                goto done;
+            double *out = (double *)flat.data + flat.len;
             for (Py_ssize_t j = 0; j < m; j++)
-                if (number(PyList_GET_ITEM(vec, j), flat + nflat + j))
+                if (number(PyList_GET_ITEM(vec, j), out + j))
                     goto reject;
-            nflat += m;
+            flat.len += m;
             lenv[i] = m;
         }
         else
@@ -151,7 +141,7 @@ scan(PyObject *self, PyObject *args)
         PyList_SET_ITEM(ids, i, eid);
     }
     {
-        PyObject *fl = PyByteArray_FromStringAndSize((const char *)flat, nflat * 8);
+        PyObject *fl = buf_bytes(&flat);
         if (fl)
             result = Py_BuildValue("(NNNNNN)", models, ids, ts, labels, vlen, fl);
         if (result) {
@@ -163,7 +153,7 @@ reject:
     result = Py_NewRef(Py_None);
 done:
     Py_XDECREF(owned);
-    PyMem_Free(flat);
+    PyMem_Free(flat.data);
     Py_XDECREF(models);
     Py_XDECREF(ids);
     Py_XDECREF(ts);

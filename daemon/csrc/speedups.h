@@ -20,4 +20,54 @@ speedups_intern(PyObject **slot, const char *name)
     return *slot ? 0 : -1;
 }
 
+/* A growable array of 8-byte numbers (int64 or float64), handed to Python as a bytearray
+ * (np.frombuffer on the Python side). Zero-initialise; free data with PyMem_Free. */
+typedef struct {
+    char *data;
+    Py_ssize_t len, cap; /* in items */
+} Buf;
+
+/* Room for extra more items; -1 with MemoryError if there is none. */
+static inline int
+buf_reserve(Buf *b, Py_ssize_t extra)
+{
+    if (b->len + extra <= b->cap)
+        return 0;
+    Py_ssize_t cap = b->cap ? 2 * b->cap : 256;
+    while (cap < b->len + extra)
+        cap *= 2;
+    char *d = PyMem_Realloc(b->data, (size_t)cap * 8);
+    if (!d) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->data = d;
+    b->cap = cap;
+    return 0;
+}
+
+static inline int
+push_i64(Buf *b, int64_t x)
+{
+    if (buf_reserve(b, 1) < 0)
+        return -1;
+    ((int64_t *)b->data)[b->len++] = x;
+    return 0;
+}
+
+static inline int
+push_f64(Buf *b, double x)
+{
+    if (buf_reserve(b, 1) < 0)
+        return -1;
+    ((double *)b->data)[b->len++] = x;
+    return 0;
+}
+
+static inline PyObject *
+buf_bytes(const Buf *b)
+{
+    return PyByteArray_FromStringAndSize(b->data ? b->data : "", b->len * 8);
+}
+
 #endif
