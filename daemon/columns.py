@@ -25,7 +25,7 @@ import orjson
 
 from daemon.native import SPEEDUPS
 
-__all__ = ["Columns", "all_bytes_within", "columns", "columns_python", "parse_columns"]
+__all__ = ["Columns", "columns", "columns_python", "parse_columns"]
 
 _EXACT = 2.0**53
 
@@ -62,13 +62,6 @@ class Columns:
         return self.flat[self.start[rows][:, None] + np.arange(k)]
 
 
-def all_bytes_within(values: list, max_bytes: int) -> bool:
-    """Whether every message value is ``bytes`` of at most ``max_bytes`` bytes."""
-    if SPEEDUPS is not None and type(values) is list:
-        return SPEEDUPS.all_bytes_within(values, max_bytes)
-    return set(map(type, values)) == {bytes} and max(map(len, values)) <= max_bytes
-
-
 def parse_columns(values: list, max_bytes: int, max_model_len: int, max_id_len: int
                   ) -> Columns | None:
     """:func:`columns` of message values: None unless every value is bytes of at most
@@ -78,7 +71,7 @@ def parse_columns(values: list, max_bytes: int, max_model_len: int, max_id_len: 
     if SPEEDUPS is not None and type(values) is list:
         return _native_columns(SPEEDUPS.scan(values, max_model_len, max_id_len, orjson.loads,
                                              max_bytes))
-    if not all_bytes_within(values, max_bytes):
+    if set(map(type, values)) != {bytes} or max(map(len, values)) > max_bytes:
         return None
     try:
         ds = list(map(orjson.loads, values))
@@ -100,7 +93,8 @@ def _native_columns(cols: tuple | None) -> Columns | None:
     models, ids, ts, labels, vlen, flat = cols
     vl = np.frombuffer(vlen, dtype=np.int64)
     has_vec = vl >= 0
-    start = np.cumsum(np.where(has_vec, vl, 0)) - np.where(has_vec, vl, 0)
+    lengths = np.where(has_vec, vl, 0)
+    start = np.cumsum(lengths) - lengths
     return Columns(models, ids, np.frombuffer(ts, dtype=np.float64),
                    np.frombuffer(labels, dtype=np.int64), has_vec,
                    flat=np.frombuffer(flat, dtype=np.float64), vlen=vl, start=start)

@@ -446,9 +446,8 @@ class EventParser:
         every value (bytes within ``max_bytes``) and takes out the fields if every event has
         the common shape; every model has a policy and a known ``k`` (admitted, or admissible
         under ``max_models``), every label is below its model's ``k`` and every vector has
-        ``k`` numeric entries. The
-        vectors of a model become one matrix, validated exactly as in the general path
-        (:func:`_validate_rows`). Returns None, with no state changed, when any condition
+        ``k`` numeric entries. The vectors of a model become one matrix, validated exactly as in
+        the general path (:func:`_validate_rows`). Returns None, with no state changed, when any condition
         fails; the caller then runs the general per-message loop, which produces the same
         result for the batches accepted here (models not admitted yet are admitted in order of
         first appearance, as it would)."""

@@ -11,7 +11,8 @@ The extension is built by ``pip install`` when a C compiler and the Python heade
 and skipped with a warning otherwise (``optional = true`` in pyproject.toml). ``SPEEDUPS`` is the
 loaded module, or None: then, or with ``LPCAL_NATIVE=0`` in the environment, the daemon runs
 the pure-Python path, with the same results at about half the ingest throughput (README,
-benchmark 5). ``lpcal_native_info`` on ``/metrics`` says which path a process runs.
+benchmark 5). ``lpcal_build_info{ingest_path}`` on ``/metrics`` says which path a process
+runs.
 """
 
 from __future__ import annotations

@@ -165,6 +165,7 @@ class CountTable:
             hashes = row_hash(c)
         self._append(c, y, np.asarray(hashes, dtype=np.int64))
 
+    @_locked
     def _append(self, c: np.ndarray, y: np.ndarray, h: np.ndarray) -> None:
         """Buffer checked rows (int32 bins, int32 labels, int64 hashes; see :meth:`add`)."""
         self._pending.append((c, y, h))
@@ -575,9 +576,7 @@ class PoolSet:
         c, y, h = c[order], y[order], np.asarray(hashes, dtype=np.int64)[order]
         cuts = (np.flatnonzero(ps[1:] != ps[:-1]) + 1).tolist()
         for a, b in zip([0, *cuts], [*cuts, ps.size]):
-            table = self.tables[self.layout.names[int(ps[a])]]
-            with table._lock:
-                table._append(c[a:b], y[a:b], h[a:b])
+            self.tables[self.layout.names[int(ps[a])]]._append(c[a:b], y[a:b], h[a:b])
 
     def compact(self) -> None:
         """Compact every table (before handing the pools to another thread)."""

@@ -7,7 +7,6 @@
  *
  * Parts: scan.c, blake2b.c, join.c; this file only assembles the module.
  *
- *   all_bytes_within(values, max_bytes)       every value bytes of at most max_bytes bytes
  *   scan(ds, max_model_len, max_id_len)        columns of a batch of parsed events, or None
  *                                              (reference: daemon.columns.columns_python)
  *   route_u64(ids)                             blake2b-64 of each id's UTF-8, or None

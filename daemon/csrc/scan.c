@@ -162,27 +162,7 @@ done:
     return result;
 }
 
-PyDoc_STRVAR(all_bytes_within_doc,
-"all_bytes_within(values, max_bytes) -> bool\n\n"
-"Whether every item of the list is a bytes object of at most max_bytes bytes.");
-
-static PyObject *
-all_bytes_within(PyObject *self, PyObject *args)
-{
-    PyObject *values;
-    Py_ssize_t max_bytes;
-    if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &values, &max_bytes))
-        return NULL;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(values); i++) {
-        PyObject *v = PyList_GET_ITEM(values, i);
-        if (!PyBytes_CheckExact(v) || PyBytes_GET_SIZE(v) > max_bytes)
-            Py_RETURN_FALSE;
-    }
-    Py_RETURN_TRUE;
-}
-
 static PyMethodDef scan_methods[] = {
-    {"all_bytes_within", all_bytes_within, METH_VARARGS, all_bytes_within_doc},
     {"scan", scan, METH_VARARGS, scan_doc},
     {NULL, NULL, 0, NULL}};
 
