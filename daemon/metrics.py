@@ -176,12 +176,15 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
     "lpcal_pool_fill_ratio": (
         "gauge", ("model", "pool"), "Pool samples divided by the pool's target size (1 = full)."),
     "lpcal_epochs_waiting": (
-        "gauge", ("model",), "Full pool sets (sealed epochs) waiting for their fit; at "
-        "MAX_SEALED the model's input partition is paused until fits catch up."),
+        "gauge", ("model",),
+        ("Full pool sets (sealed epochs) waiting for their fit; at MAX_SEALED the model's input "
+         "partition is paused until fits catch up.")),
     "lpcal_calibrations_total": (
         "counter", ("model", "trigger"), "Successful recalibrations (bin map fitted), by trigger."),
     "lpcal_calibration_failures_total": (
-        "counter", ("model",), "Recalibrations that raised an error."),
+        "counter", ("model",),
+        ("Failed recalibration attempts: fits that raised, and bin-map publishes that failed "
+         "(a failed publish is retried).")),
     "lpcal_fit_duration_seconds": (
         "histogram", ("model",), "Wall time of one recalibration fit."),
     "lpcal_fit_iterations": (
@@ -506,7 +509,8 @@ class DaemonMetrics:
         self.high_probability_bins.labels(model=model).set(n_bins)
 
     def inc_calibration_failure(self, model: str) -> None:
-        """Count a recalibration of ``model`` that raised."""
+        """Count a failed recalibration attempt of ``model`` (a fit that raised, or a failed
+        publish of its bin map)."""
         self.calibration_failures.labels(model=self._model(model)).inc()
 
     def set_binmap_published(

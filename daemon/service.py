@@ -62,6 +62,7 @@ WRONG_PARTITION = "bad_schema"  # a model's events on two partitions: the key co
 STATE_MAX_BYTES = 16 << 20  # checkpoints of large pools and windows are several MB
 STATE_TOPIC_CONFIG = {"cleanup.policy": "compact", "max.message.bytes": str(STATE_MAX_BYTES)}
 _GAUGE_EVERY = 1.0
+_PUBLISH_RETRY_FIRST, _PUBLISH_RETRY_MAX = 0.5, 30.0  # seconds between bin-map publish attempts
 _LAG_EVERY = 5.0
 
 
@@ -128,6 +129,10 @@ class Daemon:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpcal-fit")
         self._last_ckpt = time.monotonic()
         self._last_gauges: dict[str, float] = {}
+        # models whose gauges changed since their last export; exported (rate-limited) on every
+        # poll until done, so that a model that turns idle does not keep stale gauges
+        self._gauges_due: set[str] = set()
+        self._publishing: set[asyncio.Task] = set()  # bin-map publishes (with their retries)
         self._last_lag = 0.0
         self._dlq: list[tuple[dict, asyncio.Future]] = []  # dead letters not yet acknowledged
         # per model: sealed epochs to come whose bin maps were already published (see
@@ -248,10 +253,15 @@ class Daemon:
         """Stop fetching, finish or checkpoint in-flight work, commit and close (bounded)."""
         grace = float(self.s.shutdown_grace_seconds)
         t0 = time.monotonic()
+        # fits in flight get half the grace period to finish and publish; the rest stay in
+        # flight in the final checkpoint
         pending = [i.task for i in self.inflight.values() if i.task is not None]
         if pending:
             await asyncio.wait(pending, timeout=grace / 2)
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # their done callbacks start the publishes
+        if self._publishing:
+            await asyncio.wait(set(self._publishing),
+                               timeout=max(0.0, grace / 2 - (time.monotonic() - t0)))
         try:
             if self.consumer is not None and self.assigned:
                 left = max(1.0, grace - (time.monotonic() - t0) - 2.0)
@@ -504,6 +514,8 @@ class Daemon:
                 self._parked[model] = (self.partition_of[model], st, inf_copy)
             self.partition_of.pop(model, None)
             self.dirty.discard(model)
+            self._gauges_due.discard(model)
+            self._last_gauges.pop(model, None)
             self.metrics.remove_model(model)
         for tp in tps:
             self.positions.pop((tp.topic, tp.partition), None)
@@ -623,6 +635,7 @@ class Daemon:
         waiting = {m for m, st in self.models.items() if st.sealed}
         for model in list(self.dirty | waiting):
             self._check_model(model, now)
+        self._export_due_gauges(now)
         self._apply_backpressure()
         if now - self._last_lag >= _LAG_EVERY:
             self._last_lag = now
@@ -652,9 +665,19 @@ class Daemon:
                 st.start_new_epoch()
                 self.inflight[model] = inf
                 self._launch_fit(model, inf)
-        if now - self._last_gauges.get(model, 0.0) >= _GAUGE_EVERY:
-            self._last_gauges[model] = now
-            self._export_gauges(model, st)
+        self._gauges_due.add(model)
+
+    def _export_due_gauges(self, now: float) -> None:
+        """Export the gauges of models checked since their last export, at most once per
+        :data:`_GAUGE_EVERY` seconds per model; the others stay due for a later poll."""
+        for model in list(self._gauges_due):
+            st = self.models.get(model)
+            if st is None:
+                self._gauges_due.discard(model)
+            elif now - self._last_gauges.get(model, 0.0) >= _GAUGE_EVERY:
+                self._last_gauges[model] = now
+                self._gauges_due.discard(model)
+                self._export_gauges(model, st)
 
     def _backlogged_partitions(self) -> set[int]:
         return {self.partition_of[m] for m, st in self.models.items()
@@ -721,18 +744,25 @@ class Daemon:
             return bm, time.perf_counter() - t0
 
         inf.task = loop.run_in_executor(self._executor, work)
-        inf.task.add_done_callback(lambda fut: asyncio.ensure_future(
-            self._fit_done(model, inf, fut)))
+        inf.task.add_done_callback(lambda fut: self._track(self._fit_done(model, inf, fut)))
+
+    def _track(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
 
     async def _fit_done(self, model: str, inf: Inflight, fut) -> None:
+        """Publish the bin map of a finished fit, then install it and chain the next fit.
+
+        A fit that raised is counted and its epoch dropped (the same pools would raise again).
+        A publish that fails is counted and retried with backoff while the fit stays in flight
+        (checkpointed, so a restart refits it: fits are deterministic); on shutdown it is left
+        to the checkpoint."""
         if fut.cancelled() or self.inflight.get(model) is not inf:
             return
         try:
             bm, seconds = fut.result()
             data = bm.to_json()
-            await self.producer.send_and_wait(
-                self.s.kafka.topics.binmaps, key=model.encode(), value=data,
-                headers=[("lpcal.version", str(inf.version).encode())])
         except Exception as e:  # noqa: BLE001 - a failed fit is counted, never fatal
             log.error("model %s: recalibration (version %d) failed: %s: %s", model,
                       inf.version, type(e).__name__, e)
@@ -740,6 +770,28 @@ class Daemon:
             self.inflight.pop(model, None)
             self.dirty.add(model)
             return
+        delay = _PUBLISH_RETRY_FIRST
+        while True:
+            if self.inflight.get(model) is not inf:
+                log.info("model %s: bin map version %d not published: the model was revoked "
+                         "(its new owner fits it again from the checkpoint)", model, inf.version)
+                return
+            try:
+                await self.producer.send_and_wait(
+                    self.s.kafka.topics.binmaps, key=model.encode(), value=data,
+                    headers=[("lpcal.version", str(inf.version).encode())])
+                break
+            except Exception as e:  # noqa: BLE001 - broker trouble: retried, never fatal
+                if self.stopping.is_set():
+                    log.info("model %s: bin map version %d not published before shutdown "
+                             "(%s); it stays in flight in the checkpoint and is fitted again "
+                             "after a restart", model, inf.version, type(e).__name__)
+                    return
+                self.metrics.inc_calibration_failure(model)
+                log.warning("model %s: publishing bin map version %d failed (%s: %s); "
+                            "retrying in %.1f s", model, inf.version, type(e).__name__, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, _PUBLISH_RETRY_MAX)
         st = self.models.get(model)
         if st is None or self.inflight.get(model) is not inf:
             return

@@ -1,0 +1,61 @@
+"""Stand-ins shared by the broker-free tests of :class:`daemon.service.Daemon`: a consumer that
+records pause/resume, small settings and a model state with sealed epochs."""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+from aiokafka import TopicPartition
+
+from daemon.events import EventParser
+from daemon.model_state import ModelState
+from daemon.settings import Settings
+
+MODEL, K = "bp-unit", 3
+
+
+class RecordingConsumer:
+    """Records which partitions are paused (``highwater``: the lag export's only other call)."""
+
+    def __init__(self):
+        self.paused: set[TopicPartition] = set()
+        self.calls: list[tuple[str, tuple]] = []
+
+    def pause(self, *tps):
+        self.calls.append(("pause", tps))
+        self.paused |= set(tps)
+
+    def resume(self, *tps):
+        self.calls.append(("resume", tps))
+        self.paused -= set(tps)
+
+    def highwater(self, tp):
+        return None
+
+
+def small_settings() -> Settings:
+    return Settings(defaults={"pool": 40, "mu_pool": 80, "drift_threshold": 100.0},
+                    models={MODEL: {"k": K}})
+
+
+def offer_samples(settings: Settings, st: ModelState, start: int, n: int) -> None:
+    """Offer ``n`` complete samples (ids ``u{start}``...) to ``st``."""
+    rng = np.random.default_rng(start)
+    probs = rng.dirichlet(np.ones(K), size=n)
+    labels = rng.integers(0, K, size=n)
+    values = [orjson.dumps({"model": MODEL, "id": f"u{start + i}", "ts": float(start + i),
+                            "probs": probs[i].tolist(), "label": int(labels[i])})
+              for i in range(n)]
+    for mb in EventParser.from_settings(settings).parse_batch(values).by_model.values():
+        st.offer(mb)
+
+
+def state_with_sealed(settings: Settings, n_sealed: int) -> ModelState:
+    """A state of :data:`MODEL` with ``n_sealed`` full epochs waiting for their fit."""
+    st = ModelState.create(MODEL, K, settings.model_settings(MODEL), settings.join)
+    per_epoch = sum(st.layout.targets.values())
+    offer_samples(settings, st, 0, 3 * per_epoch * (n_sealed + 1))  # routing fills unevenly
+    while len(st.sealed) > n_sealed:
+        st.start_new_epoch()
+    assert len(st.sealed) == n_sealed
+    return st

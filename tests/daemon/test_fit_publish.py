@@ -1,0 +1,154 @@
+"""Fits, their publication and the per-model gauges in :class:`daemon.service.Daemon`, without a
+broker: the producer is a stand-in that fails a given number of times, the fits are real
+(:func:`lpcal.calibrate.fit_pools` in the daemon's worker thread).
+
+- A publish that fails (broker down) is counted and retried until it lands; the epoch is not
+  lost and its version is not reused for other pools.
+- On shutdown a publish that cannot land is left in flight, so the final checkpoint carries it.
+- A fit that raises is counted and its epoch dropped.
+- The gauges of a model that turns idle right after a change are still exported (CI caught
+  ``lpcal_epochs_waiting`` stuck at 3 for a model whose last fits came within one gauge period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.errors import KafkaConnectionError
+
+from daemon import service
+from daemon.service import Daemon
+from lpcal.client import verify_artifact
+from lpcal.errors import LpcalError
+from tests.daemon.daemon_stubs import (
+    MODEL,
+    RecordingConsumer,
+    offer_samples,
+    small_settings,
+    state_with_sealed,
+)
+
+
+class FlakyProducer:
+    """``send_and_wait`` fails the first ``failures`` calls (all of them if None)."""
+
+    def __init__(self, failures: int | None):
+        self.failures = failures
+        self.attempts = 0
+        self.sent: list[tuple[str, bytes, bytes, dict]] = []
+
+    async def send_and_wait(self, topic, key, value, headers=()):
+        self.attempts += 1
+        await asyncio.sleep(0)
+        if self.failures is None or self.attempts <= self.failures:
+            raise KafkaConnectionError("broker unreachable (stand-in)")
+        self.sent.append((topic, key, value, dict(headers)))
+
+
+@pytest.fixture
+def daemon(monkeypatch):
+    monkeypatch.setattr(service, "_PUBLISH_RETRY_FIRST", 0.01)
+    s = small_settings()
+    d = Daemon(s)
+    d.consumer = RecordingConsumer()
+    d.assigned = {TopicPartition(s.kafka.topics.predictions, 0),
+                  TopicPartition(s.kafka.topics.outcomes, 0)}
+    yield d
+    d._executor.shutdown(wait=True)
+
+
+def failures(d: Daemon) -> float:
+    return d.metrics.registry.get_sample_value("lpcal_calibration_failures_total",
+                                               {"model": MODEL})
+
+
+def gauge(d: Daemon, name: str) -> float | None:
+    return d.metrics.registry.get_sample_value(name, {"model": MODEL})
+
+
+async def until(cond, what: str, timeout: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def with_sealed(d: Daemon, n: int):
+    st = state_with_sealed(d.s, n)
+    d.models[MODEL], d.partition_of[MODEL] = st, 0
+    return st
+
+
+async def test_failed_publish_is_counted_and_retried_until_it_lands(daemon):
+    st = with_sealed(daemon, 1)
+    daemon.producer = FlakyProducer(failures=3)
+    daemon._after_batch()
+    assert daemon.inflight[MODEL].version == 1
+    await until(lambda: MODEL not in daemon.inflight, "the fit to be published")
+    assert daemon.producer.attempts == 4 and len(daemon.producer.sent) == 1
+    assert failures(daemon) == 3
+    topic, key, value, headers = daemon.producer.sent[0]
+    assert (topic, key, headers) == (daemon.s.kafka.topics.binmaps, MODEL.encode(),
+                                     {"lpcal.version": b"1"})
+    bm = verify_artifact(value)
+    assert (bm.model_id, bm.version) == (MODEL, 1)
+    assert st.binmap_version == 1 and not st.sealed   # installed, and no epoch lost
+    assert gauge(daemon, "lpcal_binmap_version") == 1
+
+
+async def test_publish_failing_at_shutdown_stays_in_flight_for_the_checkpoint(daemon):
+    st = with_sealed(daemon, 1)
+    daemon.producer = FlakyProducer(failures=None)
+    daemon._after_batch()
+    inf = daemon.inflight[MODEL]
+    await until(lambda: daemon.producer.attempts >= 2, "a retried publish")
+    daemon.stopping.set()
+    await until(lambda: not daemon._publishing, "the publish to give up")
+    assert daemon.inflight.get(MODEL) is inf and st.binmap_version == 0
+    envelope = orjson.loads(daemon._envelope(MODEL))
+    assert envelope["inflight"]["version"] == 1
+    assert envelope["inflight"]["pools"] == inf.pools.to_dict()
+    # the attempts before the shutdown count as failures; the one cut short by it does not
+    assert failures(daemon) == daemon.producer.attempts - 1
+
+
+async def test_fit_that_raises_is_counted_and_its_epoch_dropped(daemon, monkeypatch):
+    def broken_fit(*a, **kw):
+        raise LpcalError("fit failed (stand-in)")
+
+    monkeypatch.setattr(service, "fit_pools", broken_fit)
+    st = with_sealed(daemon, 1)
+    daemon.producer = FlakyProducer(failures=0)
+    daemon._after_batch()
+    await until(lambda: MODEL not in daemon.inflight, "the failed fit")
+    assert failures(daemon) == 1 and daemon.producer.attempts == 0
+    assert st.binmap_version == 0 and not st.sealed
+
+
+def pool_gauges(d: Daemon, st) -> dict[str, float | None]:
+    return {p: d.metrics.registry.get_sample_value("lpcal_pool_samples",
+                                                   {"model": MODEL, "pool": p})
+            for p in st.pools.tables}
+
+
+def test_gauges_of_a_model_that_turns_idle_are_exported(daemon):
+    st = with_sealed(daemon, 0)
+    daemon.dirty.add(MODEL)
+    daemon._after_batch()
+    exported = pool_gauges(daemon, st)
+    assert exported == {p: t.total for p, t in st.pools.tables.items()}
+    # a change within the same gauge period: due, but rate-limited
+    offer_samples(daemon.s, st, 10_000, 20)
+    daemon.dirty.add(MODEL)
+    daemon._after_batch()
+    assert pool_gauges(daemon, st) == exported != {p: t.total for p, t in st.pools.tables.items()}
+    # a checkpoint clears the model's dirty mark, and no event arrives any more
+    daemon.dirty.clear()
+    daemon._last_gauges[MODEL] -= 2 * service._GAUGE_EVERY  # one gauge period later
+    daemon._after_batch()
+    assert pool_gauges(daemon, st) == {p: t.total for p, t in st.pools.tables.items()}
+    assert not daemon._gauges_due
