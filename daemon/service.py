@@ -744,9 +744,11 @@ class Daemon:
             return bm, time.perf_counter() - t0
 
         inf.task = loop.run_in_executor(self._executor, work)
-        inf.task.add_done_callback(lambda fut: self._track(self._fit_done(model, inf, fut)))
+        inf.task.add_done_callback(
+            lambda fut: self._track_publish(self._fit_done(model, inf, fut)))
 
-    def _track(self, coro) -> None:
+    def _track_publish(self, coro) -> None:
+        """Run ``coro`` (a :meth:`_fit_done`) as a task that :meth:`shutdown` can wait for."""
         task = asyncio.ensure_future(coro)
         self._publishing.add(task)
         task.add_done_callback(self._publishing.discard)

@@ -135,20 +135,24 @@ def pool_gauges(d: Daemon, st) -> dict[str, float | None]:
             for p in st.pools.tables}
 
 
+def pool_totals(st) -> dict[str, int]:
+    return {p: t.total for p, t in st.pools.tables.items()}
+
+
 def test_gauges_of_a_model_that_turns_idle_are_exported(daemon):
     st = with_sealed(daemon, 0)
     daemon.dirty.add(MODEL)
     daemon._after_batch()
     exported = pool_gauges(daemon, st)
-    assert exported == {p: t.total for p, t in st.pools.tables.items()}
+    assert exported == pool_totals(st)
     # a change within the same gauge period: due, but rate-limited
     offer_samples(daemon.s, st, 10_000, 20)
     daemon.dirty.add(MODEL)
     daemon._after_batch()
-    assert pool_gauges(daemon, st) == exported != {p: t.total for p, t in st.pools.tables.items()}
+    assert pool_gauges(daemon, st) == exported != pool_totals(st)
     # a checkpoint clears the model's dirty mark, and no event arrives any more
     daemon.dirty.clear()
     daemon._last_gauges[MODEL] -= 2 * service._GAUGE_EVERY  # one gauge period later
     daemon._after_batch()
-    assert pool_gauges(daemon, st) == {p: t.total for p, t in st.pools.tables.items()}
+    assert pool_gauges(daemon, st) == pool_totals(st)
     assert not daemon._gauges_due
