@@ -30,6 +30,7 @@ from tests.daemon.daemon_stubs import (
     small_settings,
     state_with_sealed,
 )
+from tests.integration.daemon_harness import wait_until
 
 
 class FlakyProducer:
@@ -60,21 +61,17 @@ def daemon(monkeypatch):
     d._executor.shutdown(wait=True)
 
 
+def sample(d: Daemon, name: str, **labels) -> float | None:
+    """The sample ``name{model=MODEL, **labels}`` of ``d``'s registry (None: not exported)."""
+    return d.metrics.registry.get_sample_value(name, {"model": MODEL, **labels})
+
+
 def failures(d: Daemon) -> float:
-    return d.metrics.registry.get_sample_value("lpcal_calibration_failures_total",
-                                               {"model": MODEL})
+    return sample(d, "lpcal_calibration_failures_total")
 
 
-def gauge(d: Daemon, name: str) -> float | None:
-    return d.metrics.registry.get_sample_value(name, {"model": MODEL})
-
-
-async def until(cond, what: str, timeout: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
+async def until(cond, what: str) -> None:
+    await wait_until(cond, 20.0, what, interval=0.01)
 
 
 def with_sealed(d: Daemon, n: int):
@@ -97,7 +94,7 @@ async def test_failed_publish_is_counted_and_retried_until_it_lands(daemon):
     bm = verify_artifact(value)
     assert (bm.model_id, bm.version) == (MODEL, 1)
     assert st.binmap_version == 1 and not st.sealed   # installed, and no epoch lost
-    assert gauge(daemon, "lpcal_binmap_version") == 1
+    assert sample(daemon, "lpcal_binmap_version") == 1
 
 
 async def test_publish_failing_at_shutdown_stays_in_flight_for_the_checkpoint(daemon):
@@ -130,9 +127,7 @@ async def test_fit_that_raises_is_counted_and_its_epoch_dropped(daemon, monkeypa
 
 
 def pool_gauges(d: Daemon, st) -> dict[str, float | None]:
-    return {p: d.metrics.registry.get_sample_value("lpcal_pool_samples",
-                                                   {"model": MODEL, "pool": p})
-            for p in st.pools.tables}
+    return {p: sample(d, "lpcal_pool_samples", pool=p) for p in st.pools.tables}
 
 
 def pool_totals(st) -> dict[str, int]:
