@@ -56,6 +56,7 @@ def _config(bootstrap: str, port: int) -> str:
         "shutdown_grace_seconds = 20", 'log_level = "INFO"',
         "[kafka]", f'bootstrap_servers = "{bootstrap}"', 'group_id = "lpcal-demo"',
         "enable_idempotence = false  # the embedded broker has no InitProducerId",
+        'offset_gaps = "refetch"  # the embedded broker can hand out a batch before an earlier one',
         "create_topics = true", "topic_partitions = 2",
         "[http]", 'host = "127.0.0.1"', f"port = {port}", 'admin_token = "demo-token"',
         "[defaults]", "window_samples = 8000", "drift_sustain_seconds = 600",

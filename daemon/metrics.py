@@ -62,6 +62,7 @@ __all__ = [
     "CheckpointOutcome",
     "DaemonMetrics",
     "EvictionReason",
+    "GapResolution",
     "InvalidReason",
     "Predictor",
     "RejectReason",
@@ -124,6 +125,13 @@ class Predictor(StrEnum):
 
     RAW = "raw"
     CALIBRATED = "calibrated"
+
+
+class GapResolution(StrEnum):
+    """How a hole in the input offsets ended (see :mod:`daemon.offset_gaps`)."""
+
+    FILLED = "filled"
+    SKIPPED = "skipped"
 
 
 class CheckpointOutcome(StrEnum):
@@ -215,6 +223,10 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
         "gauge", (), "Unix time of the last successful Kafka poll."),
     "lpcal_checkpoints_total": (
         "counter", ("outcome",), "State checkpoints written, by outcome."),
+    "lpcal_input_offset_gaps_total": (
+        "counter", ("topic", "resolution"),
+        ("Holes in the input offsets of a fetch: filled (read again and found) or skipped "
+         "(accepted: transaction markers, compaction, or records lost to a broker fault).")),
     "lpcal_ready": (
         "gauge", (), "1 when the daemon is ready (consuming and state restored), else 0."),
     "lpcal_build_info": (
@@ -343,6 +355,7 @@ class DaemonMetrics:
         self.consumer_lag = make("lpcal_consumer_lag_messages")
         self.last_poll = make("lpcal_last_poll_timestamp_seconds")
         self.checkpoints = make("lpcal_checkpoints_total")
+        self.input_offset_gaps = make("lpcal_input_offset_gaps_total")
         self.ready = make("lpcal_ready")
         self.build_info = make("lpcal_build_info")
 
@@ -353,6 +366,8 @@ class DaemonMetrics:
         # event (otherwise the first increment is invisible to rate()).
         for topic in Topic:
             self.events_consumed.labels(topic=topic.value)
+            for resolution in GapResolution:
+                self.input_offset_gaps.labels(topic=topic.value, resolution=resolution.value)
         for reason in InvalidReason:
             self.events_invalid.labels(reason=reason.value)
         for reason in RejectReason:
@@ -581,6 +596,11 @@ class DaemonMetrics:
     def inc_checkpoint(self, outcome: str) -> None:
         """Count a state checkpoint with outcome ok | error."""
         self.checkpoints.labels(outcome=_check(outcome, CheckpointOutcome, "outcome")).inc()
+
+    def inc_offset_gap(self, topic: str, resolution: str) -> None:
+        """Count a hole in ``topic``'s input offsets, resolved as filled | skipped."""
+        self.input_offset_gaps.labels(topic=_check(topic, Topic, "topic"), resolution=_check(
+            resolution, GapResolution, "resolution")).inc()
 
     def set_ready(self, ready: bool) -> None:
         """Set ``lpcal_ready`` to 1 or 0."""

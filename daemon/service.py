@@ -17,6 +17,10 @@ Exactly-once accounting (SIGKILL at any moment loses no accepted sample and coun
   manifest's offsets (or, without a manifest, to the smallest offsets of the model records, or
   to the beginning); an event at an offset below its model's recorded offset is skipped, since
   that model's checkpoint already contains it. Dead letters are flushed before any checkpoint.
+* every fetched partition batch is checked against the partition's expected offset before it
+  is processed (:mod:`daemon.offset_gaps`): a hole is counted, and with ``kafka.offset_gaps =
+  "refetch"`` read again, so a broker that hands out a batch before an earlier one (the
+  embedded Tansu broker, under load) does not cost the skipped samples.
 
 Co-partitioning: events are keyed by model id and both input topics have the same partition
 count, so partition ``n`` of both topics holds the same models; the range assignor gives both to
@@ -51,6 +55,7 @@ from daemon.checkpoint_store import CheckpointStore, KafkaCheckpointStore, Local
 from daemon.events import EventParser, ModelBatch
 from daemon.metrics import DaemonMetrics
 from daemon.model_state import MAX_SEALED, ModelState
+from daemon.offset_gaps import OffsetGapGuard
 from lpcal.calibrate import fit_pools
 from lpcal.errors import ArtifactError, LpcalError
 from lpcal.pools import PoolSet
@@ -143,6 +148,9 @@ class Daemon:
         # partitions paused because a model on them is backlogged (see _apply_backpressure)
         self.throttled: set[int] = set()
         self._probe_task: asyncio.Task | None = None
+        # holes in fetched input offsets (see daemon.offset_gaps): counted, or read again
+        self.gaps = OffsetGapGuard(refetch=k.offset_gaps == "refetch",
+                                   grace_seconds=k.offset_gap_grace_seconds)
 
     # ================================================================== lifecycle
     async def startup(self) -> None:
@@ -237,7 +245,9 @@ class Daemon:
             self.metrics.mark_poll()
             for tp, msgs in batch.items():
                 if msgs and tp in self.assigned:
-                    self._process(tp, msgs)
+                    msgs = self._up_to_hole(tp, msgs)
+                    if msgs:
+                        self._process(tp, msgs)
             self._after_batch()
             if time.monotonic() - self._last_ckpt >= self.s.state.checkpoint_interval_seconds:
                 try:
@@ -377,7 +387,7 @@ class Daemon:
         while True:
             try:
                 return await self._store.load_all()
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if time.monotonic() > deadline or self.stopping.is_set():
                     raise
                 log.warning("reading checkpoints failed (%s: %s); retrying in %.1f s",
@@ -519,9 +529,33 @@ class Daemon:
             self.metrics.remove_model(model)
         for tp in tps:
             self.positions.pop((tp.topic, tp.partition), None)
+            self.gaps.forget((tp.topic, tp.partition))
         self.assigned -= set(tps)
 
     # ================================================================== ingest
+    def _up_to_hole(self, tp: TopicPartition, msgs):
+        """``msgs``, or (policy ``refetch``) the records before the first hole in their offsets,
+        with the partition sought back to the hole (:mod:`daemon.offset_gaps`)."""
+        key = (tp.topic, tp.partition)
+        v = self.gaps.check(key, self.positions.get(key), msgs[0].offset, msgs[-1].offset,
+                            len(msgs), lambda: [m.offset for m in msgs], time.monotonic())
+        if v.hole is None and not v.filled:
+            return msgs
+        kind = "predictions" if tp.topic == self.t_pred else "outcomes"
+        if v.filled:
+            self.metrics.inc_offset_gap(kind, "filled")
+            log.info("%s[%d]: the records of a hole in the offsets arrived on reading again",
+                     tp.topic, tp.partition)
+        if v.skipped:
+            self.metrics.inc_offset_gap(kind, "skipped")
+            log.log(logging.WARNING if self.gaps.refetch else logging.DEBUG,
+                    "%s[%d]: offsets %d..%d were not delivered; going on without them",
+                    tp.topic, tp.partition, v.hole.start, v.hole.end - 1)
+        if v.seek is None:
+            return msgs
+        self.consumer.seek(tp, v.seek)
+        return msgs[:v.keep]
+
     def _process(self, tp: TopicPartition, msgs) -> None:
         """Ingest one partition's batch.
 

@@ -227,6 +227,14 @@ class KafkaSettings(_Strict):
     with S3 storage after a broker restart, 100 ms made every fetch come back empty (reads
     from the bucket took longer than the wait), so a daemon with lag consumed nothing until
     it was raised again. Lower it only on a broker that returns available data at once."""
+    offset_gaps: Literal["count", "refetch"] = "count"
+    """What to do when a fetch skips input offsets (see :mod:`daemon.offset_gaps`): ``count``
+    them and go on (production Kafka: holes are transaction markers or compaction), or
+    ``refetch`` from the hole until it fills or persists ``offset_gap_grace_seconds`` (the
+    embedded Tansu broker, which under load can hand out a batch before an earlier one is
+    visible)."""
+    offset_gap_grace_seconds: Annotated[float, Field(ge=0.0, le=60.0)] = 2.0
+    """With ``offset_gaps = "refetch"``: how long a hole is read again before it is accepted."""
 
     @model_validator(mode="after")
     def _heartbeat(self) -> KafkaSettings:

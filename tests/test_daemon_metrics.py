@@ -71,6 +71,7 @@ EXPECTED = {
     "lpcal_consumer_lag_messages": ("gauge", ("topic",)),
     "lpcal_last_poll_timestamp_seconds": ("gauge", ()),
     "lpcal_checkpoints_total": ("counter", ("outcome",)),
+    "lpcal_input_offset_gaps_total": ("counter", ("topic", "resolution")),
     "lpcal_ready": ("gauge", ()),
     "lpcal_build_info": ("gauge", ("version", "ingest_path")),
 }
@@ -103,6 +104,7 @@ def test_enum_values_are_the_specified_sets():
     assert {r.value for r in m.RejectReason} == {"checksum", "truncated", "schema", "parse"}
     assert {p.value for p in m.Predictor} == {"raw", "calibrated"}
     assert {o.value for o in m.CheckpointOutcome} == {"ok", "error"}
+    assert {r.value for r in m.GapResolution} == {"filled", "skipped"}
 
 
 def test_registered_families_types_and_labels(dm: DaemonMetrics, registry):
@@ -151,6 +153,7 @@ def exercise(dm: DaemonMetrics) -> None:
     dm.set_consumer_lag("predictions", 12)
     dm.mark_poll(1_700_000_001.0)
     dm.inc_checkpoint("ok")
+    dm.inc_offset_gap("predictions", "filled")
     dm.set_ready(True)
 
 
@@ -195,6 +198,8 @@ def test_helpers_set_the_right_samples(dm: DaemonMetrics, registry):
     assert g("lpcal_last_poll_timestamp_seconds") == 1_700_000_001.0
     assert g("lpcal_checkpoints_total", outcome="ok") == 1
     assert g("lpcal_checkpoints_total", outcome="error") == 0
+    assert g("lpcal_input_offset_gaps_total", topic="predictions", resolution="filled") == 1
+    assert g("lpcal_input_offset_gaps_total", topic="outcomes", resolution="skipped") == 0
     assert g("lpcal_ready") == 1
     assert g("lpcal_build_info", version="1.2.3", ingest_path=native.describe()) == 1
     dm.set_ready(False)
@@ -237,6 +242,7 @@ def test_exposition_round_trips_through_the_parser(dm, registry):
         lambda d: d.inc_binmap_rejected("bad"),
         lambda d: d.observe_quality("m", "smoothed", 0.1, 0.1, 0.1, 0.5),
         lambda d: d.inc_checkpoint("maybe"),
+        lambda d: d.inc_offset_gap("predictions", "ignored"),
         lambda d: d.set_consumer_lag("binmaps", 1),
     ],
 )
