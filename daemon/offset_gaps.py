@@ -53,13 +53,18 @@ class Hole:
 @dataclass(frozen=True)
 class GapVerdict:
     """What to do with a batch: process its first ``keep`` records, then (if ``seek`` is not
-    None) seek the partition to ``seek``. ``filled``/``skipped`` count resolved holes."""
+    None) seek the partition to ``seek``. ``hole`` is the batch's first hole; ``closed`` an
+    earlier hole whose records this batch brought. ``filled``/``skipped`` count resolved holes."""
 
     keep: int
     seek: int | None = None
     hole: Hole | None = None
-    filled: int = 0
+    closed: Hole | None = None
     skipped: int = 0
+
+    @property
+    def filled(self) -> int:
+        return int(self.closed is not None)
 
 
 def find_hole(expected: int | None, first: int, last: int, n: int,
@@ -105,19 +110,19 @@ class OffsetGapGuard:
     def check(self, key: Hashable, expected: int | None, first: int, last: int, n: int,
               offsets: Callable[[], Sequence[int]], now: float) -> GapVerdict:
         hole = find_hole(expected, first, last, n, offsets)
-        filled = 0
+        closed = None
         opened = self._open.get(key)
         if opened is not None and (hole is None or hole.start != opened[0].start):
             # the records at the open hole's start arrived (this batch begins there)
             del self._open[key]
-            filled, opened = 1, None
+            closed, opened = opened[0], None
         if hole is None:
-            return GapVerdict(keep=n, filled=filled)
+            return GapVerdict(keep=n, closed=closed)
         if not self.refetch:
-            return GapVerdict(keep=n, hole=hole, filled=filled, skipped=1)
+            return GapVerdict(keep=n, hole=hole, closed=closed, skipped=1)
         since = now if opened is None else opened[1]
         if now - since >= self.grace_seconds:
             self._open.pop(key, None)
-            return GapVerdict(keep=n, hole=hole, filled=filled, skipped=1)
+            return GapVerdict(keep=n, hole=hole, closed=closed, skipped=1)
         self._open[key] = (hole, since)
-        return GapVerdict(keep=hole.index, seek=hole.start, hole=hole, filled=filled)
+        return GapVerdict(keep=hole.index, seek=hole.start, hole=hole, closed=closed)

@@ -539,13 +539,13 @@ class Daemon:
         key = (tp.topic, tp.partition)
         v = self.gaps.check(key, self.positions.get(key), msgs[0].offset, msgs[-1].offset,
                             len(msgs), lambda: [m.offset for m in msgs], time.monotonic())
-        if v.hole is None and not v.filled:
+        if v.hole is None and v.closed is None:
             return msgs
         kind = "predictions" if tp.topic == self.t_pred else "outcomes"
-        if v.filled:
+        if v.closed is not None:
             self.metrics.inc_offset_gap(kind, "filled")
-            log.info("%s[%d]: the records of a hole in the offsets arrived on reading again",
-                     tp.topic, tp.partition)
+            log.info("%s[%d]: offsets %d..%d, skipped by a fetch, arrived on reading again",
+                     tp.topic, tp.partition, v.closed.start, v.closed.end - 1)
         if v.skipped:
             self.metrics.inc_offset_gap(kind, "skipped")
             log.log(logging.WARNING if self.gaps.refetch else logging.DEBUG,

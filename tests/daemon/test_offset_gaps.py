@@ -63,7 +63,7 @@ def test_refetch_keeps_the_records_before_the_hole_then_counts_it_filled():
     # now visible: contiguous from 10, the hole is filled (counted once)
     v = g.check("p0", 10, 10, 29, 20, offsets_of(range(10, 30)), now=0.6)
     assert (v.keep, v.seek, v.skipped, v.filled) == (20, None, 0, 1)
-    assert g.open_holes == 0
+    assert (v.closed.start, v.closed.end) == (10, 20) and g.open_holes == 0
     v = g.check("p0", 30, 30, 31, 2, offsets_of(range(30, 32)), now=0.7)
     assert (v.filled, v.skipped) == (0, 0)
 
