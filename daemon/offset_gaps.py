@@ -9,9 +9,10 @@ before an earlier one became visible: a broker fault, and samples lost if it goe
 The embedded Tansu broker (0.6.0, memory storage) has that fault. When two producers write one
 partition and the machine is loaded, a live consumer is sometimes handed the batch after one
 that is still being appended; the skipped batch is on the broker (a later read from the start
-returns it). Measured with a plain aiokafka consumer, no lpcal code involved: 1 trial in 8 under
-three CPU hogs skipped one batch of 34 records (``python -m tests.reliability.offset_hole_probe``). It made the crash-safety test's never-killed
-reference daemon miss 115 samples in CI.
+returns it). Measured with a plain aiokafka consumer, no lpcal code involved
+(``python -m tests.reliability.offset_hole_probe``): 1 trial in 8 under three CPU hogs skipped
+one batch of 34 records. It made the crash-safety test's never-killed reference daemon miss 115
+samples in CI.
 
 Two policies (``kafka.offset_gaps``):
 

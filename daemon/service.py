@@ -533,6 +533,10 @@ class Daemon:
         self.assigned -= set(tps)
 
     # ================================================================== ingest
+    def _topic_kind(self, topic: str) -> str:
+        """The ``topic`` label of an input topic's metrics: predictions | outcomes."""
+        return "predictions" if topic == self.t_pred else "outcomes"
+
     def _up_to_hole(self, tp: TopicPartition, msgs):
         """``msgs``, or (policy ``refetch``) the records before the first hole in their offsets,
         with the partition sought back to the hole (:mod:`daemon.offset_gaps`)."""
@@ -541,7 +545,7 @@ class Daemon:
                             len(msgs), lambda: [m.offset for m in msgs], time.monotonic())
         if v.hole is None and v.closed is None:
             return msgs
-        kind = "predictions" if tp.topic == self.t_pred else "outcomes"
+        kind = self._topic_kind(tp.topic)
         if v.closed is not None:
             self.metrics.inc_offset_gap(kind, "filled")
             log.info("%s[%d]: offsets %d..%d, skipped by a fetch, arrived on reading again",
@@ -574,7 +578,7 @@ class Daemon:
         if paused:
             gc.disable()
         try:
-            topic_kind = "predictions" if tp.topic == self.t_pred else "outcomes"
+            topic_kind = self._topic_kind(tp.topic)
             n = len(msgs)
             self.metrics.inc_consumed(topic_kind, n)
             values = list(map(attrgetter("value"), msgs))
@@ -761,8 +765,7 @@ class Daemon:
             hw = self.consumer.highwater(tp)
             pos = self.positions.get((tp.topic, tp.partition))
             if hw is not None and pos is not None:
-                kind = "predictions" if tp.topic == self.t_pred else "outcomes"
-                lags[kind] += max(0, hw - pos)
+                lags[self._topic_kind(tp.topic)] += max(0, hw - pos)
         self.metrics.set_consumer_lags(lags)
 
     def _launch_fit(self, model: str, inf: Inflight) -> None:

@@ -544,6 +544,21 @@ async def read_binmaps(bootstrap: str, topic: str, timeout: float = 20.0
     return {k: (v, BinMap.from_json(v)) for k, v in latest.items()}
 
 
+async def binmap_contents(bootstrap: str, topic: str, timeout: float = 60.0
+                          ) -> dict[str, dict[int, list[dict]]]:
+    """Every bin map published on ``topic``, each verified by ``BinMap.from_json``:
+    ``{model: {version: [content, ...]}}`` in topic order, contents without ``created_at`` and
+    ``checksum`` (two publishes of one fit differ only there)."""
+    out: dict[str, dict[int, list[dict]]] = {}
+    for rec in await read_records(bootstrap, topic, timeout):
+        version = BinMap.from_json(rec.value).version
+        body = orjson.loads(rec.value)
+        for key in ("created_at", "checksum"):
+            body.pop(key, None)
+        out.setdefault(rec.key.decode(), {}).setdefault(version, []).append(body)
+    return out
+
+
 @dataclass
 class DeadLetter:
     reason: str

@@ -40,17 +40,15 @@ import asyncio
 import contextlib
 import random
 import time
-from collections import defaultdict
 
 import numpy as np
-import orjson
 import pytest
 
 from daemon.monitor import WindowMonitor
 from daemon.simulate import SyntheticModel, TrafficGenerator, simulate
-from lpcal.binmap import BinMap
 from tests.integration.daemon_harness import (
     TopicNames,
+    binmap_contents,
     create_topics,
     daemon_config,
     free_port,
@@ -115,15 +113,10 @@ def _daemon_warnings(*daemons: FastDaemon, limit: int = 40) -> str:
 
 
 async def _versions(bootstrap: str, topic: str) -> dict[str, dict[int, dict]]:
-    """{model: {version: bin map content without created_at/checksum}} of every record."""
-    out: dict[str, dict[int, dict]] = defaultdict(dict)
-    for rec in await read_records(bootstrap, topic, timeout=60):
-        bm = BinMap.from_json(rec.value)
-        body = orjson.loads(rec.value)
-        for key in ("created_at", "checksum"):
-            body.pop(key, None)
-        out[rec.key.decode()][bm.version] = body
-    return dict(out)
+    """{model: {version: bin map content without created_at/checksum}}, the last record of
+    each version (see :func:`binmap_contents`)."""
+    return {m: {v: bodies[-1] for v, bodies in by_version.items()}
+            for m, by_version in (await binmap_contents(bootstrap, topic)).items()}
 
 
 async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
