@@ -8,8 +8,10 @@
    windowed Err_p of the raw and the calibrated predictor;
 5. print the before/after figures of each published bin map on fresh samples of the same
    synthetic model (TRUE Err_p from the known label distribution, plus ECE, Brier, NLL and
-   accuracy), a summary of the bin map, and the ``/metrics`` URL; then SIGTERM the daemon and
-   report its graceful shutdown.
+   accuracy) beside temperature scaling fitted on 20,000 other fresh samples (the peer a user
+   would pick), the bin map's held-out certificate, whether the published map beats the raw
+   model and stays within the quality bounds of temperature scaling, a summary of the bin map,
+   and the ``/metrics`` URL; then SIGTERM the daemon and report its graceful shutdown.
 
 ``python -m daemon.demo --keep`` leaves the daemon and broker running until Ctrl-C.
 """
@@ -34,7 +36,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from daemon.embedded_broker import EmbeddedBroker
 from daemon.simulate import SyntheticModel, TrafficGenerator, simulate, true_err_p
 from lpcal.binmap import BinMap
+from lpcal.certificate import Certificate
 from lpcal.report import evaluate
+from lpcal.temperature import apply_temperature, fit_temperature
 
 MODELS = {  # id: (k, T, scale, skew, eps, p, pool size), see the README for why these
     "fraud-v3": (3, 0.2, 8.0, 1.0, 0.05, math.inf, 3000),
@@ -122,21 +126,42 @@ def _report(base: str, synth: dict) -> None:
             print(f"{m}: no bin map published ({status})")
             continue
         bm = BinMap.from_json(body)
+        f_ts, _, y_ts = synth[m].sample(20_000)
+        temp = fit_temperature(f_ts, y_ts)
         f, q, y = synth[m].sample(100_000)
-        h = bm.apply(f)
+        h, ts = bm.apply(f), apply_temperature(f, temp)
         pname = "inf" if math.isinf(p) else f"{p:g}"
-        before, after = evaluate(f, y, bm.lam), evaluate(h, y, bm.lam)
-        print(f"\n{m} (k={k}, p={pname}, eps={eps}): bin map v{bm.version}, |B|={bm.n_bins}, "
-              f"|G|={bm.n_groups}, {bm.iterations} iterations ({bm.stop_reason}), "
-              f"lambda={bm.lam}, sha {bm.checksum[7:19]}")
-        rows = [(f"TRUE Err_{pname} (known q)", true_err_p(f, q, bm.lam, p),
-                 true_err_p(h, q, bm.lam, p))]
-        rows += [(name, before[name], after[name]) for name in
-                 ("top-label ECE (15 eq-width)", "classwise ECE (15 eq-width)", "Brier", "NLL",
-                  "accuracy")]
-        print(f"  {'metric':34s}{'raw':>10s}{'calibrated':>12s}")
-        for name, a, b in rows:
-            print(f"  {name:34s}{a:10.4f}{b:12.4f}")
+        cols = [evaluate(f, y, bm.lam), evaluate(ts, y, bm.lam), evaluate(h, y, bm.lam)]
+        pre = "none" if bm.temperature is None else f"T={bm.temperature:.3f}"
+        print(f"\n{m} (k={k}, p={pname}, eps={eps}): bin map v{bm.version} ({bm.mode}, "
+              f"pre-calibrator {pre}), |B|={bm.n_bins}, |G|={bm.n_groups}, {bm.iterations} "
+              f"iterations ({bm.stop_reason}), lambda={bm.lam}, sha {bm.checksum[7:19]}")
+        rows = [(f"TRUE Err_{pname} (known q)",
+                 [true_err_p(x, q, bm.lam, p) for x in (f, ts, h)])]
+        rows += [(name, [c[name] for c in cols]) for name in _QUALITY]
+        print(f"  {'metric':34s}{'raw':>10s}{'TS (T=' + format(temp, '.2f') + ')':>14s}"
+              f"{'calibrated':>12s}")
+        for name, (a, t, b) in rows:
+            print(f"  {name:34s}{a:10.4f}{t:14.4f}{b:12.4f}")
+        if bm.certificate is not None:
+            print("  " + Certificate.from_dict(bm.certificate).format().replace("\n", "\n  "))
+        beats, within = _verdict(*cols)
+        print(f"  beats raw on ECE, classwise ECE, Brier and NLL: {'yes' if beats else 'NO'}; "
+              f"within the bounds of TS: {'yes' if within else 'NO'}")
+
+
+_QUALITY = ("top-label ECE (15 eq-width)", "classwise ECE (15 eq-width)", "Brier", "NLL",
+            "accuracy")
+#: Allowed excess over temperature scaling (accuracy: allowed shortfall), issue 10's bounds.
+_TS_BOUNDS = {"top-label ECE (15 eq-width)": 0.003, "classwise ECE (15 eq-width)": 0.001,
+              "Brier": 0.001, "NLL": 0.01}
+
+
+def _verdict(raw: dict, ts: dict, cal: dict) -> tuple[bool, bool]:
+    """(beats the raw model on the four error metrics, within the bounds of TS)."""
+    beats = all(cal[name] < raw[name] for name in _TS_BOUNDS)
+    within = all(cal[name] <= ts[name] + tol for name, tol in _TS_BOUNDS.items())
+    return beats, within and cal["accuracy"] >= ts["accuracy"] - 0.001
 
 
 async def _stream(bootstrap: str, synth: dict) -> None:

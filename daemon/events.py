@@ -181,6 +181,13 @@ class ModelBatch:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def select(self, keep: np.ndarray) -> ModelBatch:
+        """The events where the bool array ``keep`` holds, in order."""
+        idx = np.flatnonzero(keep)
+        ids = self.ids
+        return ModelBatch(self.model, self.k, self.kind[idx], [ids[i] for i in idx.tolist()],
+                          self.ts[idx], self.probs[idx], self.labels[idx], self.index[idx])
+
     def record(self, i: int) -> Prediction | Outcome | Sample:
         kd, m, eid, ts = int(self.kind[i]), self.model, self.ids[i], float(self.ts[i])
         if kd == KIND_PREDICTION:

@@ -5,7 +5,9 @@
   down, since the process can recover); 503 when it has stalled for ``stall_seconds``;
 * ``GET /readyz``: 200 once started, partitions assigned and state restored, and the broker
   answers metadata requests; 503 otherwise;
-* ``GET /v1/models``: the models this replica owns, with pool fill and bin-map versions;
+* ``GET /v1/models``: the models this replica owns, with pool fill, fit mode, bin-map version
+  and the current bin map's held-out certificate (``{"selected", "certified", "bound", "eps",
+  "n_holdout"}``, or null);
 * ``GET /v1/models/{model}/binmap``: the current bin map JSON (404 if none yet);
 * ``POST /v1/models/{model}/recalibrate``: manual trigger, ``Authorization: Bearer <token>``
   compared in constant time; disabled (403) when no admin token is configured.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import hmac
 import time
 
+import orjson
 from aiohttp import web
 
 STALL_SECONDS = 30.0
@@ -40,6 +43,7 @@ class HttpServer:
         ])
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
+        self._certs: dict[str, tuple[bytes, dict | None]] = {}  # model -> (bin map, summary)
 
     @web.middleware
     async def _bounded_body(self, request: web.Request, handler):
@@ -92,8 +96,29 @@ class HttpServer:
                 "paused": self.d.partition_of.get(model) in self.d.throttled,
                 "pool_fill": {n: {"count": c, "target": t} for n, (c, t) in st.pools.fill().items()},
                 "samples_total": st.samples_total,
+                "mode": st.config.get("mode"),
+                "certificate": self._certificate(model, st.binmap),
             })
         return web.json_response({"models": out})
+
+    def _certificate(self, model: str, binmap: bytes | None) -> dict | None:
+        """Summary of the bin map's certificate (parsed once per installed map)."""
+        if binmap is None:
+            return None
+        cached = self._certs.get(model)
+        if cached is not None and cached[0] is binmap:
+            return cached[1]
+        summary = None
+        try:
+            cert = orjson.loads(binmap).get("certificate")
+            if cert:
+                summary = {"selected": cert["selected"], "certified": cert["certified"],
+                           "bound": cert["estimates"][cert["selected"]]["bound"],
+                           "eps": cert["eps"], "n_holdout": cert["n_holdout"]}
+        except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError):
+            summary = None
+        self._certs[model] = (binmap, summary)
+        return summary
 
     async def binmap(self, request: web.Request) -> web.Response:
         st = self.d.models.get(request.match_info["model"])

@@ -7,7 +7,10 @@ counts), counters end in ``_total``, and every label has a bounded value set:
 * ``topic``, ``reason``, ``kind``, ``trigger``, ``predictor``, ``outcome`` are the fixed enums
   defined below; helpers reject anything else.
 * ``pool`` is ``mu`` or ``P<i>``/``E<i>``/``PE<i>`` with ``i < MAX_POOL_LEVELS``: Algorithm 2
-  needs O(log |B|) pools (one per merge level of the groups in M), so the set is bounded.
+  needs O(log |B|) pools (one per merge level of the groups in M), so the set is bounded; in the
+  certified mode also ``warmup`` (the samples that fit the epoch's temperature) and ``hold``
+  (the held-out share of the certificate).
+* ``candidate`` (certificate gauges) is ``raw`` | ``precalibrator`` | ``corrected``.
 * ``model`` is bounded by the daemon, which only admits configured models (or at most
   ``max_models`` of them); :class:`DaemonMetrics` enforces the same cap as a guard.
 * ``version`` and ``ingest_path`` (``c`` | ``python``, see :mod:`daemon.native`) on
@@ -20,6 +23,15 @@ by level sets, as in the paper), ``lpcal_top_label_ece`` the top-label expected 
 error, ``lpcal_brier_score`` the mean ``||f(x) - e_y||_2^2`` (in [0, 2]) and
 ``lpcal_accuracy_ratio`` the top-1 accuracy (in [0, 1]). Drift means the calibrated
 ``lpcal_calibration_error`` exceeds ``lpcal_drift_threshold``.
+
+Certificate gauges (set after each fit whose bin map carries a held-out certificate, see
+:mod:`lpcal.certificate`; removed when a map has none, e.g. ``mode = "paper"`` without a held-out
+share): ``lpcal_certificate_bound`` ``{model}`` is the upper confidence bound (level
+``1 - delta``) on the published candidate's ``Err_p``, computed on the epoch's held-out samples;
+``lpcal_certificate_target`` ``{model}`` is the ``eps`` it is certified against (certified iff
+bound <= target); ``lpcal_certificate_estimate`` ``{model, candidate}`` is the plug-in held-out
+``Err_p`` of each candidate: ``raw`` (the model as-is, reported only), ``precalibrator``
+(temperature scaling alone) and ``corrected`` (Algorithm 2's map on the temperature-scaled bins).
 
 Names in :data:`METRIC_NAMES` are the names used in PromQL: counters with their ``_total``
 suffix, histograms by family name (their samples add ``_bucket``/``_sum``/``_count``); use
@@ -59,6 +71,7 @@ __all__ = [
     "METRIC_NAMES",
     "METRIC_TYPES",
     "POOL_NAME_RE",
+    "Candidate",
     "CheckpointOutcome",
     "DaemonMetrics",
     "EvictionReason",
@@ -127,6 +140,14 @@ class Predictor(StrEnum):
     CALIBRATED = "calibrated"
 
 
+class Candidate(StrEnum):
+    """A predictor evaluated by a bin map's held-out certificate (:mod:`lpcal.certificate`)."""
+
+    RAW = "raw"
+    PRECALIBRATOR = "precalibrator"
+    CORRECTED = "corrected"
+
+
 class GapResolution(StrEnum):
     """How a hole in the input offsets ended (see :mod:`daemon.offset_gaps`)."""
 
@@ -145,14 +166,16 @@ class CheckpointOutcome(StrEnum):
 #: (lpcal.pools.n_levels); L <= 64 holds for every beta >= 6 / 2**63, far below any feasible
 #: configuration, so the ``pool`` label has at most 1 + 3 * 64 values per model.
 MAX_POOL_LEVELS = 64
-POOL_NAME_RE = re.compile(r"^(?:mu|(?:P|E|PE)(?:[0-9]|[1-5][0-9]|6[0-3]))$")
+POOL_NAME_RE = re.compile(r"^(?:mu|warmup|hold|(?:P|E|PE)(?:[0-9]|[1-5][0-9]|6[0-3]))$")
 
 
 def pool_names(levels: int) -> list[str]:
-    """All admissible pool names for ``levels`` merge levels: mu, P0.., E0.., PE0.."""
+    """All admissible pool names for ``levels`` merge levels: mu, warmup, hold, P0.., E0..,
+    PE0.."""
     if not 0 <= levels <= MAX_POOL_LEVELS:
         raise InputError(f"pool_names: levels={levels} must be in [0, {MAX_POOL_LEVELS}]")
-    return ["mu"] + [f"{kind}{i}" for kind in ("P", "E", "PE") for i in range(levels)]
+    return ["mu", "warmup", "hold"] + [f"{kind}{i}" for kind in ("P", "E", "PE")
+                                       for i in range(levels)]
 
 
 #: Histogram buckets of ``lpcal_fit_duration_seconds``: 1 ms ... 60 s, roughly x2.5 steps.
@@ -173,6 +196,9 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
         "counter", (), "Events published to the dead-letter topic."),
     "lpcal_joined_samples_total": (
         "counter", ("model",), "Prediction/outcome pairs joined into labelled samples."),
+    "lpcal_events_sampled_out_total": (
+        "counter", ("model", "topic"),
+        "Input events dropped by the model's sample_rate (hash of the event id), before the join."),
     "lpcal_join_evictions_total": (
         "counter", ("model", "reason"), "Pending events evicted from the join buffer."),
     "lpcal_join_unmatched_total": (
@@ -205,6 +231,17 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
         "gauge", ("model",), "Unix time the latest bin map was published."),
     "lpcal_binmaps_rejected_total": (
         "counter", ("reason",), "Bin maps read back from the bin-map topic and rejected."),
+    "lpcal_certificate_bound": (
+        "gauge", ("model",),
+        ("Upper confidence bound (level 1 - delta) on the published bin map's Err_p, from the "
+         "epoch's held-out samples.")),
+    "lpcal_certificate_estimate": (
+        "gauge", ("model", "candidate"),
+        ("Plug-in held-out Err_p of each candidate of the latest fit: raw, precalibrator "
+         "(temperature scaling alone), corrected (Algorithm 2 on the scaled bins).")),
+    "lpcal_certificate_target": (
+        "gauge", ("model",),
+        "The eps the latest bin map is certified against (certified iff bound <= target)."),
     "lpcal_calibration_error": (
         "gauge", ("model", "predictor"), "Windowed estimate of the lp calibration error Err_p."),
     "lpcal_top_label_ece": (
@@ -334,6 +371,7 @@ class DaemonMetrics:
         self.joined_samples = make("lpcal_joined_samples_total")
         self.join_evictions = make("lpcal_join_evictions_total")
         self.join_unmatched = make("lpcal_join_unmatched_total")
+        self.events_sampled_out = make("lpcal_events_sampled_out_total")
         self.join_pending = make("lpcal_join_pending")
         self.pool_samples = make("lpcal_pool_samples")
         self.pool_fill_ratio = make("lpcal_pool_fill_ratio")
@@ -346,6 +384,9 @@ class DaemonMetrics:
         self.binmap_version = make("lpcal_binmap_version")
         self.binmap_published = make("lpcal_binmap_published_timestamp_seconds")
         self.binmaps_rejected = make("lpcal_binmaps_rejected_total")
+        self.certificate_bound = make("lpcal_certificate_bound")
+        self.certificate_estimate = make("lpcal_certificate_estimate")
+        self.certificate_target = make("lpcal_certificate_target")
         self.calibration_error = make("lpcal_calibration_error")
         self.top_label_ece = make("lpcal_top_label_ece")
         self.brier_score = make("lpcal_brier_score")
@@ -412,8 +453,11 @@ class DaemonMetrics:
             (self.fit_iterations, ()), (self.high_probability_bins, ()),
             (self.binmap_version, ()), (self.binmap_published, ()),
             (self.drift_threshold, ()), (self.window_samples, ()),
+            (self.certificate_bound, ()), (self.certificate_target, ()),
+            (self.certificate_estimate, tuple((c.value,) for c in Candidate)),
             (self.join_evictions, tuple((r.value,) for r in EvictionReason)),
             (self.join_unmatched, tuple((k.value,) for k in UnmatchedKind)),
+            (self.events_sampled_out, tuple((t.value,) for t in Topic)),
             (self.calibrations, tuple((t.value,) for t in Trigger)),
             (self.calibration_error, tuple((p.value,) for p in Predictor)),
             (self.top_label_ece, tuple((p.value,) for p in Predictor)),
@@ -456,6 +500,12 @@ class DaemonMetrics:
     def inc_joined(self, model: str, n: int = 1) -> None:
         """Count ``n`` joined (prediction, outcome) samples of ``model``."""
         self.joined_samples.labels(model=self._model(model)).inc(_count(n, "n"))
+
+    def inc_sampled_out(self, model: str, topic: str, n: int = 1) -> None:
+        """Count ``n`` events of ``model`` from ``topic`` (predictions | outcomes) dropped by
+        its ``sample_rate``."""
+        self.events_sampled_out.labels(
+            model=self._model(model), topic=_check(topic, Topic, "topic")).inc(_count(n, "n"))
 
     def inc_evicted(self, model: str, reason: str, n: int = 1) -> None:
         """Count ``n`` join-buffer evictions (ttl | capacity)."""
@@ -538,6 +588,49 @@ class DaemonMetrics:
         self._model(model)
         self.binmap_version.labels(model=model).set(version)
         self.binmap_published.labels(model=model).set(ts)
+
+    def set_certificate(self, model: str, certificate: Mapping | None) -> None:
+        """Export a bin map's held-out certificate (``BinMap.certificate``, a dict as in
+        :meth:`lpcal.certificate.Certificate.to_dict`): the selected candidate's bound, the
+        target ``eps`` and each candidate's plug-in ``Err_p``. ``None`` (a map without a
+        certificate) removes the model's certificate series, so no stale bound remains."""
+        self._model(model)
+        if certificate is None:
+            for gauge in (self.certificate_bound, self.certificate_target):
+                try:
+                    gauge.remove(model)
+                except KeyError:
+                    pass
+            for c in Candidate:
+                try:
+                    self.certificate_estimate.remove(model, c.value)
+                except KeyError:
+                    pass
+            return
+        try:
+            estimates = dict(certificate["estimates"])
+            selected = str(certificate["selected"])
+            bound = float(estimates[selected]["bound"])
+            target = _finite(certificate["eps"], "certificate eps", 0.0, 1.0)
+            rows = [(_check(name, Candidate, "candidate"),
+                     _finite(e["err_p"], f"certificate estimates[{name!r}].err_p"))
+                    for name, e in estimates.items()]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise InputError(f"metrics: malformed certificate of model {model!r} "
+                             f"({type(e).__name__}: {e})") from None
+        if math.isnan(bound) or bound < 0:  # +inf is a valid (uninformative) bound
+            raise InputError(f"metrics: certificate bound={bound!r} must be >= 0")
+        self.certificate_bound.labels(model=model).set(bound)
+        self.certificate_target.labels(model=model).set(target)
+        present = {name for name, _ in rows}
+        for name, err in rows:
+            self.certificate_estimate.labels(model=model, candidate=name).set(err)
+        for c in Candidate:
+            if c.value not in present:
+                try:
+                    self.certificate_estimate.remove(model, c.value)
+                except KeyError:
+                    pass
 
     def inc_binmap_rejected(self, reason: str) -> None:
         """Count a bin map rejected on read (checksum | truncated | schema | parse)."""

@@ -14,6 +14,15 @@ A :class:`ModelState` holds, for one model:
 * the windowed monitor (:class:`daemon.monitor.WindowMonitor`) of the raw and calibrated
   predictor, and the triggers (:class:`daemon.trigger.Triggers`);
 * the join buffer (:class:`daemon.join.JoinStore`) of half-joined events;
+* the ``sample_rate`` (the model setting; not checkpointed, the settings decide it at every
+  start): :meth:`ModelState.offer` keeps an event only when ``u = route_uniform(id) <
+  sample_rate`` (:meth:`ModelState.sample`), *before* the join, so a prediction and its outcome
+  are kept or dropped together in either arrival order, on every replica and in every replay
+  (``u`` is a blake2b hash of the id alone). The kept samples are routed to the pools with
+  ``u / sample_rate``: the same hash, reused; given ``u < rate`` it is again uniform on [0, 1)
+  and independent of the sample's content, so the pools and the monitor see a uniform random
+  subsample (unbiased estimates; only their variance grows). Routing with ``u`` itself would
+  send every kept sample to the pools that cover [0, rate);
 * the current bin map (its JSON bytes, exactly as published) and version;
 * the epoch number, and the input offsets covered, ``{topic: {partition: next_offset}}``: the
   state reflects exactly the input messages before those offsets, so a restart seeks there.
@@ -23,9 +32,15 @@ A :class:`ModelState` holds, for one model:
 :class:`lpcal.errors.ArtifactError` that names the model and the bad part). Round trips are
 exact: pools, monitor sums, pending joins, bin map bytes and offsets compare equal.
 
-``prescale = "temperature"`` is not supported by the streaming daemon yet (the pools would have
-to hold bins of the temperature-scaled predictor, fitted before the epoch starts);
-:meth:`ModelState.create` rejects it with an explanation.
+Fit modes (``mode`` in the settings): in the **certified** default every epoch's layout has
+``warmup`` samples, taken first in arrival order, that fit the epoch's temperature
+(:class:`lpcal.precalibrate.TemperatureGrid`); the pools then hold bins of the temperature-scaled
+predictor, and a ``holdout`` share (routed like a pool) collects the held-out sums that certify
+the fitted bin map (:func:`lpcal.calibrate.fit_pools`). :meth:`lpcal.pools.PoolSet.add_samples`
+does the routing and stops at the exact fill point. The **paper** mode has neither (warm-up and
+held-out share 0). The checkpointed ``config`` holds the resolved values (``mode``, ``prescale``,
+``outside``, ``holdout``, ``warmup``); a checkpoint written before these keys existed restores
+with the paper mode's values it ran with.
 
 Usage::
 
@@ -39,7 +54,8 @@ Usage::
     if f and f.action == "fit":                       # pools_full (sealed) or manual (partial)
         pools = st.pools
         st.start_new_epoch()                          # hand them off
-        bm = fit_pools(pools, ..., version=st.binmap_version + 1)   # in a worker
+        bm = fit_pools(pools, ..., mode=st.config["mode"], outside=st.config["outside"],
+                       version=st.binmap_version + 1)                # in a worker
         st.install_binmap(bm.to_json(), bm.version)
     blob = st.to_checkpoint(); st2 = ModelState.from_checkpoint(blob)
 """
@@ -65,10 +81,13 @@ from lpcal.pools import PoolLayout, PoolSet
 __all__ = ["CHECKPOINT_FORMAT", "DEFAULT_POOL", "IngestResult", "ModelState",
            "binmap_calibrator", "layout_for"]
 
-CHECKPOINT_FORMAT = "lpcal.model_state/2"
-# /1 listed the join's recent ids as [id, state] pairs (/2: recent_ids + recent_expired); both
-# restore. Earlier versions of the daemon cannot read /2 and say so (format mismatch).
-READABLE_CHECKPOINT_FORMATS = ("lpcal.model_state/1", CHECKPOINT_FORMAT)
+CHECKPOINT_FORMAT = "lpcal.model_state/3"
+# /1 listed the join's recent ids as [id, state] pairs (/2: recent_ids + recent_expired); /3 adds
+# the fit mode keys and, in the pools, the warm-up grid, the temperature and the held-out sums.
+# All three restore (/1 and /2 as the paper's mode, which is what they ran). Earlier versions of
+# the daemon cannot read /3 and say so (format mismatch): a certified epoch is not a paper one.
+READABLE_CHECKPOINT_FORMATS = ("lpcal.model_state/1", "lpcal.model_state/2",
+                               CHECKPOINT_FORMAT)
 DEFAULT_POOL = 5_000
 #: Sealed epochs waiting for their fit at which the daemon pauses the model's partition
 #: (backpressure). Epochs are never dropped: every sealed epoch is fitted, in order, so the
@@ -77,9 +96,12 @@ MAX_SEALED = 4
 Calibrator = Callable[[np.ndarray], np.ndarray]
 CalibratorFactory = Callable[[bytes], Calibrator]
 
-_CONFIG_KEYS = ("eps", "p", "delta", "sizing", "mu_pool", "pool", "variant", "prescale",
-                "outside", "drift_threshold", "window_samples", "window_seconds",
-                "drift_sustain_seconds", "drift_confidence", "drift_min_samples")
+_CONFIG_KEYS = ("eps", "p", "delta", "sizing", "mu_pool", "pool", "variant", "mode", "prescale",
+                "outside", "holdout", "warmup", "drift_threshold", "window_samples",
+                "window_seconds", "drift_sustain_seconds", "drift_confidence", "drift_min_samples")
+#: Config keys added with the certified mode, and the values a checkpoint written before them
+#: effectively ran with (the paper's mode: no pre-calibration, no held-out share, no warm-up).
+_LEGACY_CONFIG = {"mode": "paper", "prescale": "none", "holdout": 0, "warmup": 0}
 
 
 def binmap_calibrator(data: bytes) -> Calibrator:
@@ -91,19 +113,44 @@ def binmap_calibrator(data: bytes) -> Calibrator:
 
 
 def _config_of(ms: Any) -> dict[str, Any]:
-    """Plain dict of the model settings the state depends on (drift_threshold defaulted)."""
+    """Plain dict of the model settings the state depends on, every default applied
+    (``drift_threshold``; ``prescale``/``outside``/``holdout``/``warmup`` from ``mode``)."""
     cfg = {key: getattr(ms, key) for key in _CONFIG_KEYS}
     if cfg["drift_threshold"] is None:
         cfg["drift_threshold"] = cfg["eps"]
+    for key in ("prescale", "outside", "holdout", "warmup"):
+        value = getattr(ms, f"{key}_value", None)  # ModelSettings' resolved value
+        if value is not None:
+            cfg[key] = value
     cfg["p"] = float(cfg["p"])
     return cfg
 
 
+def _check_config(cfg: Mapping[str, Any]) -> None:
+    """Raise :class:`InputError` for a config an epoch cannot run (settings validation rejects
+    these at startup; this guards configs built by hand or read from a checkpoint)."""
+    if cfg["mode"] not in ("certified", "paper"):
+        raise InputError(f"mode must be 'certified' or 'paper', got {cfg['mode']!r}")
+    if cfg["prescale"] not in ("none", "temperature"):
+        raise InputError(f"prescale must be 'none' or 'temperature', got {cfg['prescale']!r}")
+    if cfg["outside"] not in ("rho", "identity"):
+        raise InputError(f"outside must be 'rho' or 'identity', got {cfg['outside']!r}")
+    for key in ("holdout", "warmup"):
+        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 0:
+            raise InputError(f"{key} must be an integer >= 0, got {cfg[key]!r}")
+    if (cfg["prescale"] == "temperature") != (cfg["warmup"] > 0):
+        raise InputError(f"prescale={cfg['prescale']!r} with warmup={cfg['warmup']}: the "
+                         "temperature needs warm-up samples, and only it uses them")
+
+
 def layout_for(cfg: Mapping[str, Any], k: int) -> PoolLayout:
-    """Pool layout of an epoch: the paper's sizes (``theory``) or ``pool``/``mu_pool``.
+    """Pool layout of an epoch: the paper's sizes (``theory``) or ``pool``/``mu_pool``, plus
+    the ``holdout`` share and the ``warmup`` samples of the config.
 
     ``practical`` defaults: ``pool`` = 5000 samples per estimation pool, ``mu_pool`` = ``pool``.
     """
+    import dataclasses
+
     from lpcal.sizing import practical_sizing, theory_sizing
 
     if cfg["sizing"] == "theory":
@@ -113,7 +160,8 @@ def layout_for(cfg: Mapping[str, Any], k: int) -> PoolLayout:
         sz = practical_sizing(cfg["eps"], cfg["p"], cfg["delta"], k,
                               mu_pool=int(cfg["mu_pool"] or pool), pool=pool,
                               variant=cfg["variant"])
-    return sz.layout()
+    return dataclasses.replace(sz, holdout=int(cfg.get("holdout") or 0),
+                               warmup=int(cfg.get("warmup") or 0)).layout()
 
 
 @dataclass
@@ -121,6 +169,7 @@ class IngestResult:
     """What one :meth:`ModelState.offer` / :meth:`ModelState.ingest` call did."""
 
     joined: int = 0                      # samples added to pools and monitor
+    sampled_out: int = 0                 # events dropped by the sample rate, before the join
     label_out_of_range: int = 0          # joined samples dropped: label >= k
     evicted: dict[str, int] = field(default_factory=dict)
     unmatched: dict[str, int] = field(default_factory=dict)
@@ -166,19 +215,36 @@ class ModelState:
         self._calibrator: Calibrator | None = None
         self.eval_interval = float(eval_interval)
         self._last_eval: tuple[float, dict[str, WindowStats | None]] | None = None
+        #: share of the events kept (see the module docstring); set from the model settings
+        self.sample_rate = 1.0
 
     @classmethod
     def create(cls, model: str, k: int, ms: Any, join: Any, *,
                calibrator_factory: CalibratorFactory = binmap_calibrator) -> ModelState:
         """New state from model settings ``ms`` (a ModelSettings) and join settings ``join``."""
         cfg = _config_of(ms)
-        if cfg["prescale"] != "none":
-            raise InputError(f"model {model!r}: prescale={cfg['prescale']!r} is not supported by "
-                             "the streaming daemon yet; use prescale='none'")
+        try:
+            _check_config(cfg)
+        except InputError as e:
+            raise InputError(f"model {model!r}: {e}") from None
         store = JoinStore(join.max_pending_per_model, join.ttl_seconds,
                           getattr(join, "recent_per_model", None))
-        return cls(model, k, cfg, layout_for(cfg, k), store,
-                   calibrator_factory=calibrator_factory)
+        st = cls(model, k, cfg, layout_for(cfg, k), store, calibrator_factory=calibrator_factory)
+        st.sample_rate = float(getattr(ms, "sample_rate", 1.0))
+        return st
+
+    # ---------------------------------------------------------------- sampling
+    def sample(self, mb: Any) -> tuple[Any, int]:
+        """``(the events of mb kept by the sample rate, how many were dropped)``: an event is
+        kept iff ``route_uniform([id]) < sample_rate``. The reference of the daemon's raw-bytes
+        prefilter (``daemon._speedups.sample_out``), which drops a subset of these same events
+        before parsing."""
+        rate = self.sample_rate
+        if rate >= 1.0 or not len(mb):
+            return mb, 0
+        keep = route_uniform_fast(mb.ids) < rate
+        dropped = int(keep.size - np.count_nonzero(keep))
+        return (mb if dropped == 0 else mb.select(keep)), dropped
 
     # ---------------------------------------------------------------- ingest
     def offer(self, mb: Any, now: float | None = None) -> IngestResult:
@@ -187,17 +253,24 @@ class ModelState:
             raise InputError(f"batch of model {mb.model!r} offered to {self.model!r}")
         if mb.k not in (0, self.k):
             raise InputError(f"model {self.model!r}: batch has k={mb.k}, state has k={self.k}")
+        mb, dropped = self.sample(mb)
+        if not len(mb):
+            return IngestResult(sampled_out=dropped)
         jr: JoinResult = self.join.offer(self.model, mb.kind, mb.ids, mb.ts,
                                          mb.probs if mb.k else None, mb.labels, now)
         res = self.ingest(jr.ids, jr.probs, jr.labels, jr.ts)
         res.evicted, res.unmatched = jr.evicted, jr.unmatched
+        res.sampled_out = dropped
         return res
 
     def ingest(self, ids: list[str], probs: np.ndarray, labels: np.ndarray,
                ts: np.ndarray | None = None) -> IngestResult:
         """Add joined samples: route to pools (sealing epochs at their exact fill point), update
         the monitors (raw and, with a bin map, calibrated). Samples with ``label >= k`` (possible
-        when an outcome arrived before the model's ``k`` was known) are dropped and counted."""
+        when an outcome arrived before the model's ``k`` was known) are dropped and counted.
+        With ``sample_rate < 1``, samples are routed with ``u / sample_rate`` (see the module
+        docstring); ids outside the sample (only possible when called directly, not through
+        :meth:`offer`) are dropped silently."""
         labels = np.asarray(labels, dtype=np.int64)
         res = IngestResult()
         n = labels.shape[0]
@@ -205,47 +278,42 @@ class ModelState:
             return res
         probs = np.asarray(probs, dtype=np.float64).reshape(n, self.k)
         ok = (labels >= 0) & (labels < self.k)
+        u = route_uniform_fast(ids)
+        rate = self.sample_rate
+        if rate < 1.0:
+            ok &= u < rate
+            u = u / rate
         if not ok.all():
             keep = np.flatnonzero(ok)
-            res.label_out_of_range = int(n - keep.size)
+            bad = (labels < 0) | (labels >= self.k)
+            res.label_out_of_range = int(np.count_nonzero(bad))
             self.dropped_labels += res.label_out_of_range
             ids = [ids[i] for i in keep.tolist()]
-            probs, labels = probs[keep], labels[keep]
+            probs, labels, u = probs[keep], labels[keep], u[keep]
             ts = None if ts is None else np.asarray(ts)[keep]
         if labels.size:
             c, h, pair = bin_rows(probs, self.lam)  # shared by the pools and the monitor
-            route = self.filling.layout.route_uniforms(route_uniform_fast(ids))
             if self.filling.full:  # e.g. after a layout change
                 self.seal()
                 res.sealed += 1
-            a = 0
-            while a < route.size:
-                cut = self._fill_point(route[a:])
-                b = route.size if cut is None else a + cut + 1
-                self.filling.add(route[a:b], None, labels[a:b], counts=c[a:b], hashes=h[a:b])
-                if cut is not None:
+            a, n = 0, labels.size
+            while a < n:
+                # the warm-up grid and the held-out sums are exact integers, so batching does
+                # not change them: a replay after a crash fits the same temperature to the bit
+                used = self.filling.add_samples(u[a:], probs[a:], labels[a:],
+                                                raw_bins=(c[a:], h[a:]))
+                a += used
+                if self.filling.full:
                     self.seal()
                     res.sealed += 1
-                a = b
+                elif a < n:  # not full, yet not every sample was taken: cannot happen
+                    raise RuntimeError(f"model {self.model!r}: pools consumed {used} of "
+                                       f"{n - a + used} samples without filling")
             cal = self._calibrator(probs) if self._calibrator is not None else None
             self.monitor.update(probs, labels, ts, calibrated=cal, hashes=(h, pair))
         res.joined = int(labels.size)
         self.samples_total += res.joined
         return res
-
-    def _fill_point(self, route: np.ndarray) -> int | None:
-        """Position in ``route`` of the sample that makes every pool full (None: not reached)."""
-        pos = -1
-        lay = self.filling.layout
-        for p, name in enumerate(lay.names):
-            need = lay.targets[name] - self.filling.tables[name].total
-            if need <= 0:
-                continue
-            occ = np.flatnonzero(route == p)
-            if occ.size < need:
-                return None
-            pos = max(pos, int(occ[need - 1]))
-        return pos if pos >= 0 else None
 
     # ---------------------------------------------------------------- lifecycle
     def advance_offsets(self, topic: str, partition: int, next_offset: int) -> None:
@@ -275,6 +343,7 @@ class ModelState:
                 stats = self.evaluate()
                 self._last_eval = (now, stats)
         return self.triggers.check(now=now, pools_full=bool(self.sealed),
+                                   manual_ready=bool(self.sealed) or not self.filling.warming,
                                    stats=stats.get("calibrated"), busy=busy)
 
     @property
@@ -382,11 +451,17 @@ class ModelState:
         part = "header"
         try:
             k = int(d["k"])
+            part = "config"
             cfg = dict(d["config"])
+            if "mode" not in cfg:  # written before the certified mode: it ran the paper's
+                for key, value in _LEGACY_CONFIG.items():
+                    cfg.setdefault(key, value)
             missing = [key for key in _CONFIG_KEYS if key not in cfg]
             if missing:
                 raise ValueError(f"config lacks {missing}")
+            cfg = {**{key: cfg[key] for key in _CONFIG_KEYS}, **cfg}  # canonical key order
             cfg["p"] = math.inf if cfg["p"] == "inf" else float(cfg["p"])
+            _check_config(cfg)
             part = "filling"
             pools = PoolSet.from_dict(d["filling"])
             part = "sealed"

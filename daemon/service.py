@@ -44,20 +44,21 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import orjson
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
-from daemon import heap, kafka_io
+from daemon import heap, kafka_io, native
 from daemon.checkpoint_store import CheckpointStore, KafkaCheckpointStore, LocalCheckpointStore
 from daemon.events import EventParser, ModelBatch
 from daemon.metrics import DaemonMetrics
 from daemon.model_state import MAX_SEALED, ModelState
 from daemon.offset_gaps import OffsetGapGuard
 from lpcal.calibrate import fit_pools
-from lpcal.errors import ArtifactError, LpcalError
+from lpcal.errors import ArtifactError, InputError, LpcalError
 from lpcal.pools import PoolSet
 
 log = logging.getLogger("lpcal.daemon")
@@ -151,6 +152,9 @@ class Daemon:
         # holes in fetched input offsets (see daemon.offset_gaps): counted, or read again
         self.gaps = OffsetGapGuard(refetch=k.offset_gaps == "refetch",
                                    grace_seconds=k.offset_gap_grace_seconds)
+        # per input partition: {model: sample_rate} of its models with a rate < 1, for the
+        # raw-bytes prefilter of _process (see _sample_out)
+        self._sampled: dict[int, dict[str, float]] = {}
 
     # ================================================================== lifecycle
     async def startup(self) -> None:
@@ -436,6 +440,10 @@ class Daemon:
         self.partition_of[model] = part
         self.parser.admit(model, st.k)
         self.metrics.register_model(model)
+        ms = self.s.model_settings(model)
+        st.sample_rate = ms.sample_rate if ms is not None else 1.0  # the settings decide it
+        if st.sample_rate < 1.0:
+            self._sampled.setdefault(part, {})[model] = st.sample_rate
         self.prefitted[model] = int(env.get("prefitted") or 0)
         inf = env.get("inflight")
         if inf:
@@ -443,6 +451,7 @@ class Daemon:
                                             int(inf["version"]))
         if st.binmap is not None:
             self.metrics.set_binmap_published(model, st.binmap_version)
+            self._export_certificate(model, st.binmap)
 
     async def _adopt_published_binmaps(self, parts: set[int]) -> None:
         """Install bin maps published after the last checkpoint (a crash between publishing and
@@ -482,6 +491,7 @@ class Daemon:
             st.install_binmap(data, bm.version)
             self.dirty.add(model)
             self.metrics.set_binmap_published(model, bm.version)
+            self._export_certificate(model, bm.certificate)
             log.info("model %s: adopted published bin map version %d", model, bm.version)
 
     def verify_binmap(self, data: bytes, model: str):
@@ -530,6 +540,7 @@ class Daemon:
         for tp in tps:
             self.positions.pop((tp.topic, tp.partition), None)
             self.gaps.forget((tp.topic, tp.partition))
+            self._sampled.pop(tp.partition, None)
         self.assigned -= set(tps)
 
     # ================================================================== ingest
@@ -579,11 +590,19 @@ class Daemon:
             gc.disable()
         try:
             topic_kind = self._topic_kind(tp.topic)
-            n = len(msgs)
-            self.metrics.inc_consumed(topic_kind, n)
-            values = list(map(attrgetter("value"), msgs))
+            end = msgs[-1].offset + 1
+            self.metrics.inc_consumed(topic_kind, len(msgs))
+            rates = self._sampled.get(tp.partition)
+            if rates and native.SPEEDUPS is not None:
+                msgs, values = self._sample_out(topic_kind, msgs, rates)
+                if not msgs:
+                    self.positions[(tp.topic, tp.partition)] = end
+                    return
+            else:
+                values = list(map(attrgetter("value"), msgs))
             if None in values:
                 values = [v or b"" for v in values]
+            n = len(msgs)
             pb = self.parser.parse_batch(values, RecordTimestamps(msgs))
             for i, bad in pb.invalid:
                 self._deadletter(tp, msgs[i], bad.reason)
@@ -609,6 +628,10 @@ class Daemon:
                 self.event_time[model] = max(self.event_time.get(model, -math.inf),
                                              float(mb.ts.max()))
                 self.dirty.add(model)
+                if res.sampled_out:
+                    self.metrics.inc_sampled_out(model, topic_kind, res.sampled_out)
+                if st.sample_rate < 1.0:
+                    self._sampled.setdefault(tp.partition, {})[model] = st.sample_rate
                 if res.joined:
                     self.metrics.inc_joined(model, res.joined)
                 if res.label_out_of_range:
@@ -619,10 +642,26 @@ class Daemon:
                 for kind, k in res.unmatched.items():
                     if k:
                         self.metrics.inc_unmatched(model, kind, k)
-            self.positions[(tp.topic, tp.partition)] = msgs[-1].offset + 1
+            self.positions[(tp.topic, tp.partition)] = end
         finally:
             if paused:
                 gc.enable()
+
+    def _sample_out(self, topic_kind: str, msgs: list, rates: dict[str, float]
+                    ) -> tuple[list, list]:
+        """Drop, on their raw bytes and before any parsing, the events of sampled models
+        (``rates``) that :meth:`ModelState.sample` would drop: one scan for ``model`` and ``id``
+        and one blake2b hash per event (``daemon._speedups.sample_out``). Events it cannot decide
+        there (pure-Python path, escaped or non-ASCII ids, anything unusual) are parsed and
+        sampled by ``ModelState.offer`` with the same rule. Dropped events are counted, not
+        validated (an invalid event of a sampled model is dead-lettered only if kept).
+        Returns the records kept and their values."""
+        kept, values, counts = native.SPEEDUPS.sample_records(
+            msgs if type(msgs) is list else list(msgs), rates, self.parser.max_bytes,
+            self.parser.max_id_len)
+        for model, k in counts.items():
+            self.metrics.inc_sampled_out(model, topic_kind, k)
+        return kept, values
 
     def _state_for(self, model: str, mb: ModelBatch, tp: TopicPartition) -> ModelState | None:
         st = self.models.get(model)
@@ -759,6 +798,16 @@ class Daemon:
         raw = stats.get("raw")
         m.set_window_samples(model, raw.n if raw is not None else 0)
 
+    def _export_certificate(self, model: str, certificate: Any) -> None:
+        """Export a bin map's held-out certificate (a dict, or the map's JSON bytes); a map
+        without one clears the gauges. A malformed certificate is logged, never fatal."""
+        try:
+            if isinstance(certificate, (bytes, bytearray)):
+                certificate = orjson.loads(certificate).get("certificate")
+            self.metrics.set_certificate(model, certificate)
+        except (InputError, orjson.JSONDecodeError, AttributeError) as e:
+            log.warning("model %s: certificate not exported: %s", model, e)
+
     def _export_lag(self) -> None:
         lags = {"predictions": 0, "outcomes": 0}
         for tp in self.assigned:
@@ -777,7 +826,7 @@ class Daemon:
             t0 = time.perf_counter()
             bm = fit_pools(inf.pools, eps=cfg["eps"], p=cfg["p"], delta=cfg["delta"],
                            seed=fit_seed(model, inf.version), model_id=model,
-                           version=inf.version, outside=cfg["outside"])
+                           version=inf.version, mode=cfg["mode"], outside=cfg["outside"])
             return bm, time.perf_counter() - t0
 
         inf.task = loop.run_in_executor(self._executor, work)
@@ -839,6 +888,7 @@ class Daemon:
         self.dirty.add(model)
         self.metrics.observe_fit(model, inf.trigger, seconds, bm.iterations, bm.n_bins)
         self.metrics.set_binmap_published(model, inf.version)
+        self._export_certificate(model, bm.certificate)
         log.info("model %s: published bin map version %d (%s, |B|=%d, %d iterations, %s, "
                  "%.3f s)", model, inf.version, inf.trigger, bm.n_bins, bm.iterations,
                  bm.stop_reason, seconds)

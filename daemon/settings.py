@@ -63,9 +63,13 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from lpcal.calibrate import MODE_DEFAULTS
+
 __all__ = [
     "DEFAULT_CONFIG_PATH",
+    "DEFAULT_HOLDOUT",
     "DEFAULT_SECRETS_DIR",
+    "DEFAULT_WARMUP",
     "HttpSettings",
     "JoinSettings",
     "KafkaSettings",
@@ -113,6 +117,13 @@ PNorm = Annotated[float, BeforeValidator(_parse_float), Field(gt=1.0)]
 PosInt = Annotated[int, Field(gt=0)]
 PosFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+NonNegInt = Annotated[int, Field(ge=0)]
+
+#: Held-out samples per epoch implied by each ``mode`` when ``holdout`` is unset; ``prescale``
+#: and ``outside`` follow :data:`lpcal.calibrate.MODE_DEFAULTS`.
+DEFAULT_HOLDOUT = {"certified": 3_000, "paper": 0}
+#: Warm-up samples per epoch when ``warmup`` is unset and ``prescale = "temperature"``.
+DEFAULT_WARMUP = 10_000
 
 
 class _Strict(BaseModel):
@@ -138,15 +149,35 @@ class ModelSettings(_Strict):
     """``split``: separate P and E pools per level (the paper's); ``shared``: one PE pool."""
     k: Annotated[int, Field(ge=2, le=MAX_K)] | None = None
     """Number of classes (None: learned from the model's first valid prediction)."""
-    prescale: Literal["none", "temperature"] = "none"
-    outside: Literal["rho", "identity"] = "rho"
-    """What the bin map returns for bins outside the high-probability set B."""
+    mode: Literal["certified", "paper"] = "certified"
+    """``certified`` (default): every epoch warms up a temperature pre-calibrator, holds out
+    ``holdout`` samples and publishes the candidate (temperature scaling alone, or Algorithm 2 on
+    the temperature-scaled bins) with the best held-out certificate; ``paper``: Algorithm 2 as
+    in the paper (no pre-calibration, ``rho`` outside B, no held-out share)."""
+    prescale: Literal["none", "temperature"] | None = None
+    """Pre-calibrator fitted on each epoch's first ``warmup`` samples (None: from ``mode``:
+    ``temperature`` certified, ``none`` paper)."""
+    outside: Literal["rho", "identity"] | None = None
+    """What the bin map returns for bins outside the high-probability set B (None: from
+    ``mode``: ``identity`` certified, ``rho`` paper)."""
+    holdout: NonNegInt | None = None
+    """Held-out samples per epoch, for the certificate (None: 3000 certified, 0 paper)."""
+    warmup: NonNegInt | None = None
+    """Samples per epoch, taken first, that fit the temperature (None: 10000 with
+    ``prescale = "temperature"``, else 0)."""
     drift_threshold: PosFloat | None = None
     """Calibrated Err_p above which drift is declared (None: ``eps``)."""
     window_samples: PosInt | None = 10_000
     """Monitoring window: the last N joined samples (used when window_seconds is None)."""
     window_seconds: PosFloat | None = None
     """Monitoring window: the last T seconds of event time (takes precedence when set)."""
+    sample_rate: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    """Share of the model's events kept, in (0, 1]: an event is kept iff the blake2b hash of its
+    id, as a uniform in [0, 1), is below the rate, so a prediction and its outcome are kept or
+    dropped together on every replica and in every replay. Dropped events cost one hash and a
+    count (``lpcal_events_sampled_out_total``), not a join entry. Kept samples are a uniform
+    random subsample: the monitor's estimates stay unbiased, pools fill 1/rate times slower in
+    events. For models whose traffic exceeds what calibration needs (docs/scaling.md)."""
     sum_tolerance: Annotated[float, Field(ge=0.0, lt=1.0)] = 1e-3
     """|sum(probs) - 1| allowed before ``normalize`` applies."""
     normalize: Literal["renormalize", "reject"] = "renormalize"
@@ -163,6 +194,47 @@ class ModelSettings(_Strict):
         if self.window_samples is None and self.window_seconds is None:
             raise ValueError("window_samples: one of window_samples or window_seconds must be set")
         return self
+
+    @model_validator(mode="after")
+    def _fit_mode(self) -> ModelSettings:
+        """Reject at startup every mode/prescale/holdout/warmup combination an epoch cannot run."""
+        problems = []
+        if self.prescale_value == "temperature" and self.warmup_value == 0:
+            problems.append("warmup: prescale = 'temperature' needs warmup > 0 (the samples "
+                            "each epoch fits its temperature on): set warmup > 0 or prescale "
+                            "= 'none'")
+        if self.prescale_value == "none" and self.warmup_value > 0:
+            problems.append(f"warmup: warmup = {self.warmup_value} is only used with prescale = "
+                            "'temperature': remove it, or set prescale = 'temperature'")
+        if self.mode == "certified" and self.holdout_value == 0:
+            problems.append("holdout: mode = 'certified' needs held-out samples (holdout > 0) "
+                            "to certify each bin map: set holdout > 0, or mode = 'paper' to "
+                            "fit without a certificate")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def prescale_value(self) -> str:
+        """``prescale`` with its default (from ``mode``) applied."""
+        return MODE_DEFAULTS[self.mode]["prescale"] if self.prescale is None else self.prescale
+
+    @property
+    def outside_value(self) -> str:
+        """``outside`` with its default (from ``mode``) applied."""
+        return MODE_DEFAULTS[self.mode]["outside"] if self.outside is None else self.outside
+
+    @property
+    def holdout_value(self) -> int:
+        """``holdout`` with its default (from ``mode``) applied."""
+        return DEFAULT_HOLDOUT[self.mode] if self.holdout is None else self.holdout
+
+    @property
+    def warmup_value(self) -> int:
+        """``warmup`` with its default (from ``prescale``) applied."""
+        if self.warmup is not None:
+            return self.warmup
+        return DEFAULT_WARMUP if self.prescale_value == "temperature" else 0
 
     @property
     def drift_threshold_value(self) -> float:
@@ -418,7 +490,14 @@ class Settings(BaseSettings):
             except ValidationError as e:
                 for err in e.errors():
                     loc = ".".join(str(x) for x in err["loc"])
-                    problems.append(f"models.{name}{'.' + loc if loc else ''}: {err['msg']}")
+                    msg = err["msg"]
+                    if err["type"] == "value_error" and not loc and msg.startswith(
+                            "Value error, "):  # a model validator: "field: reason; ..."
+                        for part in msg[len("Value error, "):].split("; "):
+                            problems.append(f"models.{name}.{part}" if _PART.match(part)
+                                            else f"models.{name}: {part}")
+                        continue
+                    problems.append(f"models.{name}{'.' + loc if loc else ''}: {msg}")
         if problems:
             raise ValueError("; ".join(problems))
         self._merged = merged

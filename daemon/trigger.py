@@ -24,7 +24,9 @@ drift episode causes one recalibration.
 * ``Firing("drift", "refill")``: discard the current pools and start a new epoch (the pools then
   fill with post-drift data, and the resulting fit is labelled ``drift``).
 
-Nothing fires while a fit is in flight (``busy=True``); a manual request waits. The drift
+Nothing fires while a fit is in flight (``busy=True``); a manual request waits, and it also waits
+while the current epoch has nothing to fit (``manual_ready=False``: the epoch's warm-up is still
+fixing its temperature, so its pools are empty). The drift
 trigger observes only when neither a manual request nor full pools take precedence (skipped
 observations do not break a drifting run).
 
@@ -143,11 +145,12 @@ class Triggers:
         self.manual_pending = True
 
     def check(self, *, now: float, pools_full: bool, stats: Any = None,
-              busy: bool = False) -> Firing | None:
-        """Decide what to do at time ``now``. ``stats``: calibrated-predictor WindowStats."""
+              busy: bool = False, manual_ready: bool = True) -> Firing | None:
+        """Decide what to do at time ``now``. ``stats``: calibrated-predictor WindowStats;
+        ``manual_ready``: the current pools can be fitted (a manual request waits otherwise)."""
         if busy:
             return None
-        if self.manual_pending:
+        if self.manual_pending and manual_ready:
             self.manual_pending = False
             return Firing("manual", "fit")
         if pools_full:

@@ -243,14 +243,21 @@ def run_kernel(
     max_iter: int | None = None,
     progress=None,
     record_history: bool = False,
+    threshold: float | None = None,
 ) -> KernelResult:
     """Run the iterative phase of Algorithm 2 on the bins ``c_B`` (int rows, ordered).
 
     ``levels[i]`` holds the level-``i`` pool counts restricted to ``B``. ``progress``, if given, is
-    called as ``progress(t, est_err_max)`` every 256 iterations.
+    called as ``progress(t, est_err_max)`` every 256 iterations. ``threshold`` (default
+    ``beta/2``, the paper's) is the estimated error below which correction stops; a smaller one
+    keeps correcting while the pools support it (the certified mode uses ``beta/8``), and the
+    iteration cap is then the paper's bound for ``beta = 2 threshold``.
     """
     n = c_B.shape[0]
-    cap = iteration_bound(beta, lam) if max_iter is None else int(max_iter)
+    threshold = beta / 2.0 if threshold is None else float(threshold)
+    if not (0.0 < threshold <= beta / 2.0):
+        raise ValueError(f"threshold must lie in (0, beta/2], got {threshold}")
+    cap = iteration_bound(2.0 * threshold, lam) if max_iter is None else int(max_iter)
     if n == 0:
         return KernelResult(np.zeros(0, np.int64), np.zeros((0, c_B.shape[1])), 0,
                             STOP_CONVERGED, 0.0, 0.0, 0, 0)
@@ -260,7 +267,6 @@ def run_kernel(
 
     def run(limit: int, track: bool):
         st = _State(c_B, levels, beta, lam, p, np.random.default_rng(seed))
-        threshold = beta / 2.0
         t = 0
         hist = []
         best_obj, best_t = math.inf, 0

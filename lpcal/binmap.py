@@ -4,14 +4,22 @@
 fallback ``rho(R(f(x)))`` (the paper) or ``f(x)`` itself (``outside="identity"``). If the bin map
 carries a pre-scaling temperature ``T``, ``f`` is first replaced by ``softmax(log f / T)``.
 
-JSON layout (schema 1; orjson; UTF-8)::
+JSON layout (schema 2; orjson; UTF-8)::
 
-    {"schema": 1, "model_id", "version", "created_at", "eps", "p" ("inf" for infinity), "delta",
+    {"schema": 2, "model_id", "version", "created_at", "eps", "p" ("inf" for infinity), "delta",
      "beta", "lam", "k", "temperature" (null if none), "outside", "sizing", "iterations",
      "stop_reason", "est_error", "n_bins", "n_groups",
      "bins": [canonical sparse keys of B], "group": [group of each bin],
      "preds": [{"d": default, "i": [indices], "v": [values]} per group],
+     "mode": "certified" | "paper",
+     "certificate": null | {"method", "eps", "p", "lam", "delta", "n_holdout",
+                            "estimates": {candidate: {"err_p", "bound", "brier"}},
+                            "selected", "certified"},
      "checksum": "sha256:<hex>"}
+
+Schema 1 (lpcal 0.1) had neither ``mode`` nor ``certificate``; it is still read (as
+``mode = "paper"`` without a certificate). A map whose certificate selected the pre-calibrator
+alone has no bins (``B`` empty, ``outside = "identity"``): it is temperature scaling, certified.
 
 Predictions are stored sparsely: every coordinate equals ``d`` except those listed. The checksum
 is the sha256 of the canonical JSON (sorted keys) of every other field, so any corruption,
@@ -30,10 +38,12 @@ import numpy as np
 import orjson
 
 from lpcal.errors import ArtifactError, InputError
-from lpcal.levels import BinIndex, _combine, _rows_per_chunk, _weights, decode_keys, floor_into
+from lpcal.kernels import ApplyPlan, scale_temperature  # noqa: F401 (re-exported)
+from lpcal.levels import BinIndex, decode_keys
 
-SCHEMA_VERSION = 1
-_SUM_TOL = 1e-3
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
+_MODES = ("certified", "paper")
 _OUTSIDE = ("rho", "identity")
 
 
@@ -59,23 +69,6 @@ def _decode_pred(obj: Any, k: int, g: int) -> np.ndarray:
     return row
 
 
-def _check_rows(u: np.ndarray, s: np.ndarray, offset: int) -> None:
-    bad = ~np.isfinite(s) | (np.abs(s - 1.0) > _SUM_TOL) | (u.min(axis=1) < 0)
-    if bad.any():
-        r = int(np.flatnonzero(bad)[0])
-        raise InputError(f"row {offset + r}: not a probability vector (sum {s[r]!r}, "
-                         f"min {u[r].min()!r})")
-
-
-def scale_temperature(probs: np.ndarray, temperature: float) -> np.ndarray:
-    """``softmax(log(probs) / T)`` row-wise (zeros stay zero), numerically stable."""
-    with np.errstate(divide="ignore"):
-        z = np.log(probs) / temperature
-    z -= z.max(axis=1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=1, keepdims=True)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class BinMap:
     """A fitted calibrator ``h`` (see the module docstring). Build with ``lpcal.fit``/``fit_pools``."""
@@ -98,11 +91,26 @@ class BinMap:
     bins: tuple[str, ...]
     group: np.ndarray  # (|B|,) int
     preds: np.ndarray  # (|G|, k) float
+    mode: str = "paper"
+    certificate: dict | None = None  # lpcal.certificate.Certificate.to_dict()
     bin_rows: dataclasses.InitVar[np.ndarray | None] = None  # rows of ``bins``, if known
 
-    def __post_init__(self, bin_rows: np.ndarray | None = None):
+    def __post_init__(self, bin_rows: np.ndarray | None):
         if self.outside not in _OUTSIDE:
             raise ArtifactError(f"outside must be one of {_OUTSIDE}, got {self.outside!r}")
+        if self.mode not in _MODES:
+            raise ArtifactError(f"mode must be one of {_MODES}, got {self.mode!r}")
+        if self.temperature is not None and not (
+                isinstance(self.temperature, float) and math.isfinite(self.temperature)
+                and self.temperature > 0):
+            raise ArtifactError(f"temperature must be positive and finite, got "
+                                f"{self.temperature!r}")
+        if self.certificate is not None:
+            from lpcal.certificate import Certificate
+            try:
+                Certificate.from_dict(self.certificate)
+            except InputError as e:
+                raise ArtifactError(str(e)) from None
         # callers that built ``bins`` from their rows (fit_pools) pass them, saving the parse
         rows = decode_keys(self.bins, self.k, self.lam) if bin_rows is None else bin_rows
         object.__setattr__(self, "_index", BinIndex(rows))
@@ -121,7 +129,12 @@ class BinMap:
         P.setflags(write=False)
         object.__setattr__(self, "group", g)
         object.__setattr__(self, "preds", P)
-        object.__setattr__(self, "_bin_pred", P[g] if g.size else np.zeros((0, self.k)))
+        bin_pred = P[g] if g.size else np.zeros((0, self.k))
+        bin_pred.setflags(write=False)
+        object.__setattr__(self, "_bin_pred", bin_pred)
+        # everything apply needs, built once: the single-row dict of B, hash weights, constants
+        object.__setattr__(self, "_plan", ApplyPlan(self.k, self.lam, self.temperature,
+                                                    self.outside == "rho", self._index, bin_pred))
 
     # ------------------------------------------------------------------ apply
     @property
@@ -132,53 +145,56 @@ class BinMap:
     def n_groups(self) -> int:
         return int(self.preds.shape[0])
 
-    def apply(self, probs: np.ndarray, *, check: bool = True) -> np.ndarray:
+    def apply(self, probs: np.ndarray, *, check: bool = True,
+              out: np.ndarray | None = None) -> np.ndarray:
         """Calibrated probabilities ``h(x)`` for rows of raw probabilities ``f(x)`` (vectorised).
 
-        ``check`` validates rows (finite, non-negative, summing to 1 within 1e-3) and raises
-        :class:`InputError` naming the first bad row. Rows are renormalised when their sums are
-        far enough from 1 to move a bin boundary. One cache-resident pass per chunk of rows:
-        validate, bin, hash, look up in ``B``, write the group prediction or the fallback.
+        Parameters
+        ----------
+        probs : array_like, shape (n, k) or (k,)
+            Raw probability rows ``f(x)`` (converted to float64).
+        check : bool, default True
+            Validate every row: finite, non-negative, summing to 1 within 1e-3; the first bad
+            row raises :class:`InputError` naming it. ``check=False`` skips exactly these three
+            tests of the row contents and nothing else: the shapes of ``probs`` and ``out`` are
+            still checked, rows are still renormalised when their sums are far enough from 1 to
+            move a bin boundary, and the arithmetic is the same. Rows that would have failed
+            then give unspecified output (e.g. NaN) instead of an error. Use it when the rows
+            come straight from a softmax you trust.
+        out : numpy.ndarray, optional
+            Writeable float64 array of the shape of ``probs`` to write the result into (no
+            allocation of the result); it may be ``probs`` itself (in place), but must not
+            otherwise overlap it. Returned.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``h(x)``, of the shape of ``probs`` (``out`` when given).
+
+        Notes
+        -----
+        Batches run in cache-resident chunks of rows (:mod:`lpcal.kernels`): temperature scaling
+        (``exp(log f / T)``, normalised, in place), then for maps with bins: bin, hash, look up in
+        ``B``, write the group prediction or the fallback. A map that is the temperature alone
+        (``B`` empty, ``outside="identity"``) costs what temperature scaling costs. A single
+        row (shape ``(k,)`` or ``(1, k)``) takes a dedicated path that looks its bin up in a
+        ``dict`` built when the map was loaded; it returns the batch path's values (rows in
+        ``B`` exactly their group's prediction, other rows up to the rounding of a row sum,
+        about 1e-16). If a row fails the check, ``out`` may already hold earlier rows' results.
         """
         u = np.asarray(probs, dtype=np.float64)
-        one = u.ndim == 1
-        u = np.atleast_2d(u)
-        if u.ndim != 2 or u.shape[1] != self.k:
-            raise InputError(f"expected probability rows of length {self.k}, got shape {u.shape}")
-        if self.temperature is not None:
-            s = u.sum(axis=1)
-            if check:
-                _check_rows(u, s, 0)
-            u = scale_temperature(u / s[:, None], self.temperature)
-            check = False
-        n, k, lam = u.shape[0], self.k, self.lam
-        out = np.empty((n, k))
-        w = _weights(k)
-        step = _rows_per_chunk(k)
-        buf = np.empty((min(step, n), k))
-        rho = self.outside == "rho"
-        inv_lam, inv_klam = 1.0 / lam, 1.0 / (k * lam)
-        for a in range(0, n, step):
-            b_ = min(a + step, n)
-            src = u[a:b_]
-            s = src.sum(axis=1)
-            if check:
-                _check_rows(src, s, a)
-            if np.abs(s - 1.0).max() * lam > 1e-6:
-                src = src / s[:, None]
-            t = floor_into(src, lam, buf[: b_ - a])
-            hh = t @ w
-            idx = self._index.lookup_hashed(_combine(hh), hh)
-            o = out[a:b_]
-            if rho:
-                np.multiply(t, inv_lam, out=o)
-                o += ((lam - t.sum(axis=1)) * inv_klam)[:, None]
-            else:
-                o[...] = src
-            hit = idx >= 0
-            if hit.any():
-                o[hit] = self._bin_pred[idx[hit]]
-        return out[0] if one else out
+        k = self.k
+        if not (u.ndim in (1, 2) and u.shape[-1] == k):
+            raise InputError(f"expected probability rows of length {k}, got shape "
+                             f"{np.atleast_2d(u).shape}")
+        o, inplace = (np.empty(u.shape), False) if out is None else _out_buffer(u, out)
+        if u.ndim == 1:
+            self._plan.apply_row(u, o, check, inplace)
+        elif u.shape[0] == 1:
+            self._plan.apply_row(u[0], o[0], check, inplace)
+        elif u.shape[0]:
+            self._plan.apply_rows(u, o, check, inplace)
+        return o
 
     __call__ = apply
 
@@ -211,6 +227,8 @@ class BinMap:
             "bins": list(self.bins),
             "group": self.group.tolist(),
             "preds": [_encode_pred(r) for r in self.preds],
+            "mode": self.mode,
+            "certificate": self.certificate,
         }
 
     @staticmethod
@@ -241,9 +259,9 @@ class BinMap:
         if not isinstance(obj, dict):
             raise ArtifactError(f"{where}: top level must be a JSON object")
         schema = obj.get("schema")
-        if schema != SCHEMA_VERSION:
+        if schema not in READABLE_SCHEMAS or isinstance(schema, bool):
             raise ArtifactError(f"{where}: incompatible schema {schema!r}; this lpcal reads "
-                                f"schema {SCHEMA_VERSION}")
+                                f"schemas {', '.join(map(str, READABLE_SCHEMAS))}")
         checksum = obj.pop("checksum", None)
         if not isinstance(checksum, str):
             raise ArtifactError(f"{where}: missing checksum")
@@ -263,6 +281,9 @@ class BinMap:
                 iterations=int(obj["iterations"]), stop_reason=str(obj["stop_reason"]),
                 est_error=dict(obj["est_error"]), bins=tuple(obj["bins"]),
                 group=np.asarray(obj["group"], dtype=np.int64), preds=preds,
+                mode=str(obj["mode"]) if schema >= 2 else "paper",
+                certificate=None if schema < 2 or obj["certificate"] is None
+                else dict(obj["certificate"]),
             )
         except KeyError as e:
             raise ArtifactError(f"{where}: missing field {e}") from None
@@ -282,7 +303,23 @@ class BinMap:
             "iterations": self.iterations, "stop_reason": self.stop_reason,
             "temperature": self.temperature, "outside": self.outside,
             "est_error": self.est_error, "sizing_mode": self.sizing.get("mode"),
+            "mode": self.mode, "certificate": self.certificate,
         }
+
+
+def _out_buffer(u: np.ndarray, out) -> tuple[np.ndarray, bool]:
+    """Check a caller's ``out`` for ``apply``; ``(out, True)`` when it is ``u`` itself."""
+    if not (isinstance(out, np.ndarray) and out.dtype == np.float64 and out.shape == u.shape
+            and out.flags.writeable):
+        got = (f"{out.dtype} array of shape {out.shape}" + ("" if out.flags.writeable else
+                                                             ", read-only")
+               if isinstance(out, np.ndarray) else type(out).__name__)
+        raise InputError(f"out must be a writeable float64 array of shape {u.shape}, got {got}")
+    if not np.may_share_memory(out, u):
+        return out, False
+    if out.ctypes.data == u.ctypes.data and out.strides == u.strides:
+        return out, True
+    raise InputError("out overlaps probs without being the same array")
 
 
 def utc_now() -> str:

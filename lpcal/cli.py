@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from lpcal.binmap import BinMap
+from lpcal.certificate import Certificate
 from lpcal.errors import LpcalError
 from lpcal.io import load_predictions, save_npz
 
@@ -63,13 +64,18 @@ def cmd_fit(a) -> int:
     prog = _Progress()
     t0 = time.time()
     bm = fit(probs, labels, eps=a.eps, p=a.p, delta=a.delta, pool_size=a.pool_size,
-             sizing=a.sizing, seed=a.seed, prescale=a.prescale, outside=a.outside,
-             variant=a.variant, model_id=a.model_id, progress=prog)
+             sizing=a.sizing, seed=a.seed, mode=a.mode, prescale=a.prescale,
+             outside=a.outside, holdout_fraction=a.holdout_fraction, variant=a.variant,
+             model_id=a.model_id, progress=prog)
     prog.done()
     Path(a.out).write_bytes(bm.to_json())
     s = bm.summary()
-    print(f"wrote {a.out}: |B| = {s['|B|']}, |G| = {s['|G|']}, {s['iterations']} iterations "
-          f"({s['stop_reason']}), lambda = {bm.lam}, fit {time.time() - t0:.2f} s")
+    print(f"wrote {a.out}: mode {bm.mode}, |B| = {s['|B|']}, |G| = {s['|G|']}, "
+          f"{s['iterations']} iterations ({s['stop_reason']}), lambda = {bm.lam}, "
+          f"temperature {'none' if bm.temperature is None else f'{bm.temperature:.4g}'}, "
+          f"fit {time.time() - t0:.2f} s")
+    if bm.certificate is not None:
+        print(Certificate.from_dict(bm.certificate).format())
     return 0
 
 
@@ -96,6 +102,11 @@ def cmd_eval(a) -> int:
         cols["calibrated"] = evaluate(cal, labels, lam)
         curves["calibrated"] = (cal, labels)
     print(format_table(cols, lam, probs.shape[0]))
+    if bm is not None:
+        if bm.certificate is not None:
+            print(Certificate.from_dict(bm.certificate).format())
+        else:
+            print(f"certificate: none (a {bm.mode}-mode map fitted without a held-out share)")
     if a.plot:
         from lpcal.plot import reliability_diagram
 
@@ -129,8 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--variant", choices=["split", "shared"], default="shared",
                    help="shared (default): P and E of a group from one pool; split: the paper's separate pools")
     f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--prescale", choices=["none", "temperature"], default="none")
-    f.add_argument("--outside", choices=["rho", "identity"], default="rho")
+    f.add_argument("--mode", choices=["certified", "paper"], default="certified",
+                   help="certified (default): held-out certificate, temperature pre-calibration, "
+                        "the better of TS alone and the corrected map; paper: Algorithm 2 as "
+                        "published")
+    f.add_argument("--prescale", choices=["none", "temperature"], default=None,
+                   help="pre-calibrator (default from --mode: temperature | none)")
+    f.add_argument("--outside", choices=["rho", "identity"], default=None,
+                   help="map outside B (default from --mode: identity | rho)")
+    f.add_argument("--holdout-fraction", type=float, default=None,
+                   help="share held out for the certificate (default from --mode: 0.3 | 0)")
     f.add_argument("--model-id", default="model")
     f.add_argument("--logits", action="store_true", help="inputs are logits: softmax first")
     f.add_argument("--out", required=True)

@@ -45,7 +45,8 @@ has been published. A writer (holding ``self._lock``; writers are serialised) bu
 holding the new, completely constructed :class:`BinMap` and publishes it with ONE attribute store
 (``self._maps = new``). A reader performs ONE attribute load and one ``dict.get`` and from then on
 uses only the :class:`BinMap` it obtained. ``BinMap`` is a frozen dataclass whose arrays are never
-written after construction (``apply`` only reads them and allocates its own outputs), so:
+written after construction (``apply`` only reads them and the single-row ``dict`` and lookup table
+the constructor built, and writes only into its own output and scratch arrays), so:
 
 * the reference a reader obtains is either the old or the new snapshot, never a partial one
   (reference loads/stores are atomic in CPython: a single bytecode under the GIL; in free-threaded
@@ -79,7 +80,7 @@ from typing import Any, Self
 import numpy as np
 import orjson
 
-from lpcal.binmap import SCHEMA_VERSION, BinMap
+from lpcal.binmap import READABLE_SCHEMAS, BinMap
 from lpcal.errors import ArtifactError, InputError, LpcalError
 
 __all__ = [
@@ -157,9 +158,10 @@ def _verify(data: bytes | bytearray | memoryview | str, where: str) -> tuple[Bin
     if not isinstance(obj, dict):
         raise BinMapRejected("parse", f"{where}: top level must be a JSON object, "
                              f"got {type(obj).__name__}")
-    if obj.get("schema") != SCHEMA_VERSION:
-        raise BinMapRejected("schema", f"{where}: incompatible schema {obj.get('schema')!r}; "
-                             f"this lpcal reads schema {SCHEMA_VERSION}")
+    schema = obj.get("schema")
+    if schema not in READABLE_SCHEMAS or isinstance(schema, bool):
+        raise BinMapRejected("schema", f"{where}: incompatible schema {schema!r}; this lpcal "
+                             f"reads schemas {', '.join(map(str, READABLE_SCHEMAS))}")
     checksum = obj.get("checksum")
     if not isinstance(checksum, str):
         raise BinMapRejected("checksum", f"{where}: missing checksum")
@@ -263,15 +265,25 @@ class BinMapStore:
         self._swaps = 0
 
     # ------------------------------------------------------------------ readers (lock-free)
-    def apply(self, model: str, probs, *, check: bool = True) -> np.ndarray:
-        """Calibrate ``probs`` with the current bin map of ``model`` (one map per call)."""
+    def apply(self, model: str, probs, *, check: bool = True,
+              out: np.ndarray | None = None) -> np.ndarray:
+        """Calibrate ``probs`` with the current bin map of ``model`` (one map per call).
+
+        Lock-free: one read of the published snapshot, then :meth:`BinMap.apply` of the map
+        obtained (``check`` and ``out`` as there). A single row (shape ``(k,)`` or ``(1, k)``)
+        takes the map's single-row path, which allocates the result (none with ``out=``) and,
+        for maps with bins, one scratch row; nothing is shared between calls.
+        """
         bm = self._maps.get(model)  # the single read of the shared reference
         if bm is None:
             if self.missing == "identity":
-                return np.array(probs, dtype=np.float64)
+                if out is None:
+                    return np.array(probs, dtype=np.float64)
+                out[...] = probs
+                return out
             raise UnknownModelError(f"no bin map for model {model!r} (known: "
                                     f"{sorted(self._maps) or 'none'})")
-        return bm.apply(probs, check=check)
+        return bm.apply(probs, check=check, out=out)
 
     def get(self, model: str) -> BinMap | None:
         """The current bin map of ``model`` or ``None``."""

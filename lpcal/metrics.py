@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from lpcal.errors import InputError
+from lpcal.holdout import BinSums, merge_bin_sums
 from lpcal.io import DEFAULT_TOL, validate_labels, validate_probs
 from lpcal.levels import bin_counts_hashed, decode_keys, encode_keys, group_rows, row_hash
 
@@ -118,7 +119,7 @@ lp_norm = _lp_norm
 # ----------------------------------------------------------------------------- additive sums
 
 
-class ErrSums:
+class ErrSums(BinSums):
     """Additive sufficient statistics of Err_p: per bin ``v`` the count ``N_v`` and ``S_v``.
 
     ``S_v[j] = sum over samples with R(f(x)) = v of (f(x)_j - y_j)``. Then the plug-in
@@ -172,34 +173,12 @@ class ErrSums:
                 f"into {(self.k, self.lam)}"
             )
         out = ErrSums(self.k, self.lam)
-        if other.n_bins == 0 or self.n_bins == 0:
-            src = self if other.n_bins == 0 else other
-            out.rows, out.hashes = src.rows.copy(), src.hashes.copy()
-            out.counts, out.sums = src.counts.copy(), src.sums.copy()
-            return out
-        rows = np.concatenate([self.rows, other.rows])
-        hashes = np.concatenate([self.hashes, other.hashes])
-        uh, first, inv = group_rows(rows, hashes)
-        out.rows, out.hashes = rows[first], uh
-        out.counts = np.bincount(
-            inv, weights=np.concatenate([self.counts, other.counts]), minlength=uh.size
-        ).astype(np.int64)
-        out.sums = _reduce_groups(inv, uh.size, np.concatenate([self.sums, other.sums]))
+        out.rows, out.hashes, out.counts, out.sums = merge_bin_sums(self, other)
         return out
 
     __add__ = merge
 
-    # -- results --------------------------------------------------------------------------------
-
-    @property
-    def n(self) -> int:
-        """Number of samples accumulated."""
-        return int(self.counts.sum())
-
-    @property
-    def n_bins(self) -> int:
-        """Number of distinct bins seen."""
-        return int(self.hashes.size)
+    # -- results (n and n_bins: BinSums) ---------------------------------------------------------
 
     def error_matrix(self) -> np.ndarray:
         """``Err(v, j) = |S_v[j]| / n`` for every seen bin (G, k)."""

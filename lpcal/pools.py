@@ -494,13 +494,26 @@ def route_uniform(ids: Iterable[str | bytes]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PoolLayout:
-    """The pools of one calibration epoch: names, target sizes and the routing of events."""
+    """The pools of one calibration epoch: names, target sizes and the routing of events.
+
+    Beyond Algorithm 2's pools (``names``), an epoch of the certified mode has
+
+    * ``warmup`` samples, taken in arrival order before any other pool, that fit the epoch's
+      temperature pre-calibrator (:class:`lpcal.precalibrate.TemperatureGrid`); the other pools
+      then hold bins of the pre-calibrated predictor ``g = softmax(log f / T)``;
+    * a held-out share ``holdout`` (routed like a pool, under the name ``"hold"``) whose
+      :class:`lpcal.holdout.HoldoutSums` certify the fitted bin map.
+
+    Both are 0 in the paper's mode.
+    """
 
     k: int
     lam: int
     levels: int
     variant: str
     targets: Mapping[str, int]
+    holdout: int = 0
+    warmup: int = 0
     names: tuple[str, ...] = field(init=False)
 
     def __post_init__(self):
@@ -511,44 +524,72 @@ class PoolLayout:
         bad = [n for n in names if int(self.targets[n]) <= 0]
         if bad:
             raise InputError(f"pool targets must be positive: {bad}")
+        if int(self.holdout) < 0 or int(self.warmup) < 0:
+            raise InputError(f"holdout and warmup must be >= 0, got {self.holdout}, "
+                             f"{self.warmup}")
         object.__setattr__(self, "names", names)
         object.__setattr__(self, "targets", {n: int(self.targets[n]) for n in names})
+        object.__setattr__(self, "holdout", int(self.holdout))
+        object.__setattr__(self, "warmup", int(self.warmup))
 
     @property
     def total_target(self) -> int:
-        return sum(self.targets.values())
+        return sum(self.targets.values()) + self.holdout + self.warmup
+
+    @property
+    def routes(self) -> tuple[str, ...]:
+        """Names of the routed destinations: the pools, then ``"hold"`` if any."""
+        return self.names + (("hold",) if self.holdout else ())
 
     def cumulative_weights(self) -> np.ndarray:
-        t = np.array([self.targets[n] for n in self.names], dtype=np.float64)
+        t = np.array([self.targets[n] for n in self.names]
+                     + ([self.holdout] if self.holdout else []), dtype=np.float64)
         return np.cumsum(t) / t.sum()
 
     def route(self, ids: Iterable[str | bytes]) -> np.ndarray:
-        """Pool index of each event id, with probability proportional to the target sizes."""
+        """Destination index (into :attr:`routes`) of each event id, with probability
+        proportional to the target sizes."""
         return self.route_uniforms(route_uniform(ids))
 
     def route_uniforms(self, u: np.ndarray) -> np.ndarray:
-        """Pool index of each uniform ``u`` in [0, 1) (``route(ids)`` is
+        """Destination index of each uniform ``u`` in [0, 1) (``route(ids)`` is
         ``route_uniforms(route_uniform(ids))``; for callers that hash ids their own way)."""
         return np.minimum(np.searchsorted(self.cumulative_weights(), u, side="right"),
-                          len(self.names) - 1)
+                          len(self.routes) - 1)
 
     def to_dict(self) -> dict:
-        return {"k": self.k, "lam": self.lam, "levels": self.levels, "variant": self.variant,
-                "targets": dict(self.targets)}
+        d = {"k": self.k, "lam": self.lam, "levels": self.levels, "variant": self.variant,
+             "targets": dict(self.targets)}
+        if self.holdout or self.warmup:
+            d["holdout"], d["warmup"] = self.holdout, self.warmup
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping) -> PoolLayout:
         try:
             return cls(int(d["k"]), int(d["lam"]), int(d["levels"]), str(d["variant"]),
-                       dict(d["targets"]))
-        except (KeyError, TypeError, ValueError) as e:
+                       dict(d["targets"]), int(d.get("holdout", 0)), int(d.get("warmup", 0)))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InputError(f"malformed pool layout ({e})") from None
 
 
 class PoolSet:
-    """All pools of one epoch (a :class:`PoolLayout` plus one :class:`CountTable` per pool)."""
+    """All pools of one epoch: a :class:`PoolLayout` and one :class:`CountTable` per pool; in
+    the certified mode also the warm-up :class:`TemperatureGrid`, the epoch's pre-calibration
+    ``temperature`` (fixed when the warm-up is complete; the tables hold bins of
+    ``softmax(log f / T)``) and the held-out sums of the pre-calibrated (``holdout``) and raw
+    (``holdout_raw``) predictors.
 
-    def __init__(self, layout: PoolLayout, tables: Mapping[str, CountTable] | None = None):
+    Samples enter in arrival order through :meth:`add_samples`, which stops at the exact sample
+    that makes the set :attr:`full` (so epoch boundaries depend only on the sample sequence), or
+    per pool through :meth:`add` (Algorithm 2's pools only).
+    """
+
+    def __init__(self, layout: PoolLayout, tables: Mapping[str, CountTable] | None = None, *,
+                 temperature: float | None = None):
+        from lpcal.holdout import HoldoutSums
+        from lpcal.precalibrate import TemperatureGrid
+
         self.layout = layout
         self.tables = {n: CountTable(layout.k, layout.lam) for n in layout.names}
         if tables:
@@ -556,11 +597,21 @@ class PoolSet:
                 if n not in self.tables:
                     raise InputError(f"unknown pool {n!r} for layout {layout.names}")
                 self.tables[n] = t
+        self.grid = TemperatureGrid() if layout.warmup else None
+        self.temperature = None if temperature is None else float(temperature)
+        self.holdout = HoldoutSums(layout.k, layout.lam) if layout.holdout else None
+        self.holdout_raw = HoldoutSums(layout.k, layout.lam) if layout.holdout else None
+
+    @property
+    def warming(self) -> bool:
+        """True while warm-up samples are still needed to fix the temperature."""
+        return self.grid is not None and self.grid.n + self.grid.skipped < self.layout.warmup
 
     def add(self, pool_idx: np.ndarray, probs: np.ndarray | None, labels,
             counts: np.ndarray | None = None, hashes: np.ndarray | None = None) -> None:
-        """Add samples, each to the pool ``pool_idx[i]``: checked once, sorted by pool (stable),
-        then one contiguous slice per pool."""
+        """Add samples, each to Algorithm 2's pool ``pool_idx[i]``: checked once, sorted by pool
+        (stable), then one contiguous slice per pool. ``probs``/``counts`` are bins of the
+        predictor the pools hold (pre-calibrated, if :attr:`temperature` is set)."""
         pool_idx = np.asarray(pool_idx)
         if counts is None:
             counts, hashes = bin_counts_hashed(probs, self.layout.lam)
@@ -571,6 +622,8 @@ class PoolSet:
             raise InputError(f"pool_idx must have shape {y.shape}, got {pool_idx.shape}")
         if y.size == 0:
             return
+        if pool_idx.min() < 0 or pool_idx.max() >= len(self.layout.names):
+            raise InputError(f"pool_idx outside [0, {len(self.layout.names)})")
         order = np.argsort(pool_idx, kind="stable")
         ps = pool_idx[order]
         c, y, h = c[order], y[order], np.asarray(hashes, dtype=np.int64)[order]
@@ -578,13 +631,88 @@ class PoolSet:
         for a, b in zip([0, *cuts], [*cuts, ps.size]):
             self.tables[self.layout.names[int(ps[a])]]._append(c[a:b], y[a:b], h[a:b])
 
+    def _need(self) -> list[int]:
+        """Samples each routed destination still needs (order of :attr:`PoolLayout.routes`)."""
+        need = [self.layout.targets[n] - self.tables[n].total for n in self.layout.names]
+        if self.holdout is not None:
+            need.append(self.layout.holdout - self.holdout.n)
+        return need
+
+    def _fill_point(self, route: np.ndarray) -> int | None:
+        """Position in ``route`` of the sample that makes every destination full (None: not
+        reached)."""
+        pos = -1
+        for p, need in enumerate(self._need()):
+            if need <= 0:
+                continue
+            occ = np.flatnonzero(route == p)
+            if occ.size < need:
+                return None
+            pos = max(pos, int(occ[need - 1]))
+        return pos if pos >= 0 else None
+
+    def add_samples(self, uniforms: np.ndarray, probs: np.ndarray, labels: np.ndarray, *,
+                    raw_bins: tuple[np.ndarray, np.ndarray] | None = None) -> int:
+        """Add samples in order until the set is :attr:`full`; return how many were consumed.
+
+        ``uniforms`` route each sample (:meth:`PoolLayout.route_uniforms`; a hash of the event id
+        in the daemon, so a replay routes identically). ``probs`` are the raw predictor's
+        validated rows; ``raw_bins = (counts, hashes)`` of ``probs`` may be passed to save the
+        binning when no temperature applies. Warm-up samples come first (see
+        :class:`PoolLayout`); then the rest is routed to the pools and the held-out share.
+        """
+        y = np.asarray(labels, dtype=np.int64)
+        n = y.shape[0]
+        x = np.asarray(probs, dtype=np.float64).reshape(n, self.layout.k)
+        a = 0
+        if self.warming:
+            a = min(n, self.layout.warmup - self.grid.n - self.grid.skipped)
+            self.grid.update(x[:a], y[:a])
+            if not self.warming:
+                self.temperature = self.grid.fit() if self.grid.n else None
+            if a == n:
+                return n
+        if self.full:
+            return a
+        route = self.layout.route_uniforms(np.asarray(uniforms)[a:])
+        cut = self._fill_point(route)
+        b = n if cut is None else a + cut + 1
+        route = route[: b - a]
+        xs, ys = x[a:b], y[a:b]
+        if self.temperature is not None:
+            from lpcal.binmap import scale_temperature
+            g = scale_temperature(xs, self.temperature)
+            counts, hashes = bin_counts_hashed(g, self.layout.lam)
+        else:
+            g = xs
+            if raw_bins is not None:
+                counts, hashes = raw_bins[0][a:b], raw_bins[1][a:b]
+            else:
+                counts, hashes = bin_counts_hashed(xs, self.layout.lam)
+        pools = len(self.layout.names)
+        in_pool = route < pools
+        if in_pool.all():
+            self.add(route, None, ys, counts=counts, hashes=hashes)
+        else:
+            sel = np.flatnonzero(in_pool)
+            self.add(route[sel], None, ys[sel], counts=counts[sel], hashes=hashes[sel])
+            hold = np.flatnonzero(~in_pool)
+            self.holdout.update(g[hold], ys[hold])
+            self.holdout_raw.update(xs[hold], ys[hold])
+        return b
+
     def compact(self) -> None:
         """Compact every table (before handing the pools to another thread)."""
         for t in self.tables.values():
             t.compact()
 
     def fill(self) -> dict[str, tuple[int, int]]:
-        return {n: (self.tables[n].total, self.layout.targets[n]) for n in self.layout.names}
+        out = {n: (self.tables[n].total, self.layout.targets[n]) for n in self.layout.names}
+        if self.grid is not None:
+            out["warmup"] = (self.grid.n + self.grid.skipped, self.layout.warmup)
+        if self.holdout is not None:
+            out["hold"] = (self.holdout.n, self.layout.holdout)
+        return out
 
     @property
     def full(self) -> bool:
@@ -592,32 +720,67 @@ class PoolSet:
 
     @property
     def total(self) -> int:
-        return sum(t.total for t in self.tables.values())
+        return sum(c for c, _ in self.fill().values())
 
     def merge(self, other: PoolSet) -> PoolSet:
         if self.layout != other.layout:
             raise InputError("cannot merge pool sets with different layouts")
-        return PoolSet(self.layout, {n: self.tables[n].merge(other.tables[n])
-                                     for n in self.layout.names})
+        if self.temperature != other.temperature:
+            raise InputError("cannot merge pool sets binned at different temperatures")
+        out = PoolSet(self.layout, {n: self.tables[n].merge(other.tables[n])
+                                    for n in self.layout.names}, temperature=self.temperature)
+        if self.grid is not None:
+            out.grid = self.grid.merge(other.grid)
+        if self.holdout is not None:
+            out.holdout = self.holdout.merge(other.holdout)
+            out.holdout_raw = self.holdout_raw.merge(other.holdout_raw)
+        return out
 
     def to_dict(self) -> dict:
-        return {"layout": self.layout.to_dict(),
-                "tables": {n: t.to_dict() for n, t in self.tables.items()}}
+        d = {"layout": self.layout.to_dict(),
+             "tables": {n: t.to_dict() for n, t in self.tables.items()}}
+        if self.temperature is not None:
+            d["temperature"] = self.temperature
+        if self.grid is not None:
+            d["grid"] = self.grid.to_dict()
+        if self.holdout is not None:
+            d["holdout"] = self.holdout.to_dict()
+            d["holdout_raw"] = self.holdout_raw.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping) -> PoolSet:
+        from lpcal.holdout import HoldoutSums
+        from lpcal.precalibrate import TemperatureGrid
+        from lpcal.temperature import check_temperature
+
         try:
             layout = PoolLayout.from_dict(d["layout"])
             tables = {n: CountTable.from_dict(t, where=f"pool {n}") for n, t in d["tables"].items()}
+            t = d.get("temperature")
+            out = cls(layout, None, temperature=None if t is None else check_temperature(t))
+            if layout.warmup:
+                out.grid = TemperatureGrid.from_dict(d["grid"])
+            if layout.holdout:
+                out.holdout = HoldoutSums.from_dict(d["holdout"], "pool hold")
+                out.holdout_raw = HoldoutSums.from_dict(d["holdout_raw"], "pool hold (raw)")
+                for h in (out.holdout, out.holdout_raw):
+                    if (h.k, h.lam) != (layout.k, layout.lam):
+                        raise InputError("held-out sums: (k, lambda) does not match the layout")
         except (KeyError, TypeError, AttributeError) as e:
             raise InputError(f"malformed pool set ({e})") from None
         for n, t in tables.items():
             if (t.k, t.lam) != (layout.k, layout.lam):
                 raise InputError(f"pool {n}: (k, lambda) does not match the layout")
-        return cls(layout, tables)
+            if n not in out.tables:
+                raise InputError(f"unknown pool {n!r} for layout {layout.names}")
+            out.tables[n] = t
+        return out
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PoolSet):
             return NotImplemented
-        return self.layout == other.layout and all(
-            self.tables[n] == other.tables[n] for n in self.layout.names)
+        return (self.layout == other.layout and self.temperature == other.temperature
+                and all(self.tables[n] == other.tables[n] for n in self.layout.names)
+                and self.grid == other.grid and self.holdout == other.holdout
+                and self.holdout_raw == other.holdout_raw)

@@ -52,13 +52,17 @@ class Sizing:
     targets: dict[str, int]
     noise_scales: dict[str, float] = field(default_factory=dict)  # Laplace scale per pool, 0 = off
     warnings: tuple[str, ...] = ()
+    holdout: int = 0  # held-out samples of the certificate (certified mode)
+    warmup: int = 0   # warm-up samples of the temperature pre-calibrator (streaming epochs)
 
     @property
     def total(self) -> int:
-        return sum(self.targets.values())
+        """Samples of one epoch: every pool, the held-out share and the warm-up."""
+        return sum(self.targets.values()) + self.holdout + self.warmup
 
     def layout(self) -> PoolLayout:
-        return PoolLayout(self.k, self.lam, self.levels, self.variant, self.targets)
+        return PoolLayout(self.k, self.lam, self.levels, self.variant, self.targets,
+                          self.holdout, self.warmup)
 
     def to_dict(self) -> dict:
         return {
@@ -66,6 +70,8 @@ class Sizing:
             "variant": self.variant,
             "levels": self.levels,
             "pools": dict(self.targets),
+            "holdout": self.holdout,
+            "warmup": self.warmup,
             "total": self.total,
             "noise_scales": dict(self.noise_scales),
             "warnings": list(self.warnings),

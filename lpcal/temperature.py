@@ -43,6 +43,11 @@ def _log_probs(x: np.ndarray) -> np.ndarray:
     return z
 
 
+def check_temperature(temperature) -> float:
+    """A positive finite float, else :class:`InputError` saying what was given."""
+    return _check_t(temperature)
+
+
 def _check_t(temperature) -> float:
     try:
         t = float(temperature)

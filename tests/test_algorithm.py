@@ -340,7 +340,7 @@ def test_fit_pools_matches_reference_end_to_end(eps, p, k, variant):
         p_cnt = [sum(counts[pn][(b, j)] for j in range(k)) for b in B]
         levels.append(_Lvl(p_cnt, 400, e_cnt, 400))
     rr = reference_run(B, levels, beta=beta, lam=lam, p=p, keep_trace=True)
-    bm = fit_pools(pools, eps=eps, p=p, seed=3)
+    bm = fit_pools(pools, eps=eps, p=p, seed=3, mode="paper", outside="rho")
     assert list(bm.bins) == [_key(b) for b in B]
     assert bm.stop_reason == rr.stop_reason and bm.iterations == rr.iterations
     check_invariants(bm.group, bm.preds, lam, len(B))

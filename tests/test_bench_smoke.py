@@ -48,27 +48,63 @@ def test_fit_quick_tables():
 
 
 def test_apply_quick_table():
-    (tab,) = bench_apply.run(quick=True)
-    assert tab.key == "apply"
-    variants = ["default (check, rho outside B)", "check=False", "outside=identity",
-                "prescale=temperature"]
-    assert [(r[0], r[4]) for r in tab.rows] == [(str(k), v) for k in (10, 100) for v in variants]
-    assert all(_ratio(c) > 0 for c in tab.column("apply / R"))
-    assert all(int(b) > 0 for b in tab.column("|B|"))
+    lat, batch, vs_r = bench_apply.run(quick=True)
+    assert (lat.key, batch.key, vs_r.key) == ("apply_latency", "apply", "apply_r")
+    kinds = ["default"] * 3 + ["TS + B", "paper"]
+    # one row: three calls of the default map, one of each other map, for k = 10 and 100
+    assert [(r[0], r[1]) for r in lat.rows] == [(str(k), m) for k in (10, 100) for m in kinds]
+    for col in ("p50 / TS", "p99 / TS"):
+        assert all(_ratio(c) > 0 for c in lat.column(col))
+    targets = dict(zip(lat.column("map"), lat.column("target p50 <= 2x")))
+    assert targets["default"] in ("yes", "**NO**") and targets["paper"] == "–"
+    # the default is the certified temperature alone (B empty); the others have bins
+    bins = dict(zip(lat.column("map"), lat.column("|B|")))
+    assert bins["default"] == "0" and int(bins["TS + B"]) > 0 and int(bins["paper"]) > 0
+    assert any("selected precalibrator" in n for n in lat.notes)
+    # batches: four variants of the default map, one of each other map, per (k, n)
+    variants = ["apply(x)", "check=False", "out=buf", "out=buf, check=False"]
+    per_cell = [("default", v) for v in variants] + [("TS + B", "apply(x)"),
+                                                     ("paper", "apply(x)")]
+    assert [(r[0], r[2], r[4]) for r in batch.rows] == [
+        (str(k), m, v) for k, _ in bench_apply._grid(quick=True) for m, v in per_cell]
+    assert all(_ratio(c) > 0 for c in batch.column("apply / TS"))
+    assert set(batch.column("target <= 1.0x")) <= {"yes", "**NO**", "–"}
+    r_variants = ["paper (check, rho outside B)", "check=False", "outside=identity",
+                  "prescale=temperature"]
+    assert [(r[0], r[4]) for r in vs_r.rows] == [(str(k), v) for k in (10, 100)
+                                                  for v in r_variants]
+    assert all(_ratio(c) > 0 for c in vs_r.column("apply / R"))
+    assert all(int(b) > 0 for b in vs_r.column("|B|"))
+    # the full grid covers issue 13's k and n, n * k capped
+    full = bench_apply._grid(quick=False)
+    assert {k for k, _ in full} == {10, 100, 1000, 10_000}
+    assert (10, 10**4) in full and (10, 10**6) in full
+    assert all(k * n <= bench_apply.MAX_ELEMENTS for k, n in full)
+    # the baseline is temperature scaling: f^(1/T), normalised
+    f = np.random.default_rng(0).dirichlet(np.ones(4), size=50)
+    e = f ** (1 / 1.5)
+    np.testing.assert_allclose(bench_apply.temperature_scaling(f, 1.5),
+                               e / e.sum(axis=1, keepdims=True), rtol=1e-12)
 
 
 def test_quality_quick_table():
-    (tab,) = bench_quality.run(quick=True)
+    tab, bounds = bench_quality.run(quick=True)
     methods = tab.column("method")
     assert set(tab.column("record")) == {"wideresnet-16-4-cifar-10"}
     assert methods[:2] == ["uncalibrated", "temperature"]
-    assert "lpcal (eps=0.05, p=inf)" in methods and "lpcal+TS+id (eps=0.1, p=2)" in methods
-    assert "lpcal shared (eps=0.1, p=2)" in methods
-    assert len(methods) == 2 + len(bench_quality.LPCAL_VARIANTS) * len(bench_quality.SETTINGS)
+    assert "lpcal paper (eps=0.05, p=inf)" in methods
+    assert "lpcal paper+TS+id (eps=0.1, p=2)" in methods
+    assert "lpcal paper shared (eps=0.1, p=2)" in methods
+    assert "lpcal default (eps=0.05, p=inf)" in methods and "vector scaling" in methods
+    assert len(methods) == 2 + 3 + (1 + len(bench_quality.LPCAL_VARIANTS)) * len(
+        bench_quality.SETTINGS)
     acc = [float(a) for a in tab.column("accuracy")]
     assert all(0.85 < a < 0.95 for a in acc)  # WideResNet on CIFAR-10: about 0.91
     ece = dict(zip(methods, (float(v) for v in tab.column("top-label ECE"))))
     assert ece["temperature"] < ece["uncalibrated"]
+    # the default stays within issue 10's bounds of temperature scaling on this network
+    assert bounds.key == "quality_bounds"
+    assert bounds.column("within")[0] == "yes" and bounds.column("certified (seeds)")[0] == "c"
 
 
 def test_variants_quick_tables():
@@ -132,3 +168,48 @@ def test_true_err_is_zero_for_the_true_conditionals_and_matches_a_loop():
     assert expected_brier(q, q) < expected_brier(f, q)
     # labels follow q: class frequencies close to the mean of q
     assert np.abs(np.bincount(y, minlength=4) / 3000 - q.mean(axis=0)).max() < 0.04
+
+
+def test_directions_quick_tables():
+    from tests.bench import bench_directions as bd
+
+    real, summ, syn = bd.run(quick=True)
+    assert (real.key, summ.key, syn.key) == (
+        "directions_real", "directions_real_summary", "directions_synth")
+    assert run_all.BENCHMARKS["directions"] is bd
+    # one record, every method once, in order (the run itself asserts that its replay of the
+    # certified path publishes what lpcal.fit publishes)
+    assert real.headers[:2] == ["record", "method"] and "fit ms" in real.headers
+    assert set(real.column("record")) == {bd.QUICK_RECORD}
+    assert real.column("method") == bd.METHODS == summ.column("method")
+    for m in (*bd.METRICS, "fit ms"):
+        assert all(math.isfinite(float(v)) for v in real.column(m)), m
+    acc = [float(a) for a in real.column("accuracy")]
+    assert all(0.85 < a < 0.95 for a in acc)
+    sel = dict(zip(real.column("method"), real.column("selected (seeds)")))
+    assert sel[bd.M_B] == "R" and sel[bd.M_CORR] == "C" and len(sel[bd.M_DEFAULT]) == 1
+    for col in summ.headers[2:7]:
+        assert all(math.isfinite(float(v)) for v in summ.column(col)), col
+    # synthetic: every case x method; true errors finite; on the class-dependent family
+    # temperature scaling fails eps and the default meets it
+    n_cases = len(bd.QUICK_SYNTH) + len(bd.QUICK_CD)
+    assert syn.column("method") == bd.METHODS * n_cases
+    for col in ("true Err_p", "true Brier", "fit s"):
+        assert all(math.isfinite(float(v)) for v in syn.column(col)), col
+    ok = {(f, m): v for f, m, v in zip(syn.column("family"), syn.column("method"),
+                                       syn.column("<= eps"))}
+    cd = next(f for f in syn.column("family") if f.startswith("class-dependent"))
+    assert ok[(cd, bd.M_TS)] == "**NO**" and ok[(cd, bd.M_DEFAULT)] == "yes"
+
+
+def test_scale_quick_tables():
+    """bench_scale --quick: 1 and 2 replica processes on the embedded broker, then a SIGKILL
+    failover over a small state topic (timings not asserted)."""
+    from tests.bench import bench_scale
+
+    scale, fail = bench_scale.run(quick=True, log=lambda m: None)
+    assert scale.key == "scale" and [r[0] for r in scale.rows] == ["1", "2"]
+    assert all(float(c.replace(",", "")) > 0 for c in scale.column("joined samples/s (median)"))
+    assert fail.key == "failover" and "bench_scale" in run_all.BENCHMARKS["scale"].__name__
+    assert any("SIGKILL" in fail.title for _ in (0,)) and len(fail.rows) >= 6
+

@@ -5,18 +5,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import warnings
 
 import numpy as np
 import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.reference_algorithm import rho as ref_rho
-from tests.reference_algorithm import round_down
 
 from lpcal.binmap import BinMap, scale_temperature
 from lpcal.calibrate import fit
 from lpcal.errors import ArtifactError, InputError
+from lpcal.kernels import MIN_CHUNK_ROWS, chunk_rows
+from lpcal.levels import bin_counts, encode_keys
+from tests.reference_algorithm import rho as ref_rho
+from tests.reference_algorithm import round_down
 
 
 def _key(c) -> str:
@@ -42,7 +45,7 @@ def _fit(seed=0, k=3, eps=0.3, p=2.0, variant="split", outside="rho", prescale="
     if key not in _FITS:
         f, y = _data(seed, 3000, k, mix)
         _FITS[key] = fit(f, y, eps=eps, p=p, variant=variant, outside=outside, seed=seed,
-                         prescale=prescale, model_id=f"m{seed}")
+                         prescale=prescale, model_id=f"m{seed}", mode="paper")
     return _FITS[key]
 
 
@@ -126,7 +129,7 @@ def _reseal(obj: dict) -> bytes:
     (lambda d: b"\xff\xfe garbage", "not valid JSON"),
     (lambda d: b"[1, 2, 3]", "must be a JSON object"),
     (lambda d: b'"a string"', "must be a JSON object"),
-    (lambda d: _reseal(dict(orjson.loads(d), schema=2)), "incompatible schema 2"),
+    (lambda d: _reseal(dict(orjson.loads(d), schema=3)), "incompatible schema 3"),
     (lambda d: orjson.dumps({k: v for k, v in orjson.loads(d).items() if k != "schema"}),
      "incompatible schema None"),
     (lambda d: orjson.dumps({k: v for k, v in orjson.loads(d).items() if k != "checksum"}),
@@ -247,7 +250,7 @@ def test_k_1000():
     f = 0.9 * centres[rng.integers(0, 4, size=n)] + 0.1 * rng.dirichlet(np.ones(k) * 0.05, n)
     f /= f.sum(axis=1, keepdims=True)
     y = np.where(rng.random(n) < 0.5, np.argmax(f, axis=1), rng.integers(0, k, size=n))
-    bm = fit(f, y, eps=0.2, p=math.inf, seed=1)
+    bm = fit(f, y, eps=0.2, p=math.inf, seed=1, mode="paper")
     assert bm.k == k and bm.n_bins >= 3
     out = bm.apply(f[:1000])
     assert out.shape == (1000, k) and np.allclose(out.sum(axis=1), 1.0, atol=1e-9)
@@ -275,7 +278,7 @@ def test_empty_B_maps_everything_to_rho():
     rng = np.random.default_rng(0)
     f = rng.dirichlet(np.ones(6), size=3000)
     y = rng.integers(0, 6, size=3000)
-    bm = fit(f, y, eps=0.05, p=math.inf, seed=2)
+    bm = fit(f, y, eps=0.05, p=math.inf, seed=2, mode="paper")
     assert bm.n_bins == 0 and bm.n_groups == 0 and bm.preds.shape == (0, 6)
     assert bm.stop_reason == "converged" and bm.est_error["mass_outside_B"] == 1.0
     back = BinMap.from_json(bm.to_json())
@@ -283,3 +286,206 @@ def test_empty_B_maps_everything_to_rho():
     exp, inside = _expected(back, f[:200])
     assert not inside.any()
     np.testing.assert_allclose(back.apply(f[:200]), exp, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- fast paths
+
+
+def _made(k, lam, fit_rows, *, temperature=None, outside="rho", n_bins=5, seed=0):
+    """A bin map built by hand: ``B`` = the ``n_bins`` most frequent bins of ``fit_rows`` (after
+    the temperature), one random group prediction per bin."""
+    g = fit_rows if temperature is None else scale_temperature(fit_rows, temperature)
+    c, counts = np.unique(bin_counts(g, lam), axis=0, return_counts=True)
+    c = c[np.argsort(-counts, kind="stable")[:n_bins]]
+    preds = np.random.default_rng(seed).dirichlet(np.ones(k), size=len(c))
+    return BinMap(model_id="made", version=1, created_at="fixed", eps=0.05, p=math.inf,
+                  delta=0.1, beta=1 / lam, lam=lam, k=k, temperature=temperature,
+                  outside=outside, sizing={}, iterations=0, stop_reason="converged",
+                  est_error={}, bins=tuple(encode_keys(c)), group=np.arange(len(c)),
+                  preds=preds, mode="paper")
+
+
+def _kinds(k=3, lam=20, n=400, seed=0):
+    """Rows and the four kinds of map: paper (rho), identity, temperature + B, temperature only."""
+    rng = np.random.default_rng(seed)
+    centres = rng.dirichlet(np.ones(k) * 0.5, size=4)
+    u = centres[rng.integers(0, 4, size=n)]  # repeated rows: many land in B
+    u = np.vstack([u, rng.dirichlet(np.ones(k), size=n)])
+    return u, {
+        "paper": _made(k, lam, u, n_bins=4),
+        "identity": _made(k, lam, u, outside="identity", n_bins=4),
+        "TS + B": _made(k, lam, u, temperature=1.7, outside="identity", n_bins=4),
+        "TS only": _made(k, lam, u, temperature=1.7, outside="identity", n_bins=0),
+    }
+
+
+def _old_apply(bm, u):
+    """Today's arithmetic before issue 13 (shifted softmax of the normalised rows, then bins)."""
+    if bm.temperature is not None:
+        u = scale_temperature(u / u.sum(axis=1, keepdims=True), bm.temperature)
+        if bm.n_bins == 0 and bm.outside == "identity":
+            return u
+    exp, _ = _expected(dataclasses.replace(bm, temperature=None), u)
+    return exp
+
+
+@pytest.mark.parametrize("kind", ["paper", "identity", "TS + B", "TS only"])
+def test_every_kind_matches_the_reference_and_the_single_row_path(kind):
+    u, maps = _kinds()
+    bm = maps[kind]
+    out = bm.apply(u)
+    ref = _old_apply(bm, u)
+    _, inside = _expected(dataclasses.replace(bm, temperature=None),
+                          u if bm.temperature is None else scale_temperature(u, bm.temperature))
+    assert bm.n_bins == 0 or inside.sum() > 100
+    np.testing.assert_array_equal(out[inside], ref[inside])  # rows in B: the group prediction
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-15)
+    # one row at a time, as (k,) and as (1, k): the dedicated path gives the batch's values
+    for i in range(0, len(u), 7):
+        one, two = bm.apply(u[i]), bm.apply(u[i : i + 1])
+        assert one.shape == (3,) and two.shape == (1, 3)
+        np.testing.assert_array_equal(one, two[0])
+        np.testing.assert_allclose(one, out[i], rtol=0, atol=1e-15)
+        if inside[i]:
+            np.testing.assert_array_equal(one, out[i])
+
+
+def test_the_default_map_is_temperature_scaling():
+    """``fit``'s default on an overconfident model publishes the temperature alone; applying it
+    is temperature scaling (to rounding), one row or many."""
+    rng = np.random.default_rng(0)
+    z = rng.normal(0, 3.0, (6000, 5))
+    f = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    q = np.exp(0.5 * z) / np.exp(0.5 * z).sum(axis=1, keepdims=True)
+    y = (q.cumsum(axis=1) < rng.random((6000, 1))).sum(axis=1)
+    bm = fit(f, y, eps=0.05, p=math.inf, seed=0)
+    assert bm.n_bins == 0 and bm.outside == "identity" and bm.temperature is not None
+    x = rng.dirichlet(np.ones(5) * 0.3, size=3000)
+    e = np.exp(np.log(x) / bm.temperature)
+    ts = e / e.sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(bm.apply(x), ts, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(bm.apply(x[5]), ts[5], rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("kind", ["paper", "identity", "TS + B", "TS only"])
+def test_out_writes_into_the_callers_buffer(kind):
+    u, maps = _kinds()
+    bm = maps[kind]
+    ref = bm.apply(u)
+    buf = np.full_like(u, np.nan)
+    assert bm.apply(u, out=buf) is buf
+    np.testing.assert_array_equal(buf, ref)
+    row = np.empty(3)
+    assert bm.apply(u[3], out=row) is row
+    np.testing.assert_array_equal(row, bm.apply(u[3]))
+    one = np.empty((1, 3))
+    assert bm.apply(u[3:4], out=one) is one
+    np.testing.assert_array_equal(one[0], row)
+    # in place: out may be probs itself, for batches and single rows
+    x = u.copy()
+    assert bm.apply(x, out=x) is x
+    np.testing.assert_array_equal(x, ref)
+    r = u[3].copy()
+    bm.apply(r, out=r)
+    np.testing.assert_array_equal(r, row)
+    # a strided view of a larger buffer works too
+    big = np.zeros((len(u), 6))
+    bm.apply(u, out=big[:, ::2])
+    np.testing.assert_array_equal(big[:, ::2], ref)
+    assert not big[:, 1::2].any()
+
+
+def test_out_is_checked():
+    u, maps = _kinds()
+    bm = maps["TS + B"]
+    for bad, msg in [(np.empty((len(u), 4)), "shape"), (np.empty(u.shape, dtype=np.float32),
+                                                         "float32"),
+                     ([[0.0] * 3] * len(u), "list")]:
+        with pytest.raises(InputError, match=f"out must be a writeable float64 array.*{msg}"):
+            bm.apply(u, out=bad)
+    ro = np.empty(u.shape)
+    ro.setflags(write=False)
+    with pytest.raises(InputError, match="read-only"):
+        bm.apply(u, out=ro)
+    x = np.vstack([u, u[:1]])
+    with pytest.raises(InputError, match="overlaps probs"):
+        bm.apply(x[:-1], out=x[1:])
+
+
+@pytest.mark.parametrize("kind", ["paper", "identity", "TS + B", "TS only"])
+def test_check_false_skips_only_the_row_tests(kind):
+    u, maps = _kinds()
+    bm = maps[kind]
+    # valid rows: the same values with or without validation
+    np.testing.assert_array_equal(bm.apply(u, check=False), bm.apply(u))
+    np.testing.assert_array_equal(bm.apply(u[4], check=False), bm.apply(u[4]))
+    # invalid rows raise with check, not without (the output is then unspecified)
+    bad = u[:10].copy()
+    bad[6] = [0.5, -0.1, 0.6]
+    for x in (bad, bad[6], bad[6:7]):
+        with pytest.raises(InputError, match="row 6" if x.ndim == 2 and len(x) > 1 else "row 0"):
+            bm.apply(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = bm.apply(x, check=False)
+        assert out.shape == x.shape
+    # rows off 1 are still renormalised without the check
+    np.testing.assert_allclose(bm.apply(u * (1 + 5e-4), check=False), bm.apply(u), atol=1e-12)
+    # and the shape is still checked
+    with pytest.raises(InputError, match="length 3"):
+        bm.apply(np.full((2, 4), 0.25), check=False)
+
+
+def test_temperature_edge_cases_take_the_exact_path():
+    """Zeros stay zero without warnings; a tiny temperature underflows exp(log f / T) and the row
+    is recomputed shifted by its maximum (today's arithmetic)."""
+    u, maps = _kinds()
+    onehot = np.eye(3)[[0, 2, 1]]
+    for T in (1.7, 1e-3, 50.0):
+        for kind in ("TS only", "TS + B"):
+            bm = dataclasses.replace(maps[kind], temperature=T)
+            x = np.vstack([u[:50], onehot, [[0.5, 0.3, 0.2]]])
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                out = bm.apply(x)
+                rows = np.array([bm.apply(r) for r in x])
+            ref = _old_apply(bm, x)
+            assert np.isfinite(out).all()
+            np.testing.assert_allclose(out, ref, rtol=0, atol=1e-15)
+            np.testing.assert_allclose(rows, ref, rtol=0, atol=1e-15)
+            np.testing.assert_array_equal(out[50:53], onehot if kind == "TS only" else
+                                          ref[50:53])
+
+
+def test_bad_rows_are_named_in_later_chunks_and_with_a_temperature():
+    u, maps = _kinds()
+    x = np.tile(u, (60, 1))  # 48,000 rows: three chunks at k = 3
+    assert len(x) > 2 * chunk_rows(3)
+    for kind in ("paper", "TS + B", "TS only"):
+        for i, row in [(47_000, [0.5, -0.1, 0.6]), (30_001, [0.5, 0.1, 0.1]),
+                       (45_000, [np.nan, 0.5, 0.5]), (44_000, [np.inf, 0.0, 0.0])]:
+            y = x.copy()
+            y[i] = row
+            with pytest.raises(InputError, match=f"row {i}:"):
+                maps[kind].apply(y)
+
+
+def test_chunks_do_not_shrink_to_a_few_rows_at_large_k():
+    assert chunk_rows(10) == 6553 and chunk_rows(100) == 655
+    assert chunk_rows(10_000) == chunk_rows(100_000) == MIN_CHUNK_ROWS == 16
+    k, lam = 10_000, 20
+    rng = np.random.default_rng(1)
+    centres = np.zeros((3, k))
+    for c in centres:
+        c[rng.choice(k, size=4, replace=False)] = rng.dirichlet(np.ones(4))
+    u = 0.95 * centres[rng.integers(0, 3, size=40)] + 0.05 * rng.dirichlet(np.ones(k), 40)
+    for kw in ({}, {"temperature": 1.3, "outside": "identity"}):
+        bm = _made(k, lam, u, n_bins=2, **kw)
+        out = bm.apply(u)  # 40 rows: chunks of 16, 16 and 8
+        ref = _old_apply(bm, u)
+        g = u if bm.temperature is None else scale_temperature(u, bm.temperature)
+        _, inside = _expected(dataclasses.replace(bm, temperature=None), g)
+        assert inside.sum() >= 10 and (~inside).sum() >= 1
+        np.testing.assert_array_equal(out[inside], ref[inside])
+        np.testing.assert_allclose(out, ref, rtol=0, atol=1e-15)
+        np.testing.assert_allclose(bm.apply(u[17]), out[17], rtol=0, atol=1e-15)

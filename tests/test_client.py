@@ -57,8 +57,8 @@ def _data(seed, n=8000, k=3, mix=0.6):
 def maps():
     """Two real fitted maps of MODEL (different eps -> different lambda) and test inputs."""
     f, y = _data(0)
-    a = fit(f, y, eps=0.3, p=2.0, seed=0, model_id=MODEL).with_version(1)
-    b = fit(f, y, eps=0.2, p=2.0, seed=1, model_id=MODEL).with_version(2)
+    a = fit(f, y, eps=0.3, p=2.0, seed=0, model_id=MODEL, mode="paper").with_version(1)
+    b = fit(f, y, eps=0.2, p=2.0, seed=1, model_id=MODEL, mode="paper").with_version(2)
     x = np.random.default_rng(7).dirichlet(np.ones(3), size=500)
     out_a, out_b = a.apply(x), b.apply(x)
     # every row differs, so a result mixing the two maps equals neither output
@@ -159,7 +159,7 @@ def _corruptions(good: bytes) -> dict[str, tuple[str, bytes]]:
         "empty": ("truncated", b""),
         "bit-flip": ("checksum", _flip_digit(good)),
         "no-checksum": ("checksum", orjson.dumps(no_sum)),
-        "schema-2": ("schema", _resigned(dict(obj, schema=2))),
+        "schema-3": ("schema", _resigned(dict(obj, schema=3))),
         "no-schema": ("schema", orjson.dumps({k: v for k, v in obj.items() if k != "schema"})),
         "garbage": ("parse", b"this is not json"),
         "trailing-garbage": ("parse", good + b"}"),
@@ -168,7 +168,7 @@ def _corruptions(good: bytes) -> dict[str, tuple[str, bytes]]:
     }
 
 
-CASES = ["truncated-half", "truncated-one-byte", "empty", "bit-flip", "no-checksum", "schema-2",
+CASES = ["truncated-half", "truncated-one-byte", "empty", "bit-flip", "no-checksum", "schema-3",
          "no-schema", "garbage", "trailing-garbage", "json-list", "malformed-field-valid-checksum"]
 
 
@@ -197,6 +197,18 @@ def test_rejected_artifacts_are_counted_and_the_previous_map_stays(maps, case):
     assert isinstance(ei.value, ArtifactError)
     # the same good artifact is still accepted afterwards
     assert store.offer(maps.v2.to_json(), model=MODEL) is True
+
+
+def test_schema_1_artifacts_are_still_accepted(maps):
+    """lpcal 0.1 wrote schema 1 (no ``mode``, no ``certificate``); the compacted topic may still
+    hold such records, and ``BinMap.from_json`` reads them, so the store accepts them too."""
+    obj = orjson.loads(maps.v1.to_json())
+    old = _resigned({k: v for k, v in obj.items() if k not in ("mode", "certificate")}
+                    | {"schema": 1})
+    store = BinMapStore()
+    assert store.offer(old, model=MODEL) is True and _reasons(store) == {}
+    assert store.get(MODEL).mode == "paper"
+    np.testing.assert_array_equal(store.apply(MODEL, maps.x), maps.out1)
 
 
 def test_artifact_published_under_another_model_is_rejected(maps):
@@ -253,21 +265,48 @@ def test_apply_validates_input_through_the_map(maps):
 # ----------------------------------------------------------------------------- thread safety
 
 
+def _swap_while_reading(store, v1, v2, reader, n_threads, swaps=300):
+    """Run ``reader(r, stop, calls, seen, bad)`` in ``n_threads`` threads while a writer
+    installs v2, v1, v2, ... contents ``swaps`` times (half of them through the bytes path,
+    verification included), each swap waiting for at least two reader calls."""
+    store.offer(v1)
+    staged = [(v1, v2)[i % 2 == 0].with_version(i + 2) for i in range(swaps)]  # v2, v1, ...
+    stop = threading.Event()
+    calls = [0] * n_threads
+    seen = [[0, 0] for _ in range(n_threads)]
+    bad: list = []
+    threads = [threading.Thread(target=reader, args=(r, stop, calls, seen, bad))
+               for r in range(n_threads)]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # frequent GIL hand-offs: more interleavings, a faster writer
+    for t in threads:
+        t.start()
+    try:
+        for i, bm in enumerate(staged):
+            assert store.offer(bm.to_json() if i % 2 else bm, source="writer") is True
+            before = sum(calls)
+            deadline = time.monotonic() + 2.0
+            while sum(calls) < before + 2 and time.monotonic() < deadline:
+                time.sleep(0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        sys.setswitchinterval(switch)
+    assert not bad, f"{len(bad)} outputs matched neither v1 nor v2: {bad[:3]}"
+    assert store.swaps == swaps + 1 and store.versions() == {MODEL: swaps + 1}
+    total = np.array(seen).sum(axis=0)
+    assert total[0] > 0 and total[1] > 0 and sum(calls) >= 2 * swaps
+    return calls
+
+
 def test_concurrent_apply_never_sees_a_mixture(maps):
-    """4 threads apply in a loop while a writer swaps v1 <-> v2 contents 300 times.
+    """4 threads apply batches in a loop while a writer swaps v1 <-> v2 contents 300 times.
 
     Every output must equal exactly the v1 output or the v2 output for the same input."""
     store = BinMapStore()
-    store.offer(maps.v1)
-    contents = [maps.v1, maps.v2]
-    swaps = 300
-    staged = [contents[i % 2].with_version(i + 2) for i in range(swaps)]  # v2, v1, v2, ...
-    stop = threading.Event()
-    calls = [0] * 4
-    seen = [[0, 0] for _ in range(4)]
-    bad: list = []
 
-    def reader(r):
+    def reader(r, stop, calls, seen, bad):
         while not stop.is_set():
             out = store.apply(MODEL, maps.x)
             if np.array_equal(out, maps.out1):
@@ -278,25 +317,60 @@ def test_concurrent_apply_never_sees_a_mixture(maps):
                 bad.append(out)
             calls[r] += 1
 
-    threads = [threading.Thread(target=reader, args=(r,)) for r in range(4)]
-    for t in threads:
-        t.start()
-    try:
-        for i, bm in enumerate(staged):
-            # half the swaps go through the full bytes path (verification included)
-            assert store.offer(bm.to_json() if i % 2 else bm, source="writer") is True
-            before = sum(calls)
-            deadline = time.monotonic() + 2.0
-            while sum(calls) < before + 2 and time.monotonic() < deadline:
-                time.sleep(0)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(10)
-    assert not bad, f"{len(bad)} outputs matched neither v1 nor v2"
-    assert store.swaps == swaps + 1 and store.versions() == {MODEL: swaps + 1}
-    total = np.array(seen).sum(axis=0)
-    assert total[0] > 0 and total[1] > 0 and sum(calls) >= 2 * swaps
+    _swap_while_reading(store, maps.v1, maps.v2, reader, n_threads=4)
+
+
+def _temperature_only(bm: BinMap, temperature: float) -> BinMap:
+    """``bm`` as the certified default often publishes it: the temperature alone, B empty."""
+    return dataclasses.replace(bm, temperature=temperature, outside="identity", bins=(),
+                               group=np.zeros(0, dtype=np.int64), preds=np.zeros((0, 3)),
+                               mode="certified")
+
+
+@pytest.mark.parametrize("kind", ["paper", "temperature + B", "temperature only"])
+def test_concurrent_single_rows_never_see_a_mixture(maps, kind):
+    """8 threads apply SINGLE rows (the dedicated single-row path: shapes (k,) and (1, k), with
+    and without ``out=``) while a writer swaps v1 <-> v2 contents 150 times.
+
+    Every row's output must equal exactly that row's output under v1 or under v2."""
+    v1, v2 = {
+        "paper": (maps.v1, maps.v2),
+        "temperature + B": (dataclasses.replace(maps.v1, temperature=1.6),
+                            dataclasses.replace(maps.v2, temperature=0.7)),
+        "temperature only": (_temperature_only(maps.v1, 1.6), _temperature_only(maps.v2, 0.7)),
+    }[kind]
+    x = maps.x
+    want1 = np.array([v1.apply(r) for r in x])
+    want2 = np.array([v2.apply(r) for r in x])
+    # every row differs, so an output mixing the two maps equals neither
+    assert (np.abs(want1 - want2).max(axis=1) > 1e-9).all()
+    np.testing.assert_allclose(want1, v1.apply(x), rtol=0, atol=1e-15)  # = the batch path
+    store = BinMapStore()
+
+    def reader(r, stop, calls, seen, bad):
+        buf1, buf2 = np.empty(3), np.empty((1, 3))
+        i = r * 61
+        while not stop.is_set():
+            i = (i + 1) % len(x)
+            form = calls[r] % 4
+            if form == 0:
+                out = store.apply(MODEL, x[i])
+            elif form == 1:
+                out = store.apply(MODEL, x[i : i + 1])[0]
+            elif form == 2:
+                out = store.apply(MODEL, x[i], out=buf1, check=False)
+            else:
+                out = store.apply(MODEL, x[i : i + 1], out=buf2)[0]
+            if np.array_equal(out, want1[i]):
+                seen[r][0] += 1
+            elif np.array_equal(out, want2[i]):
+                seen[r][1] += 1
+            else:
+                bad.append((i, out.copy()))
+            calls[r] += 1
+
+    calls = _swap_while_reading(store, v1, v2, reader, n_threads=8, swaps=150)
+    assert min(calls) > 0  # every thread ran
 
 
 def test_wait_for_blocks_until_a_version_arrives(maps):

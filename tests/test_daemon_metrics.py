@@ -50,6 +50,7 @@ EXPECTED = {
     "lpcal_joined_samples_total": ("counter", ("model",)),
     "lpcal_join_evictions_total": ("counter", ("model", "reason")),
     "lpcal_join_unmatched_total": ("counter", ("model", "kind")),
+    "lpcal_events_sampled_out_total": ("counter", ("model", "topic")),
     "lpcal_join_pending": ("gauge", ("model",)),
     "lpcal_epochs_waiting": ("gauge", ("model",)),
     "lpcal_pool_samples": ("gauge", ("model", "pool")),
@@ -62,6 +63,9 @@ EXPECTED = {
     "lpcal_binmap_version": ("gauge", ("model",)),
     "lpcal_binmap_published_timestamp_seconds": ("gauge", ("model",)),
     "lpcal_binmaps_rejected_total": ("counter", ("reason",)),
+    "lpcal_certificate_bound": ("gauge", ("model",)),
+    "lpcal_certificate_estimate": ("gauge", ("model", "candidate")),
+    "lpcal_certificate_target": ("gauge", ("model",)),
     "lpcal_calibration_error": ("gauge", ("model", "predictor")),
     "lpcal_top_label_ece": ("gauge", ("model", "predictor")),
     "lpcal_brier_score": ("gauge", ("model", "predictor")),
@@ -105,6 +109,7 @@ def test_enum_values_are_the_specified_sets():
     assert {p.value for p in m.Predictor} == {"raw", "calibrated"}
     assert {o.value for o in m.CheckpointOutcome} == {"ok", "error"}
     assert {r.value for r in m.GapResolution} == {"filled", "skipped"}
+    assert {c.value for c in m.Candidate} == {"raw", "precalibrator", "corrected"}
 
 
 def test_registered_families_types_and_labels(dm: DaemonMetrics, registry):
@@ -131,6 +136,16 @@ def test_registered_families_types_and_labels(dm: DaemonMetrics, registry):
     assert set(dm.exported_names()) == set(EXPECTED)
 
 
+#: a bin map's certificate, as lpcal.certificate.Certificate.to_dict() writes it
+CERTIFICATE = {
+    "method": "normal-union+missing-mass", "eps": 0.05, "p": "inf", "lam": 20, "delta": 0.1,
+    "n_holdout": 3000, "selected": "precalibrator", "certified": False,
+    "estimates": {"raw": {"err_p": 0.21, "bound": 0.26, "brier": 0.5},
+                  "precalibrator": {"err_p": 0.04, "bound": 0.07, "brier": 0.41},
+                  "corrected": {"err_p": 0.05, "bound": 0.09, "brier": 0.42}},
+}
+
+
 def exercise(dm: DaemonMetrics) -> None:
     dm.inc_consumed("predictions", 5)
     dm.inc_consumed("outcomes")
@@ -141,11 +156,13 @@ def exercise(dm: DaemonMetrics) -> None:
     dm.inc_unmatched("fraud-v3", "late", 1)
     dm.set_join_pending("fraud-v3", 7)
     dm.set_epochs_waiting("fraud-v3", 2)
-    dm.set_pool_fill("fraud-v3", {"mu": (50, 100), "P0": (10, 40), "E0": (40, 40), "PE0": (0, 8)})
+    dm.set_pool_fill("fraud-v3", {"mu": (50, 100), "P0": (10, 40), "E0": (40, 40), "PE0": (0, 8),
+                                  "warmup": (2000, 2000), "hold": (30, 3000)})
     dm.observe_fit("fraud-v3", "pools_full", 0.2, 9, 31)
     dm.inc_calibration_failure("fraud-v3")
     dm.set_binmap_published("fraud-v3", 3, 1_700_000_000.0)
     dm.inc_binmap_rejected("checksum")
+    dm.set_certificate("fraud-v3", CERTIFICATE)
     dm.observe_quality("fraud-v3", "raw", 0.12, 0.08, 0.4, 0.81)
     dm.observe_quality("fraud-v3", "calibrated", 0.03, 0.02, 0.35, 0.81)
     dm.set_drift_threshold("fraud-v3", 0.05)
@@ -175,6 +192,12 @@ def test_helpers_set_the_right_samples(dm: DaemonMetrics, registry):
     assert g("lpcal_pool_fill_ratio", model="fraud-v3", pool="P0") == 0.25
     assert g("lpcal_pool_fill_ratio", model="fraud-v3", pool="E0") == 1.0
     assert g("lpcal_pool_fill_ratio", model="fraud-v3", pool="PE0") == 0.0
+    assert g("lpcal_pool_fill_ratio", model="fraud-v3", pool="warmup") == 1.0
+    assert g("lpcal_pool_samples", model="fraud-v3", pool="hold") == 30
+    assert g("lpcal_certificate_bound", model="fraud-v3") == 0.07
+    assert g("lpcal_certificate_target", model="fraud-v3") == 0.05
+    assert g("lpcal_certificate_estimate", model="fraud-v3", candidate="raw") == 0.21
+    assert g("lpcal_certificate_estimate", model="fraud-v3", candidate="corrected") == 0.05
     assert g("lpcal_calibrations_total", model="fraud-v3", trigger="pools_full") == 1
     assert g("lpcal_calibrations_total", model="fraud-v3", trigger="drift") == 0
     assert g("lpcal_calibration_failures_total", model="fraud-v3") == 1
@@ -269,11 +292,45 @@ def test_pool_names_of_the_library_layouts_are_accepted():
 
 def test_pool_names_helper_matches_the_regex():
     names = m.pool_names(m.MAX_POOL_LEVELS)
-    assert len(names) == 1 + 3 * m.MAX_POOL_LEVELS
+    assert len(names) == 3 + 3 * m.MAX_POOL_LEVELS
+    assert {"warmup", "hold"} <= set(names)
     assert all(m.POOL_NAME_RE.match(n) for n in names)
     assert not m.POOL_NAME_RE.match(f"P{m.MAX_POOL_LEVELS}")
     with pytest.raises(InputError):
         m.pool_names(m.MAX_POOL_LEVELS + 1)
+
+
+def test_certificate_gauges_follow_the_latest_bin_map(dm, registry):
+    g = lambda name, **kw: sample_value(registry, name, **kw)
+    dm.set_certificate("m", CERTIFICATE)
+    assert g("lpcal_certificate_estimate", model="m", candidate="precalibrator") == 0.04
+    # a map certified with fewer candidates (the paper's mode) drops the others' series
+    paper = {**CERTIFICATE, "selected": "corrected", "certified": True,
+             "estimates": {k: v for k, v in CERTIFICATE["estimates"].items()
+                           if k != "precalibrator"}}
+    dm.set_certificate("m", paper)
+    assert g("lpcal_certificate_bound", model="m") == 0.09
+    assert g("lpcal_certificate_estimate", model="m", candidate="precalibrator") is None
+    # an unbounded bound is exported as +Inf (the alert then fires)
+    inf = {**paper, "estimates": {**paper["estimates"],
+                                  "corrected": {"err_p": 0.3, "bound": float("inf"),
+                                                "brier": 0.5}}}
+    dm.set_certificate("m", inf)
+    assert g("lpcal_certificate_bound", model="m") == float("inf")
+    # a map without a certificate clears every certificate series of the model
+    dm.set_certificate("m", None)
+    text = dm.exposition().decode()
+    assert 'lpcal_certificate_bound{model="m"}' not in text
+    assert 'lpcal_certificate_estimate{' not in text and "lpcal_certificate_target{" not in text
+    with pytest.raises(InputError, match="is not one of"):
+        dm.set_certificate("m", {**CERTIFICATE, "estimates": {
+            **CERTIFICATE["estimates"], "smoothed": {"err_p": 0.1, "bound": 0.2, "brier": 0.3}}})
+    with pytest.raises(InputError, match="malformed certificate"):
+        dm.set_certificate("m", {"eps": 0.1})
+    with pytest.raises(InputError, match="bound"):
+        dm.set_certificate("m", {**paper, "estimates": {"corrected": {
+            "err_p": 0.1, "bound": float("nan"), "brier": 0.1}}})
+    assert g("lpcal_certificate_bound", model="m") is None  # rejected calls leave nothing
 
 
 def test_bad_values_are_rejected_with_a_message(dm, registry):

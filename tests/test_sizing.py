@@ -133,7 +133,7 @@ def test_fit_theory_on_small_sample_quotes_needed_count():
     y = rng.integers(0, 3, size=2000)
     need = theory_sizing(0.2, math.inf, 0.1, 3, "shared").total  # fit's default variant
     with pytest.raises(InputError, match="theory sizing needs") as ei:
-        fit(f, y, eps=0.2, p=math.inf, sizing="theory")
+        fit(f, y, eps=0.2, p=math.inf, sizing="theory", mode="paper")
     msg = str(ei.value)
     assert f"{need:.3g}" in msg and "2000" in msg and "practical" in msg
     with pytest.raises(InputError, match="sizing must be"):

@@ -57,7 +57,8 @@ def pools_for(eps: float, p: float, pool: int) -> tuple[int, int]:
 def _fit(f, y, eps, p, variant, seed, mu, pool):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return fit(f, y, eps=eps, p=p, variant=variant, seed=seed, mu_pool=mu, pool_size=pool)
+        return fit(f, y, eps=eps, p=p, variant=variant, seed=seed, mu_pool=mu, pool_size=pool,
+                   mode="paper")
 
 
 def variants_table(quick: bool = False) -> tuple[Table, dict]:

@@ -1,11 +1,13 @@
 """Run every lpcal benchmark and print the result tables in Markdown (entry point of `make bench`).
 
-    python -m tests.bench.run_all            # full run; writes tests/bench/RESULTS.md
+    python -m tests.bench.run_all            # full run; writes docs/benchmarks.md
     python -m tests.bench.run_all --quick    # tiny inputs, a smoke run (writes nothing by default)
     python -m tests.bench.run_all --only fit,apply --out /tmp/results.md
 
 Benchmarks: ``fit`` (fit time from raw arrays and from pools), ``apply`` (apply throughput),
-``quality`` (CIFAR records), ``variants`` (split vs shared pools, theory vs practical sizing).
+``quality`` (CIFAR records), ``variants`` (split vs shared pools, theory vs practical sizing),
+``directions`` (issue 10's directions b and d against the default), ``scale`` (1 replica
+against 2, failover with a 10,000-model state topic).
 Every timing is a ratio against a baseline measured in the same process (see
 :mod:`tests.bench.common`).
 """
@@ -13,7 +15,6 @@ Every timing is a ratio against a baseline measured in the same process (see
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import os
 import platform
 import sys
@@ -23,8 +24,17 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.bench import bench_apply, bench_fit, bench_ingest, bench_quality, bench_variants
+from tests.bench import (
+    bench_apply,
+    bench_directions,
+    bench_fit,
+    bench_ingest,
+    bench_quality,
+    bench_scale,
+    bench_variants,
+)
 from tests.bench.common import Table
+
 
 class _MarkdownBench:
     """Adapts a benchmark whose ``run`` returns finished Markdown (the ingest benchmark)."""
@@ -50,8 +60,10 @@ BENCHMARKS = {
     "quality": bench_quality,
     "variants": bench_variants,
     "ingest": _MarkdownBench(bench_ingest, "ingest"),
+    "directions": bench_directions,
+    "scale": bench_scale,
 }
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 
 def run_benchmarks(names: list[str], quick: bool, log=print) -> tuple[list[Table], dict]:
@@ -68,12 +80,13 @@ def run_benchmarks(names: list[str], quick: bool, log=print) -> tuple[list[Table
 
 
 def render(tables: list[Table], walls: dict, command: str, quick: bool) -> str:
-    now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     head = [
-        "# lpcal benchmark results",
+        "# Benchmarks",
+        "",
+        ("Written by `make bench`; do not edit by hand (the narrative is in "
+         "[library.md](library.md#quality-on-real-predictions) and [daemon.md](daemon.md))."),
         "",
         f"Command: `{command}`{' (quick smoke run: tiny inputs, not representative)' if quick else ''}",
-        f"Date: {now}",
         (f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
          f"{platform.python_version()}, numpy {np.__version__} (shared machine: wall times are "
          "noisy; the ratios to a baseline measured in the same process are the headline)."),

@@ -34,7 +34,9 @@ class RecordingConsumer:
 
 
 def small_settings() -> Settings:
-    return Settings(defaults={"pool": 40, "mu_pool": 80, "drift_threshold": 100.0},
+    # the paper's mode: these tests are about fits and backpressure, not the fit mode
+    return Settings(defaults={"pool": 40, "mu_pool": 80, "drift_threshold": 100.0,
+                              "mode": "paper"},
                     models={MODEL: {"k": K}})
 
 

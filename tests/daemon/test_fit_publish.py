@@ -151,3 +151,50 @@ def test_gauges_of_a_model_that_turns_idle_are_exported(daemon):
     daemon._after_batch()
     assert pool_gauges(daemon, st) == pool_totals(st)
     assert not daemon._gauges_due
+
+
+@pytest.fixture
+def certified_daemon(monkeypatch):
+    """The certified default, with small epochs (warm-up 200, held out 300)."""
+    from daemon.settings import Settings
+
+    s = Settings(defaults={"pool": 40, "mu_pool": 80, "drift_threshold": 100.0,
+                           "holdout": 300, "warmup": 200}, models={MODEL: {"k": 3}})
+    d = Daemon(s)
+    d.consumer = RecordingConsumer()
+    d.assigned = {TopicPartition(s.kafka.topics.predictions, 0),
+                  TopicPartition(s.kafka.topics.outcomes, 0)}
+    yield d
+    d._executor.shutdown(wait=True)
+
+
+async def test_certified_fit_publishes_a_certificate_and_exports_it(certified_daemon):
+    from daemon.http_api import HttpServer
+    from lpcal.certificate import Certificate
+
+    daemon = certified_daemon
+    st = with_sealed(daemon, 1)
+    temperature = st.pools.temperature
+    assert st.config["mode"] == "certified" and temperature is not None
+    daemon.producer = FlakyProducer(failures=0)
+    daemon._after_batch()
+    await until(lambda: MODEL not in daemon.inflight, "the fit to be published")
+    bm = verify_artifact(daemon.producer.sent[0][2])
+    assert bm.mode == "certified" and bm.temperature == temperature
+    cert = Certificate.from_dict(bm.certificate)
+    assert cert.n_holdout >= 300
+    assert sample(daemon, "lpcal_certificate_bound") == cert.bound
+    assert sample(daemon, "lpcal_certificate_target") == 0.1
+    for name, est in cert.estimates.items():
+        assert sample(daemon, "lpcal_certificate_estimate", candidate=name) == est.err_p
+    # the warm-up and held-out share are pool gauges too
+    daemon.dirty.add(MODEL)
+    daemon._after_batch()
+    assert sample(daemon, "lpcal_pool_samples", pool="warmup") is not None
+    # GET /v1/models summarises the installed map's certificate
+    resp = await HttpServer(daemon).models(None)
+    view = orjson.loads(resp.body)["models"][0]
+    assert view["mode"] == "certified"
+    assert view["certificate"] == {"selected": cert.selected, "certified": cert.certified,
+                                   "bound": cert.bound, "eps": 0.1,
+                                   "n_holdout": cert.n_holdout}

@@ -11,17 +11,25 @@ import pytest
 from daemon.events import EventParser, ModelPolicy
 from daemon.model_state import MAX_SEALED, ModelState, layout_for
 from daemon.settings import JoinSettings, ModelSettings
+from lpcal.binmap import BinMap
 from lpcal.calibrate import fit_pools
-from lpcal.errors import ArtifactError, InputError
+from lpcal.certificate import Certificate
+from lpcal.errors import ArtifactError
 from lpcal.pools import PoolSet
 
 MODEL = "fraud-v3"
 K = 3
 
 
+#: small certified epochs: 80 warm-up samples, then the pools and 50 held out
+CERTIFIED = {"mode": "certified", "holdout": 50, "warmup": 80}
+
+
 def settings(**kw) -> ModelSettings:
+    """Small pools; the paper's mode unless ``kw`` says otherwise (most tests here are about
+    the pipeline, not the fit mode; the certified tests pass ``**CERTIFIED``)."""
     base = {"eps": 0.1, "p": math.inf, "pool": 60, "mu_pool": 100, "window_samples": 2000,
-            "variant": "split",
+            "variant": "split", "mode": "paper",
             "drift_min_samples": 100}
     base.update(kw)
     return ModelSettings(**base)
@@ -61,7 +69,8 @@ def feed(state, parser, msgs, batch=97, fit=False, topic="lpcal.predictions"):
             assert pools.full and pools is state.sealed[0][1]
             state.start_new_epoch()  # hand the sealed epoch off to the fit
             bm = fit_pools(pools, eps=0.1, p=math.inf, model_id=MODEL,
-                           version=state.binmap_version + 1)
+                           version=state.binmap_version + 1, mode=state.config["mode"],
+                           outside=state.config["outside"])
             state.install_binmap(bm.to_json(), bm.version)
 
 
@@ -128,13 +137,14 @@ def test_fit_install_and_new_epoch():
     assert st.triggers.drift.armed
 
 
-def test_checkpoint_round_trip_is_exact_and_restart_continues_identically():
+@pytest.mark.parametrize("mode", [{}, CERTIFIED], ids=["paper", "certified"])
+def test_checkpoint_round_trip_is_exact_and_restart_continues_identically(mode):
     msgs = traffic(5000, seed=2)
     cut = 2717  # mid-epoch, with pending joins
-    full = new_state()
+    full = new_state(**mode)
     feed(full, parser(), msgs, fit=True)
 
-    first = new_state()
+    first = new_state(**mode)
     feed(first, parser(), msgs[:cut], fit=True)
     assert first.join.pending() > 0 and first.filling.total > 0 and first.binmap is not None
     blob = first.to_checkpoint()
@@ -233,9 +243,108 @@ def test_layout_for_sizes():
     assert lay.targets["mu"] == 90 and lay.targets["P0"] == 70 and lay.targets["E0"] == 70
 
 
-def test_prescale_temperature_is_refused():
-    with pytest.raises(InputError, match="prescale"):
-        ModelState.create(MODEL, K, settings(prescale="temperature"), JoinSettings())
+def test_layout_for_adds_the_holdout_and_the_warmup():
+    cfg = {"eps": 0.1, "p": math.inf, "delta": 0.1, "sizing": "practical", "mu_pool": 90,
+           "pool": 70, "variant": "shared", "holdout": 30, "warmup": 40}
+    lay = layout_for(cfg, 3)
+    assert (lay.holdout, lay.warmup) == (30, 40) and lay.routes[-1] == "hold"
+    assert lay.total_target == 90 + 70 * (len(lay.names) - 1) + 30 + 40
+
+
+def test_default_settings_are_the_certified_mode():
+    st = ModelState.create(MODEL, K, ModelSettings(), JoinSettings())
+    assert {k: st.config[k] for k in ("mode", "prescale", "outside", "holdout", "warmup")} == {
+        "mode": "certified", "prescale": "temperature", "outside": "identity",
+        "holdout": 3000, "warmup": 10000}
+    assert (st.layout.holdout, st.layout.warmup) == (3000, 10000)
+
+
+def test_prescale_temperature_is_accepted_and_ingests():
+    """It used to pass validation and then kill the daemon at the model's first event."""
+    st = new_state(prescale="temperature", warmup=80)  # the paper's mode, pre-scaled
+    assert st.config["prescale"] == "temperature" and st.layout.warmup == 80
+    feed(st, parser(), traffic(3000, seed=5), fit=True)
+    assert st.binmap_version >= 1
+    bm = BinMap.from_json(st.binmap)
+    assert bm.temperature is not None and bm.temperature > 0 and bm.certificate is None
+
+
+def test_certified_epochs_warm_up_then_fill_the_pools_then_seal():
+    st = new_state(**CERTIFIED)
+    lay = st.layout
+    assert (lay.warmup, lay.holdout) == (80, 50)
+    msgs = traffic(60, seed=6)
+    feed(st, parser(), msgs)
+    # the first 80 joined samples only warm the temperature up, in arrival order
+    assert st.samples_total == 60 and st.filling.warming
+    assert all(t.total == 0 for t in st.filling.tables.values()) and st.filling.holdout.n == 0
+    assert st.filling.temperature is None
+    feed(st, parser(), traffic(3000, seed=6, start=60))
+    assert len(st.sealed) >= 2
+    for e, (epoch, pools) in enumerate(st.sealed):
+        assert epoch == e and pools.full and not pools.warming
+        assert pools.temperature is not None and pools.temperature > 0
+        assert pools.grid.n + pools.grid.skipped == 80
+        assert pools.holdout.n >= 50 and pools.holdout_raw.n == pools.holdout.n
+        fill = pools.fill()
+        assert any(c == t for name, (c, t) in fill.items() if name != "warmup")
+    assert sum(p.total for _, p in st.sealed) + st.filling.total == st.samples_total
+    # epoch boundaries depend only on the sample sequence: one big batch gives the same epochs
+    other = new_state(**CERTIFIED)
+    feed(other, parser(), traffic(60, seed=6) + traffic(3000, seed=6, start=60), batch=10_000)
+    assert [p for _, p in other.sealed] == [p for _, p in st.sealed]
+    assert other.filling == st.filling
+    # the fit of a sealed epoch carries a certificate and the epoch's temperature
+    pools = st.pools
+    st.start_new_epoch()
+    bm = fit_pools(pools, eps=0.1, p=math.inf, model_id=MODEL, version=1, mode="certified",
+                   outside=st.config["outside"])
+    data = bm.to_json()
+    back = BinMap.from_json(data)
+    assert back.mode == "certified" and back.temperature == pools.temperature
+    cert = Certificate.from_dict(back.certificate)
+    assert cert.n_holdout == pools.holdout.n and cert.selected in ("precalibrator", "corrected")
+    assert set(cert.estimates) == {"raw", "precalibrator", "corrected"}
+    st.install_binmap(data, bm.version)
+    feed(st, parser(), traffic(500, seed=6, start=3060))
+    assert st.evaluate()["calibrated"].n == 500
+
+
+def test_checkpoints_without_the_mode_keys_restore_as_the_paper_mode():
+    """Checkpoints written before the certified mode lack mode/holdout/warmup (and could only
+    hold prescale "none"); they restore with the paper-mode values they ran with."""
+    st = new_state(outside="identity")
+    feed(st, parser(), traffic(2500, seed=7), fit=True)
+    blob = st.to_checkpoint()
+    d = orjson.loads(blob)
+    for key in ("mode", "holdout", "warmup"):
+        del d["config"][key]
+    old = ModelState.from_checkpoint(orjson.dumps(d))
+    assert {k: old.config[k] for k in ("mode", "prescale", "outside", "holdout", "warmup")} == {
+        "mode": "paper", "prescale": "none", "outside": "identity", "holdout": 0, "warmup": 0}
+    assert old.to_checkpoint() == blob
+    # and it keeps running exactly like the state it was written from
+    more = traffic(2500, seed=7, start=2500)
+    p = parser()
+    p.set_k(MODEL, K)
+    feed(old, p, more, fit=True)
+    feed(st, parser(), more, fit=True)
+    assert old.to_dict()["filling"] == st.to_dict()["filling"]
+    assert old.binmap_version == st.binmap_version
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"prescale": "temperature", "warmup": 0}, "warmup"),
+    ({"prescale": "none", "warmup": 10}, "warmup"),
+    ({"holdout": -1}, "holdout"),
+    ({"mode": "bayes"}, "mode"),
+])
+def test_checkpoints_with_an_impossible_config_are_refused(config, match):
+    st = new_state()
+    d = orjson.loads(st.to_checkpoint())
+    d["config"].update(config)
+    with pytest.raises(ArtifactError, match=f"config.*{match}"):
+        ModelState.from_checkpoint(orjson.dumps(d))
 
 
 def test_checkpoints_of_format_1_still_restore():
@@ -244,7 +353,7 @@ def test_checkpoints_of_format_1_still_restore():
     st = new_state()
     feed(st, parser(), traffic(2500, seed=4), fit=True)
     d = orjson.loads(st.to_checkpoint())
-    assert d["format"] == "lpcal.model_state/2"
+    assert d["format"] == "lpcal.model_state/3"
     for m in d["join"]["models"].values():
         expired = set(m.pop("recent_expired"))
         m["recent"] = [[eid, int(i in expired)] for i, eid in enumerate(m.pop("recent_ids"))]
@@ -274,3 +383,17 @@ def test_bad_checkpoints_raise_artifact_errors_naming_the_part(mutate, match):
         ModelState.from_checkpoint(orjson.dumps(d))
     with pytest.raises(ArtifactError, match="JSON"):
         ModelState.from_checkpoint(b"\x00not json")
+
+
+def test_manual_request_waits_for_the_warm_up_then_fits():
+    """A manual recalibration asked for while the epoch's warm-up is still fixing its
+    temperature has no pools to fit: it stays pending (it used to fire, fail in fit_pools and
+    drop the epoch), and fires once the warm-up is complete."""
+    st = new_state(**CERTIFIED)  # warm-up first
+    assert st.filling.warming
+    st.triggers.request_manual()
+    assert st.check_triggers(0.0) is None and st.triggers.manual_pending
+    feed(st, parser(), traffic(st.layout.warmup + 50, seed=4))
+    assert not st.filling.warming
+    f = st.check_triggers(1.0)
+    assert (f.trigger, f.action) == ("manual", "fit") and not st.triggers.manual_pending

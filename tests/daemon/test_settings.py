@@ -257,3 +257,44 @@ def test_consumer_settings_reach_the_input_consumer(isolated):
     assert Daemon(Settings()).consumer_options()["fetch_max_wait_ms"] == d.fetch_max_wait_ms
     assert Daemon(s, consumer_options={"session_timeout_ms": 2000}).consumer_options()[
         "session_timeout_ms"] == 2000
+
+
+def test_fit_mode_defaults_follow_the_mode(isolated):
+    d = ModelSettings()
+    assert (d.mode, d.prescale, d.outside, d.holdout, d.warmup) == (
+        "certified", None, None, None, None)
+    assert (d.prescale_value, d.outside_value, d.holdout_value, d.warmup_value) == (
+        "temperature", "identity", 3000, 10000)
+    paper = ModelSettings(mode="paper")
+    assert (paper.prescale_value, paper.outside_value, paper.holdout_value,
+            paper.warmup_value) == ("none", "rho", 0, 0)
+    # the paper's mode, pre-scaled: the warm-up follows prescale; held-out share on request
+    scaled = ModelSettings(mode="paper", prescale="temperature", holdout=500)
+    assert (scaled.warmup_value, scaled.holdout_value, scaled.outside_value) == (10000, 500, "rho")
+    # per-model overrides resolve over the merged settings, not over [defaults]' resolution
+    (isolated / "lpcal.toml").write_text(
+        '[defaults]\nwarmup = 500\n[models.a]\nmode = "paper"\nwarmup = 0\n[models.b]\nholdout = 100\n')
+    s = load_settings(isolated / "lpcal.toml")
+    a, b = s.model_settings("a"), s.model_settings("b")
+    assert (a.prescale_value, a.warmup_value, a.holdout_value) == ("none", 0, 0)
+    assert (b.mode, b.warmup_value, b.holdout_value) == ("certified", 500, 100)
+
+
+@pytest.mark.parametrize("toml, field, words", [
+    ('[defaults]\nprescale = "temperature"\nwarmup = 0\n', "defaults.warmup", "warmup > 0"),
+    ('[defaults]\nmode = "paper"\nwarmup = 10\n', "defaults.warmup",
+     "only used with prescale"),
+    ('[defaults]\nholdout = 0\n', "defaults.holdout", "mode = 'certified' needs"),
+    ('[defaults]\nholdout = -1\n', "defaults.holdout", "greater than or equal to 0"),
+    ('[defaults]\nwarmup = -5\n', "defaults.warmup", "greater than or equal to 0"),
+    ('[defaults]\nmode = "bayes"\n', "defaults.mode", "certified"),
+    ('[models.m]\nprescale = "temperature"\nmode = "paper"\nwarmup = 0\n', "models.m.warmup",
+     "warmup > 0"),
+    ('[models.m]\nholdout = 0\nprescale = "none"\n', "models.m.holdout", "mode = 'paper'"),
+])
+def test_impossible_fit_mode_combinations_fail_at_startup(isolated, toml, field, words):
+    """Rejected when the settings load (naming the field), never at a model's first event."""
+    (isolated / "lpcal.toml").write_text(toml)
+    with pytest.raises(SettingsError) as ei:
+        load_settings(isolated / "lpcal.toml")
+    assert any(path == field and words in why for path, why in ei.value.errors), ei.value.errors

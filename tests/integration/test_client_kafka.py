@@ -50,8 +50,8 @@ def _data(seed, n=8000, k=3, mix=0.6):
 @pytest.fixture(scope="module")
 def maps():
     f, y = _data(3)
-    v1 = fit(f, y, eps=0.3, p=2.0, seed=0, model_id=MODEL).with_version(1)
-    v2 = fit(f, y, eps=0.2, p=2.0, seed=1, model_id=MODEL).with_version(2)
+    v1 = fit(f, y, eps=0.3, p=2.0, seed=0, model_id=MODEL, mode="paper").with_version(1)
+    v2 = fit(f, y, eps=0.2, p=2.0, seed=1, model_id=MODEL, mode="paper").with_version(2)
     x = np.random.default_rng(11).dirichlet(np.ones(3), size=400)
     out1, out2 = v1.apply(x), v2.apply(x)
     assert (np.abs(out1 - out2).max(axis=1) > 1e-9).all()  # a mixture would match neither
@@ -64,10 +64,10 @@ def _flip_digit(data: bytes) -> bytes:
     return data[:j] + b"0" + data[j + 1:]
 
 
-def _schema2(data: bytes) -> bytes:
+def _schema_future(data: bytes) -> bytes:
     obj = orjson.loads(data)
     obj.pop("checksum")
-    obj["schema"] = 2
+    obj["schema"] = 3
     obj["checksum"] = BinMap._digest(obj)
     return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
 
@@ -134,7 +134,7 @@ async def test_readers_switch_from_v1_to_v2_and_never_see_a_half_loaded_map(
                 good2 = maps.v2.to_json()
                 await pub.publish(_flip_digit(good2), 2)
                 await pub.publish(good2[: len(good2) // 3], 2)
-                await pub.publish(_schema2(good2), 2)
+                await pub.publish(_schema_future(good2), 2)
                 await _until(lambda: len(rejected) == 3, 15, "three rejections")
                 assert store.rejections == {"checksum": 1, "truncated": 1, "schema": 1,
                                             "parse": 0, "model": 0}

@@ -72,7 +72,8 @@ async def test_backlog_faster_than_fits_pauses_ingest_and_fits_every_epoch(
     names = TopicNames.for_prefix(topic_prefix)
     await create_topics(broker.bootstrap, names, partitions=1)
     cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=1,
-                        defaults={"pool": POOL, "mu_pool": 2 * POOL, "drift_threshold": 100.0},
+                        defaults={"pool": POOL, "mu_pool": 2 * POOL, "drift_threshold": 100.0,
+                                  "mode": "paper"},  # about backpressure, not the fit mode
                         models={MODEL: {"k": K}})
     settings = build_settings(cfg, tmp_path)
     per_epoch = sum(ModelState.create(MODEL, K, settings.model_settings(MODEL),
@@ -162,7 +163,7 @@ async def test_backlog_faster_than_fits_pauses_ingest_and_fits_every_epoch(
     for v, pools in enumerate(epochs, start=1):
         bm = fit_pools(pools, eps=cfg["eps"], p=cfg["p"], delta=cfg["delta"],
                        seed=service.fit_seed(MODEL, v), model_id=MODEL, version=v,
-                       outside=cfg["outside"])
+                       mode=cfg["mode"], outside=cfg["outside"])
         want = orjson.loads(bm.to_json())
         for key in ("created_at", "checksum"):
             want.pop(key)

@@ -13,6 +13,7 @@ import pytest
 
 from daemon.model_state import ModelState
 from lpcal.binmap import BinMap
+from lpcal.certificate import Certificate
 from tests.integration.daemon_harness import (
     EventProducer,
     TopicNames,
@@ -35,18 +36,24 @@ pytestmark = pytest.mark.integration
 
 TOKEN = "s3cret-token"
 POOL = 100  # every pool's target: small, so a fit happens after a few thousand samples
+HOLDOUT, WARMUP = 300, 200  # the certified default's held-out share and warm-up, made small
 
 
 def _one_epoch_samples(settings, model: str, seed: int):
     """Samples of ``model`` that fill every pool at least once and some pool less than twice,
-    so that exactly one epoch seals whatever the join order (routing is a hash of the id).
-    The count is derived from the pool layout the daemon will use (not hard-coded)."""
+    so that exactly one epoch seals (routing is a hash of the id; in the certified mode the
+    first ``warmup`` joined samples, in the order produced, fit the temperature and the rest is
+    routed to the pools and the held-out share). The count is derived from the pool layout the
+    daemon will use (not hard-coded)."""
     k = settings.model_settings(model).k
     st = ModelState.create(model, k, settings.model_settings(model), settings.join)
-    targets = np.array([st.layout.targets[n] for n in st.layout.names])
-    for n in range(int(1.2 * targets.sum()), int(1.9 * targets.sum()), 50):
+    lay = st.layout
+    targets = np.array([lay.targets[n] for n in lay.names]
+                       + ([lay.holdout] if lay.holdout else []))
+    for n in range(int(1.2 * targets.sum()) + lay.warmup, int(1.9 * targets.sum()) + lay.warmup,
+                   50):
         ids, probs, labels = synth_samples(n, k, seed, model)
-        counts = np.bincount(st.layout.route(ids), minlength=targets.size)
+        counts = np.bincount(lay.route(ids[lay.warmup:]), minlength=targets.size)
         if (counts >= targets).all() and (counts < 2 * targets).any():
             return ids, probs, labels
     raise AssertionError(f"no sample count gives exactly one epoch for {st.layout.targets}")
@@ -57,9 +64,11 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
     names = TopicNames.for_prefix(topic_prefix)
     await create_topics(broker.bootstrap, names, partitions=2)
     cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
-                        admin_token=TOKEN, defaults={"pool": POOL, "mu_pool": POOL},
+                        admin_token=TOKEN, defaults={"pool": POOL, "mu_pool": POOL,
+                                                     "holdout": HOLDOUT, "warmup": WARMUP},
                         models={"flow-a": {"k": 3}, "flow-b": {"k": 4}})
     settings = build_settings(cfg, tmp_path)
+    assert settings.defaults.mode == "certified"  # the default mode, end to end
     data = {m: _one_epoch_samples(settings, m, seed) for seed, m in enumerate(("flow-a",
                                                                              "flow-b"))}
     n = {m: len(ids) for m, (ids, _, _) in data.items()}
@@ -94,7 +103,14 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
             raw, bm = maps[m]
             assert bm.version == 1 and bm.model_id == m and bm.k == k
             assert bm.eps == pytest.approx(0.1) and bm.p == float("inf")
-            assert BinMap.from_json(raw).n_bins == bm.n_bins >= 1
+            back = BinMap.from_json(raw)
+            assert back.n_bins == bm.n_bins
+            # the certified default: temperature fitted on the warm-up, a held-out certificate
+            assert back.mode == "certified" and back.temperature is not None
+            cert = Certificate.from_dict(back.certificate)
+            assert cert.n_holdout >= HOLDOUT and cert.eps == pytest.approx(0.1)
+            assert cert.selected in ("precalibrator", "corrected")
+            assert set(cert.estimates) == {"raw", "precalibrator", "corrected"}
             out = bm.apply(data[m][1][:50])
             assert np.allclose(out.sum(axis=1), 1.0) and (out >= 0).all()
             st, body = await http_get(url, f"/v1/models/{m}/binmap")
@@ -110,6 +126,9 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
             assert listed[m]["samples_total"] == n[m]
             assert listed[m]["binmap_version"] == 1
             assert listed[m]["k"] == settings.model_settings(m).k
+            assert listed[m]["mode"] == "certified"
+            cert = Certificate.from_dict(maps[m][1].certificate)
+            assert listed[m]["certificate"]["bound"] == pytest.approx(cert.bound)
 
         # ---- metrics scraped over HTTP, parsed with prometheus_client's parser
         mx = await scrape_metrics(url)
@@ -122,11 +141,27 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
             assert metric_value(mx, "lpcal_binmap_version", model=m) == 1
             assert metric_value(mx, "lpcal_high_probability_bins", model=m) == maps[m][1].n_bins
             assert metric_value(mx, "lpcal_fit_duration_seconds_count", model=m) == 1
+            cert = Certificate.from_dict(maps[m][1].certificate)
+            assert metric_value(mx, "lpcal_certificate_bound", model=m) == pytest.approx(
+                cert.bound)
+            assert metric_value(mx, "lpcal_certificate_target", model=m) == pytest.approx(0.1)
+            assert metric_value(mx, "lpcal_certificate_estimate", model=m,
+                                candidate="raw") == pytest.approx(cert.estimates["raw"].err_p)
         total = sum(n.values())
         assert metric_value(mx, "lpcal_events_consumed_total", topic="predictions") == total
         assert metric_value(mx, "lpcal_events_consumed_total", topic="outcomes") == total
         assert sum(v for (n, _), v in mx.items() if n == "lpcal_events_invalid_total") == 0
         assert metric_value(mx, "lpcal_ready") == 1
+
+        # ---- manual trigger of partial pools: in the certified mode they need the epoch's
+        # warm-up done (its temperature) first, so flow-a gets WARMUP + 400 more samples
+        ids, probs, labels = synth_samples(WARMUP + 400, 3, 99, "flow-a-extra")
+        async with EventProducer(broker.bootstrap) as prod:
+            await prod.samples(names, "flow-a", ids, probs, labels)
+            await prod.flush()
+        await wait_until(lambda: rd.daemon.models["flow-a"].samples_total == n["flow-a"]
+                         + len(ids), 30, "the extra samples of flow-a", diag=rd.describe)
+        assert not rd.daemon.models["flow-a"].filling.warming
 
         # ---- manual trigger: bearer token required
         path = "/v1/models/flow-a/recalibrate"

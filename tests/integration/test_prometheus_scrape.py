@@ -53,7 +53,7 @@ async def test_prometheus_scrapes_calibrated_err_p(broker, topic_prefix, tmp_pat
     port = free_port()
     cfg = daemon_config(broker.bootstrap, names, http_port=port,
                         defaults={"eps": 0.1, "p": "inf", "k": 3, "pool": 570, "mu_pool": 570,
-                                  "variant": "shared",
+                                  "variant": "shared", "mode": "paper",  # the counts below
                                   "window_samples": 2000},
                         # the synthetic events are 1 s of event time apart: 7,000 s in all
                         join={"ttl_seconds": 86400})

@@ -6,7 +6,7 @@ with ``LPCAL_SOAK=1`` (``make soak`` runs ``pytest -m soak`` with it).
   suites; the outage test starts its own);
 * ``figures``: ``figures("name", {...})`` records a test's measured figures: they are printed
   in the terminal summary of every run (``-q`` included) and, in a soak run, written to
-  ``tests/reliability/RESULTS.md`` (see :mod:`tests.reliability.harness`).
+  ``docs/reliability.md`` (see :mod:`tests.reliability.harness`).
 """
 
 from __future__ import annotations

@@ -8,12 +8,11 @@
 * :func:`run_names`: topic names of one daemon run that shares the input topics of another;
 * :func:`models_view`: ``GET /v1/models`` as ``{model: entry}``;
 * :data:`FIGURES` / :func:`write_results`: figures of the tests (printed in the terminal
-  summary; soak runs write them to ``RESULTS.md``).
+  summary; soak runs write them to ``docs/reliability.md``).
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 import re
 from pathlib import Path
@@ -23,7 +22,7 @@ import orjson
 from tests.integration.daemon_harness import SubprocessDaemon, TopicNames, http_get
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "RESULTS.md"
+RESULTS = HERE.parent.parent / "docs" / "reliability.md"
 FIGURES: list[tuple[str, str, dict]] = []
 
 
@@ -72,14 +71,12 @@ def record_figures(name: str, values: dict, soak: bool, command: str) -> None:
 
 
 def write_results(name: str, values: dict, command: str) -> None:
-    """Replace the section ``## name`` of RESULTS.md with these figures (soak runs only)."""
+    """Replace the section ``## name`` of ``docs/reliability.md`` with these figures (soak runs only)."""
     text = RESULTS.read_text() if RESULTS.exists() else (
-        "# lpcal reliability figures (long versions)\n\n"
+        "# Reliability\n\n## Long runs\n\n"
         "Written by `make soak` (`LPCAL_SOAK=1 pytest -q tests/reliability -m soak`); each "
         "section is replaced when its test runs again.\n")
-    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    body = [f"## {name}", "", f"Run {stamp} on {os.cpu_count()} cores. Command: `{command}`",
-            ""] + [f"- {k}: {v}" for k, v in values.items()] + [""]
+    body = [f"## {name}", "", f"On {os.cpu_count()} cores. Command: `{command}`", ""] + [f"- {k}: {v}" for k, v in values.items()] + [""]
     section = "\n".join(body) + "\n"
     pat = re.compile(rf"^## {re.escape(name)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
     text = pat.sub(lambda _: section, text) if pat.search(text) else \

@@ -2,7 +2,7 @@
 
 A subprocess daemon publishes version 1 of four models. The test then publishes on the
 bin-map topic, under each model's key: a CORRUPT v2 (content changed, old checksum), a
-TRUNCATED v2 (half of a valid v2), a SCHEMA-INCOMPATIBLE v2 (``"schema": 2``), and, as the
+TRUNCATED v2 (half of a valid v2), a SCHEMA-INCOMPATIBLE v2 (``"schema": 3``, a schema from the future), and, as the
 positive control, a VALID v2 for the fourth model. Both readers of the topic must reject the
 three bad ones and keep version 1 in force, and adopt the valid one:
 
@@ -50,7 +50,7 @@ def _bad_artifacts(good: dict[str, bytes]) -> dict[str, bytes]:
     v2 = BinMap.from_json(good["art-truncated"]).with_version(2).to_json()
     out["art-truncated"] = v2[: len(v2) // 2]
     obj = orjson.loads(good["art-schema"])
-    obj["schema"], obj["version"] = 2, 2
+    obj["schema"], obj["version"] = 3, 2
     out["art-schema"] = orjson.dumps(obj)
     out["art-valid"] = BinMap.from_json(good["art-valid"]).with_version(2).to_json()
     return out
@@ -61,14 +61,17 @@ async def test_bad_binmaps_rejected_by_client_and_daemon_previous_map_stays(
     names = TopicNames.for_prefix(topic_prefix)
     await create_topics(broker.bootstrap, names, partitions=2)
     cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
-                        defaults={"pool": 100, "mu_pool": 100, "drift_threshold": 100.0},
+                        defaults={"pool": 100, "mu_pool": 100, "warmup": 100, "holdout": 50,
+                                  "drift_threshold": 100.0},
                         models={m: {"k": k} for m, k in MODELS.items()})
     daemon = FastDaemon(cfg, tmp_path, name="art").start()
     try:
         await daemon.wait_ready(60)
+        # one epoch is a warm-up of 100, 7 pools of 100 and 50 held out: about 1,000 samples
+        # (routing by id hash), so 1,500 per model seal exactly one epoch (v1), never two
         gen = TrafficGenerator([SyntheticModel(m, k, T=0.4, scale=4.0, seed=j)
                                 for j, (m, k) in enumerate(MODELS.items())],
-                               1000 * len(MODELS), event_rate=500.0, delay=5.0, seed=4,
+                               1500 * len(MODELS), event_rate=500.0, delay=5.0, seed=4,
                                decimals=6)
         await simulate(broker.bootstrap, {"predictions": names.predictions,
                                           "outcomes": names.outcomes}, gen,

@@ -72,7 +72,8 @@ MODELS = SAMPLE_MODELS + JOIN_MODELS
 def _cfg(broker, names, pool):
     return daemon_config(
         broker.bootstrap, names, http_port=free_port(), partitions=2,
-        defaults={"pool": pool, "mu_pool": pool, "drift_threshold": 100.0},
+        defaults={"pool": pool, "mu_pool": pool, "warmup": pool, "holdout": pool,
+                  "drift_threshold": 100.0},
         models={m: {"k": k} for m, k in MODELS},
         state={"checkpoint_interval_seconds": 0.5}, shutdown_grace_seconds=30)
 

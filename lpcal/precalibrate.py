@@ -1,0 +1,214 @@
+"""Temperature pre-calibration from additive sums: NLL on a fixed log-spaced grid of temperatures.
+
+Temperature scaling (Guo et al. 2017) maps ``f`` to ``q_T = softmax(log f / T)``. Its negative
+log-likelihood on a sample is a sum over samples::
+
+    NLL(T) = sum_i [ logsumexp(z_i / T) - z_{i, y_i} / T ],      z_i = log f(x_i),
+
+so for every temperature of a **fixed grid** the sums of disjoint batches add. A
+:class:`TemperatureGrid` holds those sums: it is small (one float per grid point), additive,
+mergeable and checkpointable like the sample pools, which is what lets the streaming daemon fit
+the pre-calibrator without keeping raw samples. :meth:`TemperatureGrid.fit` returns the grid
+minimiser refined by the minimum of a quartic through it and its (up to) four nearest neighbours
+in ``log2 T`` (``NLL`` is convex in ``1/T`` and smooth in ``log T``). Measured on the five CIFAR
+records against the exact minimiser (:func:`lpcal.temperature.fit_temperature`): within 0.15% of
+``T`` at this grid's spacing of 1/2 in ``log2 T`` (0.01% at 1/4, 0.0001% at 1/8), while the cost
+per sample is proportional to the number of grid points.
+
+The fit minimises ``NLL(T) + (log2 T)^2 / 8``: the maximum a posteriori temperature under a
+normal prior with standard deviation 2 on ``log2 T`` (a factor of 4 either way is one sigma). The prior matters only when the sample carries almost no
+information: on a sample the model classifies without error the likelihood alone keeps improving
+as ``T -> 0`` and would send ``T`` to the end of the grid (measured: ``T = 1/16`` on 62 samples of
+a wine classifier, NLL 0.59 on held-out data against 0.05 for ``T = 1.5``). On thousands of
+samples it moves ``T`` by well under 1% (the likelihood's curvature is hundreds of nats). The
+weight was chosen on the small scikit-learn records of the quality benchmark: with ``1/2``
+instead of ``1/8`` the prior cost 0.001 to 0.002 of Brier on 89-sample wine splits.
+
+Grid: ``log2 T = -4, -3.5, ..., 4`` (17 temperatures from 1/16 to 16, ratio 1.41). A fit at
+an end of the grid means the likelihood still improves beyond it; :attr:`TemperatureGrid.at_edge`
+says so.
+
+Sums are kept in fixed point (:data:`NLL_SCALE` units per nat, each sample's term clipped to
+:data:`NLL_CLIP` nats), as int64: integer addition is exact and associative, so the sums, and
+hence the fitted ``T``, are bit-identical however the samples were batched or merged (a replay of
+a stream fits the same temperature). The quantisation error is at most ``n / (2 NLL_SCALE)``
+nats, far below what moves the minimiser; up to about ``2^33`` samples fit in int64.
+
+Cost: ``O(n k G)`` exponentials for ``n`` samples with ``k`` classes and ``G = 17`` grid points,
+computed in row chunks of bounded memory. Samples whose observed class has probability 0 have
+likelihood 0 at every ``T`` and are counted in ``skipped``, not summed (as in
+:func:`lpcal.temperature.fit_temperature`).
+
+Reference: C. Guo, G. Pleiss, Y. Sun, K. Q. Weinberger, *On Calibration of Modern Neural
+Networks*, ICML 2017.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from lpcal.errors import InputError
+
+__all__ = ["GRID_LOG2_T", "TemperatureGrid"]
+
+#: ``log2`` of the grid temperatures: -4 to 4 in steps of 1/2.
+GRID_LOG2_T = np.arange(-8, 9, dtype=np.float64) / 2.0
+_GRID_ID = "log2T:-4:4:1/2"
+_INV_T = 2.0 ** -GRID_LOG2_T
+_CHUNK_CELLS = 1 << 20  # rows * grid * classes evaluated at once
+#: Fixed-point units per nat of the NLL sums, and the largest per-sample term (nats).
+NLL_SCALE = float(1 << 20)
+NLL_CLIP = 1024.0
+
+
+def _grid_nll(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, int]:
+    """``(sum_i NLL_i(T_g) in fixed point for every grid point g, samples with f_y = 0)``."""
+    n, k = x.shape
+    fy = x[np.arange(n), y]
+    keep = fy > 0
+    skipped = int(n - np.count_nonzero(keep))
+    if skipped:
+        x, y, fy = x[keep], y[keep], fy[keep]
+        n = x.shape[0]
+    total = np.zeros(_INV_T.size, dtype=np.int64)
+    if n == 0:
+        return total, skipped
+    with np.errstate(divide="ignore"):
+        z = np.log(x)
+    zmax = z.max(axis=1, keepdims=True)
+    zs = z - zmax                                  # <= 0, -inf at zeros
+    zy = np.log(fy) - zmax[:, 0]                   # <= 0, finite
+    step = max(1, _CHUNK_CELLS // (_INV_T.size * k))
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        e = np.exp(zs[a:b, None, :] * _INV_T[None, :, None])   # (m, G, k)
+        term = np.log(e.sum(axis=2)) - zy[a:b, None] * _INV_T   # (m, G) NLL, >= 0
+        q = np.rint(np.minimum(term, NLL_CLIP) * NLL_SCALE).astype(np.int64)
+        total += q.sum(axis=0)
+    return total, skipped
+
+
+class TemperatureGrid:
+    """Additive NLL sums of temperature scaling on :data:`GRID_LOG2_T` (module docstring).
+
+    Attributes: ``nll`` (G,) int64 fixed-point sums (see the module docstring), ``n`` samples
+    summed, ``skipped`` samples left out.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from lpcal.precalibrate import TemperatureGrid
+    >>> rng = np.random.default_rng(0)
+    >>> logits = rng.normal(size=(4000, 5)) * 3
+    >>> f = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    >>> q = np.exp(logits / 2) / np.exp(logits / 2).sum(axis=1, keepdims=True)
+    >>> y = (q.cumsum(axis=1) > rng.random(4000)[:, None]).argmax(axis=1)
+    >>> g = TemperatureGrid().update(f[:2000], y[:2000]).merge(
+    ...     TemperatureGrid().update(f[2000:], y[2000:]))
+    >>> abs(g.fit() - 2.0) < 0.2   # the labels follow softmax(log f / 2)
+    True
+    """
+
+    __slots__ = ("n", "nll", "skipped")
+
+    def __init__(self) -> None:
+        self.nll = np.zeros(_INV_T.size, dtype=np.int64)
+        self.n = 0
+        self.skipped = 0
+
+    def update(self, probs: np.ndarray, labels: np.ndarray) -> TemperatureGrid:
+        """Add a batch of validated rows ``probs`` (n, k) and labels (n,); returns ``self``."""
+        x = np.asarray(probs, dtype=np.float64)
+        y = np.asarray(labels, dtype=np.int64)
+        if x.ndim != 2 or y.shape != (x.shape[0],):
+            raise InputError(f"TemperatureGrid.update: probs {x.shape} and labels {y.shape} "
+                             "do not match")
+        if x.shape[0] == 0:
+            return self
+        s, skipped = _grid_nll(x, y)
+        self.nll += s
+        self.n += int(x.shape[0]) - skipped
+        self.skipped += skipped
+        return self
+
+    def merge(self, other: TemperatureGrid) -> TemperatureGrid:
+        """A new grid holding the sums of both operands (neither is modified)."""
+        out = TemperatureGrid()
+        out.nll = self.nll + other.nll
+        out.n, out.skipped = self.n + other.n, self.skipped + other.skipped
+        return out
+
+    def objective(self) -> np.ndarray:
+        """``NLL(T_g) + (log2 T_g)^2 / 8`` in nats at every grid point (raises when empty)."""
+        if self.n == 0:
+            raise InputError("TemperatureGrid: no sample with a positive probability on its "
+                             "label was added; cannot fit a temperature")
+        return self.nll / NLL_SCALE + GRID_LOG2_T**2 / 8.0
+
+    def _argmin(self) -> int:
+        return int(np.argmin(self.objective()))
+
+    @property
+    def at_edge(self) -> bool:
+        """True when the minimum lies at an end of the grid (the fit is clamped there)."""
+        g = self._argmin()
+        return g in (0, self.nll.size - 1)
+
+    def fit(self) -> float:
+        """The MAP temperature (module docstring): the grid argmin, refined by the minimum of a
+        quartic through the objective at it and its nearest neighbours, within one grid step."""
+        obj = self.objective()
+        g = int(np.argmin(obj))
+        x = float(GRID_LOG2_T[g])
+        if 0 < g < obj.size - 1:
+            lo, hi = max(0, g - 2), min(obj.size, g + 3)
+            xs = GRID_LOG2_T[lo:hi] - x
+            c = np.polyfit(xs, obj[lo:hi] - obj[g], min(4, hi - lo - 1))
+            r = np.roots(np.polyder(c))
+            step = float(GRID_LOG2_T[1] - GRID_LOG2_T[0])
+            r = r[np.isreal(r)].real
+            r = r[np.abs(r) <= step]
+            if r.size:
+                best = r[np.argmin(np.polyval(c, r))]
+                if np.polyval(c, best) <= 0.0:  # never worse than the grid point itself
+                    x += float(best)
+        return float(2.0**x)
+
+    def mean_nll(self) -> np.ndarray:
+        """Mean NLL at every grid temperature (raises when empty)."""
+        self._argmin()
+        return self.nll / (NLL_SCALE * self.n)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return {"grid": _GRID_ID, "scale": int(NLL_SCALE), "nll": self.nll.tolist(),
+                "n": self.n, "skipped": self.skipped}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TemperatureGrid:
+        """Inverse of :meth:`to_dict`; malformed input raises :class:`InputError`."""
+        try:
+            if d["grid"] != _GRID_ID or d["scale"] != int(NLL_SCALE):
+                raise ValueError(f"unknown grid {d['grid']!r} or scale {d['scale']!r}")
+            nll = np.asarray(d["nll"], dtype=np.int64)
+            n, skipped = int(d["n"]), int(d["skipped"])
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise InputError(f"malformed temperature grid ({e})") from None
+        if nll.shape != _INV_T.shape or (nll < 0).any() or n < 0 or skipped < 0:
+            raise InputError("malformed temperature grid (sums or counts out of range)")
+        out = cls()
+        out.nll, out.n, out.skipped = nll, n, skipped
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TemperatureGrid):
+            return NotImplemented
+        return (self.n, self.skipped) == (other.n, other.skipped) and bool(
+            np.array_equal(self.nll, other.nll))
+
+    def __repr__(self) -> str:
+        t = f"{self.fit():.4g}" if self.n else "-"
+        return f"TemperatureGrid(n={self.n}, skipped={self.skipped}, T={t})"
