@@ -23,6 +23,8 @@ def serve(argv: list[str]) -> int:
         return 2
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for warning in settings.signing.warnings():
+        logging.getLogger("lpcal.daemon").warning("%s", warning)
     asyncio.run(Daemon(settings).serve())
     return 0
 

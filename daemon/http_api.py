@@ -2,7 +2,9 @@
 
 * ``GET /metrics``: Prometheus exposition of :class:`daemon.metrics.DaemonMetrics`;
 * ``GET /healthz``: 200 while the poll loop advances (it also advances while the broker is
-  down, since the process can recover); 503 when it has stalled for ``stall_seconds``;
+  down, since the process can recover); 503 when it has stalled for ``stall_seconds``, or when
+  restoring the assigned partitions has kept failing for ``ASSIGN_UNHEALTHY_SECONDS`` (120 s,
+  see ``Daemon.on_assigned``);
 * ``GET /readyz``: 200 once started, partitions assigned and state restored, and the broker
   answers metadata requests; 503 otherwise;
 * ``GET /v1/models``: the models this replica owns, with pool fill, fit mode, bin-map version
@@ -10,20 +12,61 @@
   "n_holdout"}``, or null);
 * ``GET /v1/models/{model}/binmap``: the current bin map JSON (404 if none yet);
 * ``POST /v1/models/{model}/recalibrate``: manual trigger, ``Authorization: Bearer <token>``
-  compared in constant time; disabled (403) when no admin token is configured.
+  (the scheme in any case, RFC 7235) compared in constant time; disabled (403) when no admin
+  token is configured; any other header, including bytes that are not UTF-8, gets 401.
 
 Request bodies are capped at ``http.max_body_bytes``; no response carries settings secrets.
+
+Slow and idle clients (issue 11) cannot hold the server:
+
+* a connection that has not delivered a complete request head within
+  ``http.idle_timeout_seconds`` of opening or of its previous response is closed (aiohttp's
+  keep-alive timer, whose default is about an hour, runs from those moments and is not reset
+  by partial data);
+* a request body must arrive within ``http.body_timeout_seconds`` (else 408, then close);
+* at most ``http.max_connections`` connections are held: a connection accepted at the limit
+  closes the oldest connection that is not inside a handler. The kubelet opens a fresh
+  connection per probe and sends its request at once, so ``/healthz`` keeps answering while
+  slow clients hold the limit, and descriptors stay bounded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
+import resource
 import time
 
 import orjson
 from aiohttp import web
 
+log = logging.getLogger("lpcal.daemon")
+
 STALL_SECONDS = 30.0
+_EVICT_LOG_EVERY = 60.0  # seconds between warnings about connections closed at the limit
+_FD_RESERVE = 64         # descriptors left for Kafka clients, files and the listener
+
+
+class _LimitedSite(web.BaseSite):
+    """A TCP site whose protocol factory is :meth:`HttpServer._accept` (the connection limit);
+    otherwise :class:`aiohttp.web.TCPSite`."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, factory,
+                 backlog: int = 128):
+        super().__init__(runner, backlog=backlog)
+        self._lpcal = (host, port, factory)
+
+    @property
+    def name(self) -> str:
+        host, port, _ = self._lpcal
+        return f"http://{host}:{port}"
+
+    async def start(self) -> None:
+        await super().start()
+        host, port, factory = self._lpcal
+        self._server = await asyncio.get_running_loop().create_server(
+            factory, host, port, backlog=self._backlog)
 
 
 class HttpServer:
@@ -44,25 +87,87 @@ class HttpServer:
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
         self._certs: dict[str, tuple[bytes, dict | None]] = {}  # model -> (bin map, summary)
+        self._busy: set = set()  # connections (request handlers) inside a route handler
+        # connection -> True once connected, else the time it was created (see _accept)
+        self._conns: dict = {}
+        self.evicted = 0  # connections closed to make room at http.max_connections
+        self._evict_logged = 0.0
 
     @web.middleware
     async def _bounded_body(self, request: web.Request, handler):
-        """413 for bodies over ``http.max_body_bytes``, declared or streamed, on every route."""
-        limit = self.d.s.http.max_body_bytes
+        """413 for bodies over ``http.max_body_bytes``, declared or streamed, on every route;
+        408 for bodies not received within ``http.body_timeout_seconds``."""
+        s = self.d.s.http
+        limit = s.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit,
                                                 actual_size=request.content_length)
         if request.body_exists:
-            await request.read()  # enforces client_max_size on chunked bodies (413)
-        return await handler(request)
+            try:
+                async with asyncio.timeout(s.body_timeout_seconds):
+                    await request.read()  # enforces client_max_size on chunked bodies (413)
+            except TimeoutError:
+                raise web.HTTPRequestTimeout(
+                    text=f"request body not received within {s.body_timeout_seconds:g} s",
+                    headers={"Connection": "close"}) from None
+        conn = request.protocol
+        self._busy.add(conn)
+        try:
+            return await handler(request)
+        finally:
+            self._busy.discard(conn)
+
+    def _accept(self):
+        """Protocol factory of the listener: a new connection at ``http.max_connections``
+        first closes the oldest connections not inside a handler.
+
+        Connections are tracked here from their creation (``self._conns``, oldest first):
+        the event loop accepts a burst of connections before any of them is registered with
+        aiohttp's server, so its list of connections would undercount."""
+        now = time.monotonic()
+        for h, seen in list(self._conns.items()):
+            if h.transport is not None:
+                if seen is not True:
+                    self._conns[h] = True
+            elif seen is True or now - seen > 5.0:  # closed, or never connected
+                del self._conns[h]
+        excess = len(self._conns) + 1 - self.d.s.http.max_connections
+        if excess > 0:
+            for h, seen in list(self._conns.items()):  # oldest first (insertion order)
+                if excess <= 0:
+                    break
+                if seen is not True or h in self._busy:
+                    continue
+                h.force_close()
+                del self._conns[h]
+                excess -= 1
+                self.evicted += 1
+            if now - self._evict_logged >= _EVICT_LOG_EVERY:
+                self._evict_logged = now
+                log.warning("http: %d connections open (http.max_connections = %d): closing "
+                            "the oldest; %d closed so far", len(self._conns),
+                            self.d.s.http.max_connections, self.evicted)
+        handler = self.runner.server()
+        self._conns[handler] = now
+        return handler
 
     async def start(self) -> None:
         s = self.d.s.http
-        self.runner = web.AppRunner(self.app, access_log=None)
+        # keepalive_timeout: also bounds a connection's wait for its first/next request head
+        # (the timer starts at connect and after each response, and partial data does not
+        # reset it); lingering_time: how long the unread rest of a refused body is drained
+        self.runner = web.AppRunner(
+            self.app, access_log=None, keepalive_timeout=s.idle_timeout_seconds,
+            lingering_time=min(2.0, s.body_timeout_seconds), shutdown_timeout=2.0)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, s.host, s.port)
+        site = _LimitedSite(self.runner, s.host, s.port, self._accept)
         await site.start()
         self.port = self.runner.addresses[0][1] if self.runner.addresses else s.port
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and s.max_connections + _FD_RESERVE > soft:
+            log.warning("http.max_connections = %d leaves fewer than %d of the process's %d "
+                        "file descriptors to the rest of the daemon; lower it or raise the "
+                        "limit (ulimit -n)", s.max_connections, _FD_RESERVE, soft)
 
     async def stop(self) -> None:
         if self.runner is not None:
@@ -74,6 +179,10 @@ class HttpServer:
                             headers={"X-Content-Type-Options": "nosniff"})
 
     async def healthz(self, request: web.Request) -> web.Response:
+        if getattr(self.d, "assignment_unhealthy", False):
+            # restoring the assigned partitions has kept failing (they stay paused): only a
+            # restart can help (Daemon.on_assigned)
+            return web.json_response({"status": "assignment_failing"}, status=503)
         age = time.monotonic() - self.d.last_poll
         if age > self.stall and self.d.started:
             return web.json_response({"status": "stalled", "poll_age_seconds": age}, status=503)
@@ -132,9 +241,8 @@ class HttpServer:
         if token is None:
             return web.json_response({"error": "manual trigger disabled: no admin token set"},
                                      status=403)
-        got = request.headers.get("Authorization", "")
         expected = b"Bearer " + token.get_secret_value().encode()
-        if not hmac.compare_digest(got.encode(), expected):
+        if not hmac.compare_digest(_bearer(request), expected):
             return web.json_response({"error": "unauthorized"}, status=401,
                                      headers={"WWW-Authenticate": "Bearer"})
         model = request.match_info["model"]
@@ -143,3 +251,15 @@ class HttpServer:
                                      status=404)
         return web.json_response({"model": model, "status": "recalibration requested"},
                                  status=202)
+
+
+def _bearer(request: web.Request) -> bytes:
+    """The Authorization header as bytes, its scheme spelled ``Bearer`` when it is that scheme
+    in any case (RFC 7235: schemes are case-insensitive); the credentials stay exactly as sent.
+    Header bytes that are not UTF-8 reach aiohttp as surrogate escapes; they are encoded back
+    to the bytes sent (which then cannot match), never an error."""
+    got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    scheme, sep, credentials = got.partition(b" ")
+    if sep and scheme.lower() == b"bearer":
+        return b"Bearer " + credentials
+    return got

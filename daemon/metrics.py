@@ -12,7 +12,11 @@ counts), counters end in ``_total``, and every label has a bounded value set:
   (the held-out share of the certificate).
 * ``candidate`` (certificate gauges) is ``raw`` | ``precalibrator`` | ``corrected``.
 * ``model`` is bounded by the daemon, which only admits configured models (or at most
-  ``max_models`` of them); :class:`DaemonMetrics` enforces the same cap as a guard.
+  ``max_models`` new ones per replica); :class:`DaemonMetrics` enforces the same cap as a
+  guard. Models restored on assignment are always admitted, so a replica that took over
+  another's partitions can export more; across replicas each input partition carries at most
+  ``max_models`` models (see :class:`DaemonMetrics`).
+* ``outcome`` of ``lpcal_state_restores_total`` is a :class:`RestoreOutcome`.
 * ``version`` and ``ingest_path`` (``c`` | ``python``, see :mod:`daemon.native`) on
   ``lpcal_build_info`` have one value per process.
 
@@ -79,6 +83,7 @@ __all__ = [
     "InvalidReason",
     "Predictor",
     "RejectReason",
+    "RestoreOutcome",
     "Topic",
     "Trigger",
     "UnmatchedKind",
@@ -131,6 +136,9 @@ class RejectReason(StrEnum):
     TRUNCATED = "truncated"
     SCHEMA = "schema"
     PARSE = "parse"
+    MODEL = "model"  # the map's model_id is not its record key
+    SIGNATURE = "signature"  # signing configured: unsigned, or not signed by the daemon's key(s)
+    CONFIG = "config"  # its k or lambda differs from the model's state (it could not be applied)
 
 
 class Predictor(StrEnum):
@@ -160,6 +168,19 @@ class CheckpointOutcome(StrEnum):
 
     OK = "ok"
     ERROR = "error"
+
+
+class RestoreOutcome(StrEnum):
+    """What restoring one state record on partition assignment did (issue 11). A record that
+    cannot be used costs only its own model its restored state (the model starts fresh)."""
+
+    RESTORED = "restored"              # restored as checkpointed
+    K_CHANGED = "k_changed"            # the settings pin another k: pools, joins, map discarded
+    CONFIG_CHANGED = "config_changed"  # eps/p/lambda/mode/... changed: a new epoch started
+    WRONG_MODEL = "wrong_model"        # the record's model is not the one of its key: skipped
+    TOO_LARGE = "too_large"            # above state.max_record_bytes (decoded): skipped
+    CORRUPT = "corrupt"                # not a readable model record: skipped
+    BAD_MANIFEST = "bad_manifest"      # a partition manifest that is not usable: ignored
 
 
 #: Largest number of pool levels. Algorithm 2 uses ``L = floor(log2(6/beta)) + 1`` levels
@@ -260,6 +281,10 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
         "gauge", (), "Unix time of the last successful Kafka poll."),
     "lpcal_checkpoints_total": (
         "counter", ("outcome",), "State checkpoints written, by outcome."),
+    "lpcal_state_restores_total": (
+        "counter", ("outcome",),
+        ("State records restored on partition assignment, by outcome: restored, k_changed, "
+         "config_changed, or skipped (wrong_model, too_large, corrupt, bad_manifest).")),
     "lpcal_input_offset_gaps_total": (
         "counter", ("topic", "resolution"),
         ("Holes in the input offsets of a fetch: filled (read again and found) or skipped "
@@ -333,8 +358,14 @@ class DaemonMetrics:
     ``registry=None`` creates a private :class:`CollectorRegistry` with the standard process,
     platform and GC collectors (so several daemons/tests in one process never collide);
     pass a fresh registry in tests to get only the ``lpcal_`` families.
-    ``max_models`` caps the distinct ``model`` label values (a guard: the daemon admits at
-    most that many models); exceeding it raises :class:`InputError`.
+    ``max_models`` caps the distinct ``model`` label values of *new* models (a guard: the
+    daemon admits at most that many); exceeding it raises :class:`InputError`. Models restored
+    on partition assignment (``register_model(..., restored=True)``) are always registered:
+    a replica that takes over another's partitions exports their models too. Across replicas
+    the label is bounded per input partition: a replica admits a new model only while it owns
+    fewer than ``max_models``, so each partition carries at most ``max_models`` models and the
+    deployment at most ``partitions * max_models`` (``max_models`` in all when
+    ``unknown_models = "reject"``, which admits configured models only).
     """
 
     def __init__(
@@ -397,6 +428,7 @@ class DaemonMetrics:
         self.last_poll = make("lpcal_last_poll_timestamp_seconds")
         self.checkpoints = make("lpcal_checkpoints_total")
         self.input_offset_gaps = make("lpcal_input_offset_gaps_total")
+        self.state_restores = make("lpcal_state_restores_total")
         self.ready = make("lpcal_ready")
         self.build_info = make("lpcal_build_info")
 
@@ -415,14 +447,16 @@ class DaemonMetrics:
             self.binmaps_rejected.labels(reason=reason.value)
         for outcome in CheckpointOutcome:
             self.checkpoints.labels(outcome=outcome.value)
+        for outcome in RestoreOutcome:
+            self.state_restores.labels(outcome=outcome.value)
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _model(self, model: str) -> str:
+    def _model(self, model: str, restored: bool = False) -> str:
         if not isinstance(model, str) or not model:
             raise InputError(f"metrics: model={model!r} must be a non-empty string")
         if model not in self._models:
-            if len(self._models) >= self.max_models:
+            if len(self._models) >= self.max_models and not restored:
                 raise InputError(
                     f"metrics: model={model!r} would exceed max_models={self.max_models} "
                     "distinct model label values")
@@ -439,9 +473,11 @@ class DaemonMetrics:
         """Model label values currently exported."""
         return frozenset(self._models)
 
-    def register_model(self, model: str) -> None:
-        """Pre-create a model's counters at 0 (call when a model is admitted)."""
-        self._model(model)
+    def register_model(self, model: str, *, restored: bool = False) -> None:
+        """Pre-create a model's counters at 0 (call when a model is admitted). A model
+        ``restored`` from a checkpoint is registered even beyond ``max_models``: it was
+        admitted under the cap by the replica that created it (see :class:`DaemonMetrics`)."""
+        self._model(model, restored)
 
     def remove_model(self, model: str) -> None:
         """Drop every series of ``model`` (call when a model is removed from the config)."""
@@ -633,7 +669,7 @@ class DaemonMetrics:
                     pass
 
     def inc_binmap_rejected(self, reason: str) -> None:
-        """Count a bin map rejected on read (checksum | truncated | schema | parse)."""
+        """Count a bin map rejected on read (a :class:`RejectReason`)."""
         self.binmaps_rejected.labels(reason=_check(reason, RejectReason, "reason")).inc()
 
     # ------------------------------------------------------------------ quality
@@ -689,6 +725,10 @@ class DaemonMetrics:
     def inc_checkpoint(self, outcome: str) -> None:
         """Count a state checkpoint with outcome ok | error."""
         self.checkpoints.labels(outcome=_check(outcome, CheckpointOutcome, "outcome")).inc()
+
+    def inc_restore(self, outcome: str) -> None:
+        """Count one state record restored (or skipped) on assignment: a :class:`RestoreOutcome`."""
+        self.state_restores.labels(outcome=_check(outcome, RestoreOutcome, "outcome")).inc()
 
     def inc_offset_gap(self, topic: str, resolution: str) -> None:
         """Count a hole in ``topic``'s input offsets, resolved as filled | skipped."""

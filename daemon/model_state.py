@@ -77,9 +77,10 @@ from daemon.trigger import DriftTrigger, Firing, Triggers
 from lpcal.errors import ArtifactError, InputError
 from lpcal.levels import beta_for, bin_rows, lambda_for
 from lpcal.pools import PoolLayout, PoolSet
+from lpcal.spec import FitSpec
 
 __all__ = ["CHECKPOINT_FORMAT", "DEFAULT_POOL", "IngestResult", "ModelState",
-           "binmap_calibrator", "layout_for"]
+           "binmap_calibrator", "fit_spec", "layout_for"]
 
 CHECKPOINT_FORMAT = "lpcal.model_state/3"
 # /1 listed the join's recent ids as [id, state] pairs (/2: recent_ids + recent_expired); /3 adds
@@ -99,6 +100,12 @@ CalibratorFactory = Callable[[bytes], Calibrator]
 _CONFIG_KEYS = ("eps", "p", "delta", "sizing", "mu_pool", "pool", "variant", "mode", "prescale",
                 "outside", "holdout", "warmup", "drift_threshold", "window_samples",
                 "window_seconds", "drift_sustain_seconds", "drift_confidence", "drift_min_samples")
+#: Config keys that shape an epoch's pools and fits: a change on restore starts a new epoch
+#: (:meth:`ModelState.reconcile`); the other keys configure the monitor and the drift trigger.
+EPOCH_CONFIG_KEYS = ("eps", "p", "delta", "sizing", "mu_pool", "pool", "variant", "mode",
+                     "prescale", "outside", "holdout", "warmup")
+_DRIFT_CONFIG_KEYS = ("drift_threshold", "drift_sustain_seconds", "drift_confidence",
+                      "drift_min_samples")
 #: Config keys added with the certified mode, and the values a checkpoint written before them
 #: effectively ran with (the paper's mode: no pre-calibration, no held-out share, no warm-up).
 _LEGACY_CONFIG = {"mode": "paper", "prescale": "none", "holdout": 0, "warmup": 0}
@@ -126,15 +133,21 @@ def _config_of(ms: Any) -> dict[str, Any]:
     return cfg
 
 
+def fit_spec(cfg: Mapping[str, Any]) -> FitSpec:
+    """The :class:`lpcal.spec.FitSpec` of a model's config (the options of its fits; the
+    daemon's practical default is ``pool`` = 5000 samples per estimation pool)."""
+    options = {key: cfg[key] for key in ("mode", "prescale", "outside") if key in cfg}
+    return FitSpec(eps=cfg["eps"], p=cfg["p"], delta=cfg["delta"], sizing=cfg["sizing"],
+                   pool_size=int(cfg["pool"] or DEFAULT_POOL),
+                   mu_pool=None if cfg["mu_pool"] is None else int(cfg["mu_pool"]),
+                   variant=cfg["variant"], **options)
+
+
 def _check_config(cfg: Mapping[str, Any]) -> None:
     """Raise :class:`InputError` for a config an epoch cannot run (settings validation rejects
-    these at startup; this guards configs built by hand or read from a checkpoint)."""
-    if cfg["mode"] not in ("certified", "paper"):
-        raise InputError(f"mode must be 'certified' or 'paper', got {cfg['mode']!r}")
-    if cfg["prescale"] not in ("none", "temperature"):
-        raise InputError(f"prescale must be 'none' or 'temperature', got {cfg['prescale']!r}")
-    if cfg["outside"] not in ("rho", "identity"):
-        raise InputError(f"outside must be 'rho' or 'identity', got {cfg['outside']!r}")
+    these at startup; this guards configs built by hand or read from a checkpoint): the fit
+    options through :class:`FitSpec`, then the epoch's warm-up and held-out share."""
+    fit_spec(cfg)
     for key in ("holdout", "warmup"):
         if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 0:
             raise InputError(f"{key} must be an integer >= 0, got {cfg[key]!r}")
@@ -144,24 +157,11 @@ def _check_config(cfg: Mapping[str, Any]) -> None:
 
 
 def layout_for(cfg: Mapping[str, Any], k: int) -> PoolLayout:
-    """Pool layout of an epoch: the paper's sizes (``theory``) or ``pool``/``mu_pool``, plus
-    the ``holdout`` share and the ``warmup`` samples of the config.
-
-    ``practical`` defaults: ``pool`` = 5000 samples per estimation pool, ``mu_pool`` = ``pool``.
-    """
-    import dataclasses
-
-    from lpcal.sizing import practical_sizing, theory_sizing
-
-    if cfg["sizing"] == "theory":
-        sz = theory_sizing(cfg["eps"], cfg["p"], cfg["delta"], k, cfg["variant"])
-    else:
-        pool = int(cfg["pool"] or DEFAULT_POOL)
-        sz = practical_sizing(cfg["eps"], cfg["p"], cfg["delta"], k,
-                              mu_pool=int(cfg["mu_pool"] or pool), pool=pool,
-                              variant=cfg["variant"])
-    return dataclasses.replace(sz, holdout=int(cfg.get("holdout") or 0),
-                               warmup=int(cfg.get("warmup") or 0)).layout()
+    """Pool layout of an epoch (:meth:`lpcal.spec.FitSpec.pool_sizing` of :func:`fit_spec`),
+    plus the ``holdout`` share and the ``warmup`` samples of the config."""
+    sizing = fit_spec(cfg).pool_sizing(k, holdout=int(cfg.get("holdout") or 0),
+                                       warmup=int(cfg.get("warmup") or 0))
+    return sizing.layout()
 
 
 @dataclass
@@ -503,6 +503,69 @@ class ModelState:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ArtifactError(f"{where}: {part}: malformed ({type(e).__name__}: {e})") from None
         return st
+
+    def reconcile(self, ms: Any, join: Any, k: int | None = None
+                  ) -> tuple[ModelState, str, str]:
+        """Bring a restored state in line with the current settings (issue 11, finding 11):
+        ``(state, outcome, detail)`` with outcome ``restored`` (nothing changed: ``self``),
+        ``k_changed`` or ``config_changed`` (a new state; the caller drops any fit in flight).
+
+        * ``k`` (the settings' pinned k; None: learned, keep the state's) differs: the pools,
+          sealed epochs, join buffer, monitor, triggers and bin map are discarded (none of them
+          applies to another k); the offsets covered, the bin-map version counter (so later
+          versions stay above those published) and the sample counters are kept, and the
+          next epoch starts.
+        * a key of :data:`EPOCH_CONFIG_KEYS` differs (eps, p and so lambda, delta, pool sizes,
+          mode, held-out share, warm-up, ...): a new epoch starts with the new config and
+          layout; the filling and sealed pools are discarded. The join buffer is kept (same
+          k); the monitor and the bin map are kept only if lambda is unchanged.
+        * only monitor or drift keys differ: they take effect (a new window or new triggers).
+
+        Raises :class:`InputError` for settings an epoch cannot run."""
+        cfg = _config_of(ms)
+        _check_config(cfg)
+        want_k = self.k if not k else int(k)
+        changed = [key for key in _CONFIG_KEYS if self.config.get(key) != cfg.get(key)]
+        if want_k == self.k and not changed:
+            return self, "restored", ""
+        if want_k != self.k:
+            new_join = JoinStore(join.max_pending_per_model, join.ttl_seconds,
+                                 getattr(join, "recent_per_model", None))
+            st = ModelState(self.model, want_k, cfg, layout_for(cfg, want_k), new_join,
+                            calibrator_factory=self._factory, eval_interval=self.eval_interval)
+            outcome = "k_changed"
+            detail = f"k {self.k} -> {want_k}" + (f"; {', '.join(changed)} changed"
+                                                    if changed else "")
+        else:
+            lam = lambda_for(beta_for(cfg["eps"], cfg["p"]))
+            same_lam = lam == self.lam
+            window = same_lam and all(cfg[x] == self.config[x]
+                                      for x in ("window_samples", "window_seconds"))
+            drift = all(cfg[x] == self.config[x] for x in _DRIFT_CONFIG_KEYS)
+            epoch = any(key in EPOCH_CONFIG_KEYS for key in changed)
+            layout = layout_for(cfg, self.k) if epoch else self.layout
+            st = ModelState(self.model, self.k, cfg, layout, self.join,
+                            monitor=self.monitor if window else None,
+                            triggers=self.triggers if drift else None,
+                            calibrator_factory=self._factory, eval_interval=self.eval_interval)
+            if not epoch:
+                st.filling, st.sealed, st.fill_epoch = self.filling, self.sealed, self.fill_epoch
+            if same_lam and self.binmap is not None:
+                st.binmap, st._calibrator = self.binmap, self._calibrator
+            outcome = "config_changed"
+            detail = ", ".join(f"{key} {self.config.get(key)!r} -> {cfg.get(key)!r}"
+                               for key in changed)
+            if epoch:
+                detail += "; a new epoch starts"
+            if not same_lam:
+                detail += f"; lambda {self.lam} -> {lam}: window and bin map discarded"
+        if st.filling is not self.filling:
+            st.fill_epoch = self.fill_epoch + len(self.sealed) + 1
+        st.binmap_version = self.binmap_version
+        st.offsets = {t: dict(parts) for t, parts in self.offsets.items()}
+        st.samples_total, st.dropped_labels = self.samples_total, self.dropped_labels
+        st.sample_rate = self.sample_rate
+        return st, outcome, detail
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ModelState):

@@ -1,11 +1,17 @@
 """The optional C accelerator of the ingest path, and the switch that turns it off.
 
-``daemon/csrc/`` (the extension module ``daemon._speedups``) holds native versions of the three
+``daemon/csrc/`` (the extension module ``daemon._speedups``) holds native versions of the
 per-event loops of ingestion: parsing events and extracting their fields
 (:meth:`daemon.events.EventParser.parse_batch`), the join loop
-(:meth:`daemon.join.JoinStore.offer`) and the blake2b pool routing
-(:func:`lpcal.pools.route_uniform`). Each one computes exactly what its pure-Python reference
-computes; ``tests/daemon/test_native.py`` checks that on random and adversarial input.
+(:meth:`daemon.join.JoinStore.offer`), the blake2b pool routing
+(:func:`lpcal.pools.route_uniform`; ids of up to 128 bytes are hashed 4 or 8 side by side in
+AVX2 / AVX-512F vector lanes when the CPU has them, see ``hash_lanes``) and the sampling
+prefilter of hot models (``sample_records``: the decision of
+:meth:`daemon.model_state.ModelState.sample` taken on raw message bytes, one call per
+partition batch, see :meth:`daemon.service.Daemon._sample_out`). Each one computes exactly what
+its pure-Python reference computes; ``tests/daemon/test_native.py`` and
+``tests/daemon/test_sampling.py`` check that on random and adversarial input, at every hash
+width the CPU runs.
 
 The extension is built by ``pip install`` when a C compiler and the Python headers are present,
 and skipped with a warning otherwise (``optional = true`` in pyproject.toml). ``SPEEDUPS`` is the

@@ -52,7 +52,13 @@ from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
 from daemon import heap, kafka_io, native
-from daemon.checkpoint_store import CheckpointStore, KafkaCheckpointStore, LocalCheckpointStore
+from daemon.checkpoint_store import (
+    CheckpointStore,
+    KafkaCheckpointStore,
+    LocalCheckpointStore,
+    ValueTooLarge,
+    decode_value,
+)
 from daemon.events import EventParser, ModelBatch
 from daemon.metrics import DaemonMetrics
 from daemon.model_state import MAX_SEALED, ModelState
@@ -70,6 +76,14 @@ STATE_TOPIC_CONFIG = {"cleanup.policy": "compact", "max.message.bytes": str(STAT
 _GAUGE_EVERY = 1.0
 _PUBLISH_RETRY_FIRST, _PUBLISH_RETRY_MAX = 0.5, 30.0  # seconds between bin-map publish attempts
 _LAG_EVERY = 5.0
+RESTORE_ABANDON_SECONDS = 2.0  # shutdown: how long a restore still running may hold the close
+_ASSIGN_RETRY_FIRST, _ASSIGN_RETRY_MAX = 0.5, 10.0  # seconds between assignment retries
+#: An assignment whose restore keeps failing this long makes /healthz fail (pod restarted)
+ASSIGN_UNHEALTHY_SECONDS = 120.0
+
+
+class StartupStopped(Exception):
+    """A stop signal arrived while startup was still retrying (see ``Daemon._retry``)."""
 
 
 @dataclass
@@ -149,12 +163,20 @@ class Daemon:
         # partitions paused because a model on them is backlogged (see _apply_backpressure)
         self.throttled: set[int] = set()
         self._probe_task: asyncio.Task | None = None
+        # a failed assignment restore, retried in the background (see on_assigned)
+        self._assign_task: asyncio.Task | None = None
+        self.assign_failing_since: float | None = None
+        self.assign_unhealthy_after = ASSIGN_UNHEALTHY_SECONDS
         # holes in fetched input offsets (see daemon.offset_gaps): counted, or read again
         self.gaps = OffsetGapGuard(refetch=k.offset_gaps == "refetch",
                                    grace_seconds=k.offset_gap_grace_seconds)
         # per input partition: {model: sample_rate} of its models with a rate < 1, for the
-        # raw-bytes prefilter of _process (see _sample_out)
+        # raw-bytes prefilter of _process (see _sample_out); and the configured models with a
+        # rate < 1, which the prefilter samples on any partition until they are placed
         self._sampled: dict[int, dict[str, float]] = {}
+        self._hot: dict[str, float] = {
+            m: float(ms.sample_rate) for m, ms in settings.configured_models.items()
+            if float(getattr(ms, "sample_rate", 1.0)) < 1.0}
 
     # ================================================================== lifecycle
     async def startup(self) -> None:
@@ -223,18 +245,25 @@ class Daemon:
         return opts
 
     async def _retry(self, what: str, fn):
+        """``await fn()`` until it succeeds; broker errors are retried with a backoff (0.5 s
+        doubling to 10 s) that a stop signal cuts short: then :class:`StartupStopped`."""
         delay = 0.5
         while True:
+            if self.stopping.is_set():
+                raise StartupStopped(what)
             try:
                 return await fn()
             except (kafka_io.TopicLayoutError, LpcalError):
                 raise
-            except Exception as e:  # broker not reachable yet: keep trying until stopped
+            except Exception as e:  # noqa: BLE001 - broker not reachable yet: retry until stopped
                 if self.stopping.is_set():
-                    raise
+                    raise StartupStopped(what) from None
                 log.warning("%s failed (%s: %s); retrying in %.1f s", what,
                             type(e).__name__, e, delay)
-                await asyncio.sleep(delay)
+                try:
+                    await asyncio.wait_for(self.stopping.wait(), delay)
+                except TimeoutError:
+                    pass
                 delay = min(delay * 2, 10.0)
 
     async def main_loop(self) -> None:
@@ -284,11 +313,22 @@ class Daemon:
             log.error("final checkpoint failed: %s: %s", type(e).__name__, e)
         if self._probe_task:
             self._probe_task.cancel()
+        self._cancel_assignment_retry()
+        # a restore still running (assignment phase) holds aiokafka's close, which waits for
+        # the rebalance listener: it is abandoned after RESTORE_ABANDON_SECONDS (its
+        # partitions are paused until restored, so nothing was processed that needs saving)
+        restoring = bool(self.assigned) and not self.restored
         for name, closer in (("consumer", self.consumer), ("producer", self.producer)):
             if closer is not None:
+                left = max(0.5, grace - (time.monotonic() - t0))
+                if name == "consumer" and restoring:
+                    left = min(left, RESTORE_ABANDON_SECONDS)
                 try:
-                    left = max(0.5, grace - (time.monotonic() - t0))
                     await asyncio.wait_for(closer.stop(), timeout=left)
+                except TimeoutError:
+                    log.warning("%s close did not finish within %.1f s%s", name, left,
+                                ": restore in progress abandoned" if name == "consumer"
+                                and restoring else "")
                 except Exception as e:  # noqa: BLE001
                     log.warning("%s close: %s", name, e)
         if self.http is not None:
@@ -297,16 +337,44 @@ class Daemon:
         log.info("lpcal daemon stopped in %.1f s", time.monotonic() - t0)
 
     async def serve(self, install_signals: bool = True) -> None:
-        """Run until SIGTERM/SIGINT (or ``stopping`` is set)."""
+        """Run until SIGTERM/SIGINT (or ``stopping`` is set).
+
+        A stop during startup (broker unreachable and retried, topic checks, a call that
+        hangs) ends it at once: the startup task is cancelled, :meth:`shutdown` closes what
+        was opened, and ``serve`` returns normally (exit code 0)."""
         loop = asyncio.get_running_loop()
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._on_signal, sig)
         try:
-            await self.startup()
+            if not await self._start_unless_stopped():
+                log.info("stopped during startup")
+                return
             await self.main_loop()
         finally:
             await self.shutdown()
+
+    async def _start_unless_stopped(self) -> bool:
+        """Run :meth:`startup` until it finishes (True) or a stop is requested (False);
+        startup errors other than the stop propagate."""
+        start = asyncio.create_task(self.startup(), name="lpcal-startup")
+        stop = asyncio.create_task(self.stopping.wait(), name="lpcal-stop-wait")
+        try:
+            await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not start.done():
+                start.cancel()
+            # wait for the cancellation: startup's own cleanup runs before shutdown()
+            await asyncio.gather(start, stop, return_exceptions=True)
+        if start.cancelled():
+            return False
+        exc = start.exception()
+        if isinstance(exc, StartupStopped):
+            return False
+        if exc is not None:
+            raise exc
+        return True  # started (a stop that came meanwhile ends main_loop at once)
 
     def _on_signal(self, sig) -> None:
         if self.stopping.is_set():
@@ -331,38 +399,99 @@ class Daemon:
 
     # ================================================================== rebalance
     async def on_assigned(self, tps: set[TopicPartition]) -> None:
+        """Rebalance listener: pause the partitions, restore their models, position them,
+        resume. Never raises (aiokafka swallows listener exceptions, which left every partition
+        paused for good): a failure is logged and the restore retried in the background with
+        a backoff (:meth:`_retry_assignment`); the partitions stay paused until it succeeds,
+        and ``/healthz`` fails once it has kept failing for ``assign_unhealthy_after`` s."""
+        self._cancel_assignment_retry()
         self.restored = False
         new = {tp for tp in tps if tp not in self.assigned}
         kept = set(tps) - new
         self.assigned = set(tps)
-        parts = {tp.partition for tp in new}
         # aiokafka keeps fetching while this callback awaits the restore: pause the partitions
         # so no record is processed before its model's checkpoint is restored and the
         # partition is positioned (else checkpointed samples would be lost, others doubled)
         if tps:
             self.consumer.pause(*tps)
-        # partitions kept across a rejoin (e.g. after the coordinator was lost): aiokafka may
-        # have reset their fetch position to the committed offset; continue where we are
-        for tp in kept:
-            pos = self.positions.get((tp.topic, tp.partition))
-            if pos is not None:
-                self.consumer.seek(tp, pos)
+        try:
+            # partitions kept across a rejoin (e.g. after the coordinator was lost): aiokafka
+            # may have reset their fetch position to the committed offset; continue where we are
+            for tp in kept:
+                pos = self.positions.get((tp.topic, tp.partition))
+                if pos is not None:
+                    self.consumer.seek(tp, pos)
+            await self._restore_assignment(set(tps), new)
+        except Exception as e:  # noqa: BLE001 - retried; never lost in aiokafka's listener
+            self._assignment_failed(e)
+            self._assign_task = asyncio.create_task(
+                self._retry_assignment(set(tps), new), name="lpcal-assignment-retry")
+        else:
+            self.assign_failing_since = None
+
+    def _assignment_failed(self, e: BaseException) -> None:
+        if self.assign_failing_since is None:
+            self.assign_failing_since = time.monotonic()
+        log.error("assignment of partitions %s failed (%s: %s); partitions stay paused, "
+                  "retrying (failing for %.1f s; /healthz fails after %.0f s)",
+                  sorted({tp.partition for tp in self.assigned}), type(e).__name__, e,
+                  time.monotonic() - self.assign_failing_since, self.assign_unhealthy_after)
+
+    async def _retry_assignment(self, tps: set[TopicPartition],
+                                new: set[TopicPartition]) -> None:
+        delay = _ASSIGN_RETRY_FIRST
+        while not self.stopping.is_set() and self.assigned == tps:
+            try:
+                await asyncio.wait_for(self.stopping.wait(), delay)
+                return
+            except TimeoutError:
+                pass
+            delay = min(2 * delay, _ASSIGN_RETRY_MAX)
+            try:
+                await self._restore_assignment(tps, new)
+            except Exception as e:  # noqa: BLE001
+                self._assignment_failed(e)
+                continue
+            log.info("assignment restored after failing for %.1f s",
+                     time.monotonic() - (self.assign_failing_since or time.monotonic()))
+            self.assign_failing_since = None
+            return
+
+    def _cancel_assignment_retry(self) -> None:
+        if self._assign_task is not None:
+            self._assign_task.cancel()
+            self._assign_task = None
+
+    @property
+    def assignment_unhealthy(self) -> bool:
+        """True once restoring the assignment has kept failing for ``assign_unhealthy_after``
+        seconds: ``/healthz`` then fails, so that Kubernetes restarts the pod."""
+        since = self.assign_failing_since
+        return since is not None and time.monotonic() - since > self.assign_unhealthy_after
+
+    async def _restore_assignment(self, tps: set[TopicPartition],
+                                  new: set[TopicPartition]) -> None:
+        """Restore the models of the ``new`` partitions from their checkpoints, seek them, and
+        resume every partition of ``tps`` that is not backlogged. Every state record is decoded
+        and restored on its own (:meth:`_restore_model`, :meth:`_read_manifest`): one that
+        cannot be used is counted, logged with its location and skipped, never the partition.
+        Safe to run again after a failure (models restored already are kept)."""
+        parts = {tp.partition for tp in new}
         if parts:
-            records = await self._load_checkpoints()
-            manifests = {}
-            for key, value in records.items():
-                if key.startswith("partition/"):
-                    try:
-                        manifests[int(key.split("/", 1)[1])] = orjson.loads(value)
-                    except (ValueError, orjson.JSONDecodeError):
-                        log.error("ignoring unreadable manifest %s", key)
-            for key, value in records.items():
-                if key.startswith("model/"):
-                    self._restore_model(key[6:], value, parts)
+            records = await self._load_checkpoints()  # raw values, decoded one at a time
+            where = getattr(self._store, "where", None) or (lambda key: key)
+            manifests: dict[int, dict[str, int]] = {}
+            for key in [k for k in records if k.startswith("partition/")]:
+                part, offsets = self._read_manifest(key, records.pop(key), parts, where)
+                if offsets is not None:
+                    manifests[part] = offsets
+            for key in sorted(k for k in records if k.startswith("model/")):
+                self._restore_model(key[6:], records.pop(key), parts, where=where(key))
+            records.clear()
             self._unpark(parts)
             await self._adopt_published_binmaps(parts)
             for tp in new:
-                off = manifests.get(tp.partition, {}).get("offsets", {}).get(tp.topic)
+                off = manifests.get(tp.partition, {}).get(tp.topic)
                 if off is None:
                     offs = [st.offsets.get(tp.topic, {}).get(tp.partition) for m, st in
                             self.models.items() if self.partition_of.get(m) == tp.partition]
@@ -384,6 +513,39 @@ class Daemon:
         self.restored = True
         self.metrics.set_ready(self.ready)
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in tps))
+
+    def _read_manifest(self, key: str, raw: bytes, parts: set[int], where
+                       ) -> tuple[int, dict[str, int] | None]:
+        """``(partition, {topic: offset})`` of a manifest record of one of ``parts``, or
+        ``(partition, None)`` (not ours, or unusable: counted and logged, then the partition
+        is positioned from its model records as if it had no manifest)."""
+        try:
+            part = int(key.split("/", 1)[1])
+        except ValueError:
+            return -1, None  # not a manifest this daemon writes: no partition of ours
+        if part not in parts:
+            return part, None
+        try:
+            m = orjson.loads(decode_value(raw, self.s.state.max_record_bytes))
+            if not isinstance(m, dict) or not isinstance(m.get("offsets"), dict):
+                raise TypeError("not an object with an 'offsets' object")
+            offsets = {}
+            for topic in (self.t_pred, self.t_out):
+                off = m["offsets"].get(topic)
+                if off is None:
+                    continue
+                if type(off) is not int or off < 0:
+                    raise ValueError(f"offset of {topic!r} is {off!r}, not an integer >= 0")
+                offsets[topic] = off
+        except ValueTooLarge as e:
+            self.metrics.inc_restore("too_large")
+            log.error("ignoring manifest %s at %s: %s", key, where(key), e)
+            return part, None
+        except (TypeError, ValueError, orjson.JSONDecodeError) as e:
+            self.metrics.inc_restore("bad_manifest")
+            log.error("ignoring unusable manifest %s at %s: %s", key, where(key), e)
+            return part, None
+        return part, offsets
 
     async def _load_checkpoints(self) -> dict[str, bytes]:
         """All checkpoint records; retried while the broker is unreachable (bounded)."""
@@ -416,7 +578,7 @@ class Daemon:
             self.models[model] = st
             self.partition_of[model] = part
             self.parser.admit(model, st.k)
-            self.metrics.register_model(model)
+            self.metrics.register_model(model, restored=True)
             self.inflight.pop(model, None)
             if inf is not None:
                 self.inflight[model] = inf
@@ -424,39 +586,89 @@ class Daemon:
             log.info("model %s: reinstated the state kept in memory (its checkpoint failed)",
                      model)
 
-    def _restore_model(self, model: str, value: bytes, parts: set[int]) -> None:
+    def _restore_model(self, model: str, value: bytes, parts: set[int], *,
+                       where: str = "?") -> None:
+        """Restore ``model`` from its record (raw, maybe compressed) if it belongs to one of
+        ``parts``. The record is decoded here, alone, within ``state.max_record_bytes``; one
+        that is too large, unreadable, or holds another model's state (its key and its
+        ``model`` differ) is counted in ``lpcal_state_restores_total{outcome}``, logged with
+        its location ``where`` and skipped: the model starts fresh. A restored model is always
+        admitted (even beyond ``max_models``), and reconciled with the current settings
+        (:meth:`ModelState.reconcile`: a changed k or config is logged and counted)."""
+        try:
+            value = decode_value(value, self.s.state.max_record_bytes)
+        except ValueTooLarge as e:
+            self.metrics.inc_restore("too_large")
+            log.error("cannot restore model %r from %s: %s", model, where, e)
+            return
+        except ValueError as e:
+            self.metrics.inc_restore("corrupt")
+            log.error("cannot restore model %r from %s: %s", model, where, e)
+            return
         try:
             env = orjson.loads(value)
+            del value
+            if not isinstance(env, dict):
+                raise ArtifactError(f"envelope is a JSON {type(env).__name__}, not an object")
             if env.get("format") != ENVELOPE_FORMAT:
                 raise ArtifactError(f"format {env.get('format')!r}")
-            part = int(env["partition"])
+            part = env.get("partition")
+            if type(part) is not int:
+                raise ArtifactError(f"partition {part!r} is not an integer")
             if part not in parts or model in self.models:
                 return
+            owner = env.get("model", model)
             st = ModelState.from_checkpoint(orjson.dumps(env["state"]))
-        except (ArtifactError, KeyError, TypeError, ValueError, orjson.JSONDecodeError) as e:
-            log.error("cannot restore model %s: %s", model, e)
+            if owner != model or st.model != model:
+                self.metrics.inc_restore("wrong_model")
+                log.error("skipping the state record of model %r at %s: it holds the state of "
+                          "model %r; model %r starts fresh", model, where,
+                          st.model if st.model != model else owner, model)
+                return
+            prefitted = env.get("prefitted") or 0
+            if type(prefitted) is not int or not 0 <= prefitted <= 1_000_000:
+                raise ArtifactError(f"prefitted {prefitted!r}")
+            inf = env.get("inflight")
+            inflight = None
+            if inf:
+                inflight = Inflight(PoolSet.from_dict(inf["pools"]), str(inf["trigger"]),
+                                    int(inf["version"]))
+            ms = self.s.model_settings(model)
+            outcome, detail = "restored", ""
+            if ms is not None:
+                st, outcome, detail = st.reconcile(ms, self.s.join, getattr(ms, "k", None))
+        except Exception as e:  # noqa: BLE001 - any bad record costs its model only
+            self.metrics.inc_restore("corrupt")
+            log.error("cannot restore model %r from %s: %s: %s", model, where,
+                      type(e).__name__, e)
             return
+        if outcome != "restored":
+            inflight, prefitted = None, 0  # fitted from pools of the old settings
+            log.warning("model %s: settings changed since its checkpoint (%s): %s", model,
+                        outcome, detail)
+        self.metrics.inc_restore(outcome)
         self.models[model] = st
         self.partition_of[model] = part
         self.parser.admit(model, st.k)
-        self.metrics.register_model(model)
-        ms = self.s.model_settings(model)
+        self.metrics.register_model(model, restored=True)
         st.sample_rate = ms.sample_rate if ms is not None else 1.0  # the settings decide it
         if st.sample_rate < 1.0:
             self._sampled.setdefault(part, {})[model] = st.sample_rate
-        self.prefitted[model] = int(env.get("prefitted") or 0)
-        inf = env.get("inflight")
-        if inf:
-            self.inflight[model] = Inflight(PoolSet.from_dict(inf["pools"]), inf["trigger"],
-                                            int(inf["version"]))
+        self.prefitted[model] = prefitted
+        if inflight is not None:
+            self.inflight[model] = inflight
+        if outcome != "restored":
+            self.dirty.add(model)
         if st.binmap is not None:
             self.metrics.set_binmap_published(model, st.binmap_version)
             self._export_certificate(model, st.binmap)
 
     async def _adopt_published_binmaps(self, parts: set[int]) -> None:
         """Install bin maps published after the last checkpoint (a crash between publishing and
-        checkpointing). Every record is verified; a corrupt, truncated or incompatible one is
-        rejected and counted, and the model keeps its previous good map."""
+        checkpointing). Every record is verified (:meth:`verify_binmap`); a corrupt, truncated
+        or incompatible one, one not signed by this daemon's key(s) when signing is configured,
+        and one whose k or lambda does not fit the model's state are rejected and counted, and
+        the model keeps its previous good map: only maps this deployment signed set a version."""
         try:
             latest = await kafka_io.read_compacted_latest(
                 self.s.kafka.bootstrap_servers, self.s.kafka.topics.binmaps, timeout=30.0,
@@ -495,22 +707,34 @@ class Daemon:
             log.info("model %s: adopted published bin map version %d", model, bm.version)
 
     def verify_binmap(self, data: bytes, model: str):
-        """``BinMap`` of ``data`` if it verifies and belongs to ``model``, else None (counted)."""
+        """``BinMap`` of ``data`` if it verifies, is signed by one of the daemon's keys (when
+        ``signing`` is configured), belongs to ``model`` and has the k and lambda of the model's
+        state; else None, counted in ``lpcal_binmaps_rejected_total{reason}``."""
         from lpcal.client import BinMapRejected, verify_artifact
 
         try:
-            bm = verify_artifact(data, where=f"bin map of {model!r}")
+            bm = verify_artifact(data, where=f"bin map of {model!r}",
+                                 public_keys=self.s.signing.keyring())
         except BinMapRejected as e:
             self.metrics.inc_binmap_rejected(e.reason)
             log.error("rejected %s", e)
             return None
         if bm.model_id != model:
-            self.metrics.inc_binmap_rejected("parse")
+            self.metrics.inc_binmap_rejected("model")
             log.error("rejected bin map under key %r: it is for model %r", model, bm.model_id)
+            return None
+        st = self.models.get(model)
+        if st is not None and (bm.k, bm.lam) != (st.k, st.lam):
+            self.metrics.inc_binmap_rejected("config")
+            log.error("rejected bin map version %d of model %r: (k, lambda) = (%d, %d), but the "
+                      "model's state has (%d, %d)", bm.version, model, bm.k, bm.lam, st.k,
+                      st.lam)
             return None
         return bm
 
     async def on_revoked(self, tps: set[TopicPartition]) -> None:
+        self._cancel_assignment_retry()
+        self.assign_failing_since = None
         parts = {tp.partition for tp in tps}
         if parts:
             self.restored = False  # not ready again until the new assignment is restored
@@ -593,8 +817,8 @@ class Daemon:
             end = msgs[-1].offset + 1
             self.metrics.inc_consumed(topic_kind, len(msgs))
             rates = self._sampled.get(tp.partition)
-            if rates and native.SPEEDUPS is not None:
-                msgs, values = self._sample_out(topic_kind, msgs, rates)
+            if (rates or self._hot) and native.SPEEDUPS is not None:
+                msgs, values = self._sample_out(topic_kind, msgs, rates or {})
                 if not msgs:
                     self.positions[(tp.topic, tp.partition)] = end
                     return
@@ -649,16 +873,22 @@ class Daemon:
 
     def _sample_out(self, topic_kind: str, msgs: list, rates: dict[str, float]
                     ) -> tuple[list, list]:
-        """Drop, on their raw bytes and before any parsing, the events of sampled models
-        (``rates``) that :meth:`ModelState.sample` would drop: one scan for ``model`` and ``id``
-        and one blake2b hash per event (``daemon._speedups.sample_out``). Events it cannot decide
-        there (pure-Python path, escaped or non-ASCII ids, anything unusual) are parsed and
-        sampled by ``ModelState.offer`` with the same rule. Dropped events are counted, not
-        validated (an invalid event of a sampled model is dead-lettered only if kept).
-        Returns the records kept and their values."""
+        """Drop, on their raw bytes and before any parsing, the events of sampled models that
+        :meth:`ModelState.sample` would drop: one C call per partition batch
+        (``daemon._speedups.sample_records``), which scans each message for ``model`` and
+        ``id``, hashes the ids of sampled models side by side (blake2b in vector lanes) and
+        returns the records kept; no Python object is made for a dropped one. Sampled models:
+        ``rates`` (this partition's), and the configured models with a rate < 1 that no
+        partition holds yet (``self._hot`` minus ``self.partition_of``), so that a hot model is
+        sampled from its first batch on; a model placed on another partition is not sampled
+        here (its events are dead-lettered there, as on the Python path). Events it cannot
+        decide there (escaped or non-ASCII ids, anything unusual) are parsed and sampled by
+        ``ModelState.offer`` with the same rule; so is everything on the pure-Python path.
+        Dropped events are counted, not validated (an invalid event of a sampled model is
+        dead-lettered only if kept). Returns the records kept and their values."""
         kept, values, counts = native.SPEEDUPS.sample_records(
             msgs if type(msgs) is list else list(msgs), rates, self.parser.max_bytes,
-            self.parser.max_id_len)
+            self.parser.max_id_len, self._hot or None, self.partition_of)
         for model, k in counts.items():
             self.metrics.inc_sampled_out(model, topic_kind, k)
         return kept, values
@@ -850,7 +1080,7 @@ class Daemon:
             return
         try:
             bm, seconds = fut.result()
-            data = bm.to_json()
+            data = bm.to_json(signer=self.s.signing.signer())  # signed when a key is set
         except Exception as e:  # noqa: BLE001 - a failed fit is counted, never fatal
             log.error("model %s: recalibration (version %d) failed: %s: %s", model,
                       inf.version, type(e).__name__, e)

@@ -11,7 +11,7 @@ Sources, highest priority first::
 * **Secrets dir** (Kubernetes secret volume), default ``/var/run/secrets/lpcal``, ignored when
   absent; override with ``LPCAL_SECRETS_DIR`` or ``load_settings(secrets_dir=...)``. One file per
   setting, named like the env var without the prefix: ``kafka__sasl_password``,
-  ``http__admin_token``.
+  ``http__admin_token``, ``signing__private_key`` (the Ed25519 key that signs bin maps).
 * **TOML file**: ``config/lpcal.toml`` (relative to the working directory) by default, ignored
   when absent; override with ``LPCAL_CONFIG`` or ``load_settings(path=...)`` (then it must exist).
 
@@ -77,6 +77,7 @@ __all__ = [
     "ModelSettings",
     "Settings",
     "SettingsError",
+    "SigningSettings",
     "StateSettings",
     "Topics",
     "load_settings",
@@ -366,10 +367,42 @@ class KafkaSettings(_Strict):
 
 class HttpSettings(_Strict):
     host: str = "0.0.0.0"
+    """Listen address. All interfaces by default: inside a Kubernetes pod the kubelet's probes
+    and Prometheus reach the pod IP, not loopback. Outside a pod, set ``127.0.0.1`` unless the
+    port must be reachable from other hosts."""
     port: Annotated[int, Field(ge=1, le=65535)] = 8080
     admin_token: SecretStr | None = None
-    """Bearer token of ``POST /v1/models/{model}/recalibrate`` (unset: endpoint disabled)."""
+    """Bearer token of ``POST /v1/models/{model}/recalibrate`` (unset: endpoint disabled).
+    Refused at startup when it could never authenticate: empty, with leading or trailing
+    blanks (HTTP strips them from header values) or with control characters."""
     max_body_bytes: Annotated[int, Field(ge=1)] = MIB
+    max_connections: Annotated[int, Field(ge=1, le=100_000)] = 100
+    """Open HTTP connections held at most. A connection accepted at the limit closes the
+    oldest one that is not inside a handler, so a fresh probe connection is always served."""
+    idle_timeout_seconds: Annotated[float, Field(gt=0.0, le=3600.0)] = 10.0
+    """A connection is closed when it has not delivered a complete request head within this
+    time of being opened or of its previous response: bounds slow headers and idle
+    keep-alive alike (aiohttp's default keep-alive is about an hour)."""
+    body_timeout_seconds: Annotated[float, Field(gt=0.0, le=3600.0)] = 10.0
+    """Reading a request body must finish within this time, else 408 and the connection is
+    closed."""
+
+    @model_validator(mode="after")
+    def _usable_token(self) -> HttpSettings:
+        if self.admin_token is None:
+            return self
+        tok = self.admin_token.get_secret_value()
+        if not tok.strip():
+            why = "is empty and could never authenticate"
+        elif tok != tok.strip():
+            why = ("has leading or trailing blanks, which HTTP strips from header values, so "
+                   "it could never authenticate")
+        elif any(ord(c) < 0x20 or ord(c) == 0x7F for c in tok):
+            why = "contains control characters and could never authenticate"
+        else:
+            return self
+        raise ValueError(f"admin_token: the admin token {why} (set a usable token, or "
+                         "unset it to disable the manual trigger)")
 
     @property
     def manual_trigger_enabled(self) -> bool:
@@ -390,9 +423,75 @@ class StateSettings(_Strict):
     """``kafka``: compacted state topic (no PersistentVolume needed); ``local``: a directory."""
     local_dir: Path = Path(".lpcal-state")
     checkpoint_interval_seconds: PosFloat = 10.0
+    max_record_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 64 * MIB
+    """Largest state value the daemon decodes on restore, after decompression: a compressed
+    value that would inflate beyond it (a zlib bomb) is not inflated further, and it and any
+    plain value above it are skipped, counted and logged (that model starts fresh). Values are
+    decoded one at a time, so restoring needs about this much memory beyond the raw records.
+    The default is above what the daemon itself writes (the state topic's 16 MiB
+    ``max.message.bytes`` at the ~44 % zlib ratio of a checkpoint: ~36 MiB)."""
     release_heap: bool = True
     """After each periodic checkpoint, give freed heap memory back to the OS (glibc
     ``malloc_trim``, see :mod:`daemon.heap`); without it resident memory ratchets up."""
+
+
+class SigningSettings(_Strict):
+    """Ed25519 signatures of the published bin maps (:mod:`lpcal.signing`).
+
+    ``private_key`` comes from the secrets directory (file ``signing__private_key``): PEM
+    (PKCS#8, ``openssl genpkey -algorithm ed25519``) or the base64 text of the raw 32-byte seed.
+    Unset: bin maps are published unsigned and any map on the topic is adopted (development
+    only; a warning is logged at startup)."""
+
+    private_key: SecretStr | None = None
+    """Signs every published bin map; its public key is trusted for adoption."""
+    public_keys: list[str] = Field(default_factory=list)
+    """More public keys (PEM or base64 of the raw 32 bytes) whose maps the daemon adopts on
+    assignment: the daemon's own previous key(s) during a rotation. Only ever list keys of
+    this deployment: a map adopted on assignment sets the model's version."""
+
+    _signer: Any = PrivateAttr(default=None)
+    _ring: Any = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _keys(self) -> SigningSettings:
+        from lpcal.signing import KeyRing, Signer, load_public_key
+
+        problems = []
+        if self.private_key is not None:
+            try:
+                self._signer = Signer(self.private_key.get_secret_value())
+            except ValueError as e:
+                problems.append(f"private_key: {e}")
+        trusted: list[Any] = [] if self._signer is None else [self._signer.public_key]
+        for i, k in enumerate(self.public_keys):
+            try:
+                trusted.append(load_public_key(k))
+            except ValueError as e:
+                problems.append(f"public_keys[{i}]: {e}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self._ring = KeyRing(trusted) if trusted else None
+        return self
+
+    def signer(self):
+        """The :class:`lpcal.signing.Signer` of ``private_key``, or None (unsigned)."""
+        return self._signer
+
+    def keyring(self):
+        """Keys whose maps are adopted (own key + ``public_keys``), or None (any map)."""
+        return self._ring
+
+    def warnings(self) -> list[str]:
+        """What to warn about at startup (unsigned operation)."""
+        out = []
+        if self._signer is None:
+            out.append("signing.private_key is not set: bin maps are published unsigned, "
+                        "so clients cannot authenticate them (development only)")
+        if self._ring is None:
+            out.append("no signing key configured: any bin map on the bin-map topic is "
+                       "adopted on assignment and can set a model's version")
+        return out
 
 
 # --------------------------------------------------------------------------- settings
@@ -450,6 +549,7 @@ class Settings(BaseSettings):
     """At most this many models are admitted (bounds Prometheus label cardinality)."""
     join: JoinSettings = JoinSettings()
     state: StateSettings = StateSettings()
+    signing: SigningSettings = SigningSettings()
     shutdown_grace_seconds: PosFloat = 30.0
     log_level: Annotated[
         Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], BeforeValidator(_upper)

@@ -2,9 +2,11 @@
 
 The public API::
 
-    from lpcal import fit, fit_pools, BinMap, metrics
-    bm = fit(probs, labels, eps=0.05, p=float("inf"))   # Algorithm 2 on one labelled sample
+    from lpcal import fit, fit_pools, BinMap, FitSpec, metrics
+    bm = fit(probs, labels, eps=0.05, p=float("inf"))   # certified default (see lpcal.calibrate)
     calibrated = bm.apply(new_probs)                      # the bin map h
+    bm.certificate                                        # held-out Err_p bound, selection
+    fit(probs, labels, FitSpec(eps=0.05, p=2, mode="paper"))  # Algorithm 2 as published
 """
 
 from lpcal import metrics
@@ -13,7 +15,9 @@ from lpcal.calibrate import fit, fit_pools
 from lpcal.errors import ArtifactError, InputError, LpcalError
 from lpcal.pools import CountTable, PoolLayout, PoolSet
 from lpcal.sizing import practical_sizing, theory_sizing
+from lpcal.spec import FitSpec
 
 __version__ = "0.1.0"
-__all__ = ["ArtifactError", "BinMap", "CountTable", "InputError", "LpcalError", "PoolLayout",
-           "PoolSet", "fit", "fit_pools", "metrics", "practical_sizing", "theory_sizing"]
+__all__ = ["ArtifactError", "BinMap", "CountTable", "FitSpec", "InputError", "LpcalError",
+           "PoolLayout", "PoolSet", "fit", "fit_pools", "metrics", "practical_sizing",
+           "theory_sizing"]

@@ -15,6 +15,7 @@ JSON layout (schema 2; orjson; UTF-8)::
      "certificate": null | {"method", "eps", "p", "lam", "delta", "n_holdout",
                             "estimates": {candidate: {"err_p", "bound", "brier"}},
                             "selected", "certified"},
+     "signature": {"alg": "ed25519", "key_id", "sig"} (only in signed maps),
      "checksum": "sha256:<hex>"}
 
 Schema 1 (lpcal 0.1) had neither ``mode`` nor ``certificate``; it is still read (as
@@ -23,7 +24,16 @@ alone has no bins (``B`` empty, ``outside = "identity"``): it is temperature sca
 
 Predictions are stored sparsely: every coordinate equals ``d`` except those listed. The checksum
 is the sha256 of the canonical JSON (sorted keys) of every other field, so any corruption,
-truncation or tampering is detected on load.
+truncation or tampering is detected on load. The checksum has no key, so it does not prove who
+wrote the map: the daemon also signs it (Ed25519, :mod:`lpcal.signing`). The optional
+``signature`` field signs the canonical JSON of every field but ``checksum`` and ``signature``
+(the bytes an unsigned map's checksum is computed over); the checksum of a signed map covers the
+signature too, so readers that verify no signature (and lpcal 0.1) load signed maps unchanged.
+``from_json(data, public_keys=...)`` requires a valid signature by one of the keys.
+
+``version`` is an integer in ``[0, MAX_VERSION]`` (``2**53 - 1``: exact in every JSON reader and
+in a float64, and within the 64-bit integers of the daemon's checkpoints); anything else is
+rejected on load and on save.
 """
 
 from __future__ import annotations
@@ -40,11 +50,24 @@ import orjson
 from lpcal.errors import ArtifactError, InputError
 from lpcal.kernels import ApplyPlan, scale_temperature  # noqa: F401 (re-exported)
 from lpcal.levels import BinIndex, decode_keys
+from lpcal.signing import KeyRing, canonical
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
 _MODES = ("certified", "paper")
 _OUTSIDE = ("rho", "identity")
+MAX_VERSION = 2 ** 53 - 1
+"""Largest bin-map version (the largest integer exact in a float64 and in JSON readers)."""
+
+
+def _check_version(v: Any, where: str = "bin map") -> int:
+    """``v`` if it is an integer in ``[0, MAX_VERSION]`` (not a bool or a float), else
+    :class:`ArtifactError`."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= MAX_VERSION:
+        shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:40] + "..."
+        raise ArtifactError(f"{where}: version must be an integer in [0, 2**53 - 1], got "
+                            f"{shown}")
+    return int(v)
 
 
 def _encode_pred(row: np.ndarray) -> dict:
@@ -71,7 +94,27 @@ def _decode_pred(obj: Any, k: int, g: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BinMap:
-    """A fitted calibrator ``h`` (see the module docstring). Build with ``lpcal.fit``/``fit_pools``."""
+    """A fitted calibrator ``h`` (see the module docstring). Build with ``lpcal.fit``/``fit_pools``.
+
+    Attributes are the JSON fields of the module docstring; ``bins``, ``group`` and ``preds``
+    (read-only arrays) describe ``B`` and its groups, ``temperature`` the pre-calibrator and
+    ``certificate`` the held-out evaluation (:class:`lpcal.certificate.Certificate` as a dict).
+
+    Examples
+    --------
+    >>> import math, numpy as np
+    >>> from lpcal import fit, BinMap
+    >>> rng = np.random.default_rng(0)
+    >>> z = rng.normal(size=(5000, 3)) * 3
+    >>> f = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    >>> y = (f.cumsum(axis=1) > rng.random(5000)[:, None]).argmax(axis=1)
+    >>> bm = fit(f, y, eps=0.1, p=math.inf, model_id="fraud-v3")
+    >>> h = bm.apply(f[:2])
+    >>> h.shape, bool(np.allclose(h.sum(axis=1), 1.0))
+    ((2, 3), True)
+    >>> BinMap.from_json(bm.to_json()).checksum == bm.checksum   # verified on load
+    True
+    """
 
     model_id: str
     version: int
@@ -200,7 +243,7 @@ class BinMap:
 
     # ------------------------------------------------------------------ versions
     def with_version(self, version: int, created_at: str | None = None) -> BinMap:
-        return dataclasses.replace(self, version=int(version),
+        return dataclasses.replace(self, version=_check_version(version),
                                    created_at=created_at or utc_now())
 
     # ------------------------------------------------------------------ JSON
@@ -208,7 +251,7 @@ class BinMap:
         return {
             "schema": SCHEMA_VERSION,
             "model_id": self.model_id,
-            "version": int(self.version),
+            "version": _check_version(self.version),
             "created_at": self.created_at,
             "eps": float(self.eps),
             "p": "inf" if math.isinf(self.p) else float(self.p),
@@ -233,21 +276,38 @@ class BinMap:
 
     @staticmethod
     def _digest(content: dict) -> str:
-        canon = orjson.dumps(content, option=orjson.OPT_SORT_KEYS)
-        return "sha256:" + hashlib.sha256(canon).hexdigest()
+        return "sha256:" + hashlib.sha256(canonical(content)).hexdigest()
 
-    def to_json(self) -> bytes:
+    def to_json(self, *, signer: Any = None) -> bytes:
+        """The artifact; with ``signer`` (an :class:`lpcal.signing.Signer`) a signed one."""
         content = self._content()
+        if signer is not None:
+            content["signature"] = signer.sign(canonical(content))
         content["checksum"] = self._digest(content)
-        return orjson.dumps(content, option=orjson.OPT_SORT_KEYS)
+        return canonical(content)
 
     @property
     def checksum(self) -> str:
-        return self._digest(self._content())
+        """The ``checksum`` of the artifact this map was loaded from, else of its unsigned
+        content (what ``to_json()`` writes)."""
+        loaded = self.__dict__.get("_artifact_checksum")
+        return loaded if loaded is not None else self._digest(self._content())
+
+    @property
+    def verified_by(self) -> str | None:
+        """Key id whose signature was verified when this map was loaded (``from_json`` with
+        ``public_keys``), else None."""
+        return self.__dict__.get("_verified_by")
 
     @classmethod
-    def from_json(cls, data: bytes | str, *, where: str = "bin map") -> BinMap:
-        """Load and verify an artifact; raises :class:`ArtifactError` saying what is wrong."""
+    def from_json(cls, data: bytes | str, *, where: str = "bin map",
+                  public_keys: Any = None) -> BinMap:
+        """Load and verify an artifact; raises :class:`ArtifactError` saying what is wrong.
+
+        ``public_keys`` (a :class:`lpcal.signing.KeyRing` or anything it takes: PEM, raw or
+        base64 keys, key files): require a valid signature by one of them, else
+        :class:`lpcal.signing.SignatureError`. Without keys (None or empty) a signature is not
+        checked and unsigned maps load (development)."""
         if isinstance(data, str):
             data = data.encode()
         if not data:
@@ -267,13 +327,17 @@ class BinMap:
             raise ArtifactError(f"{where}: missing checksum")
         if cls._digest(obj) != checksum:
             raise ArtifactError(f"{where}: checksum mismatch (artifact corrupt or tampered)")
+        signature = obj.pop("signature", None)
+        ring = KeyRing.of(public_keys)
+        verified_by = None if ring is None else ring.verify(canonical(obj), signature, where)
+        version = _check_version(obj.get("version"), where)
         try:
             p = math.inf if obj["p"] == "inf" else float(obj["p"])
             k = int(obj["k"])
             preds = np.array([_decode_pred(o, k, g) for g, o in enumerate(obj["preds"])]
                              ).reshape(-1, k)
             bm = cls(
-                model_id=str(obj["model_id"]), version=int(obj["version"]),
+                model_id=str(obj["model_id"]), version=version,
                 created_at=str(obj["created_at"]), eps=float(obj["eps"]), p=p,
                 delta=float(obj["delta"]), beta=float(obj["beta"]), lam=int(obj["lam"]), k=k,
                 temperature=None if obj["temperature"] is None else float(obj["temperature"]),
@@ -293,6 +357,8 @@ class BinMap:
             raise ArtifactError(f"{where}: malformed field ({e})") from None
         if bm.n_bins != obj.get("n_bins") or bm.n_groups != obj.get("n_groups"):
             raise ArtifactError(f"{where}: n_bins/n_groups disagree with the stored bins")
+        object.__setattr__(bm, "_artifact_checksum", checksum)
+        object.__setattr__(bm, "_verified_by", verified_by)
         return bm
 
     def summary(self) -> dict:

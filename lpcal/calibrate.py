@@ -48,9 +48,9 @@ consecutive blocks for ``mu`` and every estimation pool. Everything is determini
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -62,16 +62,15 @@ from lpcal.io import validate_labels, validate_probs
 from lpcal.levels import beta_for, encode_keys, lambda_for, rho
 from lpcal.pools import PoolSet, tables_from_rows
 from lpcal.precalibrate import TemperatureGrid
-from lpcal.sizing import Sizing, practical_sizing, theory_sizing
+from lpcal.sizing import Sizing
+from lpcal.spec import MODE_DEFAULTS as SPEC_MODE_DEFAULTS
+from lpcal.spec import FitSpec, Mode, Outside, Prescale
 
-MODES = ("certified", "paper")
-_PRESCALE = ("none", "temperature")
-_OUTSIDE = ("rho", "identity")
-#: What each mode implies for the options left at None.
-MODE_DEFAULTS = {
-    "certified": {"prescale": "temperature", "outside": "identity", "holdout_fraction": 0.3},
-    "paper": {"prescale": "none", "outside": "rho", "holdout_fraction": 0.0},
-}
+MODES = tuple(m.value for m in Mode)
+_OUTSIDE = tuple(o.value for o in Outside)
+#: What each mode implies for the options left at None (plain strings; see lpcal.spec).
+MODE_DEFAULTS = {m.value: {k: getattr(v, "value", v) for k, v in d.items()}
+                 for m, d in SPEC_MODE_DEFAULTS.items()}
 
 
 def select_high_probability_bins(pools: PoolSet, beta: float):
@@ -237,24 +236,13 @@ def _scanned(probs, lam: int, tol: float = 1e-4):
 def fit(
     probs,
     labels,
+    spec: FitSpec | None = None,
+    /,
     *,
-    eps: float,
-    p: float,
-    delta: float = 0.1,
-    mode: str = "certified",
-    sizing: str = "practical",
-    pool_size: int | None = None,
-    mu_pool: int | None = None,
-    variant: str = "shared",
-    noise: bool | None = None,
-    seed: int = 0,
-    prescale: str | None = None,
-    outside: str | None = None,
-    holdout_fraction: float | None = None,
     model_id: str = "model",
-    max_iter: int | None = None,
     logits: bool = False,
     progress: Callable[[int, float], None] | None = None,
+    **options: Any,
 ) -> BinMap:
     """Fit a bin map from one labelled sample (see the module docstring for the two modes).
 
@@ -264,44 +252,15 @@ def fit(
         Predicted probabilities (rows on the simplex within 1e-4), or logits with ``logits=True``.
     labels : array_like, shape (n,)
         Observed classes in ``[0, k)``.
-    eps : float
-        Target lp calibration error, in ``(0, 1)``.
-    p : float
-        The ``p`` of ``Err_p``, ``>= 1`` or ``math.inf``.
-    delta : float, default 0.1
-        Failure probability of the guarantee; the certificate's level is ``1 - delta``.
-    mode : {"certified", "paper"}, default "certified"
-        ``"certified"``: held-out share, temperature pre-calibration, identity outside ``B``,
-        selection by certificate. ``"paper"``: the paper's Algorithm 2 exactly.
-    sizing : {"practical", "theory"}, default "practical"
-        ``"practical"``: every estimation pool gets ``pool_size`` samples and ``mu`` gets
-        ``mu_pool`` (default ``pool_size``); without ``pool_size`` the fit share is split evenly
-        over all pools. ``"theory"``: the paper's sizes; raises if the sample is too small (it
-        almost always is, see :mod:`lpcal.sizing`).
-    pool_size, mu_pool : int, optional
-        Practical pool sizes.
-    variant : {"shared", "split"}, default "shared"
-        ``"shared"`` estimates a group's ``P`` and ``E`` from one pool per level (consistent
-        estimates); ``"split"`` uses the paper's separate pools (often stops on a cycle at
-        practical sizes; see :mod:`lpcal.algorithm`).
-    noise : bool, optional
-        Laplace noise of Lemma adaptive-samples; defaults to on for ``theory``, off otherwise.
-    seed : int, default 0
-        Seed of the split and of the kernel's noise; the fit is deterministic given it.
-    prescale : {"temperature", "none"}, optional
-        Pre-calibrator fitted on the fit share (default from ``mode``).
-    outside : {"identity", "rho"}, optional
-        What the map returns outside ``B`` (default from ``mode``).
-    holdout_fraction : float, optional
-        Share held out for the certificate, in ``[0, 1)`` (default 0.3 certified, 0 paper).
-        With the certified defaults, a sample whose 30% could not certify anything whatever the
-        data (:func:`lpcal.certificate.min_certifiable_holdout`: 120 samples for eps = 0.05,
-        p = inf, delta = 0.1) gets temperature scaling fitted on all of it, with a certificate
-        that says it is not certified.
+    spec : FitSpec, optional
+        Every option of the fit (:class:`lpcal.spec.FitSpec`): ``eps``, ``p``, ``delta``,
+        ``mode``, ``sizing``, ``pool_size``, ``mu_pool``, ``variant``, ``noise``, ``prescale``,
+        ``outside``, ``holdout_fraction``, ``seed``, ``max_iter``.
+    **options
+        The same options as keywords (they replace those of ``spec``); ``eps`` and ``p`` are
+        required without ``spec``.
     model_id : str
         Recorded in the artifact.
-    max_iter : int, optional
-        Cap on the kernel's iterations (default: the paper's bound).
     logits : bool, default False
         ``probs`` are logits (softmax applied first).
     progress : callable, optional
@@ -310,13 +269,17 @@ def fit(
     Returns
     -------
     BinMap
-        With a ``certificate`` whenever ``holdout_fraction > 0``.
+        With a ``certificate`` whenever a share was held out. With the certified defaults, a
+        sample whose 30% could not certify anything whatever the data
+        (:func:`lpcal.certificate.min_certifiable_holdout`: 120 samples for eps = 0.05,
+        p = inf, delta = 0.1) gets temperature scaling fitted on all of it, with a certificate
+        that says it is not certified.
 
     Raises
     ------
     InputError
-        Bad probabilities or labels (naming the first bad row), unknown options, or a sample too
-        small for the requested pools.
+        Bad probabilities or labels (naming the first bad row), an unknown or invalid option
+        (naming it), or a sample too small for the requested pools.
 
     Examples
     --------
@@ -332,45 +295,32 @@ def fit(
     ('precalibrator', True)
     >>> round(bm.temperature)
     3
+    >>> fit(f, y, eps=0.05, p=math.inf, mode="paper").certificate is None
+    True
     """
-    if mode not in MODES:
-        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
-    d = MODE_DEFAULTS[mode]
-    prescale = d["prescale"] if prescale is None else prescale
-    outside = d["outside"] if outside is None else outside
-    hf = d["holdout_fraction"] if holdout_fraction is None else holdout_fraction
-    if prescale not in _PRESCALE:
-        raise InputError(f"prescale must be one of {_PRESCALE}, got {prescale!r}")
-    if outside not in _OUTSIDE:
-        raise InputError(f"outside must be one of {_OUTSIDE}, got {outside!r}")
-    try:
-        hf = float(hf)
-    except (TypeError, ValueError):
-        raise InputError(f"holdout_fraction must be a number, got {hf!r}") from None
-    if not (0.0 <= hf < 1.0):
-        raise InputError(f"holdout_fraction must lie in [0, 1), got {hf!r}")
+    spec = FitSpec.from_options(spec, **options)
     if logits:
         from lpcal.io import softmax
         probs = softmax(probs)
-    beta = beta_for(eps, p)
-    lam = lambda_for(beta)
+    eps, p, delta, lam = spec.eps, spec.p, spec.delta, spec.lam
     x, scan = _scanned(probs, lam)
     n, k = x.shape
     y = validate_labels(labels, k, "labels", n=n)
+    prescale, hf = spec.prescale_value, spec.holdout_fraction_value
     n_hold = round(n * hf)
-    if (mode == "certified" and holdout_fraction is None and prescale == "temperature"
+    if (spec.mode is Mode.CERTIFIED and spec.holdout_fraction is None
+            and prescale is Prescale.TEMPERATURE
             and n_hold < min_certifiable_holdout(eps, p, delta)):
         return _precalibrator_only(x, y, eps=eps, p=p, delta=delta, model_id=model_id)
     if hf > 0 and not (1 <= n_hold < n):
         raise InputError(f"holdout_fraction={hf} of {n} samples leaves no held-out or no fit "
                          "sample")
-    n_rest = n - n_hold
-    sz = _sizing(sizing, eps, p, delta, k, variant, noise, pool_size, mu_pool, n_rest, n_hold)
+    sz = spec.pool_sizing(k, n_fit=n - n_hold, holdout=n_hold)
     layout = sz.layout()
-    perm = np.random.default_rng(seed).permutation(n)
+    perm = np.random.default_rng(spec.seed).permutation(n)
     hold, rest = perm[:n_hold], perm[n_hold:]
     temperature = None
-    if prescale == "temperature":
+    if prescale is Prescale.TEMPERATURE:
         temperature = TemperatureGrid().update(x[rest], y[rest]).fit()
         x_raw, x = x, scale_temperature(x, temperature)
         scan = None
@@ -385,8 +335,9 @@ def fit(
     if n_hold:
         pools.holdout.update(x[hold], y[hold])
         pools.holdout_raw.update(x_raw[hold], y[hold])
-    return fit_pools(pools, eps=eps, p=p, delta=delta, sizing=sz, seed=seed, model_id=model_id,
-                     mode=mode, outside=outside, max_iter=max_iter, progress=progress)
+    return fit_pools(pools, eps=eps, p=p, delta=delta, sizing=sz, seed=spec.seed,
+                     model_id=model_id, mode=spec.mode.value, outside=spec.outside_value.value,
+                     max_iter=spec.max_iter, progress=progress)
 
 
 def _precalibrator_only(x: np.ndarray, y: np.ndarray, *, eps: float, p: float, delta: float,
@@ -406,32 +357,3 @@ def _precalibrator_only(x: np.ndarray, y: np.ndarray, *, eps: float, p: float, d
         iterations=0, stop_reason="not_run", est_error={}, bins=(),
         group=np.zeros(0, np.int64), preds=np.zeros((0, k)), mode="certified",
         certificate=cert.to_dict())
-
-
-def _sizing(sizing: str, eps: float, p: float, delta: float, k: int, variant: str,
-            noise: bool | None, pool_size: int | None, mu_pool: int | None, n_rest: int,
-            n_hold: int) -> Sizing:
-    """The pool sizes of :func:`fit` for ``n_rest`` fit samples (and ``n_hold`` held out)."""
-    if sizing == "theory":
-        sz = theory_sizing(eps, p, delta, k, variant, noise=True if noise is None else noise)
-        if sz.total > n_rest:
-            raise InputError(
-                f"theory sizing needs {sz.total:.3g} samples ({sz.levels} levels, mu pool "
-                f"{sz.targets['mu']:.3g}, largest pool {max(sz.targets.values()):.3g}); got "
-                f"{n_rest}. Use practical sizing (pool_size=...) instead.")
-    elif sizing == "practical":
-        from lpcal.pools import n_levels, pool_names
-        n_pools = len(pool_names(n_levels(beta_for(eps, p)), variant))
-        if pool_size is None:
-            each = n_rest // n_pools
-            if each < 1:
-                raise InputError(f"{n_rest} samples cannot fill {n_pools} pools")
-            pool_size, mu_pool = each, (mu_pool or n_rest - each * (n_pools - 1))
-        sz = practical_sizing(eps, p, delta, k, mu_pool=mu_pool or pool_size, pool=pool_size,
-                              variant=variant, noise=bool(noise))
-        if sz.total > n_rest:
-            raise InputError(f"practical sizing with pool_size={pool_size} needs {sz.total} "
-                             f"samples besides the {n_hold} held out; got {n_rest}")
-    else:
-        raise InputError(f"sizing must be 'theory' or 'practical', got {sizing!r}")
-    return dataclasses.replace(sz, holdout=n_hold)

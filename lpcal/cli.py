@@ -48,13 +48,26 @@ class _Progress:
             self.stream.write("\n")
 
 
-def _read_binmap(path: str) -> BinMap:
+def _read_binmap(path: str, public_keys: list[str] | None = None) -> BinMap:
+    """Load and verify ``path``; with ``--public-key`` files, a valid signature by one of them
+    is required (else exit 2 naming the signature problem)."""
+    from lpcal.signing import KeyRing
+
     p = Path(path)
     try:
         data = p.read_bytes()
+        ring = KeyRing([Path(k) for k in public_keys]) if public_keys else None
     except OSError as e:
-        raise LpcalError(f"{p}: cannot read bin map ({e.strerror})") from None
-    return BinMap.from_json(data, where=str(p))
+        raise LpcalError(f"{e.filename or p}: cannot read ({e.strerror})") from None
+    except ValueError as e:
+        raise LpcalError(f"--public-key: {e}") from None
+    bm = BinMap.from_json(data, where=str(p), public_keys=ring)
+    if ring is None:
+        print(f"lpcal: warning: {p} is not authenticated (no --public-key given)",
+              file=sys.stderr)
+    else:
+        print(f"{p}: signed by key id {bm.verified_by}, verified")
+    return bm
 
 
 def cmd_fit(a) -> int:
@@ -80,7 +93,7 @@ def cmd_fit(a) -> int:
 
 
 def cmd_apply(a) -> int:
-    bm = _read_binmap(a.binmap)
+    bm = _read_binmap(a.binmap, a.public_key)
     probs, _ = load_predictions(a.input, logits=a.logits, expected_k=bm.k, require_labels=False)
     out = bm.apply(probs)
     save_npz(a.out, out)
@@ -91,7 +104,7 @@ def cmd_apply(a) -> int:
 def cmd_eval(a) -> int:
     from lpcal.report import evaluate, format_table
 
-    bm = _read_binmap(a.binmap) if a.binmap else None
+    bm = _read_binmap(a.binmap, a.public_key) if a.binmap else None
     probs, labels = load_predictions(a.input, logits=a.logits,
                                      expected_k=bm.k if bm else None)
     lam = a.lam or (bm.lam if bm else 20)
@@ -123,6 +136,11 @@ def _daemon(name: str):
                              f"({e})") from None
         return mod.main(name, a.rest)
     return run
+
+
+_PUBKEY_HELP = ("Ed25519 public key of the daemon (PEM, raw 32 bytes or base64); repeat for "
+                "several (key rotation). The bin map must be signed by one of them. Without "
+                "it the map is not authenticated (a warning is printed)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True)
     p.add_argument("--logits", action="store_true")
     p.add_argument("--out", required=True)
+    p.add_argument("--public-key", action="append", metavar="FILE", help=_PUBKEY_HELP)
     p.set_defaults(run=cmd_apply)
 
     e = sub.add_parser("eval", help="calibration metrics, before/after a bin map")
@@ -169,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lambda for Err_p (default: the bin map's, else 20)")
     e.add_argument("--logits", action="store_true")
     e.add_argument("--plot", metavar="PNG")
+    e.add_argument("--public-key", action="append", metavar="FILE", help=_PUBKEY_HELP)
     e.set_defaults(run=cmd_eval)
 
     for name, help_ in (("serve", "run the calibration daemon"),

@@ -6,7 +6,7 @@ object the caller builds (duck-typed; e.g. an ``aiokafka.AIOKafkaConsumer``).
 
 API::
 
-    store = BinMapStore()                                  # model -> BinMap registry
+    store = BinMapStore(public_keys=["/etc/lpcal/binmap-signing.pub"])  # model -> BinMap
     store.offer(raw_bytes, model="fraud-v3", source="x")   # verify; True when it was installed
     store.offer(load_file("fraud-v3.json"))                # a BinMap object works too
     store.offer(load_http("http://lpcal:8080/v1/models/fraud-v3/binmap", timeout=5))
@@ -29,7 +29,17 @@ Acceptance rules of :meth:`BinMapStore.offer`
   - ``schema``: a schema version this lpcal cannot read;
   - ``checksum``: missing checksum, or the content does not match it (corrupt or tampered);
   - ``model``: the artifact's ``model_id`` differs from the model it was published under (the
-    Kafka record key).
+    Kafka record key);
+  - ``signature``: public keys are configured (``public_keys=``) and the artifact is unsigned,
+    signed by a key not among them, or its signature does not verify (forged or tampered). A
+    :class:`BinMap` object is accepted only if it was loaded with a key of this store
+    (:attr:`BinMap.verified_by`).
+
+* Without ``public_keys`` nothing is authenticated (a warning is logged once): anyone who can
+  write to the bin-map topic can then install a map. Configure the daemon's public key(s) in
+  production; several keys may be given while a key is rotated.
+* Versions are integers in ``[0, 2**53 - 1]`` (:data:`lpcal.binmap.MAX_VERSION`); any other
+  version is rejected (``parse``).
 
 * Version order: a map whose ``version`` is lower than the installed one is ignored (``stale``), an
   equal version with the same checksum is ignored (``duplicate``). An equal version with another
@@ -80,8 +90,9 @@ from typing import Any, Self
 import numpy as np
 import orjson
 
-from lpcal.binmap import READABLE_SCHEMAS, BinMap
+from lpcal.binmap import MAX_VERSION, READABLE_SCHEMAS, BinMap
 from lpcal.errors import ArtifactError, InputError, LpcalError
+from lpcal.signing import KeyRing, SignatureError
 
 __all__ = [
     "REJECT_REASONS",
@@ -90,6 +101,7 @@ __all__ = [
     "BinMapRejected",
     "BinMapStore",
     "FollowerThread",
+    "KeyRing",
     "Rejection",
     "UnknownModelError",
     "fetch_http",
@@ -100,7 +112,8 @@ __all__ = [
 
 log = logging.getLogger("lpcal.client")
 
-REJECT_REASONS: tuple[str, ...] = ("checksum", "truncated", "schema", "parse", "model")
+REJECT_REASONS: tuple[str, ...] = ("checksum", "truncated", "schema", "parse", "model",
+                                   "signature")
 """Bounded reasons under which :class:`BinMapStore` counts rejected artifacts."""
 
 IGNORE_REASONS: tuple[str, ...] = ("stale", "duplicate")
@@ -141,7 +154,8 @@ class Rejection:
 # --------------------------------------------------------------------------- verification
 
 
-def _verify(data: bytes | bytearray | memoryview | str, where: str) -> tuple[BinMap, str]:
+def _verify(data: bytes | bytearray | memoryview | str, where: str,
+            ring: KeyRing | None = None) -> tuple[BinMap, str]:
     """``(bin map, checksum)`` or :class:`BinMapRejected` with the reason classified."""
     if isinstance(data, str):
         data = data.encode()
@@ -166,7 +180,9 @@ def _verify(data: bytes | bytearray | memoryview | str, where: str) -> tuple[Bin
     if not isinstance(checksum, str):
         raise BinMapRejected("checksum", f"{where}: missing checksum")
     try:
-        bm = BinMap.from_json(data, where=where)
+        bm = BinMap.from_json(data, where=where, public_keys=ring)
+    except SignatureError as e:
+        raise BinMapRejected("signature", str(e)) from None
     except ArtifactError as e:
         content = {k: v for k, v in obj.items() if k != "checksum"}
         try:
@@ -177,24 +193,29 @@ def _verify(data: bytes | bytearray | memoryview | str, where: str) -> tuple[Bin
     return bm, checksum
 
 
-def verify_artifact(data: bytes | str, *, where: str = "bin map") -> BinMap:
+def verify_artifact(data: bytes | str, *, where: str = "bin map",
+                    public_keys: Any = None) -> BinMap:
     """Verify and load an artifact; raises :class:`BinMapRejected` (an ``ArtifactError``) whose
-    ``reason`` is one of ``truncated | parse | schema | checksum``."""
-    return _verify(data, where)[0]
+    ``reason`` is one of ``truncated | parse | schema | checksum | signature``.
+
+    ``public_keys``: a :class:`KeyRing` or what it takes (PEM, raw or base64 keys, key files);
+    when given, a valid signature by one of them is required (``signature`` otherwise)."""
+    return _verify(data, where, KeyRing.of(public_keys))[0]
 
 
 # --------------------------------------------------------------------------- loaders
 
 
-def load_file(path: str | os.PathLike) -> BinMap:
-    """Load and verify a bin map JSON file. Errors name the file: :class:`BinMapLoadError` when it
-    cannot be read, :class:`BinMapRejected` when its content is not a valid artifact."""
+def load_file(path: str | os.PathLike, *, public_keys: Any = None) -> BinMap:
+    """Load and verify a bin map JSON file (``public_keys`` as in :func:`verify_artifact`).
+    Errors name the file: :class:`BinMapLoadError` when it cannot be read,
+    :class:`BinMapRejected` when its content is not a valid (or not an authentic) artifact."""
     p = Path(path)
     try:
         data = p.read_bytes()
     except OSError as e:
         raise BinMapLoadError(f"{p}: cannot read bin map file ({e.strerror or e})") from e
-    return verify_artifact(data, where=str(p))
+    return verify_artifact(data, where=str(p), public_keys=public_keys)
 
 
 def fetch_http(url: str, timeout: float = 10.0, *,
@@ -229,9 +250,11 @@ def fetch_http(url: str, timeout: float = 10.0, *,
 
 
 def load_http(url: str, timeout: float = 10.0, *,
-              headers: Mapping[str, str] | None = None) -> BinMap:
-    """Fetch (:func:`fetch_http`) and verify a bin map; errors name the URL."""
-    return verify_artifact(fetch_http(url, timeout, headers=headers), where=url)
+              headers: Mapping[str, str] | None = None, public_keys: Any = None) -> BinMap:
+    """Fetch (:func:`fetch_http`) and verify a bin map (``public_keys`` as in
+    :func:`verify_artifact`); errors name the URL."""
+    return verify_artifact(fetch_http(url, timeout, headers=headers), where=url,
+                           public_keys=public_keys)
 
 
 # --------------------------------------------------------------------------- the store
@@ -246,13 +269,43 @@ class BinMapStore:
     old_version | None, new BinMap)`` after every installation, outside the lock, from the
     offering thread; exceptions they raise are logged and swallowed. Use them to export counters
     (e.g. to Prometheus) without this module importing a metrics library.
+
+    ``public_keys``: the daemon's Ed25519 public key(s) (a :class:`KeyRing`, or a list of PEM
+    texts/bytes, raw or base64 keys, key file paths); every artifact must then be signed by one
+    of them (rejection reason ``signature``). None: unauthenticated (development; warned).
+
+    Examples
+    --------
+    >>> import math, numpy as np
+    >>> from lpcal import fit
+    >>> from lpcal.client import BinMapStore
+    >>> rng = np.random.default_rng(0)
+    >>> z = rng.normal(size=(5000, 3)) * 3
+    >>> f = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    >>> y = (f.cumsum(axis=1) > rng.random(5000)[:, None]).argmax(axis=1)
+    >>> store = BinMapStore(missing="identity")
+    >>> store.offer(fit(f, y, eps=0.1, p=math.inf, model_id="fraud-v3").to_json())
+    True
+    >>> store.apply("fraud-v3", f[:1]).shape, store.apply("other", f[:1]).shape
+    ((1, 3), (1, 3))
+    >>> store.offer(b"{truncated"), store.rejections["parse"]
+    (False, 1)
     """
 
     def __init__(self, *, missing: str = "error",
                  on_reject: Callable[[Rejection], Any] | None = None,
-                 on_swap: Callable[[str, int | None, BinMap], Any] | None = None):
+                 on_swap: Callable[[str, int | None, BinMap], Any] | None = None,
+                 public_keys: Any = None):
         if missing not in _MISSING:
             raise InputError(f"BinMapStore: missing must be one of {_MISSING}, got {missing!r}")
+        try:
+            self.keys: KeyRing | None = KeyRing.of(public_keys)
+        except (ValueError, OSError) as e:
+            raise InputError(f"BinMapStore: bad public_keys: {e}") from None
+        if self.keys is None:
+            log.warning("BinMapStore without public_keys: bin maps are not authenticated "
+                        "(anyone who can write to the bin-map topic can install one); "
+                        "configure the daemon's public key(s) outside development")
         self.missing = missing
         self.on_reject = on_reject
         self.on_swap = on_swap
@@ -351,9 +404,20 @@ class BinMapStore:
         where = f"{source}" + (f" (model {model!r})" if model is not None else "")
         if isinstance(artifact, BinMap):
             bm, checksum = artifact, None
+            if self.keys is not None and bm.verified_by not in self.keys:
+                self._reject(Rejection(
+                    "signature", model, source,
+                    f"{where}: a BinMap object not verified against this store's keys "
+                    f"{list(self.keys.key_ids)} (verified by: {bm.verified_by}); offer the "
+                    f"artifact bytes, or load it with public_keys="))
+                return False
+            if not (0 <= bm.version <= MAX_VERSION):
+                self._reject(Rejection("parse", model, source, f"{where}: version "
+                                       f"{bm.version} outside [0, 2**53 - 1]"))
+                return False
         elif isinstance(artifact, (bytes, bytearray, memoryview, str)):
             try:
-                bm, checksum = _verify(artifact, where)
+                bm, checksum = _verify(artifact, where, self.keys)
             except BinMapRejected as e:
                 self._reject(Rejection(e.reason, model, source, str(e)))
                 return False

@@ -297,7 +297,36 @@ class ErrBreakdown:
 def err_p(probs, labels, lam: int, p: float, *, tol: float = DEFAULT_TOL) -> float:
     """Plug-in lp calibration error ``Err_p`` of the sample (paper, Sec. 3; see module docstring).
 
-    ``lam`` is the discretisation lambda of the rounding ``R``; ``p`` in ``[1, inf]``.
+    Parameters
+    ----------
+    probs : array_like, shape (n, k)
+        Predicted probabilities, rows on the simplex within ``tol``.
+    labels : array_like, shape (n,)
+        Observed classes in ``[0, k)``.
+    lam : int
+        The discretisation lambda of the rounding ``R`` (level sets of width ``1/lam``).
+    p : float
+        In ``[1, inf]``.
+    tol : float
+        Allowed deviation of a row sum from 1.
+
+    Returns
+    -------
+    float
+        ``(sum_v sum_j |mean((f_j - y_j) 1[R(f) = v])|^p)^(1/p)`` over the sample.
+
+    Raises
+    ------
+    InputError
+        Bad probabilities or labels (naming the first bad row), ``lam < 1`` or ``p < 1``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from lpcal.metrics import err_p
+    >>> probs = np.array([[0.9, 0.1], [0.9, 0.1], [0.2, 0.8]])
+    >>> round(err_p(probs, np.array([0, 1, 1]), lam=10, p=float("inf")), 4)  # |0.9+0.9-1| / 3
+    0.2667
     """
     pf = _check_p(p)
     return ErrSums.from_batch(probs, labels, lam, tol=tol).compute(pf)

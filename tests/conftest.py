@@ -46,3 +46,14 @@ def pytest_runtest_makereport(item, call):
         b = item.funcargs.get("broker")
         if b is not None:
             rep.sections.append(("embedded broker", f"{b!r}\n{b.log_tail(2000)}"))
+
+
+#: Suites whose every test starts a daemon or talks to the broker: marked ``slow``.
+_SLOW_SUITES = ("integration", "reliability")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the broker suites ``slow``, so ``pytest -m 'not slow'`` is the quick loop."""
+    for item in items:
+        if item.path.parent.name in _SLOW_SUITES:
+            item.add_marker(pytest.mark.slow)

@@ -29,7 +29,9 @@ def _ratio(cell: str) -> float:
 
 
 def test_fit_quick_tables():
-    pools, raw, prof = bench_fit.run(quick=True)
+    pools, raw, cert, prof = bench_fit.run(quick=True)
+    assert cert.key == "fit_certified" and _ratio(cert.column("default / TS")[0]) > 0
+    assert cert.column("selected")[0] in ("precalibrator", "corrected")
     assert prof.key == "profile" and len(prof.rows) > 2
     assert {r[0].split("(")[0] for r in prof.rows} == {"fit", "BinMap.apply"}
     assert pools.key == "fit_pools" and raw.key == "fit_raw"
@@ -126,7 +128,13 @@ def test_run_all_quick_writes_markdown(tmp_path, capsys):
     text = out.read_text()
     assert "python -m tests.bench.run_all --quick --only apply" in text
     assert "### Apply throughput" in text and "| 100 |" in text
-    assert text.strip() in capsys.readouterr().out
+    assert "<!-- bench:apply -->" in text and text.count("<!-- /bench:") == 1
+    assert "### Apply throughput" in capsys.readouterr().out
+    # a second run of another benchmark keeps the first one's section, in BENCHMARKS order
+    assert run_all.main(["--quick", "--only", "variants", "--out", str(out)]) == 0
+    text2 = out.read_text()
+    assert text2.index("<!-- bench:apply -->") < text2.index("<!-- bench:variants -->")
+    assert "### Apply throughput" in text2 and text2.count("<!-- /bench:") == 2
     with pytest.raises(SystemExit):
         run_all.main(["--quick", "--only", "nope"])
 

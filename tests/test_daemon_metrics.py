@@ -75,6 +75,7 @@ EXPECTED = {
     "lpcal_consumer_lag_messages": ("gauge", ("topic",)),
     "lpcal_last_poll_timestamp_seconds": ("gauge", ()),
     "lpcal_checkpoints_total": ("counter", ("outcome",)),
+    "lpcal_state_restores_total": ("counter", ("outcome",)),
     "lpcal_input_offset_gaps_total": ("counter", ("topic", "resolution")),
     "lpcal_ready": ("gauge", ()),
     "lpcal_build_info": ("gauge", ("version", "ingest_path")),
@@ -105,7 +106,8 @@ def test_enum_values_are_the_specified_sets():
     assert {r.value for r in m.EvictionReason} == {"ttl", "capacity"}
     assert {k.value for k in m.UnmatchedKind} == {"late", "duplicate", "orphan"}
     assert {t.value for t in m.Trigger} == {"pools_full", "drift", "manual"}
-    assert {r.value for r in m.RejectReason} == {"checksum", "truncated", "schema", "parse"}
+    assert {r.value for r in m.RejectReason} == {"checksum", "truncated", "schema", "parse",
+                                                 "model", "signature", "config"}
     assert {p.value for p in m.Predictor} == {"raw", "calibrated"}
     assert {o.value for o in m.CheckpointOutcome} == {"ok", "error"}
     assert {r.value for r in m.GapResolution} == {"filled", "skipped"}
@@ -283,7 +285,7 @@ def test_pool_names_are_bounded(dm, pool):
 
 def test_pool_names_of_the_library_layouts_are_accepted():
     """Every pool name lpcal.pools can produce (both variants, any feasible beta) passes."""
-    pools = pytest.importorskip("lpcal.pools")
+    from lpcal import pools
     assert pools.n_levels(6.0 / 2**63) <= m.MAX_POOL_LEVELS
     for variant in ("split", "shared"):
         for name in pools.pool_names(m.MAX_POOL_LEVELS, variant):

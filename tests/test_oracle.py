@@ -66,6 +66,7 @@ CASES = [  # k, p, eps, pool size, T, scale, skew
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["split", "shared"])
 @pytest.mark.parametrize("k,p,eps,pool,T,scale,skew", CASES)
 def test_true_error_below_eps(k, p, eps, pool, T, scale, skew, variant):
@@ -83,6 +84,7 @@ def test_true_error_below_eps(k, p, eps, pool, T, scale, skew, variant):
     assert true_brier(h, q2) <= true_brier(f2, q2) + 0.01
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,p,eps,pool,T,scale,skew", CASES)
 def test_certified_default_true_error_below_eps(k, p, eps, pool, T, scale, skew):
     beta = beta_for(eps, p)

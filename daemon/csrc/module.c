@@ -11,8 +11,9 @@
  *                                              (reference: daemon.columns.columns_python)
  *   route_u64(ids)                             blake2b-64 of each id's UTF-8, or None
  *                                              (reference: lpcal.pools.route_uniform)
- *   sample_out(values, rates, max_bytes, max_id_len)
- *                                              events of sampled models dropped on their raw
+ *   hash_lanes(n=0)                            ids hashed side by side (1, 4: AVX2, 8: AVX-512F)
+ *   sample_out(values, rates, max_bytes, max_id_len, fallback=None, placed=None)
+ *   sample_records(records, rates, ...)        events of sampled models dropped on their raw
  *                                              bytes (reference: ModelState.sample)
  *   offer_loop(...)                            the per-event join loop of JoinStore.offer
  *   attach_rows(entries, block)                entry[3] = (block, r) for each pending entry

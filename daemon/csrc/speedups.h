@@ -9,7 +9,7 @@
 
 /* Each part adds its functions (and interns the strings it needs) to the module. */
 int speedups_add_scan(PyObject *module);    /* scan.c: all_bytes_within, scan */
-int speedups_add_blake2b(PyObject *module); /* blake2b.c: route_u64, sample_out */
+int speedups_add_blake2b(PyObject *module); /* blake2b.c: route_u64, hash_lanes, sample_* */
 int speedups_add_join(PyObject *module);    /* join.c: offer_loop, attach_rows */
 
 /* The interned str of a C string, kept for the life of the process; NULL on error. */

@@ -2,6 +2,7 @@
 
     python -m tests.bench.run_all            # full run; writes docs/benchmarks.md
     python -m tests.bench.run_all --quick    # tiny inputs, a smoke run (writes nothing by default)
+    python -m tests.bench.run_all --only fit,apply     # reruns two; their sections only
     python -m tests.bench.run_all --only fit,apply --out /tmp/results.md
 
 Benchmarks: ``fit`` (fit time from raw arrays and from pools), ``apply`` (apply throughput),
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -66,35 +68,54 @@ BENCHMARKS = {
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 
-def run_benchmarks(names: list[str], quick: bool, log=print) -> tuple[list[Table], dict]:
-    """Run the named benchmarks; return their tables and the wall time of each."""
-    tables: list[Table] = []
+def run_benchmarks(names: list[str], quick: bool, log=print
+                   ) -> tuple[dict[str, list[Table]], dict[str, float]]:
+    """Run the named benchmarks; return the tables and the wall time of each, by name."""
+    tables: dict[str, list[Table]] = {}
     walls: dict[str, float] = {}
     for name in names:
         t0 = time.perf_counter()
         log(f"[bench] {name} ...")
-        tables.extend(BENCHMARKS[name].run(quick=quick))
+        tables[name] = list(BENCHMARKS[name].run(quick=quick))
         walls[name] = time.perf_counter() - t0
         log(f"[bench] {name} done in {walls[name]:.1f} s")
     return tables, walls
 
 
-def render(tables: list[Table], walls: dict, command: str, quick: bool) -> str:
+_SECTION = re.compile(r"^<!-- bench:(?P<name>[a-z_]+) -->\n.*?^<!-- /bench:(?P=name) -->\n",
+                      re.DOTALL | re.MULTILINE)
+
+
+def render_section(name: str, tables: list[Table], wall: float, command: str,
+                   quick: bool) -> str:
+    """One benchmark's tables between markers, so a later ``--only`` run replaces just them."""
+    smoke = " (quick smoke run: tiny inputs, not representative)" if quick else ""
+    head = [f"<!-- bench:{name} -->", f"## {name}", "",
+            f"`{command}`{smoke}; wall time {wall:.0f} s.", ""]
+    return "\n".join(head) + "\n" + "\n".join(t.to_markdown() for t in tables) + \
+        f"<!-- /bench:{name} -->\n"
+
+
+def render(sections: dict[str, str], previous: str | None = None) -> str:
+    """The whole page: the header, then every benchmark's section in :data:`BENCHMARKS` order;
+    sections not rerun are kept from ``previous`` (the page as it was)."""
+    kept = {m.group("name"): m.group(0) for m in _SECTION.finditer(previous or "")}
+    kept.update(sections)
     head = [
         "# Benchmarks",
         "",
         ("Written by `make bench`; do not edit by hand (the narrative is in "
-         "[library.md](library.md#quality-on-real-predictions) and [daemon.md](daemon.md))."),
+         "[library.md](library.md#quality-on-real-predictions), [daemon.md](daemon.md) and "
+         "[scaling.md](scaling.md)). `python -m tests.bench.run_all --only NAME` reruns one "
+         "benchmark and replaces its section only."),
         "",
-        f"Command: `{command}`{' (quick smoke run: tiny inputs, not representative)' if quick else ''}",
         (f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
          f"{platform.python_version()}, numpy {np.__version__} (shared machine: wall times are "
          "noisy; the ratios to a baseline measured in the same process are the headline)."),
-        "Wall time per benchmark: " + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items())
-        + f"; total {sum(walls.values()):.0f} s.",
         "",
     ]
-    return "\n".join(head) + "\n" + "\n".join(t.to_markdown() for t in tables)
+    order = [n for n in BENCHMARKS if n in kept]
+    return "\n".join(head) + "\n" + "\n".join(kept[n] for n in order)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,11 +135,13 @@ def main(argv: list[str] | None = None) -> int:
                                                                 else sys.argv[1:])).rstrip()
     tables, walls = run_benchmarks(names, args.quick, log=lambda m: print(m, file=sys.stderr,
                                                                           flush=True))
-    text = render(tables, walls, command, args.quick)
-    print(text)
+    sections = {n: render_section(n, tables[n], walls[n], command, args.quick) for n in names}
+    print("\n".join(sections.values()))
     out = args.out if args.out is not None else (None if args.quick else str(RESULTS))
     if out:
-        Path(out).write_text(text, encoding="utf-8")
+        path = Path(out)
+        previous = path.read_text(encoding="utf-8") if path.exists() else None
+        path.write_text(render(sections, previous), encoding="utf-8")
         print(f"[bench] wrote {out}", file=sys.stderr)
     return 0
 

@@ -91,19 +91,41 @@ async def test_kafka_store_compresses_large_values_in_a_worker_thread(monkeypatc
     assert threads == [] and prod.sent[-1][2] == small
 
 
-async def test_kafka_store_load_decodes_and_keeps_corrupt_values(monkeypatch, caplog):
+async def test_kafka_store_load_keeps_raw_values_and_their_positions(monkeypatch):
+    """load_all does not decode (values are decoded one at a time on restore, issue 11)."""
     big = _big_checkpoint()
-    latest = {b"model/a": encode_value(big), b"model/b": COMPRESSED + b"garbage",
-              b"partition/0": b'{"offsets": {}}', b"model/gone": None}
+    latest = {"model/a": encode_value(big), "model/b": COMPRESSED + b"garbage",
+              "partition/0": b'{"offsets": {}}'}
+    where = {"model/a": "state[0]@3", "model/b": "state[0]@4", "partition/0": "state[0]@5"}
 
     async def fake_read(*a, **kw):
-        return latest
+        return dict(latest), dict(where)
 
-    monkeypatch.setattr(cs, "read_compacted_latest", fake_read)
-    out = await KafkaCheckpointStore(None, "127.0.0.1:1", "state").load_all()
-    assert out == {"model/a": big, "model/b": COMPRESSED + b"garbage",
-                   "partition/0": b'{"offsets": {}}'}
-    assert "checkpoint record model/b: corrupt compressed checkpoint" in caplog.text
+    monkeypatch.setattr(cs, "read_latest_with_positions", fake_read)
+    store = KafkaCheckpointStore(None, "127.0.0.1:1", "state")
+    out = await store.load_all()
+    assert out == latest and store.where("model/b") == "state[0]@4"
+    assert decode_value(out["model/a"]) == big
+    with pytest.raises(ValueError, match="corrupt compressed checkpoint"):
+        decode_value(out["model/b"])
+
+
+def test_decode_value_is_bounded_by_its_limit():
+    """Finding 4: inflation stops at the limit; plain values above it are refused too."""
+    import tracemalloc
+
+    bomb = COMPRESSED + zlib.compress(b"0" * (256 << 20), 9)
+    tracemalloc.start()
+    try:
+        with pytest.raises(cs.ValueTooLarge):
+            decode_value(bomb, 4 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 << 20, peak  # was: the whole 256 MiB inflated
+    with pytest.raises(cs.ValueTooLarge):
+        decode_value(b"x" * 2000, 1000)
+    assert decode_value(encode_value(b"y" * 100_000), 100_000) == b"y" * 100_000
 
 
 async def test_local_store_round_trip(tmp_path):

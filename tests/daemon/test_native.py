@@ -85,6 +85,32 @@ def test_route_block_boundaries():
     assert np.array_equal(route_uniform_fast(ids), route_uniform(ids))
 
 
+@needs_native
+def test_route_hash_at_every_lane_width():
+    """Ids hashed side by side in vector lanes (4: AVX2, 8: AVX-512F, where the CPU has them)
+    hash as hashlib does: lengths 0..300 bytes (one block, two, three), non-ASCII, counts that
+    leave a scalar tail."""
+    rng = np.random.default_rng(11)
+    alphabet = list("abcXYZ09-_") + ["\u00e9", "\u4e2d", "\U0001f600"]
+    ids = ["".join(rng.choice(alphabet, size=int(n))) for n in rng.integers(0, 140, 997)]
+    ids += ["y" * n for n in range(0, 300, 7)]
+    want = [int.from_bytes(hashlib.blake2b(i.encode(), digest_size=8).digest(), "big")
+            for i in ids]
+    prev = NATIVE.hash_lanes()
+    try:
+        for width in (1, 4, 8):
+            try:
+                NATIVE.hash_lanes(width)
+            except ValueError:
+                assert width > prev  # only widths above the CPU's are refused
+                continue
+            for n in (len(ids), 3, 1, 0):
+                got = np.frombuffer(NATIVE.route_u64(ids[:n]), dtype=np.uint64).tolist()
+                assert got == want[:n], (width, n)
+    finally:
+        NATIVE.hash_lanes(prev)
+
+
 # ------------------------------------------------------------------------------ columns
 scalar = st.one_of(st.none(), st.booleans(), st.integers(-3, 12), st.integers(2**53 - 2, 2**64 + 5),
                    st.floats(allow_nan=False), st.text(max_size=3), st.just([]), st.just({}))

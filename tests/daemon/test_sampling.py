@@ -17,6 +17,7 @@ from aiokafka import TopicPartition
 from daemon import native
 from daemon.events import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE, EventParser, ModelBatch
 from daemon.model_state import ModelState
+from daemon.native import route_uniform_fast
 from daemon.settings import Settings
 from daemon.simulate import SyntheticModel, true_brier, true_err_p
 from lpcal.pools import route_uniform
@@ -232,3 +233,113 @@ def test_monitor_estimates_stay_unbiased_at_rate_one_tenth():
     assert abs(full.ece - sampled.ece) <= 0.025
     assert abs(full.brier - sampled.brier) <= 0.025
     assert abs(full.accuracy - sampled.accuracy) <= 0.025
+
+
+def _widths() -> list[int]:
+    """The hash widths (ids side by side: 1 scalar, 4 AVX2, 8 AVX-512F) this CPU runs."""
+    s = native.SPEEDUPS
+    prev, out = s.hash_lanes(), []
+    for w in (1, 4, 8):
+        try:
+            s.hash_lanes(w)
+        except ValueError:
+            continue
+        out.append(w)
+    s.hash_lanes(prev)
+    return out
+
+
+@pytest.mark.skipif(native.SPEEDUPS is None, reason="C accelerator not built")
+def test_prefilter_decides_as_the_reference_at_every_hash_width():
+    """Ids of one and of two blake2b blocks, several blocks of candidates and a tail that is no
+    multiple of the lane count, interleaved with a model that is not sampled."""
+    s = native.SPEEDUPS
+    ids = [f"w{i}-" + "x" * (i % 200) for i in range(1001)]
+    values = []
+    for i, e in enumerate(ids):
+        values.append(_raw(MODEL, e, label=1))
+        if i % 7 == 0:
+            values.append(_raw("other", e, label=1))
+    mine = np.array([orjson.loads(v)["model"] == MODEL for v in values])
+    ref = route_uniform(ids) >= RATE
+    prev = s.hash_lanes()
+    assert prev == max(_widths())
+    try:
+        for w in _widths():
+            assert s.hash_lanes(w) in _widths()
+            mask, counts = s.sample_out(values, {MODEL: RATE}, 1 << 20, 256)
+            got = np.frombuffer(mask, dtype=np.uint8).astype(bool)
+            assert np.array_equal(got[mine], ref), w
+            assert not got[~mine].any() and counts == {MODEL: int(ref.sum())}
+            assert np.array_equal(np.frombuffer(s.route_u64(ids), dtype=np.uint64),
+                                  np.frombuffer(s.route_u64(ids[::-1]), dtype=np.uint64)[::-1])
+            assert np.array_equal(route_uniform_fast(ids), route_uniform(ids)), w
+    finally:
+        s.hash_lanes(prev)
+    with pytest.raises(ValueError):
+        s.hash_lanes(3)
+
+
+@pytest.mark.skipif(native.SPEEDUPS is None, reason="C accelerator not built")
+def test_prefilter_samples_configured_models_until_they_are_placed():
+    s = native.SPEEDUPS
+    ids = [f"p-{i}" for i in range(2000)]
+    values = [_raw(MODEL, e, label=1) for e in ids]
+    ref = route_uniform(ids) >= RATE
+
+    def dropped(*args):
+        mask, counts = s.sample_out(values, *args)
+        got = np.frombuffer(mask, dtype=np.uint8).astype(bool)
+        assert counts == ({MODEL: int(got.sum())} if got.any() else {})
+        return got
+
+    assert np.array_equal(dropped({}, 1 << 20, 256, {MODEL: RATE}, {}), ref)     # not placed
+    assert np.array_equal(dropped({}, 1 << 20, 256, {MODEL: RATE}, None), ref)
+    assert not dropped({}, 1 << 20, 256, {MODEL: RATE}, {MODEL: 1}).any()        # placed
+    assert not dropped({MODEL: 1.0}, 1 << 20, 256, {MODEL: RATE}, {}).any()      # rates win
+    assert not dropped({}, 1 << 20, 256).any()
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_configured_hot_model_sampled_from_its_first_batch_and_only_on_its_partition(path):
+    """On the C path the first batch of a configured model with a rate < 1 is already
+    prefiltered (only kept events are parsed); both paths count the same events sampled out,
+    and dead-letter every event of the model that arrives on another partition."""
+    if path == "c" and native.SPEEDUPS is None:
+        pytest.skip("C accelerator not built")
+    from daemon.service import Daemon
+
+    s = settings()
+    ids, probs, _ = stream(3000, seed=5)
+    preds = [_raw(MODEL, e, probs=p.tolist()) for e, p in zip(ids, probs)]
+    stray = [_raw(MODEL, f"stray-{i}", label=1) for i in range(300)]
+
+    def run():
+        d = Daemon(s)
+        parsed, dead = [], []
+        parse = d.parser.parse_batch
+        d.parser.parse_batch = lambda values, ts=None: parsed.append(len(values)) or parse(values,
+                                                                                          ts)
+        d._deadletter = lambda tp, msg, reason: dead.append((tp.partition, msg.offset, reason))
+        tp0, tp1 = TopicPartition(s.kafka.topics.predictions, 0), \
+            TopicPartition(s.kafka.topics.outcomes, 1)
+        d.assigned |= {tp0, tp1}
+        d._process(tp0, [Msg(v, i) for i, v in enumerate(preds)])
+        d._process(tp1, [Msg(v, i) for i, v in enumerate(stray)])
+        return d, parsed, dead
+
+    if path == "python":
+        with native.pure_python():
+            d, parsed, dead = run()
+    else:
+        d, parsed, dead = run()
+    dropped = int((route_uniform(ids) >= RATE).sum())
+    assert parsed == ([len(ids) - dropped] if path == "c" else [len(ids)]) + [len(stray)]
+    reg = d.metrics.registry
+    assert reg.get_sample_value("lpcal_events_sampled_out_total",
+                                {"model": MODEL, "topic": "predictions"}) == dropped
+    assert not reg.get_sample_value("lpcal_events_sampled_out_total",
+                                    {"model": MODEL, "topic": "outcomes"})
+    assert d.partition_of == {MODEL: 0} and d.models[MODEL].join.pending(MODEL) == \
+        len(ids) - dropped
+    assert dead == [(1, i, "bad_schema") for i in range(len(stray))]

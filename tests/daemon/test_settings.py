@@ -298,3 +298,39 @@ def test_impossible_fit_mode_combinations_fail_at_startup(isolated, toml, field,
     with pytest.raises(SettingsError) as ei:
         load_settings(isolated / "lpcal.toml")
     assert any(path == field and words in why for path, why in ei.value.errors), ei.value.errors
+
+
+@pytest.mark.parametrize("source", ["toml", "secrets", "env", "init"])
+@pytest.mark.parametrize("value", ["", "   ", " s3cr3t", "s3cr3t\n ", "s3\x00cr3t"])
+def test_admin_token_that_can_never_authenticate_is_refused(isolated, monkeypatch, source,
+                                                            value):
+    """Issue 11: an empty admin token was accepted but could never authenticate (nor one with
+    surrounding blanks, which HTTP strips from header values, or control characters)."""
+    if source == "secrets" and value != value.strip():
+        pytest.skip("the secrets dir strips file contents (a valid token)")
+    if source == "env" and "\x00" in value:
+        pytest.skip("environment values cannot hold NUL")
+    args, kw = (), {}
+    if source == "toml":
+        args = (write(isolated / "lpcal.toml", f"[http]\nadmin_token = {json.dumps(value)}\n"),)
+    elif source == "secrets":
+        write(isolated / "secrets" / "http__admin_token", value)
+    elif source == "env":
+        monkeypatch.setenv("LPCAL_HTTP__ADMIN_TOKEN", value)
+    else:
+        kw = {"http": {"admin_token": value}}
+    with pytest.raises(SettingsError) as e:
+        load_settings(*args, **kw)
+    assert [p for p, _ in e.value.errors] == ["http.admin_token"], str(e.value)
+    assert "unset it to disable" in str(e.value)
+    assert value.strip() == "" or value.strip() not in str(e.value)  # no secret in the message
+
+
+def test_http_hardening_settings_are_validated(isolated):
+    s = load_settings()
+    assert s.http.max_connections >= 16 and s.http.idle_timeout_seconds > 0
+    assert s.http.body_timeout_seconds > 0
+    for bad in ({"max_connections": 0}, {"idle_timeout_seconds": 0},
+                {"body_timeout_seconds": -1}):
+        with pytest.raises(SettingsError, match=f"http.{next(iter(bad))}"):
+            load_settings(http=bad)

@@ -20,11 +20,6 @@ from tests.reliability.harness import FIGURES, record_figures
 SOAK = os.environ.get("LPCAL_SOAK", "") == "1"
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "soak: has a long version, run by `make soak` "
-                                       "(LPCAL_SOAK=1)")
-
-
 @pytest.fixture(scope="session")
 def soak() -> bool:
     return SOAK

@@ -1,0 +1,86 @@
+"""FitSpec: declarative validation of every fit option, and the one sizing rule."""
+
+import math
+
+import numpy as np
+import pytest
+
+from lpcal import fit
+from lpcal.errors import InputError
+from lpcal.spec import FitSpec, Mode, Outside, Prescale, SizingRule, Variant
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"eps": 0.0}, "eps must be a number in (0, 1), got 0.0"),
+    ({"eps": 1.5}, "eps must be a number in (0, 1)"),
+    ({"eps": True}, "eps must be a number in (0, 1), got True"),
+    ({"p": 0.5}, "p must be a number >= 1 or inf"),
+    ({"p": -math.inf}, "p must be a number >= 1 or inf"),
+    ({"p": "inf"}, "p must be a number >= 1 or inf, got 'inf'"),
+    ({"delta": 1.0}, "delta must be a number in (0, 1)"),
+    ({"pool_size": 0}, "pool_size must be a positive integer, got 0"),
+    ({"pool_size": 2.5}, "pool_size must be a positive integer"),
+    ({"holdout_fraction": 1.0}, "holdout_fraction must be a number in [0, 1)"),
+    ({"noise": 1}, "noise must be True or False"),
+    ({"seed": -1}, "seed must be a non-negative integer"),
+    ({"mode": "fast"}, "mode must be one of 'certified', 'paper', got 'fast'"),
+    ({"variant": "both"}, "variant must be one of 'shared', 'split'"),
+    ({"prescale": "vector"}, "prescale must be one of 'temperature', 'none'"),
+    ({"outside": "zero"}, "outside must be one of 'identity', 'rho'"),
+    ({"sizing": "huge"}, "sizing must be one of 'practical', 'theory'"),
+])
+def test_every_bad_option_is_named(options, message):
+    with pytest.raises(InputError) as ei:
+        FitSpec(**{"eps": 0.05, "p": math.inf, **options})
+    assert message in str(ei.value)
+
+
+def test_strings_become_enums_and_mode_defaults_apply():
+    s = FitSpec(eps=0.1, p=2, mode="paper", variant="split", sizing="theory")
+    assert (s.mode, s.variant, s.sizing) == (Mode.PAPER, Variant.SPLIT, SizingRule.THEORY)
+    assert isinstance(s.p, float) and s.lam == lambda_ref(0.1, 2.0)
+    assert (s.prescale_value, s.outside_value, s.holdout_fraction_value) == (
+        Prescale.NONE, Outside.RHO, 0.0)
+    c = FitSpec(eps=0.1, p=math.inf, outside="rho")
+    assert (c.prescale_value, c.outside_value, c.holdout_fraction_value) == (
+        Prescale.TEMPERATURE, Outside.RHO, 0.3)
+
+
+def lambda_ref(eps, p):
+    beta = eps ** (p / (p - 1)) / 2 ** (1 / (p - 1))
+    return math.ceil(1 / beta - 1e-9)
+
+
+def test_from_options_replaces_and_rejects_unknown_names():
+    base = FitSpec(eps=0.1, p=math.inf)
+    assert FitSpec.from_options(base, seed=3).seed == 3 and base.seed == 0
+    with pytest.raises(InputError, match=r"unknown fit option\(s\) \['prescale_fraction'\]"):
+        FitSpec.from_options(base, prescale_fraction=0.1)
+    with pytest.raises(InputError, match=r"a fit needs \['p'\]"):
+        FitSpec.from_options(None, eps=0.1)
+
+
+def test_pool_sizing_is_the_one_sizing_rule():
+    s = FitSpec(eps=0.05, p=math.inf, pool_size=500)
+    sz = s.pool_sizing(10, holdout=100, warmup=50)
+    assert set(sz.targets.values()) == {500} and (sz.holdout, sz.warmup) == (100, 50)
+    assert sz.layout().total_target == 8 * 500 + 150
+    even = FitSpec(eps=0.05, p=math.inf).pool_sizing(10, n_fit=8003)
+    assert sum(even.targets.values()) == 8003 and even.targets["PE0"] == 1000
+    with pytest.raises(InputError, match="needs pool_size"):
+        FitSpec(eps=0.05, p=math.inf).pool_sizing(10)
+    with pytest.raises(InputError, match="theory sizing needs"):
+        FitSpec(eps=0.05, p=math.inf, sizing="theory").pool_sizing(10, n_fit=10_000)
+
+
+def test_fit_with_a_spec_equals_fit_with_keywords():
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=(6000, 3)) * 3
+    f = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    y = (f.cumsum(axis=1) > rng.random(6000)[:, None]).argmax(axis=1)
+    spec = FitSpec(eps=0.1, p=math.inf, mode="paper", seed=2)
+    a, b = fit(f, y, spec), fit(f, y, eps=0.1, p=math.inf, mode="paper", seed=2)
+    assert a.with_version(1, "t").to_json() == b.with_version(1, "t").to_json()
+    c = fit(f, y, spec, seed=5)  # keywords replace the spec's options
+    d = fit(f, y, eps=0.1, p=math.inf, mode="paper", seed=5)
+    assert c.with_version(1, "t").to_json() == d.with_version(1, "t").to_json()
