@@ -26,7 +26,13 @@ Nothing here raises on bad input: every message becomes a :class:`Prediction`, :
 * ``negative``: a negative probability;
 * ``not_normalized``: ``|sum(probs) - 1| > sum_tolerance`` and ``normalize = "reject"`` (or the
   sum is 0); with ``"renormalize"`` such rows are divided by their sum instead;
-* ``label_out_of_range``: label not an integer in ``[0, k)``.
+* ``label_out_of_range``: label not an integer in ``[0, k)``;
+* ``ts_out_of_range``: ``ts`` more than ``max_ts_skew`` seconds after the message's record
+  timestamp (the broker's; ``[join] max_ts_skew_seconds`` in the daemon). Event time drives the
+  join watermark, the monitor's time window and the drift timers, which only move forward: one
+  event far in the future would expire every pending join and freeze those clocks (issue 11,
+  finding 5). Checked only when the caller passes record timestamps; a message without one
+  (missing or negative) is not bounded.
 
 ``k``: a model's ``k`` comes from its policy; when the policy has none, the parser learns it from
 the model's first event whose vector is a list of 2..100000 entries and keeps it
@@ -77,6 +83,7 @@ __all__ = [
     "NOT_NORMALIZED",
     "OVERSIZE",
     "REASONS",
+    "TS_OUT_OF_RANGE",
     "UNKNOWN_MODEL",
     "WRONG_LENGTH",
     "EventParser",
@@ -101,10 +108,11 @@ NEGATIVE = "negative"
 NOT_NORMALIZED = "not_normalized"
 LABEL_OUT_OF_RANGE = "label_out_of_range"
 BAD_ENCODING = "bad_encoding"
+TS_OUT_OF_RANGE = "ts_out_of_range"
 #: Every reason an event can be rejected for (Prometheus label values; exact strings).
 REASONS: tuple[str, ...] = (
     BAD_JSON, OVERSIZE, BAD_SCHEMA, UNKNOWN_MODEL, WRONG_LENGTH, NON_FINITE, NEGATIVE,
-    NOT_NORMALIZED, LABEL_OUT_OF_RANGE, BAD_ENCODING,
+    NOT_NORMALIZED, LABEL_OUT_OF_RANGE, BAD_ENCODING, TS_OUT_OF_RANGE,
 )
 
 KIND_PREDICTION, KIND_OUTCOME, KIND_SAMPLE = 0, 1, 2
@@ -166,7 +174,10 @@ class ModelBatch:
 
     ``kind[i]`` is KIND_PREDICTION / KIND_OUTCOME / KIND_SAMPLE; ``probs`` is ``(m, k)`` float64
     on the simplex (zero rows for outcomes); ``labels`` is int64 with -1 for predictions;
-    ``index[i]`` is the event's position in the input batch.
+    ``index[i]`` is the event's position in the input batch. ``ts_limit``: the largest event
+    time the parser allowed in this batch (the largest record timestamp of its messages plus
+    ``max_ts_skew``; ``inf`` when unbounded). :meth:`daemon.model_state.ModelState.offer` uses
+    it to pull back clocks that a checkpoint written before the bound carried into the future.
     """
 
     model: str
@@ -177,6 +188,7 @@ class ModelBatch:
     probs: np.ndarray
     labels: np.ndarray
     index: np.ndarray
+    ts_limit: float = math.inf
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -186,7 +198,8 @@ class ModelBatch:
         idx = np.flatnonzero(keep)
         ids = self.ids
         return ModelBatch(self.model, self.k, self.kind[idx], [ids[i] for i in idx.tolist()],
-                          self.ts[idx], self.probs[idx], self.labels[idx], self.index[idx])
+                          self.ts[idx], self.probs[idx], self.labels[idx], self.index[idx],
+                          self.ts_limit)
 
     def record(self, i: int) -> Prediction | Outcome | Sample:
         kd, m, eid, ts = int(self.kind[i]), self.model, self.ids[i], float(self.ts[i])
@@ -275,8 +288,11 @@ class EventParser:
 
     def __init__(self, policy_for: Callable[[str], ModelPolicy | None], *,
                  max_bytes: int = 1 << 20, max_models: int | None = None,
-                 max_id_len: int = MAX_ID_LEN, max_model_len: int = MAX_MODEL_LEN):
+                 max_id_len: int = MAX_ID_LEN, max_model_len: int = MAX_MODEL_LEN,
+                 max_ts_skew: float | None = None):
         self._policy_for = policy_for
+        #: events with ts > record timestamp + max_ts_skew are ``ts_out_of_range`` (None: off)
+        self.max_ts_skew = None if max_ts_skew is None else float(max_ts_skew)
         self.max_bytes = int(max_bytes)
         self.max_models = max_models
         self.max_id_len = int(max_id_len)
@@ -296,7 +312,8 @@ class EventParser:
             return ModelPolicy(k=ms.k, sum_tolerance=ms.sum_tolerance, normalize=ms.normalize)
 
         p = cls(policy_for, max_bytes=settings.kafka.max_message_bytes,
-                max_models=settings.max_models)
+                max_models=settings.max_models,
+                max_ts_skew=getattr(settings.join, "max_ts_skew_seconds", None))
         for name, ms in settings.configured_models.items():
             p.admit(name, ms.k)
         return p
@@ -305,11 +322,13 @@ class EventParser:
     def admit(self, model: str, k: int | None = None) -> None:
         """Admit ``model`` (e.g. restored from a checkpoint), optionally with its learned ``k``."""
         self.admitted.add(model)
-        if k is not None:
+        if k:
             self.set_k(model, k)
 
     def set_k(self, model: str, k: int) -> None:
-        self.k[model] = int(k)
+        """Set ``model``'s learned ``k``; ``0`` (a state whose outcomes came first) is none."""
+        if k:
+            self.k[model] = int(k)
 
     def _policy(self, model: str) -> ModelPolicy | None:
         try:
@@ -335,10 +354,18 @@ class EventParser:
 
     def parse_batch(self, raws: Sequence[bytes], timestamps: Sequence[float] | None = None
                     ) -> ParsedBatch:
-        """Parse many messages; vectors are validated per model with numpy. Never raises."""
-        fast = self._parse_uniform(raws)
-        if fast is not None:
-            return fast
+        """Parse many messages; vectors are validated per model with numpy. Never raises.
+        ``timestamps``: the messages' record timestamps (seconds), the fallback ``ts`` and,
+        with ``max_ts_skew``, the bound of event time (``ts_out_of_range``)."""
+        out = self._parse_uniform(raws)
+        if out is None:
+            out = self._parse_general(raws, timestamps)
+        if self.max_ts_skew is not None and timestamps is not None and out.by_model:
+            _bound_ts(out, timestamps, self.max_ts_skew)
+        return out
+
+    def _parse_general(self, raws: Sequence[bytes], timestamps: Sequence[float] | None
+                       ) -> ParsedBatch:
         out = ParsedBatch(len(raws))
         invalid = out.invalid
         accs: dict[str, _Acc] = {}
@@ -612,6 +639,45 @@ class EventParser:
                 probs[good]
             ids = [ids[j] for j in good.tolist()]
         return ModelBatch(model, k, kind, ids, ts, probs, labels, index)
+
+
+def _record_times(timestamps: Sequence[Any]) -> np.ndarray:
+    """Record timestamps in seconds as float64; ``inf`` where a message has none (a missing or
+    negative Kafka timestamp), so that it is not bounded."""
+    if isinstance(timestamps, RecordTimestamps):
+        raw = [r.timestamp for r in timestamps.records]
+        t = np.array([-1.0 if x is None else x for x in raw], dtype=np.float64) / 1000.0
+    else:
+        t = np.array([-1.0 if x is None else x for x in timestamps], dtype=np.float64)
+    t[~(t >= 0)] = math.inf
+    return t
+
+
+def _bound_ts(out: ParsedBatch, timestamps: Sequence[Any], skew: float) -> None:
+    """Move every event with ``ts > record timestamp + skew`` from ``out.by_model`` to
+    ``out.invalid`` as ``ts_out_of_range``; set each batch's ``ts_limit``."""
+    limit = _record_times(timestamps) + skew
+    if limit.shape[0] != out.n:
+        return
+    moved = False
+    for model in list(out.by_model):
+        mb = out.by_model[model]
+        lim = limit[mb.index]
+        bad = mb.ts > lim
+        if bad.any():
+            for j in np.flatnonzero(bad).tolist():
+                out.invalid.append((int(mb.index[j]), Invalid(
+                    TS_OUT_OF_RANGE, f"ts {float(mb.ts[j]):.17g} is more than {skew:g} s after "
+                    f"the record timestamp", model)))
+            moved = True
+            if bad.all():
+                del out.by_model[model]
+                continue
+            mb = out.by_model[model] = mb.select(~bad)
+            lim = lim[~bad]
+        mb.ts_limit = float(lim.max())
+    if moved and len(out.invalid) > 1:
+        out.invalid.sort(key=lambda t: t[0])
 
 
 def _json_error(raw: bytes, e: Exception) -> Invalid:

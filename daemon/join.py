@@ -220,6 +220,24 @@ class JoinStore:
             _acc_result(res, ev, um)
         return res
 
+    def bound_clock(self, limit: float) -> bool:
+        """Pull every clock of the store back to at most ``limit`` (a largest event time the
+        input allows; see ``max_ts_skew_seconds``): the clock, both watermarks, and the ts and
+        TTL deadline of pending entries (deadlines to at most ``limit + ttl``, which keeps
+        them in arrival order). Repairs a state (e.g. an old checkpoint) poisoned by an event
+        far in the future (issue 11, finding 5). Returns whether anything was beyond."""
+        if not max(self.clock, self.wm[0], self.wm[1]) > limit:
+            return False
+        self.clock = min(self.clock, limit)
+        self.wm = [min(w, limit) for w in self.wm]
+        dl_max = limit + self.ttl
+        for m in self._models.values():
+            for e in m.queue:
+                if e[0] != _DEAD:
+                    e[2] = min(e[2], limit)
+                    e[1] = min(e[1], dl_max)
+        return True
+
     # ---------------------------------------------------------------- joining
     def offer(self, model: str, kind: Sequence[int], ids: Sequence[str], ts: Sequence[float],
               probs: np.ndarray | None, labels: Sequence[int], now: float | None = None

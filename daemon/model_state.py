@@ -180,6 +180,12 @@ class IngestResult:
         return self.sealed > 0
 
 
+#: ``k = 0``: a model whose ``k`` is learned from its first prediction, created by outcomes that
+#: arrived first (issue 11, finding 6). Its join buffer holds them; its (empty) pools and monitor
+#: are built for this placeholder until :meth:`ModelState.offer` learns ``k``.
+_PROVISIONAL_K = 2
+
+
 class ModelState:
     """Per-model pools, monitor, join buffer, triggers, bin map, epoch and offsets."""
 
@@ -192,16 +198,17 @@ class ModelState:
         self.k = int(k)
         self.config = dict(config)
         self.lam = lambda_for(beta_for(self.config["eps"], self.config["p"]))
-        if layout.k != self.k or layout.lam != self.lam:
+        kk = self.k or _PROVISIONAL_K
+        if layout.k != kk or layout.lam != self.lam:
             raise InputError(f"model {model!r}: layout has (k, lambda) = ({layout.k}, "
-                             f"{layout.lam}), expected ({self.k}, {self.lam})")
+                             f"{layout.lam}), expected ({kk}, {self.lam})")
         self.layout = layout
         self.filling = PoolSet(layout)        # receives the joined samples
         self.fill_epoch = 0                    # epoch number of ``filling``
         self.sealed: list[tuple[int, PoolSet]] = []  # full epochs, oldest first
         self.join = join
         self.monitor = monitor or WindowMonitor(
-            self.k, self.lam, self.config["p"], window_samples=self.config["window_samples"],
+            kk, self.lam, self.config["p"], window_samples=self.config["window_samples"],
             window_seconds=self.config["window_seconds"])
         self.triggers = triggers or Triggers(DriftTrigger(
             self.config["drift_threshold"], self.config["drift_sustain_seconds"],
@@ -217,6 +224,10 @@ class ModelState:
         self._last_eval: tuple[float, dict[str, WindowStats | None]] | None = None
         #: share of the events kept (see the module docstring); set from the model settings
         self.sample_rate = 1.0
+        #: largest ``ts_limit`` of the batches offered so far (record timestamp + allowed skew):
+        #: no clock of this state may be beyond it (see :meth:`bound_clocks`)
+        self.ts_limit = -math.inf
+        self.clocks_repaired = 0
 
     @classmethod
     def create(cls, model: str, k: int, ms: Any, join: Any, *,
@@ -229,7 +240,8 @@ class ModelState:
             raise InputError(f"model {model!r}: {e}") from None
         store = JoinStore(join.max_pending_per_model, join.ttl_seconds,
                           getattr(join, "recent_per_model", None))
-        st = cls(model, k, cfg, layout_for(cfg, k), store, calibrator_factory=calibrator_factory)
+        st = cls(model, k, cfg, layout_for(cfg, k or _PROVISIONAL_K), store,
+                 calibrator_factory=calibrator_factory)
         st.sample_rate = float(getattr(ms, "sample_rate", 1.0))
         return st
 
@@ -251,8 +263,15 @@ class ModelState:
         """Join a :class:`daemon.events.ModelBatch` of this model and ingest what it completes."""
         if mb.model != self.model:
             raise InputError(f"batch of model {mb.model!r} offered to {self.model!r}")
+        if self.k == 0 and mb.k:
+            self._learn_k(mb.k)
         if mb.k not in (0, self.k):
             raise InputError(f"model {self.model!r}: batch has k={mb.k}, state has k={self.k}")
+        lim = getattr(mb, "ts_limit", math.inf)
+        if lim < math.inf:
+            if lim > self.ts_limit:
+                self.ts_limit = float(lim)
+            self.bound_clocks(self.ts_limit)
         mb, dropped = self.sample(mb)
         if not len(mb):
             return IngestResult(sampled_out=dropped)
@@ -262,6 +281,33 @@ class ModelState:
         res.evicted, res.unmatched = jr.evicted, jr.unmatched
         res.sampled_out = dropped
         return res
+
+    def _learn_k(self, k: int) -> None:
+        """The first batch with vectors of a model created with ``k = 0`` (its outcomes came
+        first): build the pools and the monitor for ``k``; the join buffer, with the outcomes
+        that wait for their predictions, the triggers, offsets and counters are kept."""
+        self.k = int(k)
+        self.layout = layout_for(self.config, self.k)
+        self.filling = PoolSet(self.layout)
+        self.sealed = []
+        self.monitor = WindowMonitor(
+            self.k, self.lam, self.config["p"], window_samples=self.config["window_samples"],
+            window_seconds=self.config["window_seconds"])
+        self._last_eval = None
+
+    def bound_clocks(self, limit: float) -> bool:
+        """Pull the event-time clocks (join watermark and TTL deadlines, monitor window, drift
+        timers) back to at most ``limit``. The parser rejects events more than the allowed skew
+        after their record timestamp (``ts_out_of_range``), so beyond the largest record
+        timestamp seen plus that skew a clock can only be poisoned: carried by a checkpoint
+        written before the bound (issue 11, finding 5). Repaired at the first batch after the
+        restore; counted in ``clocks_repaired``. Returns whether anything was beyond."""
+        hit = self.join.bound_clock(limit)
+        hit = self.monitor.bound_clock(limit) or hit
+        hit = self.triggers.drift.bound_clock(limit) or hit
+        if hit:
+            self.clocks_repaired += 1
+        return hit
 
     def ingest(self, ids: list[str], probs: np.ndarray, labels: np.ndarray,
                ts: np.ndarray | None = None) -> IngestResult:
@@ -423,6 +469,7 @@ class ModelState:
                         for t, parts in sorted(self.offsets.items())},
             "samples_total": self.samples_total,
             "dropped_labels": self.dropped_labels,
+            "ts_limit": None if math.isinf(self.ts_limit) else self.ts_limit,
         }
 
     def to_checkpoint(self) -> bytes:
@@ -478,15 +525,19 @@ class ModelState:
                      calibrator_factory=calibrator_factory)
             st.filling = pools
             for e, ps in sealed:
-                if (ps.layout.k, ps.layout.lam) != (k, st.lam):
+                if (ps.layout.k, ps.layout.lam) != (k or _PROVISIONAL_K, st.lam):
                     raise ValueError(f"sealed epoch {e} has (k, lambda) = "
                                      f"({ps.layout.k}, {ps.layout.lam})")
             st.sealed = sealed
-            if (monitor.k, monitor.lam) != (k, st.lam):
+            if (monitor.k, monitor.lam) != (k or _PROVISIONAL_K, st.lam):
                 raise ValueError(f"monitor has (k, lambda) = ({monitor.k}, {monitor.lam})")
             st.fill_epoch = int(d["fill_epoch"])
             st.samples_total = int(d["samples_total"])
             st.dropped_labels = int(d["dropped_labels"])
+            # absent (older checkpoints): learnt from the first batch, which then repairs
+            # clocks poisoned by a far-future event (issue 11, finding 5)
+            tl = d.get("ts_limit")
+            st.ts_limit = -math.inf if tl is None else float(tl)
             part = "offsets"
             for topic, parts in dict(d["offsets"]).items():
                 for p, o in dict(parts).items():
@@ -524,6 +575,8 @@ class ModelState:
         Raises :class:`InputError` for settings an epoch cannot run."""
         cfg = _config_of(ms)
         _check_config(cfg)
+        if self.k == 0 and k:  # k pinned since: learn it, keeping the waiting outcomes
+            self._learn_k(int(k))
         want_k = self.k if not k else int(k)
         changed = [key for key in _CONFIG_KEYS if self.config.get(key) != cfg.get(key)]
         if want_k == self.k and not changed:
@@ -565,6 +618,7 @@ class ModelState:
         st.offsets = {t: dict(parts) for t, parts in self.offsets.items()}
         st.samples_total, st.dropped_labels = self.samples_total, self.dropped_labels
         st.sample_rate = self.sample_rate
+        st.ts_limit = self.ts_limit
         return st, outcome, detail
 
     def __eq__(self, other: object) -> bool:

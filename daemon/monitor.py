@@ -430,6 +430,21 @@ class WindowMonitor:
         if self.by_time and math.isfinite(self.clock):
             self._advance_bucket(math.floor(self.clock / self.width))
 
+    def bound_clock(self, limit: float) -> bool:
+        """Pull the clock back to at most ``limit`` (a largest event time the input allows) and,
+        for a time window, drop the buckets beyond it (they hold only samples of events from
+        the future). Repairs a window poisoned by a far-future event, after which every genuine
+        sample fell outside the window (issue 11, finding 5). Returns whether it did."""
+        if not self.clock > limit:
+            return False
+        self.clock = float(limit)
+        self._cache.clear()
+        if self.by_time:
+            hi = math.floor(limit / self.width)
+            for b in [b for b in self.buckets if b > hi]:
+                del self.buckets[b]
+        return True
+
     def reset(self, predictor: str | None = None) -> None:
         """Forget the window of one predictor (e.g. ``"calibrated"`` after a new bin map) or all."""
         self._cache.clear()

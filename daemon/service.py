@@ -154,7 +154,9 @@ class Daemon:
         self._gauges_due: set[str] = set()
         self._publishing: set[asyncio.Task] = set()  # bin-map publishes (with their retries)
         self._last_lag = 0.0
-        self._dlq: list[tuple[dict, asyncio.Future]] = []  # dead letters not yet acknowledged
+        # dead letters not yet acknowledged (created with the first one: it needs the producer)
+        self._dlq: kafka_io.DeadLetterQueue | None = None
+        self._dl_reasons: dict[str, int] = {}  # dead letters queued, not counted in metrics yet
         # per model: sealed epochs to come whose bin maps were already published (see
         # _adopt_published_binmaps); checkpointed with the model
         self.prefitted: dict[str, int] = {}
@@ -282,6 +284,8 @@ class Daemon:
                     if msgs:
                         self._process(tp, msgs)
             self._after_batch()
+            if self._dlq is not None:
+                await self._deadletters_after_batch()
             if time.monotonic() - self._last_ckpt >= self.s.state.checkpoint_interval_seconds:
                 try:
                     await self.checkpoint()
@@ -897,9 +901,9 @@ class Daemon:
         st = self.models.get(model)
         if st is not None:
             return st if self.partition_of[model] == tp.partition else None
-        k = mb.k or self.parser.k.get(model)
-        if not k:
-            return None
+        # k = 0: outcomes before the first prediction of a model whose k is learned; they
+        # wait in its join buffer (issue 11, finding 6)
+        k = mb.k or self.parser.k.get(model) or 0
         ms = self.s.model_settings(model)
         st = ModelState.create(model, int(k), ms, self.s.join)
         self.models[model] = st
@@ -909,30 +913,37 @@ class Daemon:
         return st
 
     def _deadletter(self, tp: TopicPartition, msg, reason: str) -> None:
-        self.metrics.inc_invalid(reason)
+        """Queue ``msg`` for the dead-letter topic with its reason: produced in batches and
+        pipelined by :class:`daemon.kafka_io.DeadLetterQueue`. Counted in the metrics per batch
+        (:meth:`_count_deadletters`, before the main loop awaits anything)."""
         headers = [(kafka_io.DLQ_REASON, reason.encode()),
                    (kafka_io.DLQ_SOURCE_TOPIC, tp.topic.encode()),
                    (kafka_io.DLQ_SOURCE_PARTITION, str(tp.partition).encode()),
                    (kafka_io.DLQ_SOURCE_OFFSET, str(msg.offset).encode())]
-        record = dict(topic=self.s.kafka.topics.deadletter, value=bytes(msg.value or b""),
-                      key=msg.key, headers=headers)
-        self._dlq.append((record, asyncio.ensure_future(self.producer.send(**record))))
-        self.metrics.inc_deadletter()
+        if self._dlq is None:
+            self._dlq = kafka_io.DeadLetterQueue(self.producer, self.s.kafka.topics.deadletter)
+        self._dlq.put(tp.partition, msg.key, bytes(msg.value or b""), headers)
+        self._dl_reasons[reason] = self._dl_reasons.get(reason, 0) + 1
+
+    def _count_deadletters(self) -> None:
+        if self._dl_reasons:
+            reasons, self._dl_reasons = self._dl_reasons, {}
+            self.metrics.inc_invalid_many(reasons)
+            self.metrics.inc_deadletter(sum(reasons.values()))
+
+    async def _deadletters_after_batch(self) -> None:
+        """Count the batch's dead letters; backpressure: while the unsent dead letters fill
+        their byte budget, wait (nothing is fetched meanwhile; nothing is dropped)."""
+        self._count_deadletters()
+        if self._dlq.over_budget:
+            await self._dlq.wait_for_room(self.stopping)
 
     async def _flush_deadletters(self) -> None:
         """Wait until every dead letter is acknowledged; re-send failures and raise, so that no
         checkpoint covers an event whose dead letter is not on the broker."""
-        pending, self._dlq = self._dlq, []
-        failed = []
-        for record, fut in pending:
-            try:
-                await (await fut)
-            except Exception:  # noqa: BLE001 - retried below and by the next checkpoint
-                failed.append(record)
-        if failed:
-            self._dlq = [(r, asyncio.ensure_future(self.producer.send(**r)))
-                         for r in failed] + self._dlq
-            raise RuntimeError(f"{len(failed)} dead letters not delivered yet")
+        self._count_deadletters()
+        if self._dlq is not None:
+            await self._dlq.flush()
 
     # ================================================================== triggers and fits
     def _after_batch(self) -> None:

@@ -416,6 +416,10 @@ class JoinSettings(_Strict):
     """Pending events per model; the oldest is evicted beyond this."""
     recent_per_model: PosInt | None = None
     """Recently joined/expired ids remembered per model to classify late events (None: = max_pending)."""
+    max_ts_skew_seconds: PosFloat = 300.0
+    """Seconds of event time an event's ``ts`` may be ahead of its Kafka record timestamp;
+    later events are dead-lettered as ``ts_out_of_range``. Bounds how far one event can move a
+    model's clocks (join watermark, monitor window, drift timers)."""
 
 
 class StateSettings(_Strict):

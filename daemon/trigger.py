@@ -98,6 +98,17 @@ class DriftTrigger:
             return 0.0
         return self.last - self.since
 
+    def bound_clock(self, limit: float) -> bool:
+        """Pull ``last`` and ``since`` back to at most ``limit`` (the clock never goes back on
+        its own, so one observation far in the future would freeze it; issue 11, finding 5).
+        Returns whether either was beyond."""
+        hit = False
+        if self.last is not None and self.last > limit:
+            self.last, hit = float(limit), True
+        if self.since is not None and self.since > limit:
+            self.since, hit = float(limit), True
+        return hit
+
     def rearm(self) -> None:
         """Re-enable firing and restart the run (call when a new bin map is installed)."""
         self.armed = True

@@ -91,17 +91,29 @@ def _max_unobserved_mass(n: int, delta: float) -> float:
     return t
 
 
+_PRUNE = 12.0  # cells with s below x_lo / 12 contribute at most exp(-72) each
+
+
 def _union_quantile(s: np.ndarray, delta: float) -> float:
-    """Smallest ``x`` (by bisection) with ``sum exp(-x^2 / (2 s^2)) <= delta``."""
+    """Smallest ``x`` (bisection, relative precision ~1e-12) with
+    ``sum exp(-x^2 / (2 s^2)) <= delta``.
+
+    ``x`` is at least ``x_lo = max(s) sqrt(2 log(1/delta))`` (the largest cell alone), so a cell
+    with ``s < x_lo / 12`` adds less than ``exp(-72)`` at any feasible ``x``: such cells are
+    summed once as that bound instead of at every step (conservative; on 3 million cells of a
+    k = 100 held-out share most of them)."""
     s = s[s > 0]
     if s.size == 0:
         return 0.0
-    hi = float(s.max()) * math.sqrt(2.0 * math.log(s.size / delta))
-    lo = 0.0
-    inv = 1.0 / (2.0 * s * s)
-    for _ in range(60):
+    s_max = float(s.max())
+    lo = s_max * math.sqrt(2.0 * math.log(1.0 / delta))
+    keep = s[s >= lo / _PRUNE]
+    budget = delta - (s.size - keep.size) * math.exp(-0.5 * _PRUNE**2)
+    hi = s_max * math.sqrt(2.0 * math.log(2.0 * s.size / delta))
+    inv = 1.0 / (2.0 * keep * keep)
+    for _ in range(45):
         mid = 0.5 * (lo + hi)
-        if float(np.exp(-mid * mid * inv).sum()) <= delta:
+        if float(np.exp(-mid * mid * inv).sum()) <= budget:
             hi = mid
         else:
             lo = mid

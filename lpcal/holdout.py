@@ -38,10 +38,22 @@ import numpy as np
 from lpcal.errors import InputError
 from lpcal.levels import bin_counts, bin_rows, decode_keys, encode_keys, group_rows, row_hash
 
-__all__ = ["SCALE", "BinSums", "Cells", "HoldoutSums", "merge_bin_sums"]
+__all__ = ["SCALE", "BinSums", "Cells", "HoldoutSums", "group_sum", "merge_bin_sums"]
 
 #: Fixed-point units per unit of the ``G`` and ``Q`` sums.
 SCALE = float(1 << 32)
+
+
+def group_sum(inv: np.ndarray, n_groups: int, values: np.ndarray) -> np.ndarray:
+    """Rows of ``values`` summed per group ``inv`` (every group in ``range(n_groups)`` present):
+    one stable sort and ``np.add.reduceat``, ``O(n log n + n m)``; several times faster than the
+    unbuffered ``np.add.at`` on wide rows, and exact for integers."""
+    order = np.argsort(inv, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(inv[order]) != 0])
+    out = np.add.reduceat(values[order], starts, axis=0)
+    if out.shape[0] != n_groups:
+        raise ValueError(f"group_sum: {out.shape[0]} groups present, {n_groups} expected")
+    return out
 
 
 def merge_bin_sums(a: Any, b: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -56,8 +68,7 @@ def merge_bin_sums(a: Any, b: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     uh, first, inv = group_rows(rows, np.concatenate([a.hashes, b.hashes]))
     counts = np.bincount(inv, weights=np.concatenate([a.counts, b.counts]),
                          minlength=uh.size).astype(np.int64)
-    sums = np.zeros((uh.size,) + a.sums.shape[1:], dtype=a.sums.dtype)
-    np.add.at(sums, inv, np.concatenate([a.sums, b.sums]))
+    sums = group_sum(inv, uh.size, np.concatenate([a.sums, b.sums]))
     return rows[first], uh, counts, sums
 
 
@@ -145,8 +156,7 @@ class HoldoutSums(BinSums):
         r = x.copy()
         r[np.arange(n), y] -= 1.0
         per[:, 2 * k:] = np.rint(r * r * SCALE)
-        sums = np.zeros((uh.size, 3 * k), dtype=np.int64)
-        np.add.at(sums, inv, per)
+        sums = group_sum(inv, uh.size, per)
         other = HoldoutSums(k, self.lam)
         other.rows, other.hashes = c[first], uh
         other.counts = np.bincount(inv, minlength=uh.size).astype(np.int64)
@@ -197,10 +207,8 @@ class HoldoutSums(BinSums):
         if not self.n_bins:
             return Cells(level, self.counts, S, Qc, 0)
         uh, first, inv = group_rows(level, row_hash(level))
-        s_u = np.zeros((uh.size, k))
-        q_u = np.zeros((uh.size, k))
-        np.add.at(s_u, inv, S)
-        np.add.at(q_u, inv, Qc)
+        s_u = group_sum(inv, uh.size, S)
+        q_u = group_sum(inv, uh.size, Qc)
         n_u = np.bincount(inv, weights=self.counts, minlength=uh.size).astype(np.int64)
         return Cells(level[first], n_u, s_u, q_u, self.n)
 

@@ -102,7 +102,7 @@ def test_enum_values_are_the_specified_sets():
     assert {t.value for t in m.Topic} == {"predictions", "outcomes"}
     assert {r.value for r in m.InvalidReason} == {
         "bad_json", "oversize", "bad_schema", "unknown_model", "wrong_length", "non_finite",
-        "negative", "not_normalized", "label_out_of_range", "bad_encoding"}
+        "negative", "not_normalized", "label_out_of_range", "bad_encoding", "ts_out_of_range"}
     assert {r.value for r in m.EvictionReason} == {"ttl", "capacity"}
     assert {k.value for k in m.UnmatchedKind} == {"late", "duplicate", "orphan"}
     assert {t.value for t in m.Trigger} == {"pools_full", "drift", "manual"}

@@ -69,6 +69,8 @@ TARGET_GAP = 1.0
 SAMPLED_RATE = 0.01
 MODEL = "bench-k10"
 TARGET_SAMPLED = 5.0
+TARGET_MALFORMED = 0.5  # 10% malformed: at least half the clean stream's msgs/s (issue 11)
+MALFORMED_EVERY = 10
 K = 10
 EVENTS = 200_000
 QUICK_EVENTS = 6_000
@@ -121,6 +123,57 @@ async def produce(bootstrap: str, topics: dict[str, str], events: int) -> dict[s
     rep = await simulate(bootstrap, topics, gen, idempotence=False, partitions=1,
                          create_topics=True, max_batch_size=1 << 20)
     return dict(rep.messages)
+
+
+def malformed(value: bytes, i: int) -> bytes:
+    """A malformed version of the event ``value`` (about its size): cut JSON or a missing
+    field, alternating (dead-letter reasons ``bad_json`` and a missing field)."""
+    if i % 2:
+        return value[: max(1, len(value) - 7)]
+    return value.replace(b'"id"', b'"xd"', 1)
+
+
+async def produce_mixed(bootstrap: str, topics: dict[str, str], events: int, *,
+                        every: int | None = None, burst: int = 0) -> dict[str, int]:
+    """The benchmark stream (same generator and seed as :func:`produce`) with malformed events
+    added on the predictions topic: one after every ``every - 1`` messages (``every = 10``: 10%
+    of the messages malformed), and/or ``burst`` of them in one run in the middle of the stream.
+    Returns messages per topic (malformed ones included)."""
+    from daemon import kafka_io
+    from daemon.simulate import SyntheticModel, TrafficGenerator
+
+    gen = TrafficGenerator([SyntheticModel(MODEL, k=K, T=0.5, scale=3.0, seed=1)],
+                           events=events, delay=5.0, seed=7)
+    valid = [(topics[kind], key, value) for kind, key, value in gen]
+    stream: list[tuple[str, bytes | None, bytes]] = []
+    n_bad = 0
+    for j, (topic, key, value) in enumerate(valid):
+        if burst and j == len(valid) // 2:
+            src = [v for t, _, v in valid[:j] if t == topics["predictions"]] or [b"{}"]
+            for b in range(burst):
+                stream.append((topics["predictions"], None, malformed(src[b % len(src)], b)))
+        stream.append((topic, key, value))
+        if every and (len(stream) + 1) % every == 0:
+            stream.append((topics["predictions"], None, malformed(value, n_bad)))
+            n_bad += 1
+    await kafka_io.ensure_topics(bootstrap, [kafka_io.TopicSpec(topics["predictions"], 1),
+                                             kafka_io.TopicSpec(topics["outcomes"], 1)])
+    producer = kafka_io.make_producer(bootstrap, idempotence=False, client_id="bench-mixed",
+                                      linger_ms=5, max_batch_size=1 << 20)
+    await producer.start()
+    sent: dict[str, int] = {}
+    try:
+        futs = []
+        for topic, key, value in stream:
+            futs.append(await producer.send(topic, value=value, key=key))
+            sent[topic] = sent.get(topic, 0) + 1
+            if len(futs) >= 5000:
+                await asyncio.gather(*futs)
+                futs.clear()
+        await asyncio.gather(*futs)
+    finally:
+        await producer.stop()
+    return sent
 
 
 # --------------------------------------------------------------------------- raw baseline
@@ -414,6 +467,12 @@ async def measure(events: int, repeats: int, log=print, small_pool: int = SMALL_
         log(f"[ingest] produced {sent} in {time.perf_counter() - t:.1f} s")
         pair = [topics["predictions"], topics["outcomes"]]
         raws, lps, pys = [], [], []
+        mixed: list[Run] = []  # the 10%-malformed stream (issue 11, finding 12)
+        mixed_total = 0
+        if not sampled_only:
+            mixed_topics = {k: f"{v}.bad10" for k, v in topics.items()}
+            mixed_total = sum((await produce_mixed(broker.bootstrap, mixed_topics, events,
+                                                   every=MALFORMED_EVERY)).values())
         for r in range(0 if sampled_only else repeats):
             raws.append(await raw_read(broker.bootstrap, pair, total))
             lps.append(await daemon_read(broker.bootstrap, topics, total, HUGE_POOL))
@@ -424,6 +483,11 @@ async def measure(events: int, repeats: int, log=print, small_pool: int = SMALL_
                     pys.append(await daemon_read(broker.bootstrap, topics, total, HUGE_POOL))
                 msg += f"; pure Python {pys[-1].rate / raws[-1].rate:.2f}"
             log(msg)
+            if mixed_total:
+                mixed.append(await daemon_read(broker.bootstrap, mixed_topics, mixed_total,
+                                               HUGE_POOL))
+                log(f"[ingest] rep {r}: 10% malformed {mixed[-1].rate:,.0f} msg/s, "
+                    f"{mixed[-1].rate / lps[-1].rate:.2f} of clean")
         sampled: dict[float, list[Run]] = {1.0: [], SAMPLED_RATE: []}
         for r in range(repeats):
             if sampled_only:
@@ -444,7 +508,7 @@ async def measure(events: int, repeats: int, log=print, small_pool: int = SMALL_
                 f"max gap {fit_run.max_gap(True):.3f} s during fits")
     res = {"events": events, "messages": total, "sent": sent, "raw": raws, "lpcal": lps,
            "python": pys, "fit": fit_run, "sampled": sampled, "small_pool": small_pool,
-           "ingest_path": native.describe()}
+           "ingest_path": native.describe(), "mixed": mixed, "mixed_messages": mixed_total}
     if not sampled_only:
         res["costs"] = stage_costs(events)
         res["floor"] = floor_cost(events)
@@ -504,8 +568,36 @@ def render(res: dict) -> str:
          f"{max(r.max_gap(False) for r in lps) * 1000:.0f} ms | |"),
         "",
     ]
-    return "\n".join(lines + _sampled_lines(res, raw_rate)
+    return "\n".join(lines + _malformed_lines(res) + _sampled_lines(res, raw_rate)
                      + _bound_lines(res["costs"], raw_rate, lp_rate, res["floor"]))
+
+
+def _malformed_lines(res: dict) -> list[str]:
+    """Dead letters at stream speed (issue 11, finding 12): the same valid stream with 10% of
+    the messages malformed (:func:`produce_mixed`, every ``MALFORMED_EVERY``-th; cut JSON and a
+    missing field, alternating), read by the daemon right after each clean daemon run; ratio
+    of its messages/s (malformed ones included) to the clean run's, per pair; target >= 0.5."""
+    mixed, lps = res.get("mixed") or [], res["lpcal"]
+    if not mixed:
+        return []
+    ratios = [m.rate / c.rate for c, m in zip(lps, mixed)]
+    ratio = statistics.median(ratios)
+    return [
+        "#### 10% malformed events: dead letters at stream speed (issue 11, finding 12)",
+        "",
+        (f"{res['mixed_messages']:,} messages, every {MALFORMED_EVERY}th malformed (each "
+         f"dead-lettered with its reason); each run right after a clean daemon run above."),
+        "",
+        "| stream | msgs/s (median) | per repetition | ratio to clean | target |",
+        "|---|---|---|---|---|",
+        (f"| clean (lpcal daemon above) | {statistics.median(r.rate for r in lps):,.0f} | "
+         + ", ".join(f"{r.rate:,.0f}" for r in lps) + " | 1.00 | |"),
+        (f"| 10% malformed | {statistics.median(r.rate for r in mixed):,.0f} | "
+         + ", ".join(f"{r.rate:,.0f}" for r in mixed)
+         + f" | **{ratio:.2f}** ({', '.join(f'{x:.2f}' for x in ratios)}) | "
+         f">= {TARGET_MALFORMED}: {'yes' if ratio >= TARGET_MALFORMED else '**NO**'} |"),
+        "",
+    ]
 
 
 def _sampled_lines(res: dict, raw_rate: float) -> list[str]:

@@ -137,7 +137,7 @@ async def test_readers_switch_from_v1_to_v2_and_never_see_a_half_loaded_map(
                 await pub.publish(_schema_future(good2), 2)
                 await _until(lambda: len(rejected) == 3, 15, "three rejections")
                 assert store.rejections == {"checksum": 1, "truncated": 1, "schema": 1,
-                                            "parse": 0, "model": 0}
+                                            "parse": 0, "model": 0, "signature": 0}
                 assert [r.reason for r in rejected] == ["checksum", "truncated", "schema"]
                 assert all(r.model == MODEL and r.source.startswith(topic) for r in rejected)
                 assert store.versions() == {MODEL: 1}
@@ -248,18 +248,23 @@ async def test_load_http_from_an_aiohttp_server(maps):
 
 
 @integration
-async def test_the_documented_example_runs(broker, topic_prefix, maps, capsys):
-    """Run the first code block of lpcal/CLIENT.md (the README example) against the broker."""
+async def test_the_documented_example_runs(broker, topic_prefix, maps, capsys, tmp_path):
+    """Run the first code block of lpcal/CLIENT.md (the README example) against the broker, with
+    its public key file replaced by a key pair made here and the map signed by it."""
     import lpcal
+    from lpcal.signing import Signer, write_keypair
 
     doc = (Path(lpcal.__file__).parent / "CLIENT.md").read_text()
     code = doc.split("```python\n", 1)[1].split("```", 1)[0]
     assert code.rstrip().endswith("asyncio.run(main())")
     code = code.rstrip().removesuffix("asyncio.run(main())")  # we are inside a running loop
+    private, public = write_keypair(tmp_path)
+    assert '"/etc/lpcal/binmap-signing.pub"' in code
+    code = code.replace('"/etc/lpcal/binmap-signing.pub"', repr(str(public)))
     topic = f"{topic_prefix}.binmaps"
     await ensure_topics(broker.bootstrap, [TopicSpec(topic, 1, configs=COMPACT)])
     async with _Publisher(broker.bootstrap, topic) as pub:
-        await pub.publish(maps.v1.to_json(), 1)
+        await pub.publish(maps.v1.to_json(signer=Signer(private.read_bytes())), 1)
     ns: dict = {}
     exec(compile(code, "CLIENT.md", "exec"), ns)  # noqa: S102 - our own documentation
     await asyncio.wait_for(ns["main"](broker.bootstrap, topic), 30)

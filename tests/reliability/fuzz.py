@@ -10,7 +10,8 @@ and model names, non-numeric vector entries, both/neither vector fields (``bad_s
 unconfigured models (``unknown_model``); vectors of the wrong length including huge arrays (``wrong_length``); arrays or padding over
 ``max_bytes`` (``oversize``); entries whose sum overflows (``non_finite``); negative entries
 (``negative``); sums off 1 by more than the tolerance, or 0 (``not_normalized``, with
-``normalize = "reject"``); labels outside ``[0, k)`` (``label_out_of_range``).
+``normalize = "reject"``); labels outside ``[0, k)`` (``label_out_of_range``); event times past
+2096, beyond any record timestamp plus the allowed skew (``ts_out_of_range``).
 
 The daemon must run with ``unknown_models = "reject"``, ``normalize = "reject"``, the models'
 ``k`` pinned (``models``) and ``kafka.max_message_bytes = max_bytes``.
@@ -148,6 +149,13 @@ class _Families:
             d["probs"] = _probs(rng, k)
             d["logits"] = [0.0] * k
         return orjson.dumps(d), "bad_schema", None
+
+    @staticmethod
+    def future_ts(rng, model, k, eid, mb):
+        # schema-valid, but its event time lies past 2096: beyond any record time plus the skew
+        d = {"model": model, "id": eid, "ts": float(rng.integers(4 * 10**9, 10**12)),
+             "probs": _probs(rng, k)}
+        return orjson.dumps(d), "ts_out_of_range", None
 
     @staticmethod
     def unknown_model(rng, model, k, eid, mb):

@@ -31,7 +31,7 @@ from tests.integration.daemon_harness import (
     scrape_metrics,
     wait_until,
 )
-from tests.reliability.fuzz import malformed_events
+from tests.reliability.fuzz import TS, malformed_events
 from tests.reliability.harness import FastDaemon, wait_settled
 
 MODELS = {"bad-a": 3, "bad-b": 4}
@@ -51,7 +51,7 @@ def test_fuzzer_reasons_match_the_parser(tmp_path, soak):
     settings = build_settings(_cfg("127.0.0.1:1", TopicNames.for_prefix("fz")), tmp_path)
     parser = EventParser.from_settings(settings)
     events = list(malformed_events(200_000 if soak else 20_000, MODELS, 77, MAX_BYTES))
-    pb = parser.parse_batch([v for _, v, _ in events])
+    pb = parser.parse_batch([v for _, v, _ in events], [TS] * len(events))
     got = {i: bad.reason for i, bad in pb.invalid}
     wrong = Counter((r, got.get(i, "ACCEPTED")) for i, (_, _, r) in enumerate(events)
                     if got.get(i) != r)
