@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml $(wildcard daemon/csrc/*)
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m daemon.demo
+	$(BIN)/python -m daemon.tools.demo
 
 test: $(STAMP)
 	bash deploy/tools/ensure-promtool.sh

@@ -21,6 +21,23 @@ polling meanwhile (level 1: 41 ms for 3.5 MB, to 44 %).
 of earlier versions, manifests). The local backend writes values as they are, one file per
 key with a bounded file name (see :class:`LocalCheckpointStore`).
 
+Records fit the broker (issue 11, finding 8). The Kafka backend writes no record larger than
+``max_record_bytes`` (``state.max_record_bytes``, default 1 MiB: a Kafka broker's default
+message limit). A larger value (after compression) is split, in four steps:
+
+1. its bytes are cut into *parts* ``part/<key>/<digest>/<i>`` (``digest``: the first 16 hex
+   of the value's sha256, so the keys are new whenever the content is), each small enough.
+   No model or manifest key starts with ``part/``, whatever a model is named;
+2. every part is written and acknowledged;
+3. the *head* ``<key>`` is written: :data:`CHUNKED` + JSON ``{"parts", "bytes", "sha256"}``;
+4. once the head is acknowledged, the parts of the value it replaced are deleted (tombstones).
+
+A crash before step 3 leaves the previous head and its parts intact (the new parts are
+unreferenced and deleted at the next save of that key after a restore); a crash before step 4
+leaves stale parts that the next save deletes. ``load_all`` reassembles each head from its
+parts and checks length and sha256; a head whose parts are missing or do not match stays as it
+is, and :func:`decode_value` rejects it (``ValueError``), so that model starts fresh.
+
 Reading is bounded (issue 11, finding 4): ``load_all`` of the Kafka backend keeps only the raw
 bytes of the latest value per key, *not decoded*, and remembers where each came from
 (:meth:`KafkaCheckpointStore.where`: ``topic[partition]@offset``); the daemon decodes them one
@@ -42,9 +59,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
+import orjson
+
 log = logging.getLogger("lpcal.daemon")
 
 COMPRESSED = b"lpcal-zlib:"          # prefix of a value compressed by encode_value
+CHUNKED = b"lpcal-chunks:"           # prefix of the head of a value split into parts
+PART = "part/"                       # part/<key>/<digest>/<i>: the parts of a split value
+RECORD_OVERHEAD = 512                # bytes of a record and its batch besides key and value
 COMPRESS_MIN_BYTES = 64 * 1024       # smaller values (manifests, small models) stay plain
 MAX_INFLATED_BYTES = 1 << 30         # a compressed value must not inflate beyond this
 
@@ -66,6 +88,9 @@ def decode_value(value: bytes, limit: int | None = None) -> bytes:
     (default :data:`MAX_INFLATED_BYTES`). Inflation stops at ``limit + 1`` bytes, so a zlib
     bomb costs at most that much memory."""
     limit = MAX_INFLATED_BYTES if limit is None else int(limit)
+    if value.startswith(CHUNKED):
+        raise ValueError("checkpoint split into parts that are missing or do not match its "
+                         f"head ({bytes(value[:200]).decode('utf-8', 'replace')})")
     if not value.startswith(COMPRESSED):
         if len(value) > limit:
             raise ValueTooLarge(f"value of {len(value)} bytes is larger than {limit} bytes")
@@ -88,18 +113,52 @@ class CheckpointStore(Protocol):
     async def save(self, records: Mapping[str, bytes]) -> None: ...
 
 
+def reassemble(latest: dict[str, bytes]) -> tuple[dict[str, bytes], dict[str, set[str]]]:
+    """``(values, stale)`` of the latest records of a state topic: each complete head replaced
+    by the value of its parts (length and sha256 checked), the parts dropped; ``stale`` maps a
+    key to its part keys that no head uses. A head whose parts are missing or do not match
+    stays as it is (:func:`decode_value` rejects it). ``latest`` is emptied as it is read, so
+    a value and its parts are not held twice for long."""
+    parts: dict[str, dict[str, bytes]] = {}
+    for key in [k for k in latest if k.startswith(PART)]:
+        parts.setdefault(key[len(PART):].rsplit("/", 2)[0], {})[key] = latest.pop(key)
+    for key, value in latest.items():
+        if not value.startswith(CHUNKED):
+            continue
+        mine = parts.get(key, {})
+        try:
+            head = orjson.loads(value[len(CHUNKED):])
+            n, size, digest = int(head["parts"]), int(head["bytes"]), str(head["sha256"])
+            names = [f"{PART}{key}/{digest[:16]}/{i}" for i in range(n)]
+            if not 0 < n <= 1 << 16 or any(name not in mine for name in names):
+                continue
+            whole = b"".join(mine.pop(name) for name in names)
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+        if len(whole) == size and hashlib.sha256(whole).hexdigest() == digest:
+            latest[key] = whole
+    return latest, {key: set(left) for key, left in parts.items() if left}
+
+
 class KafkaCheckpointStore:
     """Checkpoints on a compacted topic; ``save`` returns once the broker acknowledged all.
 
     ``load_all`` returns the latest *raw* value per key (compressed values stay compressed:
-    decode each with :func:`decode_value` when it is used, one at a time) and records each
-    key's position for :meth:`where`."""
+    decode each with :func:`decode_value` when it is used, one at a time; values split into
+    parts come back reassembled) and records each key's position for :meth:`where`. No record
+    written is larger than ``max_record_bytes`` (see the module docstring)."""
 
     def __init__(self, producer, bootstrap: str, topic: str, security: Mapping | None = None,
-                 read_timeout: float = 30.0):
+                 read_timeout: float = 30.0, max_record_bytes: int = 1 << 20):
         self.producer, self.bootstrap, self.topic = producer, bootstrap, topic
         self.security, self.read_timeout = security, read_timeout
+        if max_record_bytes < 4 * RECORD_OVERHEAD + 1024:
+            raise ValueError(f"max_record_bytes {max_record_bytes} is too small")
+        self.max_record_bytes = int(max_record_bytes)
         self._where: dict[str, str] = {}
+        #: per key, part keys written or read that its current head does not use: deleted by
+        #: the next save of that key
+        self._stale: dict[str, set[str]] = {}
 
     def where(self, key: str) -> str:
         """Where ``key``'s value returned by the last ``load_all`` was read:
@@ -110,7 +169,23 @@ class KafkaCheckpointStore:
         latest, where = await read_latest_with_positions(
             self.bootstrap, self.topic, timeout=self.read_timeout, security=self.security)
         self._where = where
-        return latest
+        return self._reassemble(latest)
+
+    def _reassemble(self, latest: dict[str, bytes]) -> dict[str, bytes]:
+        values, stale = reassemble(latest)
+        for key, parts in stale.items():
+            self._stale.setdefault(key, set()).update(parts)
+        return values
+
+    def _split(self, key: str, value: bytes) -> tuple[list[tuple[str, bytes]], bytes]:
+        """``(parts, head)`` of a value too large for one record."""
+        digest = hashlib.sha256(value).hexdigest()
+        stem = f"{PART}{key}/{digest[:16]}/"
+        size = self.max_record_bytes - RECORD_OVERHEAD - len((stem + "99999").encode())
+        n = -(-len(value) // size)
+        parts = [(f"{stem}{i}", value[i * size:(i + 1) * size]) for i in range(n)]
+        head = CHUNKED + orjson.dumps({"parts": n, "bytes": len(value), "sha256": digest})
+        return parts, head
 
     async def save(self, records: Mapping[str, bytes]) -> None:
         items = list(records.items())
@@ -118,10 +193,69 @@ class KafkaCheckpointStore:
             values = await asyncio.to_thread(lambda: [encode_value(v) for _, v in items])
         else:
             values = [v for _, v in items]
-        futs = [await self.producer.send(self.topic, key=k.encode(), value=v)
-                for (k, _), v in zip(items, values)]
+        limit = self.max_record_bytes - RECORD_OVERHEAD
+        whole, split = [], []
+        for (key, _), value in zip(items, values):
+            if len(value) + len(key.encode()) <= limit:
+                whole.append((key, value))
+            else:
+                split.append((key, *self._split(key, value)))
+        send = self.producer.send
+        # steps 1-2: the parts of split values, acknowledged before any head names them
+        futs = [await send(self.topic, key=pk.encode(), value=pv)
+                for _key, parts, _head in split for pk, pv in parts]
         for f in futs:
             await f
+        # step 3: heads and whole values
+        futs = [await send(self.topic, key=key.encode(), value=value)
+                for key, value in [*whole, *((key, head) for key, _p, head in split)]]
+        for f in futs:
+            await f
+        # step 4: delete the parts the new values no longer use
+        dead = []
+        for key, _v in items:
+            old = self._stale.pop(key, set())
+            dead += sorted(old)
+        for key, parts, _head in split:
+            self._stale[key] = {pk for pk, _ in parts}  # stale once the next value replaces it
+        for key, _v in whole:
+            self._stale.pop(key, None)
+        futs = [await send(self.topic, key=pk.encode(), value=None) for pk in dead]
+        for f in futs:
+            await f
+
+
+async def check_record_limit(bootstrap: str, topic: str, max_record_bytes: int, *,
+                             security=None, timeout: float = 10.0) -> int | None:
+    """The ``max.message.bytes`` of ``topic``, after checking that ``max_record_bytes`` fits
+    it (:class:`RecordLimitError` naming both settings otherwise); None, with a warning, if the
+    broker does not report it (then nothing could be checked)."""
+    from daemon.kafka_io import describe_topic_config
+
+    try:
+        configs = await describe_topic_config(bootstrap, topic, security=security,
+                                              timeout=timeout)
+        limit = configs.get("max.message.bytes")
+        limit = None if limit is None else int(limit)
+    except Exception as e:  # noqa: BLE001 - unsupported or unreachable: reported as unknown
+        log.warning("could not read max.message.bytes of state topic %s (%s: %s); cannot check "
+                    "state.max_record_bytes = %d against it", topic, type(e).__name__, e,
+                    max_record_bytes)
+        return None
+    if limit is None:
+        log.warning("state topic %s: the broker does not report max.message.bytes; cannot "
+                    "check state.max_record_bytes = %d against it", topic, max_record_bytes)
+        return None
+    if limit < max_record_bytes:
+        raise RecordLimitError(
+            f"state topic {topic!r} accepts records of at most {limit} bytes "
+            f"(max.message.bytes) but state.max_record_bytes is {max_record_bytes}: lower "
+            f"state.max_record_bytes to {limit} or raise the topic's max.message.bytes")
+    return limit
+
+
+class RecordLimitError(ValueError):
+    """``state.max_record_bytes`` is above the state topic's ``max.message.bytes``."""
 
 
 async def read_latest_with_positions(bootstrap: str, topic: str, timeout: float = 30.0, *,

@@ -7,8 +7,8 @@ as columns when *every* event has the common shape: a JSON object with a str ``m
 returns None and :class:`daemon.events.EventParser` runs its general per-message loop, which
 judges each event on its own. Types are exact: a bool is not an int here.
 
-Two implementations with one result: the C kernel ``daemon._speedups.scan`` (one pass over the
-dicts, see :mod:`daemon.native`) and :func:`columns_python`, the reference, built from C-level
+Two implementations with one result: the C kernel ``scan`` (one pass over the dicts, reached
+through ``daemon.native.KERNELS``) and :func:`columns_python`, the reference, built from C-level
 ``map`` passes. ``tests/daemon/test_native.py`` holds them equal on random and adversarial batches.
 Both leave to the general path what NumPy's conversion would treat specially: vector entries
 that are ints beyond 2**53, and labels beyond int64.
@@ -23,7 +23,7 @@ from operator import is_not
 import numpy as np
 import orjson
 
-from daemon.native import SPEEDUPS
+from daemon import native
 
 __all__ = ["Columns", "columns", "columns_python", "parse_columns"]
 
@@ -68,9 +68,9 @@ def parse_columns(values: list, max_bytes: int, max_model_len: int, max_id_len: 
     ``max_bytes`` bytes holding JSON that ``orjson.loads`` parses to an event of the common
     shape. The C kernel parses, reads and drops one message at a time, so that the parsed
     batch is never alive as a whole (as in a plain ``loads`` loop: its memory stays in cache)."""
-    if SPEEDUPS is not None and type(values) is list:
-        return _native_columns(SPEEDUPS.scan(values, max_model_len, max_id_len, orjson.loads,
-                                             max_bytes))
+    scan = native.KERNELS.scan
+    if scan is not None and type(values) is list:
+        return _native_columns(scan(values, max_model_len, max_id_len, orjson.loads, max_bytes))
     if set(map(type, values)) != {bytes} or max(map(len, values)) > max_bytes:
         return None
     try:
@@ -82,9 +82,10 @@ def parse_columns(values: list, max_bytes: int, max_model_len: int, max_id_len: 
 
 def columns(ds: list, max_model_len: int, max_id_len: int) -> Columns | None:
     """:class:`Columns` of the dicts ``ds``, or None unless every event has the common shape."""
-    if SPEEDUPS is None:
+    scan = native.KERNELS.scan
+    if scan is None:
         return columns_python(ds, max_model_len, max_id_len)
-    return _native_columns(SPEEDUPS.scan(ds, max_model_len, max_id_len))
+    return _native_columns(scan(ds, max_model_len, max_id_len))
 
 
 def _native_columns(cols: tuple | None) -> Columns | None:

@@ -21,7 +21,10 @@ Nothing here raises on bad input: every message becomes a :class:`Prediction`, :
   ``probs`` and ``logits``, neither a vector nor a label, non-numeric vector entries;
 * ``unknown_model``: the policy rejects the model (``unknown_models = "reject"`` or ``max_models``
   models already admitted);
-* ``wrong_length``: vector length differs from the model's ``k`` (or is outside [2, 100000]);
+* ``wrong_length``: vector length differs from the model's ``k`` (or, while ``k`` is being
+  learned, is below 2);
+* ``k_too_large``: while ``k`` is being learned, a vector longer than ``max_k`` (the daemon's
+  ``max_k`` setting, default 1000: a pending prediction holds 8 k bytes, so k bounds memory);
 * ``non_finite``: a NaN/inf entry (or a sum that overflows);
 * ``negative``: a negative probability;
 * ``not_normalized``: ``|sum(probs) - 1| > sum_tolerance`` and ``normalize = "reject"`` (or the
@@ -35,7 +38,7 @@ Nothing here raises on bad input: every message becomes a :class:`Prediction`, :
   (missing or negative) is not bounded.
 
 ``k``: a model's ``k`` comes from its policy; when the policy has none, the parser learns it from
-the model's first event whose vector is a list of 2..100000 entries and keeps it
+the model's first event whose vector is a list of 2..``max_k`` entries and keeps it
 (:meth:`EventParser.set_k` restores it from a checkpoint; :attr:`EventParser.k` exposes it).
 
 Throughput: :meth:`EventParser.parse_batch` first tries a batch fast path: every message parsed
@@ -65,6 +68,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from daemon.codes import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE  # defined there, once
 from daemon.columns import parse_columns
 
 __all__ = [
@@ -109,16 +113,18 @@ NOT_NORMALIZED = "not_normalized"
 LABEL_OUT_OF_RANGE = "label_out_of_range"
 BAD_ENCODING = "bad_encoding"
 TS_OUT_OF_RANGE = "ts_out_of_range"
+K_TOO_LARGE = "k_too_large"
 #: Every reason an event can be rejected for (Prometheus label values; exact strings).
 REASONS: tuple[str, ...] = (
     BAD_JSON, OVERSIZE, BAD_SCHEMA, UNKNOWN_MODEL, WRONG_LENGTH, NON_FINITE, NEGATIVE,
-    NOT_NORMALIZED, LABEL_OUT_OF_RANGE, BAD_ENCODING, TS_OUT_OF_RANGE,
+    NOT_NORMALIZED, LABEL_OUT_OF_RANGE, BAD_ENCODING, TS_OUT_OF_RANGE, K_TOO_LARGE,
 )
 
-KIND_PREDICTION, KIND_OUTCOME, KIND_SAMPLE = 0, 1, 2
 MAX_ID_LEN = 256
 MAX_MODEL_LEN = 255
-MAX_K = 100_000
+MAX_K = 100_000          # largest k the parser can be configured for (``max_k`` setting)
+OTHER_POLICIES = 4096    # policies cached for models that are not admitted
+_UNKNOWN = object()
 _NUM = (int, float)
 
 
@@ -289,7 +295,7 @@ class EventParser:
     def __init__(self, policy_for: Callable[[str], ModelPolicy | None], *,
                  max_bytes: int = 1 << 20, max_models: int | None = None,
                  max_id_len: int = MAX_ID_LEN, max_model_len: int = MAX_MODEL_LEN,
-                 max_ts_skew: float | None = None):
+                 max_ts_skew: float | None = None, max_k: int | None = None):
         self._policy_for = policy_for
         #: events with ts > record timestamp + max_ts_skew are ``ts_out_of_range`` (None: off)
         self.max_ts_skew = None if max_ts_skew is None else float(max_ts_skew)
@@ -297,7 +303,12 @@ class EventParser:
         self.max_models = max_models
         self.max_id_len = int(max_id_len)
         self.max_model_len = int(max_model_len)
+        #: policies of admitted models (as many as are admitted: bounded by ``max_models`` plus
+        #: the models restored) and, at most :data:`OTHER_POLICIES` of them, of other models
+        #: (rejected, or not admitted yet), oldest forgotten first
         self._policies: dict[str, ModelPolicy | None] = {}
+        self._others: dict[str, ModelPolicy | None] = {}
+        self.max_k = MAX_K if max_k is None else int(max_k)
         self.k: dict[str, int] = {}
         self.admitted: set[str] = set()
 
@@ -313,7 +324,8 @@ class EventParser:
 
         p = cls(policy_for, max_bytes=settings.kafka.max_message_bytes,
                 max_models=settings.max_models,
-                max_ts_skew=getattr(settings.join, "max_ts_skew_seconds", None))
+                max_ts_skew=getattr(settings.join, "max_ts_skew_seconds", None),
+                max_k=getattr(settings, "max_k", None))
         for name, ms in settings.configured_models.items():
             p.admit(name, ms.k)
         return p
@@ -324,6 +336,9 @@ class EventParser:
         self.admitted.add(model)
         if k:
             self.set_k(model, k)
+        pol = self._others.pop(model, _UNKNOWN)
+        if pol is not _UNKNOWN:
+            self._cache_policy(model, pol)
 
     def set_k(self, model: str, k: int) -> None:
         """Set ``model``'s learned ``k``; ``0`` (a state whose outcomes came first) is none."""
@@ -331,20 +346,28 @@ class EventParser:
             self.k[model] = int(k)
 
     def _policy(self, model: str) -> ModelPolicy | None:
-        try:
-            return self._policies[model]
-        except KeyError:
-            pass
-        pol = self._policy_for(model)
-        self._cache_policy(model, pol)
+        pol = self._policies.get(model, _UNKNOWN)
+        if pol is _UNKNOWN:
+            pol = self._others.get(model, _UNKNOWN)
+            if pol is _UNKNOWN:
+                pol = self._policy_for(model)
+                self._cache_policy(model, pol)
         return pol
 
     def _cache_policy(self, model: str, pol: ModelPolicy | None) -> None:
-        """Remember ``model``'s policy (and its configured ``k``, unless one is known)."""
-        if pol is not None and pol.k is not None:
-            self.k.setdefault(model, int(pol.k))
-        if pol is not None or len(self._policies) < 10_000:  # bound the cache of rejections
+        """Remember ``model``'s policy (and, once admitted, its configured ``k`` unless one is
+        known). Policies of models not admitted go to a bounded cache (issue 11, finding 9:
+        200,000 distinct model names grew an unbounded one by 127 MiB)."""
+        if model in self.admitted:
+            self._others.pop(model, None)
             self._policies[model] = pol
+            if pol is not None and pol.k is not None:
+                self.k.setdefault(model, int(pol.k))
+            return
+        others = self._others
+        if model not in others and len(others) >= OTHER_POLICIES:
+            del others[next(iter(others))]
+        others[model] = pol
 
     # ---------------------------------------------------------------- parsing
     def parse(self, raw: bytes, ts: float | None = None
@@ -437,9 +460,13 @@ class EventParser:
                     continue
                 n = len(vec)
                 if k is None:
-                    if not 2 <= n <= MAX_K:
+                    if n > self.max_k:
+                        invalid.append((i, Invalid(K_TOO_LARGE, f"vector of length {n}: k above "
+                                                   f"max_k={self.max_k}", model)))
+                        continue
+                    if n < 2:
                         invalid.append((i, Invalid(WRONG_LENGTH, f"vector of length {n}: k must "
-                                                   f"be in [2, {MAX_K}]", model)))
+                                                   f"be at least 2", model)))
                         continue
                     k = acc.k = n
                     self.k[model] = n
@@ -451,9 +478,10 @@ class EventParser:
                 if type(label) is not int:
                     invalid.append((i, Invalid(BAD_SCHEMA, "'label' must be an integer", model)))
                     continue
-                if label < 0 or label >= (k if k is not None else MAX_K):
+                if label < 0 or label >= (k if k is not None else self.max_k):
                     invalid.append((i, Invalid(LABEL_OUT_OF_RANGE, f"label {label} outside "
-                                               f"[0, {k if k is not None else MAX_K})", model)))
+                                               f"[0, {k if k is not None else self.max_k})",
+                                               model)))
                     continue
             if vec is not None:
                 acc.vmeta.append((len(acc.rows), logit, b"true" in raw or b"false" in raw))
@@ -497,10 +525,11 @@ class EventParser:
         ks, pols = [], []
         uncached, new_models = [], []  # committed only once the batch is accepted
         for model in umodels:
-            if model in self._policies:
-                pol = self._policies[model]
-            else:
-                pol = self._policy_for(model)
+            pol = self._policies.get(model, _UNKNOWN)
+            if pol is _UNKNOWN:  # cached (as admitted) once the batch is accepted
+                pol = self._others.get(model, _UNKNOWN)
+                if pol is _UNKNOWN:
+                    pol = self._policy_for(model)
                 uncached.append((model, pol))
             if pol is None:
                 return None
@@ -539,9 +568,9 @@ class EventParser:
             if vrows.size and mat is None:
                 return None
             parts.append((model, sel, m_ids, mat))
+        self.admitted.update(new_models)
         for model, pol in uncached:  # as self._policy(model) would have
             self._cache_policy(model, pol)
-        self.admitted.update(new_models)
         out = ParsedBatch(n)
         ts = cols.ts
         for c, (model, sel, m_ids, mat) in enumerate(parts):
@@ -563,6 +592,7 @@ class EventParser:
                 return Invalid(UNKNOWN_MODEL, f"model {model[:64]!r} not admitted: max_models="
                                f"{self.max_models} reached", model)
             self.admitted.add(model)
+            self._cache_policy(model, pol)
         return _Acc(pol, self.k.get(model))
 
     def _finish_model(self, model: str, acc: _Acc, invalid: list) -> ModelBatch | None:

@@ -11,6 +11,10 @@
   and the current bin map's held-out certificate (``{"selected", "certified", "bound", "eps",
   "n_holdout"}``, or null);
 * ``GET /v1/models/{model}/binmap``: the current bin map JSON (404 if none yet);
+* ``GET /v1/config``: the effective settings (:meth:`daemon.settings.Settings.redacted`: every
+  source applied, per-model settings merged), secrets masked as ``**********`` (the SASL
+  password, the admin token, the signing key, and any other ``password``, ``token``,
+  ``secret`` or ``private_key`` value); like the other ``GET /v1`` routes, no token needed;
 * ``POST /v1/models/{model}/recalibrate``: manual trigger, ``Authorization: Bearer <token>``
   (the scheme in any case, RFC 7235) compared in constant time; disabled (403) when no admin
   token is configured; any other header, including bytes that are not UTF-8, gets 401.
@@ -35,8 +39,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import resource
 import time
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -82,6 +88,7 @@ class HttpServer:
             web.get("/readyz", self.readyz),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model}/binmap", self.binmap),
+            web.get("/v1/config", self.config),
             web.post("/v1/models/{model}/recalibrate", self.recalibrate),
         ])
         self.runner: web.AppRunner | None = None
@@ -196,17 +203,18 @@ class HttpServer:
 
     async def models(self, request: web.Request) -> web.Response:
         out = []
-        for model, st in sorted(self.d.models.items()):
+        for m in self.d.registry.snapshot():
+            st = m.state
             out.append({
-                "model": model, "k": st.k, "partition": self.d.partition_of.get(model),
+                "model": m.model, "k": st.k, "partition": m.partition,
                 "epoch": st.epoch, "binmap_version": st.binmap_version,
-                "fit_in_flight": model in self.d.inflight,
+                "fit_in_flight": m.fit_in_flight,
                 "epochs_waiting": len(st.sealed),
-                "paused": self.d.partition_of.get(model) in self.d.throttled,
+                "paused": m.partition in self.d.throttled,
                 "pool_fill": {n: {"count": c, "target": t} for n, (c, t) in st.pools.fill().items()},
                 "samples_total": st.samples_total,
                 "mode": st.config.get("mode"),
-                "certificate": self._certificate(model, st.binmap),
+                "certificate": self._certificate(m.model, st.binmap),
             })
         return web.json_response({"models": out})
 
@@ -230,11 +238,15 @@ class HttpServer:
         return summary
 
     async def binmap(self, request: web.Request) -> web.Response:
-        st = self.d.models.get(request.match_info["model"])
-        if st is None or st.binmap is None:
+        slot = self.d.registry.get(request.match_info["model"])
+        if slot is None or slot.state.binmap is None:
             return web.json_response({"error": "no bin map for this model on this replica"},
                                      status=404)
-        return web.Response(body=st.binmap, content_type="application/json")
+        return web.Response(body=slot.state.binmap, content_type="application/json")
+
+    async def config(self, request: web.Request) -> web.Response:
+        return web.json_response(redact(self.d.s.redacted()),
+                                 dumps=lambda v: orjson.dumps(v).decode())
 
     async def recalibrate(self, request: web.Request) -> web.Response:
         token = self.d.s.http.admin_token
@@ -251,6 +263,24 @@ class HttpServer:
                                      status=404)
         return web.json_response({"model": model, "status": "recalibration requested"},
                                  status=202)
+
+
+MASK = "**********"
+_SECRET_KEY = re.compile(r"password|token|secret|private_key", re.IGNORECASE)
+
+
+def redact(value: Any, key: str = "") -> Any:
+    """``value`` (JSON-like) with every non-empty string or number under a key that names a
+    secret (``password``, ``token``, ``secret``, ``private_key``) replaced by ``MASK``: a
+    second line of defence behind the settings' ``SecretStr`` fields, for ``/v1/config``."""
+    if isinstance(value, dict):
+        return {k: redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v, key) for v in value]
+    if key and _SECRET_KEY.search(key) and value not in (None, "", MASK) \
+            and not isinstance(value, bool):
+        return MASK
+    return value
 
 
 def _bearer(request: web.Request) -> bytes:

@@ -6,6 +6,8 @@ API::
                                              TopicSpec("binmaps", 1, configs=COMPACT)])
     check_copartitioned(counts, "preds", "outcomes")        # TopicLayoutError if they differ
     producer = make_producer(bootstrap, idempotence=False, security=sec)   # not started
+    await start_producer(producer, idempotence=False)   # BrokerSettingsError if idempotence refused
+    require_topics(counts, ["preds", "outcomes"], bootstrap)  # TopicMissingError, names them
     consumer = make_consumer(bootstrap, group_id="lpcal", security=sec)    # not started
     client_kwargs(sec)          # pure: the security kwargs aiokafka receives
     await publish_deadletter(producer, "lpcal.deadletter", raw, "bad_json", "preds", 2, 1041)
@@ -67,7 +69,8 @@ measured on 2026-11-25 (see tests/integration/test_broker_and_kafka_io.py):
   produce with ``send_and_wait`` one record at a time. Real Kafka is not affected.
 * Idempotent producers fail: ``enable_idempotence=True`` makes ``producer.start()`` raise
   ``aiokafka.errors.UnknownError`` from InitProducerIdRequest at once (transactions too).
-  Use ``idempotence=False`` against Tansu; keep ``acks="all"``.
+  Use ``idempotence=False`` against Tansu; keep ``acks="all"``. :func:`start_producer` turns
+  that failure into a :class:`BrokerSettingsError` naming the setting to change.
 * Compression: gzip works (lz4/snappy/zstd need extra Python packages not installed).
 * Security: Tansu has no client TLS (``--cert`` cannot be combined with ``--key``; with only
   ``--cert`` the listener stays plain TCP) and with memory storage no SASL user can be created
@@ -89,7 +92,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import IllegalStateError
+from aiokafka.errors import BrokerResponseError, IllegalStateError, SaslAuthenticationFailed
 
 from lpcal.errors import InputError
 
@@ -100,6 +103,7 @@ __all__ = [
     "DLQ_SOURCE_OFFSET",
     "DLQ_SOURCE_PARTITION",
     "DLQ_SOURCE_TOPIC",
+    "BrokerSettingsError",
     "DeadLetterQueue",
     "TopicLayoutError",
     "TopicMissingError",
@@ -117,6 +121,8 @@ __all__ = [
     "partition_lags",
     "publish_deadletter",
     "read_compacted_latest",
+    "require_topics",
+    "start_producer",
 ]
 
 log = logging.getLogger("lpcal.kafka")
@@ -141,6 +147,21 @@ class TopicLayoutError(RuntimeError):
 
 class TopicMissingError(TopicLayoutError, LookupError):
     """A topic that must exist does not."""
+
+
+class BrokerSettingsError(RuntimeError):
+    """The broker refuses what the settings ask of it (an idempotent producer); the message
+    names the setting to change."""
+
+
+#: How to turn idempotence off, for :func:`start_producer`'s message (the daemon's settings).
+IDEMPOTENCE_SETTING = ("set kafka.enable_idempotence = false (LPCAL_KAFKA__ENABLE_IDEMPOTENCE="
+                       "false), or use the dev profile (profile = \"dev\" / LPCAL_PROFILE=dev), "
+                       "which turns it off")
+#: How to have the daemon create its topics, for :func:`require_topics`'s message.
+CREATE_TOPICS_SETTING = ("set kafka.create_topics = true (LPCAL_KAFKA__CREATE_TOPICS=true) to "
+                         "have the daemon create them, or use the dev profile (profile = \"dev\" "
+                         "/ LPCAL_PROFILE=dev), which turns it on")
 
 
 # --------------------------------------------------------------------------- security
@@ -281,6 +302,43 @@ def make_consumer(bootstrap: str, *topics: str, group_id: str | None = None,
                             session_timeout_ms=session_timeout_ms,
                             heartbeat_interval_ms=heartbeat_interval_ms,
                             **client_kwargs(security), **extra)
+
+
+async def start_producer(producer: AIOKafkaProducer, *, idempotence: bool,
+                         fix: str = IDEMPOTENCE_SETTING) -> None:
+    """``await producer.start()``. With ``idempotence``, a broker that answers the producer-id
+    request (InitProducerId) with an error that retrying cannot fix -- the embedded Tansu
+    broker's ``UnknownError``, a missing IdempotentWrite permission -- raises
+    :class:`BrokerSettingsError` saying so and what to change (``fix``); the producer is
+    stopped. Other errors (broker not reachable, authentication) propagate unchanged."""
+    try:
+        await producer.start()
+    except BrokerResponseError as e:
+        if (not idempotence or e.retriable or isinstance(e, SaslAuthenticationFailed)
+                or not producer.client.cluster.brokers()):  # not past bootstrap
+            raise
+        await producer.stop()
+        raise BrokerSettingsError(
+            f"the broker refused an idempotent producer (InitProducerId failed with "
+            f"{type(e).__name__}: {e}). Brokers without idempotent producers, such as the "
+            f"embedded development broker (lpcal broker), need it off: {fix}. On production "
+            f"Kafka keep it on and check the broker version and the client's IdempotentWrite "
+            f"permission") from e
+
+
+def require_topics(counts: Mapping[str, int], topics: Iterable[str], bootstrap: str, *,
+                   optional: Iterable[str] = (), fix: str = CREATE_TOPICS_SETTING) -> None:
+    """Raise :class:`TopicMissingError` naming every topic of ``topics`` missing from
+    ``counts`` (partition counts, as :func:`partition_counts` returns them) and how to create
+    them (``fix``); missing ``optional`` topics are named too, when there is an error."""
+    missing = [t for t in topics if t not in counts]
+    if not missing:
+        return
+    also = [t for t in optional if t not in counts and t not in missing]
+    raise TopicMissingError(
+        f"topics missing on {bootstrap}: {', '.join(missing)}"
+        + (f" (also missing: {', '.join(also)})" if also else "")
+        + f". Create them (the input topics co-partitioned: same partition count), or {fix}")
 
 
 # --------------------------------------------------------------------------- topics

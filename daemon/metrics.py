@@ -226,6 +226,13 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
         "counter", ("model", "kind"), "Events that could not be joined (late, duplicate, orphan)."),
     "lpcal_join_pending": (
         "gauge", ("model",), "Events waiting in the join buffer for their partner."),
+    "lpcal_join_buffer_bytes": (
+        "gauge", ("model",),
+        ("Estimated bytes of the model's join buffer (pending events and recent ids); kept "
+         "within lpcal_join_buffer_budget_bytes by evicting the oldest events.")),
+    "lpcal_join_buffer_budget_bytes": (
+        "gauge", ("model",),
+        "Byte budget of the model's join buffer: its share of join.max_bytes_total."),
     "lpcal_pool_samples": (
         "gauge", ("model", "pool"), "Samples currently in each sample pool of Algorithm 2."),
     "lpcal_pool_fill_ratio": (
@@ -404,6 +411,8 @@ class DaemonMetrics:
         self.join_unmatched = make("lpcal_join_unmatched_total")
         self.events_sampled_out = make("lpcal_events_sampled_out_total")
         self.join_pending = make("lpcal_join_pending")
+        self.join_buffer_bytes = make("lpcal_join_buffer_bytes")
+        self.join_buffer_budget = make("lpcal_join_buffer_budget_bytes")
         self.pool_samples = make("lpcal_pool_samples")
         self.pool_fill_ratio = make("lpcal_pool_fill_ratio")
         self.epochs_waiting = make("lpcal_epochs_waiting")
@@ -483,13 +492,16 @@ class DaemonMetrics:
         """Drop every series of ``model`` (call when a model is removed from the config)."""
         if model not in self._models:
             return
+        only = ((),)  # metrics whose only label is ``model``
         per_model = [
-            (self.joined_samples, ()), (self.join_pending, ()), (self.epochs_waiting, ()),
-            (self.calibration_failures, ()), (self.fit_duration, ()),
-            (self.fit_iterations, ()), (self.high_probability_bins, ()),
-            (self.binmap_version, ()), (self.binmap_published, ()),
-            (self.drift_threshold, ()), (self.window_samples, ()),
-            (self.certificate_bound, ()), (self.certificate_target, ()),
+            (self.joined_samples, only), (self.join_pending, only),
+            (self.join_buffer_bytes, only), (self.join_buffer_budget, only),
+            (self.epochs_waiting, only), (self.calibration_failures, only),
+            (self.fit_duration, only), (self.fit_iterations, only),
+            (self.high_probability_bins, only), (self.binmap_version, only),
+            (self.binmap_published, only), (self.drift_threshold, only),
+            (self.window_samples, only), (self.certificate_bound, only),
+            (self.certificate_target, only),
             (self.certificate_estimate, tuple((c.value,) for c in Candidate)),
             (self.join_evictions, tuple((r.value,) for r in EvictionReason)),
             (self.join_unmatched, tuple((k.value,) for k in UnmatchedKind)),
@@ -499,17 +511,17 @@ class DaemonMetrics:
             (self.top_label_ece, tuple((p.value,) for p in Predictor)),
             (self.brier_score, tuple((p.value,) for p in Predictor)),
             (self.accuracy_ratio, tuple((p.value,) for p in Predictor)),
-            (self.pool_samples, tuple((p,) for p in self._pools[model])),
-            (self.pool_fill_ratio, tuple((p,) for p in self._pools[model])),
+            (self.pool_samples, tuple((p,) for p in self._pools.get(model, ()))),
+            (self.pool_fill_ratio, tuple((p,) for p in self._pools.get(model, ()))),
         ]
-        for metric, rests in per_model:
-            for rest in rests or ((),):
+        for metric, rests in per_model:  # rests: the label values after ``model``
+            for rest in rests:
                 try:
                     metric.remove(model, *rest)
                 except KeyError:
                     pass  # that child was never created
         self._models.discard(model)
-        del self._pools[model]
+        self._pools.pop(model, None)
 
     # ------------------------------------------------------------------ ingest
 
@@ -558,6 +570,13 @@ class DaemonMetrics:
     def set_join_pending(self, model: str, n: int) -> None:
         """Set the number of events of ``model`` waiting in the join buffer."""
         self.join_pending.labels(model=self._model(model)).set(_count(n, "pending"))
+
+    def set_join_buffer(self, model: str, nbytes: int, budget: int | None) -> None:
+        """Set the estimated bytes of ``model``'s join buffer and its budget (None: none)."""
+        label = self._model(model)
+        self.join_buffer_bytes.labels(model=label).set(_count(nbytes, "bytes"))
+        if budget is not None:
+            self.join_buffer_budget.labels(model=label).set(_count(budget, "budget"))
 
     # ------------------------------------------------------------------ pools
 

@@ -14,6 +14,14 @@ Sources, highest priority first::
   ``http__admin_token``, ``signing__private_key`` (the Ed25519 key that signs bin maps).
 * **TOML file**: ``config/lpcal.toml`` (relative to the working directory) by default, ignored
   when absent; override with ``LPCAL_CONFIG`` or ``load_settings(path=...)`` (then it must exist).
+* **Unknown environment variables**: an ``LPCAL_*`` variable that names no setting (a typo
+  such as ``LPCAL_DEFAULT__EPS``) stops :func:`load_settings` with its name; the variables
+  of :data:`PROCESS_ENV` (``LPCAL_CONFIG``, ``LPCAL_SECRETS_DIR``, ...) are not settings and
+  pass.
+* **Profile**: ``profile = "dev"`` (``LPCAL_PROFILE=dev``) changes three defaults for a
+  development broker (the embedded one, ``lpcal broker``), see :data:`DEV_PROFILE`; settings
+  given explicitly in any source still win. The default profile, ``production``, changes
+  nothing.
 
 Per-model settings: ``[defaults]`` is a full :class:`ModelSettings`; ``[models."<name>"]`` holds
 partial overrides merged over it (:meth:`Settings.model_settings`). ``k`` may be pinned per model;
@@ -41,6 +49,8 @@ import math
 import os
 import re
 import tomllib
+import typing
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
@@ -62,6 +72,7 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
+from pydantic_settings.exceptions import SettingsError as SourceError
 
 from lpcal.calibrate import MODE_DEFAULTS
 
@@ -70,6 +81,8 @@ __all__ = [
     "DEFAULT_HOLDOUT",
     "DEFAULT_SECRETS_DIR",
     "DEFAULT_WARMUP",
+    "DEV_PROFILE",
+    "PROCESS_ENV",
     "HttpSettings",
     "JoinSettings",
     "KafkaSettings",
@@ -81,6 +94,7 @@ __all__ = [
     "StateSettings",
     "Topics",
     "load_settings",
+    "unknown_env",
 ]
 
 DEFAULT_CONFIG_PATH = Path("config/lpcal.toml")
@@ -184,7 +198,9 @@ class ModelSettings(_Strict):
     normalize: Literal["renormalize", "reject"] = "renormalize"
     """Rows off the simplex by more than ``sum_tolerance``: rescale them, or reject the event."""
     drift_sustain_seconds: NonNegFloat = 300.0
-    """How long the drift condition must hold continuously before the drift trigger fires."""
+    """Seconds of EVENT time (the model's latest event ``ts``, not the wall clock) the drift
+    condition must hold continuously before the drift trigger fires: the timer advances only
+    as the model's events arrive, and a backlog replayed fast covers it in less wall time."""
     drift_confidence: NonNegFloat = 3.0
     """z of the confidence margin: drift needs ``Err_p - margin(z) > drift_threshold``."""
     drift_min_samples: PosInt = 1_000
@@ -283,10 +299,13 @@ class KafkaSettings(_Strict):
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
     enable_idempotence: bool = True
-    """Idempotent producer; set false for the embedded test broker, which lacks InitProducerId."""
+    """Idempotent producer; set false for the embedded test broker, which lacks InitProducerId
+    (``profile = "dev"`` does; a broker that refuses it stops startup naming this setting)."""
     max_message_bytes: Annotated[int, Field(ge=1024)] = MIB
     """Largest accepted input message; larger ones are dead-lettered as ``oversize``."""
     create_topics: bool = False
+    """Create missing topics at startup (``profile = "dev"`` turns it on); without it, missing
+    input topics stop startup with an error naming them."""
     topic_partitions: PosInt = 1
     """Partitions of topics created by the daemon (when ``create_topics``)."""
     session_timeout_ms: Annotated[int, Field(ge=1000, le=300_000)] = 10_000
@@ -305,7 +324,7 @@ class KafkaSettings(_Strict):
     them and go on (production Kafka: holes are transaction markers or compaction), or
     ``refetch`` from the hole until it fills or persists ``offset_gap_grace_seconds`` (the
     embedded Tansu broker, which under load can hand out a batch before an earlier one is
-    visible)."""
+    visible; ``profile = "dev"`` sets it)."""
     offset_gap_grace_seconds: Annotated[float, Field(ge=0.0, le=60.0)] = 2.0
     """With ``offset_gaps = "refetch"``: how long a hole is read again before it is accepted."""
 
@@ -416,6 +435,15 @@ class JoinSettings(_Strict):
     """Pending events per model; the oldest is evicted beyond this."""
     recent_per_model: PosInt | None = None
     """Recently joined/expired ids remembered per model to classify late events (None: = max_pending)."""
+    max_bytes_per_model: Annotated[int, Field(ge=MIB)] = 64 * MIB
+    """Byte budget of one model's pending events and recent ids (estimated per entry from
+    its id and row sizes, see :mod:`daemon.join`): the count bounds above are lowered
+    so that full buffers fit it, and the oldest events beyond are evicted (``capacity``)."""
+    max_bytes_total: Annotated[int, Field(ge=MIB)] = 384 * MIB
+    """Byte budget of the join buffers of all models of a replica: each model gets
+    ``min(max_bytes_per_model, max_bytes_total / models)``, updated as models come and go.
+    With the shipped 1 GiB memory limit this leaves room for the process (~200 MiB),
+    checkpoint encoding and fits."""
     max_ts_skew_seconds: PosFloat = 300.0
     """Seconds of event time an event's ``ts`` may be ahead of its Kafka record timestamp;
     later events are dead-lettered as ``ts_out_of_range``. Bounds how far one event can move a
@@ -427,13 +455,19 @@ class StateSettings(_Strict):
     """``kafka``: compacted state topic (no PersistentVolume needed); ``local``: a directory."""
     local_dir: Path = Path(".lpcal-state")
     checkpoint_interval_seconds: PosFloat = 10.0
-    max_record_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 64 * MIB
-    """Largest state value the daemon decodes on restore, after decompression: a compressed
-    value that would inflate beyond it (a zlib bomb) is not inflated further, and it and any
-    plain value above it are skipped, counted and logged (that model starts fresh). Values are
-    decoded one at a time, so restoring needs about this much memory beyond the raw records.
-    The default is above what the daemon itself writes (the state topic's 16 MiB
-    ``max.message.bytes`` at the ~44 % zlib ratio of a checkpoint: ~36 MiB)."""
+    max_record_bytes: Annotated[int, Field(ge=64 * 1024, le=1 << 30)] = MIB
+    """Largest record the daemon writes to the state topic (value and key). A model's
+    checkpoint that is larger (compressed) is split into records of at most this size, written
+    before the record that names them (see :mod:`daemon.checkpoint_store`). At startup the
+    daemon reads the topic's ``max.message.bytes`` and refuses to start if it is lower.
+    The default fits a Kafka broker's default message limit (1 MiB)."""
+    max_state_bytes: Annotated[int, Field(ge=1024, le=1 << 31)] = 128 * MIB
+    """Largest state value of one model the daemon decodes on restore, after reassembly and
+    decompression: a compressed value that would inflate beyond it (a zlib bomb) is not
+    inflated further, and it and any larger value are skipped, counted and logged (that model
+    starts fresh). Values are decoded one at a time, so restoring needs about this much memory
+    beyond the raw records. The default is above what a model within
+    ``join.max_bytes_per_model`` writes (~1.5 bytes of JSON per byte of buffer)."""
     release_heap: bool = True
     """After each periodic checkpoint, give freed heap memory back to the OS (glibc
     ``malloc_trim``, see :mod:`daemon.heap`); without it resident memory ratchets up."""
@@ -529,6 +563,24 @@ def _read_toml(path: Path, required: bool) -> dict[str, Any]:
                             [("config", f"invalid TOML: {e}")]) from None
 
 
+#: Defaults that ``profile = "dev"`` sets (under the settings given explicitly) for a
+#: development broker such as the embedded one (``lpcal broker``), which rejects idempotent
+#: producers, can hand out a batch before an earlier one, and starts without topics.
+DEV_PROFILE: dict[str, dict[str, Any]] = {
+    "kafka": {"enable_idempotence": False, "offset_gaps": "refetch", "create_topics": True},
+}
+
+#: ``LPCAL_*`` environment variables that are not settings: read by :func:`load_settings`
+#: (``CONFIG``, ``SECRETS_DIR``), the ingest path (``NATIVE``), the embedded broker
+#: (``TANSU_BIN``) and the long test runs (``SOAK``, ``SOAK_RATE``).
+PROCESS_ENV = frozenset({"LPCAL_CONFIG", "LPCAL_SECRETS_DIR", "LPCAL_NATIVE", "LPCAL_TANSU_BIN",
+                         "LPCAL_SOAK", "LPCAL_SOAK_RATE"})
+
+
+def _lower(v: Any) -> Any:
+    return v.strip().lower() if isinstance(v, str) else v
+
+
 class Settings(BaseSettings):
     """All daemon settings. Build with :func:`load_settings` (it formats errors)."""
 
@@ -543,6 +595,11 @@ class Settings(BaseSettings):
         ser_json_inf_nan="strings",
     )
 
+    profile: Annotated[Literal["production", "dev"], BeforeValidator(_lower)] = "production"
+    """``dev``: the defaults of :data:`DEV_PROFILE` for a development broker (the embedded one:
+    ``kafka.enable_idempotence = false``, ``kafka.offset_gaps = "refetch"``,
+    ``kafka.create_topics = true``); settings given explicitly in any source still win.
+    ``production`` (default): every default as documented."""
     kafka: KafkaSettings = KafkaSettings()
     http: HttpSettings = HttpSettings()
     defaults: ModelSettings = ModelSettings()
@@ -551,6 +608,10 @@ class Settings(BaseSettings):
     """Events of models not in ``models``: calibrate them with ``defaults``, or reject them."""
     max_models: PosInt = 100
     """At most this many models are admitted (bounds Prometheus label cardinality)."""
+    max_k: Annotated[int, Field(ge=2, le=MAX_K)] = 1000
+    """Largest number of classes a model may have. A learned k above it is rejected
+    (``k_too_large``), a configured one stops startup. A pending prediction holds 8 k bytes,
+    so k bounds the memory of the join buffer (see ``join.max_bytes_per_model``)."""
     join: JoinSettings = JoinSettings()
     state: StateSettings = StateSettings()
     signing: SigningSettings = SigningSettings()
@@ -577,6 +638,23 @@ class Settings(BaseSettings):
             secrets_dir_missing="ok")
         return init_settings, env_settings, secrets, toml
 
+    @model_validator(mode="before")
+    @classmethod
+    def _profile_defaults(cls, data: Any) -> Any:
+        """Under ``profile = "dev"``, the :data:`DEV_PROFILE` values fill the settings that no
+        source gave (the sources are merged by now: init, environment, secrets, file)."""
+        if not isinstance(data, dict) or _lower(data.get("profile")) != "dev":
+            return data
+        out = dict(data)
+        for section, values in DEV_PROFILE.items():
+            given = out.get(section)
+            if given is None:
+                out[section] = dict(values)
+            elif isinstance(given, dict):
+                out[section] = {**values, **given}
+            # a section given as a model instance (init arguments) is explicit: kept as is
+        return out
+
     @model_validator(mode="after")
     def _merge_models(self) -> Settings:
         if len(self.models) > self.max_models:
@@ -602,6 +680,10 @@ class Settings(BaseSettings):
                                             else f"models.{name}: {part}")
                         continue
                     problems.append(f"models.{name}{'.' + loc if loc else ''}: {msg}")
+        if self.defaults.k is not None and self.defaults.k > self.max_k:
+            problems.append(f"defaults.k: {self.defaults.k} is above max_k = {self.max_k}")
+        problems += [f"models.{name}.k: {ms.k} is above max_k = {self.max_k}"
+                     for name, ms in merged.items() if ms.k is not None and ms.k > self.max_k]
         if problems:
             raise ValueError("; ".join(problems))
         self._merged = merged
@@ -674,12 +756,60 @@ def load_settings(path: str | os.PathLike | None = None, *,
         sd = secrets_dir if secrets_dir is not None else os.environ.get("LPCAL_SECRETS_DIR")
         if sd is not None:
             overrides["_secrets_dir"] = str(sd)
+        items = [(name, _unknown_env_reason(name)) for name in unknown_env()]
         try:
-            return Settings(**overrides)
+            settings = Settings(**overrides)
         except ValidationError as e:
-            items = _format_errors(e)
+            items += _format_errors(e)
+        except SourceError as e:  # a value a source cannot parse (LPCAL_KAFKA=x: not JSON)
+            items.append(("<environment>", f"{e}" + (f": {e.__cause__}" if e.__cause__ else "")))
+        if items:
             lines = "\n".join(f"  - {p}: {why}" for p, why in items)
             raise SettingsError(f"invalid settings ({len(items)} problem"
                                 f"{'s' if len(items) != 1 else ''}):\n{lines}", items) from None
+        return settings
     finally:
         _CONFIG_PATH.reset(token)
+
+
+def _nested_fields() -> set[str]:
+    """Settings fields set through ``LPCAL_<FIELD>__<KEY>``: sections and the models map."""
+    out = set()
+    for name, info in Settings.model_fields.items():
+        ann = info.annotation
+        if typing.get_origin(ann) is dict or (isinstance(ann, type)
+                                              and issubclass(ann, BaseModel)):
+            out.add(name)
+    return out
+
+
+def unknown_env(environ: typing.Mapping[str, str] | None = None) -> list[str]:
+    """Names of the ``LPCAL_*`` variables of ``environ`` (default ``os.environ``, any case)
+    that name no setting: neither ``LPCAL_<FIELD>`` of a top-level setting nor
+    ``LPCAL_<SECTION>__<KEY>...`` of a section (or of ``models``), nor one of
+    :data:`PROCESS_ENV`. Unknown keys inside a known section are left to validation, which
+    names them (``kafka.bootstrap: Extra inputs are not permitted``)."""
+    env = os.environ if environ is None else environ
+    fields, nested = set(Settings.model_fields), _nested_fields()
+    out = []
+    for name in env:
+        if not name.upper().startswith("LPCAL_") or name.upper() in PROCESS_ENV:
+            continue
+        head, sep, tail = name[len("LPCAL_"):].lower().partition("__")
+        if head not in fields or (sep and (head not in nested or not tail)):
+            out.append(name)
+    return sorted(out)
+
+
+def _unknown_env_reason(name: str) -> str:
+    """Why ``name`` is unknown, with the likely intended variable when one is close."""
+    rest = name[len("LPCAL_"):]
+    head = rest.lower().partition("__")[0]
+    if head in _nested_fields():  # LPCAL_KAFKA__ with nothing after the delimiter
+        return f"unknown environment variable: {head!r} needs a key after '__'"
+    if head in Settings.model_fields:  # a plain setting given as a section
+        return f"unknown environment variable: {head!r} is a setting, not a section"
+    close = get_close_matches(head, sorted(Settings.model_fields), n=1, cutoff=0.6)
+    hint = (f"; did you mean LPCAL_{close[0].upper()}{rest[len(head):]}?" if close
+            else "; see config/README.md")
+    return f"unknown environment variable: {head!r} is no setting or section{hint}"

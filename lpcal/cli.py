@@ -1,5 +1,10 @@
-"""The ``lpcal`` command line: ``fit``, ``apply``, ``eval`` (library) and ``serve``, ``simulate``
-(the daemon, installed with the ``daemon`` extra).
+"""The ``lpcal`` command line: ``fit``, ``apply``, ``eval`` (library) and ``serve``,
+``simulate``, ``broker`` (the daemon and its tools).
+
+This module is the library's part and imports nothing from ``daemon``. The ``lpcal`` console
+script is :func:`daemon.cli.main`: it runs the daemon's commands itself and hands every other
+command to :func:`main` here, passing its commands in ``commands`` so that ``lpcal --help``
+lists them. Without them (``python -m lpcal.cli serve``) a daemon command exits 2 with a hint.
 
 Exit codes: 0 success, 2 bad input or arguments (the message says what and where), 1 other errors.
 """
@@ -7,10 +12,10 @@ Exit codes: 0 success, 2 bad input or arguments (the message says what and where
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from lpcal.binmap import BinMap
@@ -127,15 +132,11 @@ def cmd_eval(a) -> int:
     return 0
 
 
-def _daemon(name: str):
-    def run(a) -> int:
-        try:
-            mod = importlib.import_module("daemon.cli")
-        except ImportError as e:
-            raise LpcalError(f"'lpcal {name}' needs the daemon: pip install 'lpcal[daemon]' "
-                             f"({e})") from None
-        return mod.main(name, a.rest)
-    return run
+#: A command that parses its own arguments: ``name -> (help, run(argv) -> exit code)``.
+Commands = Mapping[str, tuple[str, Callable[[list[str]], int]]]
+
+#: Commands of the daemon and its tools, run by the ``lpcal`` console script (daemon.cli).
+DAEMON_COMMANDS = ("serve", "simulate", "broker")
 
 
 _PUBKEY_HELP = ("Ed25519 public key of the daemon (PEM, raw 32 bytes or base64); repeat for "
@@ -143,7 +144,9 @@ _PUBKEY_HELP = ("Ed25519 public key of the daemon (PEM, raw 32 bytes or base64);
                 "it the map is not authenticated (a warning is printed)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Commands | None = None) -> argparse.ArgumentParser:
+    """The parser of the library's commands, plus ``commands`` (listed in ``--help``; each
+    takes every argument after its name)."""
     ap = argparse.ArgumentParser(prog="lpcal", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -191,23 +194,30 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--public-key", action="append", metavar="FILE", help=_PUBKEY_HELP)
     e.set_defaults(run=cmd_eval)
 
-    for name, help_ in (("serve", "run the calibration daemon"),
-                        ("simulate", "play a miscalibrated model into Kafka")):
+    for name, (help_, run) in (commands or {}).items():
         s = sub.add_parser(name, help=help_, add_help=False)
         s.add_argument("rest", nargs=argparse.REMAINDER)
-        s.set_defaults(run=_daemon(name))
+        s.set_defaults(run=lambda a, run=run: run(a.rest))
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, commands: Commands | None = None) -> int:
+    """Run ``lpcal ARGV``; ``commands`` adds commands that parse their own arguments (the
+    daemon's, given by :func:`daemon.cli.main`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("serve", "simulate"):  # their own parsers take every argument
+    commands = dict(commands or {})
+    if argv and argv[0] in commands:  # their own parsers take every argument
         try:
-            return int(_daemon(argv[0])(argparse.Namespace(rest=argv[1:])) or 0)
+            return int(commands[argv[0]][1](argv[1:]) or 0)
         except LpcalError as e:
             print(f"lpcal {argv[0]}: error: {e}", file=sys.stderr)
             return 2
-    args = build_parser().parse_args(argv)
+    if argv and argv[0] in DAEMON_COMMANDS:
+        print(f"lpcal {argv[0]}: error: this command belongs to the daemon: run it with the "
+              f"`lpcal` console script or `python -m daemon.cli {argv[0]}` (installed with "
+              f"pip install 'lpcal[daemon]')", file=sys.stderr)
+        return 2
+    args = build_parser(commands).parse_args(argv)
     try:
         return int(args.run(args) or 0)
     except LpcalError as e:

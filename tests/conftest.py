@@ -1,6 +1,6 @@
 """Fixtures shared by every suite that talks to a real embedded Kafka broker (Tansu, memory storage).
 
-* ``broker`` (session): one :class:`daemon.embedded_broker.EmbeddedBroker` on a free loopback
+* ``broker`` (session): one :class:`daemon.tools.embedded_broker.EmbeddedBroker` on a free loopback
   port for the whole run (integration and reliability tests alike); its log tail is attached to
   the report of a failing test. Tests must NOT restart it (memory storage: a restart loses every
   topic); a test that needs an outage starts its own broker.
@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from daemon.embedded_broker import EmbeddedBroker
+from daemon.tools.embedded_broker import EmbeddedBroker
 
 _SUITE_PREFIX = {"integration": "it", "reliability": "rel"}
 

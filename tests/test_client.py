@@ -2,7 +2,8 @@
 
 Real fitted bin maps (``lpcal.calibrate.fit`` on small synthetic data); two maps with different
 ``eps`` (hence different lambda) give different outputs on every input row, so a call that mixed
-two maps would match neither precomputed output.
+two maps would match neither precomputed output. The maps and the artifact helpers are shared
+with the broker tests (``tests/support/client_fixtures.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import orjson
 import pytest
 
 from lpcal.binmap import BinMap
-from lpcal.calibrate import fit
 from lpcal.client import (
     REJECT_REASONS,
     BinMapFollower,
@@ -39,31 +39,13 @@ from lpcal.client import (
     verify_artifact,
 )
 from lpcal.errors import ArtifactError, InputError
-
-MODEL = "fraud-v3"
-
-
-def _data(seed, n=8000, k=3, mix=0.6):
-    rng = np.random.default_rng(seed)
-    centres = rng.dirichlet(np.ones(k) * 0.6, size=3)
-    f = centres[rng.integers(0, 3, size=n)] + rng.dirichlet(np.ones(k), size=n) * 0.04
-    f /= f.sum(axis=1, keepdims=True)
-    q = (1 - mix) * f + mix * np.roll(f, -1, axis=1)
-    y = np.minimum((q.cumsum(axis=1) < rng.random((n, 1))).sum(axis=1), k - 1)
-    return f, y
+from tests.support.client_fixtures import MODEL, fitted_maps, flip_digit, resigned
 
 
 @pytest.fixture(scope="module")
 def maps():
     """Two real fitted maps of MODEL (different eps -> different lambda) and test inputs."""
-    f, y = _data(0)
-    a = fit(f, y, eps=0.3, p=2.0, seed=0, model_id=MODEL, mode="paper").with_version(1)
-    b = fit(f, y, eps=0.2, p=2.0, seed=1, model_id=MODEL, mode="paper").with_version(2)
-    x = np.random.default_rng(7).dirichlet(np.ones(3), size=500)
-    out_a, out_b = a.apply(x), b.apply(x)
-    # every row differs, so a result mixing the two maps equals neither output
-    assert (np.abs(out_a - out_b).max(axis=1) > 1e-9).all()
-    return SimpleNamespace(v1=a, v2=b, x=x, out1=out_a, out2=out_b)
+    return fitted_maps(data_seed=0, x_seed=7, n_x=500)
 
 
 def _reasons(store):
@@ -135,20 +117,6 @@ def test_models_are_independent(maps):
 # ----------------------------------------------------------------------------- rejections
 
 
-def _flip_digit(data: bytes) -> bytes:
-    """Change one digit inside the preds section: still valid JSON, checksum no longer matches."""
-    i = data.index(b'"preds"')
-    j = next(p for p in range(i, len(data)) if data[p:p + 1].isdigit() and data[p:p + 1] != b"0")
-    return data[:j] + (b"0" if data[j:j + 1] != b"0" else b"1") + data[j + 1:]
-
-
-def _resigned(obj: dict) -> bytes:
-    """Re-sign edited content with a valid checksum (what a buggy producer could publish)."""
-    obj = {k: v for k, v in obj.items() if k != "checksum"}
-    obj["checksum"] = BinMap._digest(obj)
-    return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
-
-
 def _corruptions(good: bytes) -> dict[str, tuple[str, bytes]]:
     obj = orjson.loads(good)
     no_sum = {k: v for k, v in obj.items() if k != "checksum"}
@@ -157,14 +125,14 @@ def _corruptions(good: bytes) -> dict[str, tuple[str, bytes]]:
         "truncated-half": ("truncated", good[: len(good) // 2]),
         "truncated-one-byte": ("truncated", good[:-1]),
         "empty": ("truncated", b""),
-        "bit-flip": ("checksum", _flip_digit(good)),
+        "bit-flip": ("checksum", flip_digit(good)),
         "no-checksum": ("checksum", orjson.dumps(no_sum)),
-        "schema-3": ("schema", _resigned(dict(obj, schema=3))),
+        "schema-3": ("schema", resigned(dict(obj, schema=3))),
         "no-schema": ("schema", orjson.dumps({k: v for k, v in obj.items() if k != "schema"})),
         "garbage": ("parse", b"this is not json"),
         "trailing-garbage": ("parse", good + b"}"),
         "json-list": ("parse", b"[1, 2, 3]"),
-        "malformed-field-valid-checksum": ("parse", _resigned(bad_field)),
+        "malformed-field-valid-checksum": ("parse", resigned(bad_field)),
     }
 
 
@@ -203,8 +171,8 @@ def test_schema_1_artifacts_are_still_accepted(maps):
     """lpcal 0.1 wrote schema 1 (no ``mode``, no ``certificate``); the compacted topic may still
     hold such records, and ``BinMap.from_json`` reads them, so the store accepts them too."""
     obj = orjson.loads(maps.v1.to_json())
-    old = _resigned({k: v for k, v in obj.items() if k not in ("mode", "certificate")}
-                    | {"schema": 1})
+    old = resigned({k: v for k, v in obj.items() if k not in ("mode", "certificate")}
+                   | {"schema": 1})
     store = BinMapStore()
     assert store.offer(old, model=MODEL) is True and _reasons(store) == {}
     assert store.get(MODEL).mode == "paper"
@@ -407,7 +375,7 @@ def test_load_file_round_trip_and_errors_name_the_file(maps, tmp_path):
         load_file(cut)
     assert ei.value.reason == "truncated"
     flipped = tmp_path / "flipped.json"
-    flipped.write_bytes(_flip_digit(maps.v1.to_json()))
+    flipped.write_bytes(flip_digit(maps.v1.to_json()))
     with pytest.raises(BinMapRejected, match="flipped.json: checksum mismatch") as ei:
         load_file(str(flipped))
     assert ei.value.reason == "checksum"
@@ -438,7 +406,7 @@ def http_server(maps):
     _Handler.routes = {
         "/v1/models/fraud-v3/binmap": (200, {"Content-Type": "application/json"}, good),
         "/short": (200, {"Content-Length": str(len(good))}, good[:200]),
-        "/corrupt": (200, {}, _flip_digit(good)),
+        "/corrupt": (200, {}, flip_digit(good)),
     }
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -523,7 +491,7 @@ class FakeConsumerNoOffsets(FakeConsumer):
 async def test_follower_reads_from_the_beginning_skips_bad_records_and_becomes_ready(maps):
     key = MODEL.encode()
     log = [(key, maps.v1.to_json()), (key, maps.v1.to_json()[:50]), (None, maps.v2.to_json()),
-           (b"\xff", maps.v2.to_json()), (key, None), (key, _flip_digit(maps.v2.to_json())),
+           (b"\xff", maps.v2.to_json()), (key, None), (key, flip_digit(maps.v2.to_json())),
            (key, maps.v2.to_json()), (b"churn", maps.v2.to_json())]
     consumer = FakeConsumer(log, fail_polls=1)
     store = BinMapStore()

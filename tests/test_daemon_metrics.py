@@ -59,6 +59,8 @@ EXPECTED = {
     "lpcal_calibration_failures_total": ("counter", ("model",)),
     "lpcal_fit_duration_seconds": ("histogram", ("model",)),
     "lpcal_fit_iterations": ("gauge", ("model",)),
+    "lpcal_join_buffer_bytes": ("gauge", ("model",)),
+    "lpcal_join_buffer_budget_bytes": ("gauge", ("model",)),
     "lpcal_high_probability_bins": ("gauge", ("model",)),
     "lpcal_binmap_version": ("gauge", ("model",)),
     "lpcal_binmap_published_timestamp_seconds": ("gauge", ("model",)),
@@ -102,7 +104,8 @@ def test_enum_values_are_the_specified_sets():
     assert {t.value for t in m.Topic} == {"predictions", "outcomes"}
     assert {r.value for r in m.InvalidReason} == {
         "bad_json", "oversize", "bad_schema", "unknown_model", "wrong_length", "non_finite",
-        "negative", "not_normalized", "label_out_of_range", "bad_encoding", "ts_out_of_range"}
+        "negative", "not_normalized", "label_out_of_range", "bad_encoding", "ts_out_of_range",
+        "k_too_large"}
     assert {r.value for r in m.EvictionReason} == {"ttl", "capacity"}
     assert {k.value for k in m.UnmatchedKind} == {"late", "duplicate", "orphan"}
     assert {t.value for t in m.Trigger} == {"pools_full", "drift", "manual"}
@@ -372,6 +375,16 @@ def test_remove_model_drops_its_series_and_frees_a_slot(dm, registry):
     for name in ("a", "b", "c"):
         dm.register_model(name)
     assert sample_value(registry, "lpcal_calibrations_total", model="a", trigger="drift") == 0
+
+
+def test_a_model_removed_before_its_first_gauges_is_removed_cleanly(dm):
+    """A revoke can land before a new or restored model's first gauge export: its pool
+    gauges were never created (this raised ``ValueError: Incorrect label count``)."""
+    dm.register_model("fresh", restored=True)
+    dm.set_join_buffer("fresh", 10, 100)
+    dm.remove_model("fresh")
+    assert 'model="fresh"' not in dm.exposition().decode()
+    assert "fresh" not in dm.models
 
 
 def test_default_registry_is_private_and_has_process_metrics():

@@ -390,7 +390,7 @@ def test_daemon_with_a_key_accepts_only_its_own_signatures(daemon_factory, keys)
 
 async def test_daemon_signs_what_it_publishes(daemon_factory, keys):
     from tests.daemon.test_fit_publish import FlakyProducer
-    from tests.integration.daemon_harness import wait_until
+    from tests.support.daemon_harness import wait_until
 
     d = daemon_factory(keys.a.priv)
     d.producer = FlakyProducer(failures=0)

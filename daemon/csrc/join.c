@@ -1,33 +1,82 @@
 /* daemon._speedups, part 3: the per-event loop of daemon.join.JoinStore.offer, on the
- * store's own Python objects (the Python loop in daemon/join.py is the reference). */
+ * model's own Python objects (the Python loop in daemon/join.py is the reference). Pending
+ * entries are lists indexed by the E_* codes of speedups.h (daemon/codes.py documents them). */
 #include "speedups.h"
 
 #include <math.h>
 
 static PyObject *s_append, *s_popleft;
-/* The per-event loop of daemon.join.JoinStore.offer, on the store's own Python objects. */
+/* attributes of a daemon.join._ModelJoin, read once per call */
+static PyObject *s_pending, *s_queue, *s_recent, *s_recent_order, *s_cap_recent, *s_cap_pending;
+static PyObject *o_joined, *o_expired, *o_dead; /* JOINED, EXPIRED, KIND_DEAD as Python ints */
 
-enum { KIND_PREDICTION = 0, KIND_OUTCOME = 1, KIND_SAMPLE = 2, DEAD = -1 };
-enum { JOINED = 0, EXPIRED = 1 };
 enum { EV_TTL, EV_CAPACITY, UM_LATE, UM_DUPLICATE, UM_ORPHAN, NCOUNT };
 
-typedef struct {
-    PyObject *pend;      /* dict id -> [kind, deadline, ts, payload, id] */
-    PyObject *queue;     /* deque of the pending entries, oldest first (and DEAD ones) */
+typedef struct { /* the state of one model (owned references to m's attributes) */
+    PyObject *pend;      /* dict id -> pending entry */
+    PyObject *queue;     /* deque of the pending entries, oldest first (and KIND_DEAD ones) */
     PyObject *q_append, *q_popleft; /* its bound methods */
     PyObject *recent;    /* dict id -> JOINED | EXPIRED */
     PyObject *order;     /* deque of the ids of recent, oldest first */
     PyObject *append, *popleft; /* its bound methods */
     Py_ssize_t order_len; /* len(order), kept in step */
-    PyObject *joined, *expired, *dead;
-    Py_ssize_t max_recent, cap;
+    Py_ssize_t max_recent, cap; /* m.cap_recent, m.cap_pending */
     long long count[NCOUNT];
 } Join;
+
+/* Read m.pending, .queue, .recent, .recent_order, .cap_recent, .cap_pending into j. */
+static int
+join_init(Join *j, PyObject *m)
+{
+    j->pend = PyObject_GetAttr(m, s_pending);
+    j->queue = j->pend ? PyObject_GetAttr(m, s_queue) : NULL;
+    j->recent = j->queue ? PyObject_GetAttr(m, s_recent) : NULL;
+    j->order = j->recent ? PyObject_GetAttr(m, s_recent_order) : NULL;
+    if (!j->order)
+        return -1;
+    if (!PyDict_Check(j->pend) || !PyDict_Check(j->recent)) {
+        PyErr_SetString(PyExc_TypeError, "offer_loop: m.pending and m.recent must be dicts");
+        return -1;
+    }
+    PyObject *cr = PyObject_GetAttr(m, s_cap_recent);
+    if (!cr)
+        return -1;
+    j->max_recent = PyLong_AsSsize_t(cr);
+    Py_DECREF(cr);
+    PyObject *cp = PyErr_Occurred() ? NULL : PyObject_GetAttr(m, s_cap_pending);
+    if (!cp)
+        return -1;
+    j->cap = PyLong_AsSsize_t(cp);
+    Py_DECREF(cp);
+    if (PyErr_Occurred())
+        return -1;
+    j->order_len = PyObject_Size(j->order);
+    if (j->order_len < 0)
+        return -1;
+    j->append = PyObject_GetAttr(j->order, s_append);
+    j->popleft = j->append ? PyObject_GetAttr(j->order, s_popleft) : NULL;
+    j->q_append = j->popleft ? PyObject_GetAttr(j->queue, s_append) : NULL;
+    j->q_popleft = j->q_append ? PyObject_GetAttr(j->queue, s_popleft) : NULL;
+    return j->q_popleft ? 0 : -1;
+}
+
+static void
+join_free(Join *j)
+{
+    Py_XDECREF(j->pend);
+    Py_XDECREF(j->queue);
+    Py_XDECREF(j->recent);
+    Py_XDECREF(j->order);
+    Py_XDECREF(j->append);
+    Py_XDECREF(j->popleft);
+    Py_XDECREF(j->q_append);
+    Py_XDECREF(j->q_popleft);
+}
 
 static int
 entry_ok(PyObject *e)
 {
-    if (PyList_CheckExact(e) && PyList_GET_SIZE(e) == 5)
+    if (PyList_CheckExact(e) && PyList_GET_SIZE(e) == ENTRY_LEN)
         return 1;
     PyErr_SetString(PyExc_RuntimeError, "join: malformed pending entry");
     return 0;
@@ -35,10 +84,10 @@ entry_ok(PyObject *e)
 
 /* Mark an entry that left the pending dict (its queue slot is then skipped). */
 static void
-mark_dead(Join *j, PyObject *e)
+mark_dead(PyObject *e)
 {
-    PyObject *old = PyList_GET_ITEM(e, 0);
-    PyList_SET_ITEM(e, 0, Py_NewRef(j->dead));
+    PyObject *old = PyList_GET_ITEM(e, E_KIND);
+    PyList_SET_ITEM(e, E_KIND, Py_NewRef(o_dead));
     Py_DECREF(old);
 }
 
@@ -73,7 +122,7 @@ remember(Join *j, PyObject *eid, PyObject *state)
 }
 
 /* _ModelJoin.oldest: the oldest pending entry (borrowed; NULL without error: none), dropping
- * DEAD entries from the front of the queue. */
+ * KIND_DEAD entries from the front of the queue. */
 static PyObject *
 oldest(Join *j)
 {
@@ -86,10 +135,10 @@ oldest(Join *j)
         Py_DECREF(e); /* the queue holds it */
         if (!entry_ok(e))
             return NULL;
-        long k = PyLong_AsLong(PyList_GET_ITEM(e, 0));
+        long k = PyLong_AsLong(PyList_GET_ITEM(e, E_KIND));
         if (k == -1 && PyErr_Occurred())
             return NULL;
-        if (k != DEAD)
+        if (k != KIND_DEAD)
             return e;
         PyObject *r = PyObject_CallNoArgs(j->q_popleft);
         if (!r)
@@ -109,7 +158,7 @@ front_deadline(Join *j, double *out)
         *out = INFINITY;
         return 0;
     }
-    double d = PyFloat_AsDouble(PyList_GET_ITEM(e, 1));
+    double d = PyFloat_AsDouble(PyList_GET_ITEM(e, E_DEADLINE));
     if (d == -1.0 && PyErr_Occurred())
         return -1;
     *out = d;
@@ -117,7 +166,7 @@ front_deadline(Join *j, double *out)
 }
 
 /* _ModelJoin.pop_oldest: remove the oldest pending entry (one must exist); its id (a new
- * reference) and kind; the entry is marked DEAD. */
+ * reference) and kind; the entry is marked KIND_DEAD. */
 static int
 pop_oldest(Join *j, PyObject **eid, long *kind)
 {
@@ -129,9 +178,9 @@ pop_oldest(Join *j, PyObject **eid, long *kind)
     PyObject *e = PyObject_CallNoArgs(j->q_popleft);
     if (!e)
         return -1;
-    *kind = PyLong_AsLong(PyList_GET_ITEM(e, 0));
-    *eid = Py_NewRef(PyList_GET_ITEM(e, 4));
-    mark_dead(j, e);
+    *kind = PyLong_AsLong(PyList_GET_ITEM(e, E_KIND));
+    *eid = Py_NewRef(PyList_GET_ITEM(e, E_ID));
+    mark_dead(e);
     Py_DECREF(e);
     if (PyDict_DelItem(j->pend, *eid) < 0) {
         Py_CLEAR(*eid);
@@ -157,7 +206,7 @@ expire(Join *j, double clock)
         j->count[EV_TTL]++;
         if (kd == KIND_OUTCOME)
             j->count[UM_ORPHAN]++;
-        int rc = remember(j, eid, j->expired);
+        int rc = remember(j, eid, o_expired);
         Py_DECREF(eid);
         if (rc < 0)
             return -1;
@@ -215,14 +264,14 @@ add_to_group(Groups *gs, PyObject *payload, Py_ssize_t pos)
 }
 
 PyDoc_STRVAR(offer_loop_doc,
-"offer_loop(pend, queue, recent, order, max_recent, cap, ttl, event_time, clock, wm0,\n"
-"           wm1, kind, ids, ts, labels, joined, expired, dead)\n"
+"offer_loop(m, ttl, event_time, clock, wm0, wm1, kind, ids, ts, labels)\n"
 "-> (clock, wm0, wm1, counts, out_ids, out_ts, out_lab, b_out, b_idx, p_groups,\n"
 "    live_entries, live_rows)\n\n"
-"The event loop of JoinStore.offer (see daemon/join.py, whose Python loop is the reference):\n"
-"updates pend/queue/recent/order in place and returns what the Python loop leaves in its\n"
-"locals,\n"
-"its number lists as bytearrays (out_ts float64; the rest int64). counts: (ttl, capacity,\n"
+"The event loop of JoinStore.offer (see daemon/join.py, whose Python loop is the reference)\n"
+"on the state m of one model (a daemon.join._ModelJoin): updates m.pending, m.queue,\n"
+"m.recent and m.recent_order in place, within m.cap_pending and m.cap_recent, and returns\n"
+"what the Python loop leaves in its locals, its number lists as bytearrays (out_ts\n"
+"float64; the rest int64). kind, ids, ts, labels: lists. counts: (ttl, capacity,\n"
 "late, duplicate, orphan). p_groups: [(block, out positions, rows)] of the joined rows held\n"
 "by earlier batches. live_*: the new prediction entries of this batch still pending at the\n"
 "end, and their rows.");
@@ -233,31 +282,22 @@ offer_loop(PyObject *self, PyObject *args)
     Join j;
     double ttl, clock, wm0, wm1;
     int event_time;
-    PyObject *kind, *ids, *ts, *labs;
+    PyObject *m, *kind, *ids, *ts, *labs;
     memset(&j, 0, sizeof j);
-    if (!PyArg_ParseTuple(args, "O!OO!OnndpdddO!O!O!O!OOO", &PyDict_Type, &j.pend, &j.queue,
-                          &PyDict_Type, &j.recent, &j.order, &j.max_recent, &j.cap, &ttl,
-                          &event_time, &clock, &wm0, &wm1, &PyList_Type, &kind, &PyList_Type,
-                          &ids, &PyList_Type, &ts, &PyList_Type, &labs, &j.joined, &j.expired,
-                          &j.dead))
+    if (!PyArg_ParseTuple(args, "OdpdddO!O!O!O!", &m, &ttl, &event_time, &clock, &wm0, &wm1,
+                          &PyList_Type, &kind, &PyList_Type, &ids, &PyList_Type, &ts,
+                          &PyList_Type, &labs))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(kind);
     if (PyList_GET_SIZE(ids) != n || PyList_GET_SIZE(ts) != n || PyList_GET_SIZE(labs) != n) {
         PyErr_SetString(PyExc_ValueError, "offer_loop: kind/ids/ts/labels lengths differ");
         return NULL;
     }
-    j.order_len = PyObject_Size(j.order);
-    if (j.order_len < 0)
-        return NULL;
     Buf out_ts = {0}, out_lab = {0}, b_out = {0}, b_idx = {0}, new_i = {0}, live_r = {0};
     Groups groups = {0};
     PyObject *out_ids = PyList_New(0), *new_e = PyList_New(0), *live_e = PyList_New(0);
     PyObject *result = NULL, *p_groups = NULL;
-    j.append = PyObject_GetAttr(j.order, s_append);
-    j.popleft = PyObject_GetAttr(j.order, s_popleft);
-    j.q_append = PyObject_GetAttr(j.queue, s_append);
-    j.q_popleft = PyObject_GetAttr(j.queue, s_popleft);
-    if (!out_ids || !new_e || !live_e || !j.append || !j.popleft || !j.q_append || !j.q_popleft)
+    if (!out_ids || !new_e || !live_e || join_init(&j, m) < 0)
         goto done;
     double front;
     if (front_deadline(&j, &front) < 0)
@@ -298,22 +338,22 @@ offer_loop(PyObject *self, PyObject *args)
             if (push_i64(&b_out, PyList_GET_SIZE(out_ids)) < 0 || push_i64(&b_idx, i) < 0 ||
                 PyList_Append(out_ids, eid) < 0 || push_f64(&out_ts, t) < 0 ||
                 push_long(&out_lab, PyList_GET_ITEM(labs, i)) < 0 ||
-                remember(&j, eid, j.joined) < 0)
+                remember(&j, eid, o_joined) < 0)
                 goto done;
             continue;
         }
         if (entry) {
-            long ekd = PyLong_AsLong(PyList_GET_ITEM(entry, 0));
+            long ekd = PyLong_AsLong(PyList_GET_ITEM(entry, E_KIND));
             if (ekd == kd) {
                 j.count[UM_DUPLICATE]++;
                 continue;
             }
             Py_INCREF(entry);
-            double et = PyFloat_AsDouble(PyList_GET_ITEM(entry, 2));
+            double et = PyFloat_AsDouble(PyList_GET_ITEM(entry, E_TS));
             int rc = PyErr_Occurred() ? -1 : PyDict_DelItem(j.pend, eid);
             if (rc == 0) {
                 Py_ssize_t pos = PyList_GET_SIZE(out_ids);
-                PyObject *payload = PyList_GET_ITEM(entry, 3);
+                PyObject *payload = PyList_GET_ITEM(entry, E_PAYLOAD);
                 if (kd == KIND_PREDICTION) {
                     rc = push_i64(&b_out, pos) < 0 || push_i64(&b_idx, i) < 0 ||
                          push_long(&out_lab, payload) < 0 ? -1 : 0;
@@ -330,8 +370,8 @@ offer_loop(PyObject *self, PyObject *args)
                     rc = PyList_Append(out_ids, eid) < 0 || push_f64(&out_ts, et > t ? et : t) < 0
                              ? -1 : 0;
                 if (rc == 0)
-                    rc = remember(&j, eid, j.joined);
-                mark_dead(&j, entry);
+                    rc = remember(&j, eid, o_joined);
+                mark_dead(entry);
             }
             Py_DECREF(entry);
             if (rc < 0)
@@ -350,7 +390,7 @@ offer_loop(PyObject *self, PyObject *args)
         if (PyErr_Occurred())
             goto done;
         double deadline = (event_time ? (clock > t ? clock : t) : clock) + ttl;
-        PyObject *e = PyList_New(5);
+        PyObject *e = PyList_New(ENTRY_LEN);
         if (!e)
             goto done;
         PyObject *dl = PyFloat_FromDouble(deadline);
@@ -362,11 +402,11 @@ offer_loop(PyObject *self, PyObject *args)
             Py_DECREF(e);
             goto done;
         }
-        PyList_SET_ITEM(e, 0, Py_NewRef(PyList_GET_ITEM(kind, i)));
-        PyList_SET_ITEM(e, 1, dl);
-        PyList_SET_ITEM(e, 2, Py_NewRef(tobj));
-        PyList_SET_ITEM(e, 3, payload);
-        PyList_SET_ITEM(e, 4, Py_NewRef(eid));
+        PyList_SET_ITEM(e, E_KIND, Py_NewRef(PyList_GET_ITEM(kind, i)));
+        PyList_SET_ITEM(e, E_DEADLINE, dl);
+        PyList_SET_ITEM(e, E_TS, Py_NewRef(tobj));
+        PyList_SET_ITEM(e, E_PAYLOAD, payload);
+        PyList_SET_ITEM(e, E_ID, Py_NewRef(eid));
         int rc = 0;
         if (kd == KIND_PREDICTION)
             rc = PyList_Append(new_e, e) < 0 || push_i64(&new_i, i) < 0 ? -1 : 0;
@@ -388,17 +428,17 @@ offer_loop(PyObject *self, PyObject *args)
             if (pop_oldest(&j, &old_id, &old_kind) < 0)
                 goto done;
             j.count[EV_CAPACITY]++;
-            rc = remember(&j, old_id, j.expired);
+            rc = remember(&j, old_id, o_expired);
             Py_DECREF(old_id);
             if (rc < 0)
                 goto done;
         }
     }
-    /* predictions of this batch still pending (not joined or evicted since: not DEAD) */
+    /* predictions of this batch still pending (not joined or evicted since: not KIND_DEAD) */
     for (Py_ssize_t r = 0; r < new_i.len; r++) {
         PyObject *e = PyList_GET_ITEM(new_e, r);
         Py_ssize_t i = (Py_ssize_t)((const int64_t *)new_i.data)[r];
-        if (PyLong_AsLong(PyList_GET_ITEM(e, 0)) != DEAD &&
+        if (PyLong_AsLong(PyList_GET_ITEM(e, E_KIND)) != KIND_DEAD &&
             (PyList_Append(live_e, e) < 0 || push_i64(&live_r, i) < 0))
             goto done;
     }
@@ -430,10 +470,7 @@ done:
     PyMem_Free(b_idx.data);
     PyMem_Free(new_i.data);
     PyMem_Free(live_r.data);
-    Py_XDECREF(j.append);
-    Py_XDECREF(j.popleft);
-    Py_XDECREF(j.q_append);
-    Py_XDECREF(j.q_popleft);
+    join_free(&j);
     Py_XDECREF(out_ids);
     Py_XDECREF(new_e);
     Py_XDECREF(live_e);
@@ -443,7 +480,8 @@ done:
 
 PyDoc_STRVAR(attach_rows_doc,
 "attach_rows(entries, block) -> None\n\n"
-"entries[r][3] = (block, r) for every r: the pending predictions' rows, in one block.");
+"entries[r][E_PAYLOAD] = (block, r) for every r: the pending predictions' rows, in one\n"
+"block.");
 
 static PyObject *
 attach_rows(PyObject *self, PyObject *args)
@@ -453,13 +491,13 @@ attach_rows(PyObject *self, PyObject *args)
         return NULL;
     for (Py_ssize_t r = 0; r < PyList_GET_SIZE(entries); r++) {
         PyObject *e = PyList_GET_ITEM(entries, r);
-        if (!PyList_Check(e) || PyList_GET_SIZE(e) != 5) {
+        if (!PyList_Check(e) || PyList_GET_SIZE(e) != ENTRY_LEN) {
             PyErr_SetString(PyExc_TypeError,
                             "attach_rows: entries must be pending entries (5-item lists)");
             return NULL;
         }
         PyObject *pair = Py_BuildValue("(On)", block, r);
-        if (!pair || PyList_SetItem(e, 3, pair) < 0) /* steals pair */
+        if (!pair || PyList_SetItem(e, E_PAYLOAD, pair) < 0) /* steals pair */
             return NULL;
     }
     Py_RETURN_NONE;
@@ -473,7 +511,15 @@ static PyMethodDef join_methods[] = {
 int
 speedups_add_join(PyObject *module)
 {
-    if (speedups_intern(&s_append, "append") < 0 || speedups_intern(&s_popleft, "popleft") < 0)
+    if (speedups_intern(&s_append, "append") < 0 || speedups_intern(&s_popleft, "popleft") < 0 ||
+        speedups_intern(&s_pending, "pending") < 0 || speedups_intern(&s_queue, "queue") < 0 ||
+        speedups_intern(&s_recent, "recent") < 0 ||
+        speedups_intern(&s_recent_order, "recent_order") < 0 ||
+        speedups_intern(&s_cap_recent, "cap_recent") < 0 ||
+        speedups_intern(&s_cap_pending, "cap_pending") < 0)
+        return -1;
+    if (!(o_joined = PyLong_FromLong(JOINED)) || !(o_expired = PyLong_FromLong(EXPIRED)) ||
+        !(o_dead = PyLong_FromLong(KIND_DEAD)))
         return -1;
     return PyModule_AddFunctions(module, join_methods);
 }

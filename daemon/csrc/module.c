@@ -15,13 +15,28 @@
  *   sample_out(values, rates, max_bytes, max_id_len, fallback=None, placed=None)
  *   sample_records(records, rates, ...)        events of sampled models dropped on their raw
  *                                              bytes (reference: ModelState.sample)
- *   offer_loop(...)                            the per-event join loop of JoinStore.offer
- *   attach_rows(entries, block)                entry[3] = (block, r) for each pending entry
+ *   offer_loop(m, ttl, event_time, clock, wm0, wm1, kind, ids, ts, labels)
+ *                                              the per-event join loop of JoinStore.offer, on
+ *                                              the model's state m (a daemon.join._ModelJoin)
+ *   attach_rows(entries, block)                entry[E_PAYLOAD] = (block, r) for each entry
+ *
+ * Constants: the codes of speedups.h (KIND_*, JOINED, EXPIRED, E_*, ENTRY_LEN), whose Python
+ * definitions are in daemon/codes.py.
  *
  * No NumPy C API: arrays cross the boundary as bytearrays (np.frombuffer on the Python side),
  * so the module builds with nothing but a C compiler and the Python headers.
  */
 #include "speedups.h"
+
+static const struct {
+    const char *name;
+    long value;
+} codes[] = {{"KIND_PREDICTION", KIND_PREDICTION}, {"KIND_OUTCOME", KIND_OUTCOME},
+             {"KIND_SAMPLE", KIND_SAMPLE},         {"KIND_DEAD", KIND_DEAD},
+             {"JOINED", JOINED},                   {"EXPIRED", EXPIRED},
+             {"E_KIND", E_KIND},                   {"E_DEADLINE", E_DEADLINE},
+             {"E_TS", E_TS},                       {"E_PAYLOAD", E_PAYLOAD},
+             {"E_ID", E_ID},                       {"ENTRY_LEN", ENTRY_LEN}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "daemon._speedups",
                                     "Optional native kernels of the lpcal daemon's ingest path.",
@@ -33,9 +48,13 @@ PyInit__speedups(void)
     PyObject *m = PyModule_Create(&module);
     if (!m)
         return NULL;
-    if (speedups_add_scan(m) < 0 || speedups_add_blake2b(m) < 0 || speedups_add_join(m) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
+    if (speedups_add_scan(m) < 0 || speedups_add_blake2b(m) < 0 || speedups_add_join(m) < 0)
+        goto fail;
+    for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++)
+        if (PyModule_AddIntConstant(m, codes[i].name, codes[i].value) < 0)
+            goto fail;
     return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
 }

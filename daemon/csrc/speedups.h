@@ -12,6 +12,22 @@ int speedups_add_scan(PyObject *module);    /* scan.c: all_bytes_within, scan */
 int speedups_add_blake2b(PyObject *module); /* blake2b.c: route_u64, hash_lanes, sample_* */
 int speedups_add_join(PyObject *module);    /* join.c: offer_loop, attach_rows */
 
+/* Codes shared with the Python side, which defines them in daemon/codes.py (SHARED_WITH_C).
+ * module.c exports each under its name; daemon/native.py does not use a module whose values
+ * differ, and tests/daemon/test_native.py asserts that they are equal. */
+#define KIND_PREDICTION 0 /* event kinds (daemon.events ModelBatch.kind, JoinStore.offer) */
+#define KIND_OUTCOME 1
+#define KIND_SAMPLE 2
+#define KIND_DEAD (-1)    /* a pending entry that left the pending dict */
+#define JOINED 0          /* states of an id in the join's recent dict */
+#define EXPIRED 1
+#define E_KIND 0          /* a pending join entry: a list [kind, deadline, ts, payload, id] */
+#define E_DEADLINE 1
+#define E_TS 2
+#define E_PAYLOAD 3
+#define E_ID 4
+#define ENTRY_LEN 5
+
 /* The interned str of a C string, kept for the life of the process; NULL on error. */
 static inline int
 speedups_intern(PyObject **slot, const char *name)

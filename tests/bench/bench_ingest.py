@@ -4,8 +4,8 @@ Issue 3: "ingest throughput on k = 10 JSON events, measured as a ratio to raw ai
 ``getmany`` plus ``orjson.loads`` of the same messages, in the same run; target >= 0.7".
 Issue 5: "fit runs do not stall ingestion: no gap over 1 s in consumption while a fit runs".
 
-Setup (one process, one embedded Tansu broker, see :mod:`daemon.embedded_broker`): a
-:class:`daemon.simulate.TrafficGenerator` stream of ``N`` events of one ``k = 10`` model
+Setup (one process, one embedded Tansu broker, see :mod:`daemon.tools.embedded_broker`): a
+:class:`daemon.tools.simulate.TrafficGenerator` stream of ``N`` events of one ``k = 10`` model
 (predictions, and their outcomes 5 s of event time later) is produced once into a
 predictions/outcomes topic pair (1 partition each). Then, alternating, each repetition reads
 all of those messages twice, each time with a fresh consumer group:
@@ -116,7 +116,7 @@ class Run:
 
 async def produce(bootstrap: str, topics: dict[str, str], events: int) -> dict[str, int]:
     """Write the benchmark stream; return messages per topic."""
-    from daemon.simulate import SyntheticModel, TrafficGenerator, simulate
+    from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
 
     gen = TrafficGenerator([SyntheticModel(MODEL, k=K, T=0.5, scale=3.0, seed=1)],
                            events=events, delay=5.0, seed=7)
@@ -140,7 +140,7 @@ async def produce_mixed(bootstrap: str, topics: dict[str, str], events: int, *,
     of the messages malformed), and/or ``burst`` of them in one run in the middle of the stream.
     Returns messages per topic (malformed ones included)."""
     from daemon import kafka_io
-    from daemon.simulate import SyntheticModel, TrafficGenerator
+    from daemon.tools.simulate import SyntheticModel, TrafficGenerator
 
     gen = TrafficGenerator([SyntheticModel(MODEL, k=K, T=0.5, scale=3.0, seed=1)],
                            events=events, delay=5.0, seed=7)
@@ -320,7 +320,7 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
 
 def _stream(events: int) -> tuple[list[bytes], list[bytes]]:
     """The benchmark stream's message values (the same generator and seed as :func:`produce`)."""
-    from daemon.simulate import SyntheticModel, TrafficGenerator
+    from daemon.tools.simulate import SyntheticModel, TrafficGenerator
 
     gen = TrafficGenerator([SyntheticModel(MODEL, k=K, T=0.5, scale=3.0, seed=1)],
                            events=events, delay=5.0, seed=7)
@@ -455,7 +455,7 @@ async def measure(events: int, repeats: int, log=print, small_pool: int = SMALL_
     """All the runs of the benchmark (``sampled_only``: the raw reads and the sampled-model
     pairs only)."""
     from daemon import native
-    from daemon.embedded_broker import EmbeddedBroker
+    from daemon.tools.embedded_broker import EmbeddedBroker
 
     with EmbeddedBroker() as broker:
         prefix = f"bench.ingest.{uuid.uuid4().hex[:6]}"

@@ -1,6 +1,6 @@
 """Benchmark: replica scaling and failover (issue 13, item 3).
 
-**Scaling.** One embedded Tansu broker; a :class:`daemon.simulate.TrafficGenerator` stream of 8
+**Scaling.** One embedded Tansu broker; a :class:`daemon.tools.simulate.TrafficGenerator` stream of 8
 ``k = 10`` models is produced once into predictions/outcomes topics of 8 partitions (each model
 on its own partition, keyed by model id). Then, alternating, the same stream is consumed by 1
 replica and by 2 replicas in one fresh consumer group. Each replica is a separate process
@@ -158,7 +158,7 @@ class Replicas:
         self.procs: list[subprocess.Popen] = []
         self.outs: list[Path] = []
         self.go = Path(spec["go"])
-        from daemon.embedded_broker import _free_port
+        from daemon.tools.embedded_broker import _free_port
 
         for i in range(n):
             s = dict(spec, name=f"r{i}", out=str(workdir / f"{spec['group']}-r{i}.jsonl"),
@@ -245,7 +245,7 @@ def scale_run(broker, spec: dict, n: int, workdir: Path, expected: int) -> dict:
 
 async def _prepare(bootstrap: str, names: dict, events: int) -> dict:
     from daemon import kafka_io
-    from daemon.simulate import SyntheticModel, TrafficGenerator, simulate
+    from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
 
     specs = [kafka_io.TopicSpec(names["predictions"], PARTITIONS),
              kafka_io.TopicSpec(names["outcomes"], PARTITIONS),
@@ -257,7 +257,7 @@ async def _prepare(bootstrap: str, names: dict, events: int) -> dict:
                             for i, m in enumerate(models)], events=events, delay=5.0, seed=7)
     await simulate(bootstrap, names, gen, idempotence=False, partitions=PARTITIONS,
                    create_topics=False, max_batch_size=1 << 20)
-    from tests.integration.daemon_harness import end_offsets
+    from tests.support.daemon_harness import end_offsets
 
     ends = {t: await end_offsets(bootstrap, names[t]) for t in ("predictions", "outcomes")}
     return {names[t]: {str(p): o for p, o in v.items()} for t, v in ends.items()}
@@ -306,13 +306,13 @@ def _envelopes(n_models: int) -> tuple[dict[str, bytes], int]:
 
 async def _populate_state(bootstrap: str, topic: str, n_models: int) -> tuple[int, int]:
     from daemon import kafka_io
-    from daemon.service import STATE_MAX_BYTES, STATE_TOPIC_CONFIG
+    from daemon.service import state_topic_config
 
-    await kafka_io.ensure_topics(bootstrap, [kafka_io.TopicSpec(topic, 1,
-                                                                configs=STATE_TOPIC_CONFIG)])
+    await kafka_io.ensure_topics(
+        bootstrap, [kafka_io.TopicSpec(topic, 1, configs=state_topic_config(1 << 20))])
     recs, size = _envelopes(n_models)
     prod = kafka_io.make_producer(bootstrap, idempotence=False, client_id="bench-state",
-                                  max_request_size=STATE_MAX_BYTES)
+                                  max_request_size=1 << 20)
     await prod.start()
     try:
         futs = [await prod.send(topic, key=k.encode(), value=v) for k, v in recs.items()]
@@ -348,7 +348,7 @@ def failover_run(broker, spec: dict, workdir: Path) -> dict:
 
 
 def measure(quick: bool, log) -> dict:
-    from daemon.embedded_broker import EmbeddedBroker
+    from daemon.tools.embedded_broker import EmbeddedBroker
 
     events = QUICK_EVENTS if quick else EVENTS
     repeats = 1 if quick else REPEATS

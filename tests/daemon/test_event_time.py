@@ -36,7 +36,7 @@ N = 500
 @pytest.fixture(params=["c", "python"])
 def path(request):
     if request.param == "c":
-        if native.SPEEDUPS is None:
+        if native.KERNELS.module is None:
             pytest.skip("C accelerator not built")
         yield "c"
     else:

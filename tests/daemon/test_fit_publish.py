@@ -30,7 +30,7 @@ from tests.daemon.daemon_stubs import (
     small_settings,
     state_with_sealed,
 )
-from tests.integration.daemon_harness import wait_until
+from tests.support.daemon_harness import wait_until
 
 
 class FlakyProducer:
@@ -147,7 +147,7 @@ def test_gauges_of_a_model_that_turns_idle_are_exported(daemon):
     assert pool_gauges(daemon, st) == exported != pool_totals(st)
     # a checkpoint clears the model's dirty mark, and no event arrives any more
     daemon.dirty.clear()
-    daemon._last_gauges[MODEL] -= 2 * service._GAUGE_EVERY  # one gauge period later
+    daemon.registry.slots[MODEL].gauges_at -= 2 * service._GAUGE_EVERY  # one gauge period later
     daemon._after_batch()
     assert pool_gauges(daemon, st) == pool_totals(st)
     assert not daemon._gauges_due

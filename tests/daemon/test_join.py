@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from daemon import native
 from daemon.join import KIND_OUTCOME as O
 from daemon.join import KIND_PREDICTION as P
 from daemon.join import KIND_SAMPLE as S
@@ -256,14 +258,19 @@ def test_snapshot_of_the_previous_format_restores_the_same_store():
         JoinStore.from_dict(d)
 
 
-# ----------------------------------------------------------------------------- fast path
+# ----------------------------------------------------------------------------- both loops
+needs_c = pytest.mark.skipif(native.KERNELS.offer_loop is None, reason="C join loop not built")
 
 
-class _GeneralOnly(JoinStore):
-    """The same store with the bulk fast path disabled: always the per-event loop."""
-
-    def _offer_uniform(self, *a, **kw):
-        return None
+def _both(store_args: tuple, kw: dict, script) -> tuple[JoinStore, JoinStore]:
+    """``script(store)`` run with the C join loop and with the Python loop (its reference);
+    the two stores, after asserting that every result was the same."""
+    c, py = JoinStore(*store_args, **kw), JoinStore(*store_args, **kw)
+    got = script(c)
+    with native.pure_python():
+        want = script(py)
+    assert got == want
+    return c, py
 
 
 one_kind_batches = st.lists(
@@ -274,34 +281,37 @@ one_kind_batches = st.lists(
 )
 
 
+@needs_c
 @settings(max_examples=150, deadline=None)
 @given(one_kind_batches, st.integers(1, 6))
-def test_fast_path_equals_general_loop(batches, recent):
-    """Single-kind batches (the fast path's case, incl. forgetting from a small recent set)
-    join exactly as the per-event loop: same samples, counters and state."""
-    fast = JoinStore(max_pending_per_model=40, ttl_seconds=5.0, recent_per_model=recent)
-    slow = _GeneralOnly(max_pending_per_model=40, ttl_seconds=5.0, recent_per_model=recent)
-    t = 0.0
-    for kind, evs in batches:
-        events = []
-        for i, dt, lab in evs:
-            t += dt
-            events.append((kind, f"e{i}", t, lab))
-        a, b = offer(fast, events), offer(slow, events)
-        assert a.ids == b.ids and a.labels.tolist() == b.labels.tolist()
-        assert a.ts.tolist() == b.ts.tolist() and a.probs.tolist() == b.probs.tolist()
-        assert a.evicted == b.evicted and a.unmatched == b.unmatched
-        assert fast.to_dict() == slow.to_dict()
+def test_one_kind_batches_join_alike_in_c_and_python(batches, recent):
+    """Single-kind batches (a partition of one input topic: the common case, incl. forgetting
+    from a small recent set) join exactly alike in the C loop and its Python reference: same
+    samples, counters and state after every batch."""
+    def script(store):
+        out, t = [], 0.0
+        for kind, evs in batches:
+            events = []
+            for i, dt, lab in evs:
+                t += dt
+                events.append((kind, f"e{i}", t, lab))
+            r = offer(store, events)
+            out.append((r.ids, r.labels.tolist(), r.ts.tolist(), r.probs.tolist(), r.evicted,
+                        r.unmatched, store.to_dict()))
+        return out
+
+    _both((40, 5.0), {"recent_per_model": recent}, script)
 
 
-def test_fast_path_forgets_oldest_recent_ids_in_order():
-    fast = JoinStore(100, 100, recent_per_model=3)
-    slow = _GeneralOnly(100, 100, recent_per_model=3)
-    for s in (fast, slow):
-        offer(s, [(S, f"s{i}", i, 0) for i in range(5)])        # fast path: s0, s1 forgotten
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_recent_ids_forgotten_oldest_first(path):
+    if path == "c" and native.KERNELS.offer_loop is None:
+        pytest.skip("C join loop not built")
+    s = JoinStore(100, 100, recent_per_model=3)
+    with native.pure_python() if path == "python" else contextlib.nullcontext():
+        offer(s, [(S, f"s{i}", i, 0) for i in range(5)])        # s0, s1 forgotten
         offer(s, [(S, f"s{i}", 6, 1) for i in (5, 6)])
-    assert fast.to_dict() == slow.to_dict()
-    assert fast.to_dict()["models"]["m"]["recent_ids"] == ["s4", "s5", "s6"]
+    assert s.to_dict()["models"]["m"]["recent_ids"] == ["s4", "s5", "s6"]
 
 
 def test_queue_of_joined_entries_stays_bounded_behind_a_straggler():

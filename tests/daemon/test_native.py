@@ -12,6 +12,7 @@ import hashlib
 import json
 import shutil
 import sysconfig
+import types
 from pathlib import Path
 
 import numpy as np
@@ -21,15 +22,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import daemon.columns
+import daemon.events
 import daemon.join
 import daemon.native
+from daemon import codes
 from daemon.columns import columns, columns_python
 from daemon.events import EventParser, ModelPolicy
 from daemon.join import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE, JoinStore
 from daemon.native import pure_python, route_uniform_fast
 from lpcal.pools import route_uniform
 
-NATIVE = daemon.native.SPEEDUPS
+NATIVE = daemon.native.KERNELS.module
 needs_native = pytest.mark.skipif(NATIVE is None, reason="daemon._speedups is not built here")
 
 
@@ -48,14 +51,51 @@ def test_accelerator_is_built_where_it_can_be():
 
 @needs_native
 def test_pure_python_switches_every_user_and_restores():
-    """The equivalence tests below are only meaningful if the switch really switches."""
+    """The equivalence tests below are only meaningful if the switch really switches: one
+    reference, ``native.KERNELS``, which no user copies into its own namespace."""
+    c = daemon.native.KERNELS
+    assert c.path == "c" and c.module is NATIVE
+    assert all(getattr(c, f) is getattr(NATIVE, f) for f in daemon.native._FUNCTIONS)
+    for mod in (daemon.columns, daemon.join, daemon.events):
+        assert not {"SPEEDUPS", "KERNELS"} & set(vars(mod)), mod
+    store = daemon.join.JoinStore(10, 10.0)
     with pure_python():
-        assert daemon.columns.SPEEDUPS is None and daemon.join.SPEEDUPS is None
-        assert daemon.native.describe() == "python"
+        assert daemon.native.KERNELS is daemon.native.PYTHON
+        assert daemon.native.SPEEDUPS is None and daemon.native.describe() == "python"
         cols = columns([{"model": "m", "id": "a", "ts": 1.0, "label": 1}], 255, 256)
         assert cols.vecs is not None  # the Python reference built it (the C one sets flat)
-    assert daemon.columns.SPEEDUPS is NATIVE and daemon.join.SPEEDUPS is NATIVE
+        store.offer("m", [KIND_PREDICTION], ["a"], [1.0], np.ones((1, 2)) / 2, [-1])
+        assert store._models["m"].pending["a"][codes.E_PAYLOAD][1] == 0  # (block, row) in Python
+    assert daemon.native.KERNELS is c and daemon.native.SPEEDUPS is NATIVE
     assert columns([{"model": "m", "id": "a", "ts": 1.0, "label": 1}], 255, 256).vecs is None
+
+
+def test_kind_codes_are_defined_once():
+    """The parser's and the join's kind codes are daemon.codes' (not copies that could drift)."""
+    for name in ("KIND_PREDICTION", "KIND_OUTCOME", "KIND_SAMPLE"):
+        assert getattr(daemon.events, name) is getattr(codes, name)
+        assert getattr(daemon.join, name) is getattr(codes, name)
+    assert len({codes.KIND_PREDICTION, codes.KIND_OUTCOME, codes.KIND_SAMPLE,
+                codes.KIND_DEAD}) == 4
+    assert sorted((codes.E_KIND, codes.E_DEADLINE, codes.E_TS, codes.E_PAYLOAD,
+                   codes.E_ID)) == list(range(codes.ENTRY_LEN))
+
+
+@needs_native
+def test_c_codes_equal_the_python_codes():
+    """The C kernels' #defines (speedups.h), exported by the module, are daemon.codes'."""
+    assert {k: getattr(NATIVE, k) for k in codes.SHARED_WITH_C} == codes.SHARED_WITH_C
+
+
+@needs_native
+def test_a_module_with_other_codes_is_not_used():
+    """A stale or mismatched build is refused (native falls back to Python with a warning)."""
+    stale = types.ModuleType("daemon._speedups")
+    stale.__dict__.update(vars(NATIVE))
+    stale.KIND_DEAD = 7
+    with pytest.raises(ValueError, match="KIND_DEAD"):
+        daemon.native.Kernels.of_module(stale)
+    assert daemon.native.Kernels.of_module(NATIVE) == daemon.native.KERNELS
 
 
 # ------------------------------------------------------------------------------ routing
@@ -291,8 +331,9 @@ def test_join_native_equals_python(script):
 
 @needs_native
 def test_join_native_equals_python_at_scale():
-    """Long, realistic streams (the uniform-batch fast path of the Python side included):
-    predictions then their outcomes, some duplicated, some lost, tight capacity."""
+    """Long, realistic streams of one-kind batches (partitions of the predictions or the
+    outcomes topic): predictions then their outcomes, some duplicated, some lost, tight
+    capacity."""
     rng = np.random.default_rng(3)
     batches, t = [], 0.0
     for b in range(40):

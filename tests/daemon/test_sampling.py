@@ -19,7 +19,7 @@ from daemon.events import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE, EventParse
 from daemon.model_state import ModelState
 from daemon.native import route_uniform_fast
 from daemon.settings import Settings
-from daemon.simulate import SyntheticModel, true_brier, true_err_p
+from daemon.tools.simulate import SyntheticModel, true_brier, true_err_p
 from lpcal.pools import route_uniform
 
 MODEL, K = "hot", 3
@@ -122,12 +122,12 @@ def _raw(model: str, eid: str, probs=None, label=None, **extra) -> bytes:
     return orjson.dumps(d)
 
 
-@pytest.mark.skipif(native.SPEEDUPS is None, reason="C accelerator not built")
+@pytest.mark.skipif(native.KERNELS.module is None, reason="C accelerator not built")
 def test_raw_prefilter_drops_only_what_the_reference_drops():
     ids = [f"id-{i}" for i in range(3000)]
     values = [_raw(MODEL, e, probs=[0.2, 0.3, 0.5]) if i % 2 else _raw(MODEL, e, label=1)
               for i, e in enumerate(ids)]
-    mask, counts = native.SPEEDUPS.sample_out(values, {MODEL: RATE}, 1 << 20, 256)
+    mask, counts = native.KERNELS.sample_out(values, {MODEL: RATE}, 1 << 20, 256)
     ref = route_uniform(ids) >= RATE
     assert np.array_equal(np.frombuffer(mask, dtype=np.uint8).astype(bool), ref)
     assert counts == {MODEL: int(ref.sum())}
@@ -136,13 +136,13 @@ def test_raw_prefilter_drops_only_what_the_reference_drops():
            b'{"model":"hot","id":"x1","id":"x2","label":1}', _raw("other", "x3", label=1),
            b'{"model":"hot","id":"x4"', b"not json", b'["hot","x5"]',
            b'{"model":"hot","label":1}', _raw(MODEL, "x" * 300, label=1)]
-    mask, counts = native.SPEEDUPS.sample_out(odd, {MODEL: RATE}, 1 << 20, 256)
+    mask, counts = native.KERNELS.sample_out(odd, {MODEL: RATE}, 1 << 20, 256)
     assert set(mask) == {0} and counts == {}
     # whitespace, key order and nested values do not change the decision
     drop = next(e for e, x in zip(ids, route_uniform(ids)) if x >= RATE)
     spaced = (b' { "ts" : 1 , "extra" : {"a": [1, "}"]}, "id" : "' + drop.encode()
               + b'" ,"label":1, "model":"hot" } ')
-    mask, counts = native.SPEEDUPS.sample_out([spaced], {MODEL: RATE}, 1 << 20, 256)
+    mask, counts = native.KERNELS.sample_out([spaced], {MODEL: RATE}, 1 << 20, 256)
     assert mask == b"\x01" and counts == {MODEL: 1}
 
 
@@ -167,7 +167,7 @@ def _daemon_run(s: Settings, values: dict[str, list[bytes]]):
 
 @pytest.mark.parametrize("path", ["c", "python"])
 def test_daemon_counts_sampled_out_events_per_topic(path):
-    if path == "c" and native.SPEEDUPS is None:
+    if path == "c" and native.KERNELS.module is None:
         pytest.skip("C accelerator not built")
     s = settings()
     ids, probs, labels = stream(3000, seed=4)
@@ -237,7 +237,7 @@ def test_monitor_estimates_stay_unbiased_at_rate_one_tenth():
 
 def _widths() -> list[int]:
     """The hash widths (ids side by side: 1 scalar, 4 AVX2, 8 AVX-512F) this CPU runs."""
-    s = native.SPEEDUPS
+    s = native.KERNELS.module
     prev, out = s.hash_lanes(), []
     for w in (1, 4, 8):
         try:
@@ -249,11 +249,11 @@ def _widths() -> list[int]:
     return out
 
 
-@pytest.mark.skipif(native.SPEEDUPS is None, reason="C accelerator not built")
+@pytest.mark.skipif(native.KERNELS.module is None, reason="C accelerator not built")
 def test_prefilter_decides_as_the_reference_at_every_hash_width():
     """Ids of one and of two blake2b blocks, several blocks of candidates and a tail that is no
     multiple of the lane count, interleaved with a model that is not sampled."""
-    s = native.SPEEDUPS
+    s = native.KERNELS.module
     ids = [f"w{i}-" + "x" * (i % 200) for i in range(1001)]
     values = []
     for i, e in enumerate(ids):
@@ -280,9 +280,9 @@ def test_prefilter_decides_as_the_reference_at_every_hash_width():
         s.hash_lanes(3)
 
 
-@pytest.mark.skipif(native.SPEEDUPS is None, reason="C accelerator not built")
+@pytest.mark.skipif(native.KERNELS.module is None, reason="C accelerator not built")
 def test_prefilter_samples_configured_models_until_they_are_placed():
-    s = native.SPEEDUPS
+    s = native.KERNELS.module
     ids = [f"p-{i}" for i in range(2000)]
     values = [_raw(MODEL, e, label=1) for e in ids]
     ref = route_uniform(ids) >= RATE
@@ -305,7 +305,7 @@ def test_configured_hot_model_sampled_from_its_first_batch_and_only_on_its_parti
     """On the C path the first batch of a configured model with a rate < 1 is already
     prefiltered (only kept events are parsed); both paths count the same events sampled out,
     and dead-letter every event of the model that arrives on another partition."""
-    if path == "c" and native.SPEEDUPS is None:
+    if path == "c" and native.KERNELS.module is None:
         pytest.skip("C accelerator not built")
     from daemon.service import Daemon
 

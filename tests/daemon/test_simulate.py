@@ -1,4 +1,4 @@
-"""Unit tests of daemon.simulate's pure generator and CLI argument handling (no broker)."""
+"""Unit tests of daemon.tools.simulate's pure generator and CLI argument handling (no broker)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from daemon.events import (
     Prediction,
     Sample,
 )
-from daemon.simulate import (
+from daemon.tools.simulate import (
     MALFORMED_KINDS,
     SyntheticModel,
     TrafficGenerator,
@@ -354,7 +354,7 @@ def test_cli_arguments():
     again = generator_from_args(build_parser().parse_args(
         ["--models", "fraud-v3,churn-v1:5", "--events", "40", "--start", "1000", "--seed", "2"]))
     assert list(again) == list(generator_from_args(a))
-    from daemon.simulate import _resolve
+    from daemon.tools.simulate import _resolve
     assert _resolve(a)["idempotence"] is True
     kw = _resolve(build_parser().parse_args(["--no-idempotence", "--topic-prefix", "x.",
                                              "--partitions", "3"]))
@@ -401,7 +401,7 @@ def test_stream_joins_in_the_daemon_join_store():
 
 
 def test_cli_reads_kafka_settings_from_config(tmp_path, monkeypatch):
-    from daemon.simulate import _resolve
+    from daemon.tools.simulate import _resolve
 
     for var in [v for v in __import__("os").environ if v.startswith("LPCAL_")]:
         monkeypatch.delenv(var)

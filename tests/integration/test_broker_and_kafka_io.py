@@ -1,4 +1,4 @@
-"""Real-broker tests of daemon.embedded_broker and daemon.kafka_io, plus unit tests of
+"""Real-broker tests of daemon.tools.embedded_broker and daemon.kafka_io, plus unit tests of
 client_kwargs (which need no broker). The broker is never mocked."""
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
-from daemon import embedded_broker as eb
-from daemon.embedded_broker import BrokerStartError, EmbeddedBroker, kafka_metadata_ping
 from daemon.kafka_io import (
     COMPACT,
     TopicLayoutError,
@@ -36,6 +34,8 @@ from daemon.kafka_io import (
     publish_deadletter,
     read_compacted_latest,
 )
+from daemon.tools import embedded_broker as eb
+from daemon.tools.embedded_broker import BrokerStartError, EmbeddedBroker, kafka_metadata_ping
 from lpcal.errors import InputError
 
 integration = pytest.mark.integration

@@ -3,7 +3,8 @@ aiohttp server.
 
 Bin maps are published exactly as the daemon publishes them (``daemon/service.py::_fit_done``):
 topic ``*.binmaps`` (compacted), key = model id bytes, value = the bin-map JSON, header
-``lpcal.version``. The tests may import ``daemon``; the client (``lpcal.client``) may not.
+``lpcal.version``. The tests may import ``daemon``; the client (``lpcal.client``) may not. The
+maps and the artifact helpers are shared with the unit tests (``tests/support/client_fixtures.py``).
 """
 
 from __future__ import annotations
@@ -13,17 +14,13 @@ import dataclasses
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
-import orjson
 import pytest
 from aiohttp import web
 from aiokafka import AIOKafkaConsumer
 
 from daemon.kafka_io import COMPACT, TopicSpec, ensure_topics, make_producer
-from lpcal.binmap import BinMap
-from lpcal.calibrate import fit
 from lpcal.client import (
     BinMapFollower,
     BinMapLoadError,
@@ -32,44 +29,15 @@ from lpcal.client import (
     fetch_http,
     load_http,
 )
+from tests.support.client_fixtures import MODEL, fitted_maps, flip_digit, schema_future
 
 integration = pytest.mark.integration
-MODEL = "fraud-v3"
-
-
-def _data(seed, n=8000, k=3, mix=0.6):
-    rng = np.random.default_rng(seed)
-    centres = rng.dirichlet(np.ones(k) * 0.6, size=3)
-    f = centres[rng.integers(0, 3, size=n)] + rng.dirichlet(np.ones(k), size=n) * 0.04
-    f /= f.sum(axis=1, keepdims=True)
-    q = (1 - mix) * f + mix * np.roll(f, -1, axis=1)
-    y = np.minimum((q.cumsum(axis=1) < rng.random((n, 1))).sum(axis=1), k - 1)
-    return f, y
 
 
 @pytest.fixture(scope="module")
 def maps():
-    f, y = _data(3)
-    v1 = fit(f, y, eps=0.3, p=2.0, seed=0, model_id=MODEL, mode="paper").with_version(1)
-    v2 = fit(f, y, eps=0.2, p=2.0, seed=1, model_id=MODEL, mode="paper").with_version(2)
-    x = np.random.default_rng(11).dirichlet(np.ones(3), size=400)
-    out1, out2 = v1.apply(x), v2.apply(x)
-    assert (np.abs(out1 - out2).max(axis=1) > 1e-9).all()  # a mixture would match neither
-    return SimpleNamespace(v1=v1, v2=v2, x=x, out1=out1, out2=out2)
-
-
-def _flip_digit(data: bytes) -> bytes:
-    i = data.index(b'"preds"')
-    j = next(p for p in range(i, len(data)) if data[p:p + 1] in b"123456789")
-    return data[:j] + b"0" + data[j + 1:]
-
-
-def _schema_future(data: bytes) -> bytes:
-    obj = orjson.loads(data)
-    obj.pop("checksum")
-    obj["schema"] = 3
-    obj["checksum"] = BinMap._digest(obj)
-    return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+    """Two real fitted maps of MODEL (v1, v2; a mixture would match neither) and test inputs."""
+    return fitted_maps(data_seed=3, x_seed=11, n_x=400)
 
 
 async def _until(cond, timeout, what):
@@ -132,9 +100,9 @@ async def test_readers_switch_from_v1_to_v2_and_never_see_a_half_loaded_map(
             try:
                 # corrupt, truncated and schema-incompatible records: rejected, v1 stays
                 good2 = maps.v2.to_json()
-                await pub.publish(_flip_digit(good2), 2)
+                await pub.publish(flip_digit(good2), 2)
                 await pub.publish(good2[: len(good2) // 3], 2)
-                await pub.publish(_schema_future(good2), 2)
+                await pub.publish(schema_future(good2), 2)
                 await _until(lambda: len(rejected) == 3, 15, "three rejections")
                 assert store.rejections == {"checksum": 1, "truncated": 1, "schema": 1,
                                             "parse": 0, "model": 0, "signature": 0}

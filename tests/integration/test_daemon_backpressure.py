@@ -30,7 +30,7 @@ import daemon.service as service
 from daemon.events import EventParser
 from daemon.model_state import MAX_SEALED, ModelState
 from lpcal.calibrate import fit_pools
-from tests.integration.daemon_harness import (
+from tests.support.daemon_harness import (
     EventProducer,
     TopicNames,
     build_settings,

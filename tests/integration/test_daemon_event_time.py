@@ -13,7 +13,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from tests.integration.daemon_harness import (
+from tests.support.daemon_harness import (
     EventProducer,
     TopicNames,
     build_settings,

@@ -14,7 +14,7 @@ import pytest
 from daemon.model_state import ModelState
 from lpcal.binmap import BinMap
 from lpcal.certificate import Certificate
-from tests.integration.daemon_harness import (
+from tests.support.daemon_harness import (
     EventProducer,
     TopicNames,
     build_settings,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from aiokafka.partitioner import murmur2
 
-from tests.integration.daemon_harness import (
+from tests.support.daemon_harness import (
     EventProducer,
     RunningDaemon,
     TopicNames,

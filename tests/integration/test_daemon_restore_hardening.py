@@ -26,7 +26,7 @@ from aiokafka.partitioner import murmur2
 from daemon.checkpoint_store import COMPRESSED
 from daemon.model_state import ModelState
 from daemon.service import ENVELOPE_FORMAT
-from tests.integration.daemon_harness import (
+from tests.support.daemon_harness import (
     EventProducer,
     SubprocessDaemon,
     TopicNames,
@@ -229,7 +229,7 @@ async def test_failing_assignment_is_retried_then_healthz_fails(broker, topic_pr
     """Invariant: an assignment that fails anyway is retried with backoff (the partitions
     stay paused meanwhile) and, while it keeps failing past a bound, ``/healthz`` is 503."""
     from daemon.service import Daemon
-    from tests.integration.daemon_harness import FAST_CONSUMER, RunningDaemon
+    from tests.support.daemon_harness import FAST_CONSUMER, RunningDaemon
 
     names = TopicNames.for_prefix(topic_prefix)
     await create_topics(broker.bootstrap, names, 1)

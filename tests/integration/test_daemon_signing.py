@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from daemon.settings import load_settings
 from lpcal.binmap import BinMap
 from lpcal.client import BinMapStore
-from tests.integration.daemon_harness import (
+from tests.support.daemon_harness import (
     EventProducer,
     SubprocessDaemon,
     TopicNames,

@@ -13,7 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from tests.integration.daemon_harness import (
+from tests.support.daemon_harness import (
     EventProducer,
     TopicNames,
     build_settings,

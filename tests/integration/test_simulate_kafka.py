@@ -1,4 +1,4 @@
-"""daemon.simulate against the embedded Kafka broker (never mocked)."""
+"""daemon.tools.simulate against the embedded Kafka broker (never mocked)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from aiokafka import TopicPartition
 
 from daemon.kafka_io import make_consumer, partition_counts
-from daemon.simulate import SyntheticModel, TrafficGenerator, main, simulate
+from daemon.tools.simulate import SyntheticModel, TrafficGenerator, main, simulate
 
 integration = pytest.mark.integration
 

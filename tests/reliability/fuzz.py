@@ -11,10 +11,12 @@ unconfigured models (``unknown_model``); vectors of the wrong length including h
 ``max_bytes`` (``oversize``); entries whose sum overflows (``non_finite``); negative entries
 (``negative``); sums off 1 by more than the tolerance, or 0 (``not_normalized``, with
 ``normalize = "reject"``); labels outside ``[0, k)`` (``label_out_of_range``); event times past
-2096, beyond any record timestamp plus the allowed skew (``ts_out_of_range``).
+2096, beyond any record timestamp plus the allowed skew (``ts_out_of_range``); vectors of
+1001 to 1900 classes for :data:`LEARNED_K_MODEL`, whose ``k`` is learned (``k_too_large``).
 
 The daemon must run with ``unknown_models = "reject"``, ``normalize = "reject"``, the models'
-``k`` pinned (``models``) and ``kafka.max_message_bytes = max_bytes``.
+``k`` pinned (``models``), :data:`LEARNED_K_MODEL` configured without ``k``, ``max_k`` at its
+default (1000) and ``kafka.max_message_bytes = max_bytes``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 import orjson
 
 TS = 1_764_000_000.0
+LEARNED_K_MODEL = "bad-learned"  # configured without k: the daemon learns it (never, here)
 
 
 def _probs(rng: np.random.Generator, k: int) -> list[float]:
@@ -156,6 +159,15 @@ class _Families:
         d = {"model": model, "id": eid, "ts": float(rng.integers(4 * 10**9, 10**12)),
              "probs": _probs(rng, k)}
         return orjson.dumps(d), "ts_out_of_range", None
+
+    @staticmethod
+    def too_many_classes(rng, model, k, eid, mb):
+        n = int(rng.integers(1001, 1900))  # above max_k = 1000, as 0/1 entries: < 4 KB
+        probs = [0] * n
+        probs[int(rng.integers(n))] = 1
+        raw = orjson.dumps({"model": LEARNED_K_MODEL, "id": eid, "ts": TS, "probs": probs})
+        assert len(raw) <= mb, "vectors above max_k under max_bytes: raise max_bytes"
+        return raw, "k_too_large", LEARNED_K_MODEL
 
     @staticmethod
     def unknown_model(rng, model, k, eid, mb):

@@ -1,6 +1,6 @@
-"""Small additions to :mod:`tests.integration.daemon_harness` for the reliability suite.
+"""Small additions to :mod:`tests.support.daemon_harness` for the reliability suite.
 
-* :class:`FastDaemon`: a :class:`~tests.integration.daemon_harness.SubprocessDaemon` (the real
+* :class:`FastDaemon`: a :class:`~tests.support.daemon_harness.SubprocessDaemon` (the real
   ``lpcal serve``; its TOML from ``daemon_config`` sets 2 s consumer session timeouts, so a
   restart after SIGKILL does not wait ~10 s for the dead member to leave the group), with the
   logs of every incarnation;
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import orjson
 
-from tests.integration.daemon_harness import SubprocessDaemon, TopicNames, http_get
+from tests.support.daemon_harness import SubprocessDaemon, TopicNames, http_get
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent.parent / "docs" / "reliability.md"

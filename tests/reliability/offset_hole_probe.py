@@ -24,10 +24,10 @@ import time
 
 from aiokafka import TopicPartition
 
-from daemon.embedded_broker import EmbeddedBroker
 from daemon.kafka_io import TopicSpec, ensure_topics, make_consumer, make_producer
 from daemon.offset_gaps import OffsetGapGuard
-from tests.integration.daemon_harness import read_records
+from daemon.tools.embedded_broker import EmbeddedBroker
+from tests.support.daemon_harness import read_records
 
 
 async def _produce(bootstrap: str, topic: str, tag: str, n: int, rate: float) -> None:

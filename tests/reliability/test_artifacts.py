@@ -20,10 +20,11 @@ import orjson
 import pytest
 
 from daemon import kafka_io
-from daemon.simulate import SyntheticModel, TrafficGenerator, simulate
+from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
 from lpcal.binmap import BinMap
 from lpcal.client import BinMapFollower, BinMapStore
-from tests.integration.daemon_harness import (
+from tests.reliability.harness import FastDaemon, models_view
+from tests.support.daemon_harness import (
     TopicNames,
     create_topics,
     daemon_config,
@@ -33,7 +34,6 @@ from tests.integration.daemon_harness import (
     scrape_metrics,
     wait_until,
 )
-from tests.reliability.harness import FastDaemon, models_view
 
 pytestmark = pytest.mark.integration
 

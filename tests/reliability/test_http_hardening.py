@@ -27,7 +27,8 @@ import pytest
 from daemon.http_api import HttpServer
 from daemon.service import Daemon
 from daemon.settings import load_settings
-from tests.integration.daemon_harness import (
+from tests.reliability.harness import FastDaemon
+from tests.support.daemon_harness import (
     TopicNames,
     daemon_config,
     free_port,
@@ -36,7 +37,6 @@ from tests.integration.daemon_harness import (
     to_toml,
     wait_until,
 )
-from tests.reliability.harness import FastDaemon
 
 TOKEN = "adm-5b1e-hardening-token"
 PARTIAL_HEAD = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "  # never finished

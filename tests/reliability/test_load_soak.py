@@ -38,9 +38,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.simulate import SyntheticModel, TrafficGenerator, simulate
-from tests.integration.daemon_harness import TopicNames, create_topics, daemon_config, free_port
+from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
 from tests.reliability.harness import FastDaemon, models_view, rss_kib
+from tests.support.daemon_harness import TopicNames, create_topics, daemon_config, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.soak]
 

@@ -34,7 +34,8 @@ from daemon.http_api import HttpServer
 from daemon.service import Daemon
 from daemon.settings import load_settings
 from lpcal.errors import InputError
-from tests.integration.daemon_harness import (
+from tests.reliability.harness import FastDaemon, wait_settled
+from tests.support.daemon_harness import (
     EventProducer,
     TopicNames,
     create_topics,
@@ -46,7 +47,6 @@ from tests.integration.daemon_harness import (
     to_toml,
     wait_until,
 )
-from tests.reliability.harness import FastDaemon, wait_settled
 
 TOKEN = "adm-7f3c9e1b5d-SECRET-token"
 PASSWORD = "sasl-pw-4e8a2c6f0b-SECRET"

@@ -24,7 +24,8 @@ import pytest
 from daemon import kafka_io
 from daemon.service import Daemon
 from daemon.settings import load_settings
-from tests.integration.daemon_harness import (
+from tests.reliability.harness import FastDaemon
+from tests.support.daemon_harness import (
     TopicNames,
     daemon_config,
     free_port,
@@ -32,7 +33,6 @@ from tests.integration.daemon_harness import (
     to_toml,
     wait_until,
 )
-from tests.reliability.harness import FastDaemon
 
 
 @pytest.mark.parametrize("when", ["first attempts", "4 s backoff"])

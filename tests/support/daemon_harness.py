@@ -5,7 +5,7 @@
   subprocess daemon, see :func:`to_toml`);
 * :func:`running_daemon`: an in-process :class:`daemon.service.Daemon` as an async context
   manager (small consumer session timeouts, so Tansu group joins take ~1 s);
-* :class:`SubprocessDaemon`: ``python -m lpcal.cli serve --config FILE`` with stdout/stderr in
+* :class:`SubprocessDaemon`: ``python -m daemon.cli serve --config FILE`` with stdout/stderr in
   files, SIGKILL / SIGTERM / restart, log tails for diagnostics;
 * :class:`EventProducer` and :func:`synth_samples`: input events (predictions, outcomes, raw);
 * readers of the output topics: :func:`read_records`, :func:`read_binmaps`,
@@ -51,7 +51,7 @@ from aiokafka import TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon import kafka_io
-from daemon.checkpoint_store import decode_value
+from daemon.checkpoint_store import decode_value, reassemble
 from daemon.model_state import ModelState
 from daemon.settings import KafkaSettings, Settings, load_settings
 from lpcal.binmap import BinMap
@@ -302,7 +302,7 @@ async def running_daemon(settings: Settings, **kw: Any):
 
 
 class SubprocessDaemon:
-    """``python -m lpcal.cli serve --config FILE`` in a child process.
+    """``python -m daemon.cli serve --config FILE`` in a child process.
 
     Each :meth:`start` is one *incarnation* with its own stdout/stderr files
     (``<name>-<n>.out/.err`` under ``workdir``). The child runs with ``cwd=workdir`` and no
@@ -332,7 +332,7 @@ class SubprocessDaemon:
         env.update(PYTHONUNBUFFERED="1", **self._env)
         with open(self._log(".out"), "wb") as out, open(self._log(".err"), "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "lpcal.cli", "serve", "--config", str(self.config_path)],
+                [sys.executable, "-m", "daemon.cli", "serve", "--config", str(self.config_path)],
                 cwd=self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                 start_new_session=True)
         return self
@@ -598,7 +598,7 @@ async def read_state(bootstrap: str, topic: str, timeout: float = 20.0) -> State
     """Parse the ``model/<id>`` envelopes (``{"format","model","partition","state",
     "inflight"}``) and ``partition/<n>`` manifests of a state topic."""
     snap = StateSnapshot()
-    latest = await read_latest(bootstrap, topic, timeout)
+    latest, _stale = reassemble(await read_latest(bootstrap, topic, timeout))
     for key, value in latest.items():
         if key.startswith("model/"):
             env = orjson.loads(decode_value(value))

@@ -39,7 +39,11 @@ Usage::
                                   rate=1000, idempotence=False))
 
 CLI: ``lpcal simulate --bootstrap HOST:PORT [--models fraud-v3,churn-v1:5] [--k 3] [--events N]
-[--rate R] [--delay S] [--T 0.3] ... [--no-idempotence]`` (``--help`` lists every option).
+[--rate R] [--delay S] [--T 0.3] ... [--no-idempotence]`` (``--help`` lists every option). Each
+run draws a random run id that is part of every event id (``fraud-v3-<run>-123``), so a second
+run never repeats the first's ids (which the daemon would count as duplicates); ``--events``
+defaults to enough events for one bin map of each model under the daemon's settings
+(:func:`default_events`); a progress line goes to stderr every 2 s.
 """
 
 from __future__ import annotations
@@ -47,10 +51,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
+import re
+import secrets
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -66,6 +74,8 @@ __all__ = [
     "SyntheticModel",
     "TrafficGenerator",
     "build_parser",
+    "default_events",
+    "events_for_binmap",
     "generator_from_args",
     "main",
     "simulate",
@@ -95,6 +105,7 @@ MALFORMED_KINDS: dict[str, str] = {
 }
 
 PREDICTIONS, OUTCOMES = "predictions", "outcomes"
+_RUN_ID = re.compile(r"[A-Za-z0-9._]{1,32}")
 _KIND_PRED, _KIND_SAMPLE, _KIND_BAD = 0, 1, 2
 _MAX_MODEL_LEN = 255
 
@@ -237,7 +248,9 @@ class TrafficGenerator:
 
     Event ``i`` (``0 <= i < events``) belongs to model ``i mod M`` with id
     ``f"{model}-{i // M}"`` (``id_digits``: the counter zero-padded to that many digits, so that
-    every id of a model has the same length, as UUIDs do) and time ``start + i / event_rate``.
+    every id of a model has the same length, as UUIDs do; ``run_id``: ``f"{model}-{run_id}-{i //
+    M}"``, so that streams of different runs never share an id) and time
+    ``start + i / event_rate``.
     Each event is, independently:
     malformed with probability ``malformed_frac`` (never a model's first event, so a daemon
     that learns ``k`` learns the right one), else a complete sample with probability
@@ -260,7 +273,7 @@ class TrafficGenerator:
                  logits_frac: float = 0.0, malformed_frac: float = 0.0,
                  malformed_kinds: Sequence[str] | None = None, drift_after: int | None = None,
                  drift_T: float | None = None, seed: int = 0, decimals: int | None = None,
-                 chunk: int = 1000, id_digits: int | None = None):
+                 chunk: int = 1000, id_digits: int | None = None, run_id: str | None = None):
         self.models = list(models)
         if not self.models:
             raise InputError("TrafficGenerator: at least one model is required")
@@ -305,7 +318,12 @@ class TrafficGenerator:
         if id_digits is not None and not (1 <= id_digits <= 30 and per_model <= 10 ** id_digits):
             raise InputError(f"id_digits must be in [1, 30] and fit {per_model} events per "
                              f"model, got {id_digits}")
-        self._id = "{}-{}" if id_digits is None else f"{{}}-{{:0{id_digits}d}}"
+        if run_id and not _RUN_ID.fullmatch(run_id):
+            raise InputError(f"run_id must be 1-32 characters of [A-Za-z0-9._], got {run_id!r}")
+        self.run_id = run_id or None
+        run = f"{run_id}-" if run_id else ""
+        self._id = ("{}-" + run + "{}" if id_digits is None
+                    else f"{{}}-{run}{{:0{id_digits}d}}")
         self.events, self.event_rate, self.start = int(events), float(event_rate), float(start)
         self.delay, self.jitter = float(delay), float(jitter)
         self.drift_after, self.drift_T = drift_after, drift_T
@@ -530,7 +548,7 @@ async def simulate(bootstrap: str, topics: Mapping[str, str], generator: Traffic
     embedded Tansu broker. ``progress`` (e.g. ``print``) receives a line every
     ``progress_interval`` seconds.
     """
-    from daemon.kafka_io import TopicSpec, ensure_topics, make_producer
+    from daemon.kafka_io import TopicSpec, ensure_topics, make_producer, start_producer
 
     if not (math.isfinite(rate) and rate >= 0):
         raise InputError(f"rate must be >= 0 events per second (0 = as fast as possible), "
@@ -548,7 +566,7 @@ async def simulate(bootstrap: str, topics: Mapping[str, str], generator: Traffic
     t0 = time.monotonic()
     last = t0
     try:
-        await producer.start()
+        await start_producer(producer, idempotence=idempotence, fix=_IDEMPOTENCE_FIX)
     except BaseException:
         await producer.stop()
         raise
@@ -571,8 +589,12 @@ async def simulate(bootstrap: str, topics: Mapping[str, str], generator: Traffic
             if progress is not None and now - last >= progress_interval:
                 last = now
                 total = sum(sent.values())
-                progress(f"simulate: {generator.produced}/{generator.events} events, {total} "
-                         f"messages, {total / max(now - t0, 1e-9):,.0f} messages/s")
+                done = generator.produced / max(generator.events, 1)
+                eta = (now - t0) * (1 - done) / done if done > 0 else math.inf
+                progress(f"simulate: {generator.produced}/{generator.events} events "
+                         f"({100 * done:.0f}%), {total} messages, "
+                         f"{total / max(now - t0, 1e-9):,.0f} messages/s, {now - t0:.0f} s"
+                         + (f", about {eta:.0f} s left" if math.isfinite(eta) else ""))
         if futures:
             await asyncio.gather(*futures)
         await producer.flush()
@@ -583,6 +605,41 @@ async def simulate(bootstrap: str, topics: Mapping[str, str], generator: Traffic
 
 
 # --------------------------------------------------------------------------- CLI
+
+_IDEMPOTENCE_FIX = "pass --no-idempotence (the embedded broker needs it)"
+#: Safety margin of :func:`events_for_binmap`: every pool's expected count at the returned
+#: number of events is this many standard deviations above its target.
+_ROUTING_SIGMAS = 6.0
+
+
+def events_for_binmap(model_settings: Sequence[Any], ks: Sequence[int], *,
+                      keep: float = 1.0) -> int:
+    """Events that give every model one bin map (one full epoch of pools) in the daemon.
+
+    ``model_settings``: the daemon's merged settings of each model (``ModelSettings``); ``ks``
+    their classes; ``keep``: share of events that become joined samples (no orphans, no
+    malformed events: 1). An epoch takes ``warmup`` samples in arrival order, then routes the
+    others by a hash of their id to the pools and the held-out share in proportion to their
+    targets (:meth:`lpcal.pools.PoolLayout.route`), so it is full only when the slowest
+    destination is: the count returned gives each destination an expected count
+    ``_ROUTING_SIGMAS`` binomial standard deviations above its target, divided by the
+    model's ``sample_rate`` and ``keep``. Events go to the models in turn, so the total is
+    the largest per-model count times the number of models, rounded up to a thousand."""
+    from daemon.model_state import _config_of, layout_for
+
+    per_model = 0
+    for ms, k in zip(model_settings, ks, strict=True):
+        layout = layout_for(_config_of(ms), int(k))
+        targets = [layout.targets[n] for n in layout.names] + (
+            [layout.holdout] if layout.holdout else [])
+        total = float(sum(targets))
+        n = total
+        while any(n * t / total - _ROUTING_SIGMAS * math.sqrt(n * t / total * (1 - t / total))
+                  < t for t in targets):
+            n *= 1.01
+        need = (layout.warmup + n) / float(getattr(ms, "sample_rate", 1.0)) / keep
+        per_model = max(per_model, math.ceil(need))
+    return -(-per_model * len(ks) // 1000) * 1000
 
 
 def _models_arg(text: str) -> list[tuple[str, int | None]]:
@@ -637,8 +694,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--models", type=_models_arg, default=_models_arg("fraud-v3"),
                    help="comma-separated model ids, each optionally NAME:K (default fraud-v3)")
     m.add_argument("--k", type=int, default=3, help="classes of models without :K (default 3)")
-    m.add_argument("--events", type=int, default=10_000, help="events to generate (default "
-                                                                "10000; each is 1-2 messages)")
+    m.add_argument("--events", type=int, default=None,
+                   help="events to generate, each 1-2 messages (default: enough for one bin map "
+                        "of every model under the daemon settings `lpcal serve` reads here: "
+                        "--config, else $LPCAL_CONFIG or config/lpcal.toml, and LPCAL_*; "
+                        "printed at the start)")
     m.add_argument("--rate", type=float, default=0.0,
                    help="events per second of wall time; 0 = as fast as possible (default)")
     m.add_argument("--event-rate", type=float, default=None,
@@ -669,6 +729,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--decimals", type=int, default=None,
                    help="round probabilities to this many decimals (default: full precision)")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--run-id", default=None,
+                   help="part of every event id (MODEL-RUN-N), so that runs never repeat an "
+                        "id (default: 8 random hex digits per run; '' for MODEL-N)")
     m.add_argument("--quiet", action="store_true", help="no progress lines")
     return ap
 
@@ -699,20 +762,56 @@ def _resolve(a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def default_events(a: argparse.Namespace) -> tuple[int, str]:
+    """``--events`` when it is not given, and where the settings it was sized for came from:
+    :func:`events_for_binmap` of the models under the daemon settings ``lpcal serve`` would
+    read here (``--config``, else ``$LPCAL_CONFIG`` or ``config/lpcal.toml``, and the
+    ``LPCAL_*`` environment), or under the built-in defaults when those cannot be read."""
+    from daemon.settings import ModelSettings, SettingsError, load_settings
+
+    for name in ("orphan_frac", "sample_frac", "malformed_frac"):  # the generator's messages
+        _check_frac(name, getattr(a, name))
+    try:
+        settings = load_settings(a.config)
+    except SettingsError as e:
+        if a.config:
+            raise InputError(f"--config {a.config}: {e}") from None
+        settings = None
+    if settings is None:
+        where = "the built-in daemon defaults (the settings here do not load)"
+        per_model = [ModelSettings() for _ in a.models]
+    else:
+        source = a.config or os.environ.get("LPCAL_CONFIG") or (
+            "config/lpcal.toml" if Path("config/lpcal.toml").is_file() else None)
+        where = (f"the daemon settings of {source}" if source
+                 else "the built-in daemon defaults")
+        per_model = [settings.model_settings(name) or settings.defaults for name, _ in a.models]
+    keep = 1.0 - a.malformed_frac - a.orphan_frac * (1.0 - a.malformed_frac - a.sample_frac)
+    if not keep > 0:
+        raise InputError("--events is required when no event becomes a joined sample "
+                         "(--orphan-frac / --malformed-frac)")
+    ks = [k if k is not None else a.k for _, k in a.models]
+    return events_for_binmap(per_model, ks, keep=keep), where
+
+
 def generator_from_args(a: argparse.Namespace) -> TrafficGenerator:
     """The :class:`TrafficGenerator` the CLI arguments describe (model ``i`` gets seed
-    ``[seed, i]``)."""
+    ``[seed, i]``; ``--events`` unset: :func:`default_events`; ``--run-id`` unset: ids
+    without a run part, :func:`main` draws a random one per run)."""
     models = [SyntheticModel(name, k if k is not None else a.k, a.T, a.scale, a.skew,
                              seed=[a.seed, i]) for i, (name, k) in enumerate(a.models)]
     if a.rate < 0 or not math.isfinite(a.rate):
         raise InputError(f"--rate must be >= 0, got {a.rate}")
+    if a.events is None:
+        a.events = default_events(a)[0]
     event_rate = a.event_rate if a.event_rate is not None else (a.rate if a.rate > 0 else 1000.0)
     return TrafficGenerator(
         models, a.events, event_rate=event_rate,
         start=a.start if a.start is not None else time.time(), delay=a.delay, jitter=a.jitter,
         orphan_frac=a.orphan_frac, sample_frac=a.sample_frac, logits_frac=a.logits_frac,
         malformed_frac=a.malformed_frac, malformed_kinds=a.malformed_kinds,
-        drift_after=a.drift_after, drift_T=a.drift_T, seed=a.seed, decimals=a.decimals)
+        drift_after=a.drift_after, drift_T=a.drift_T, seed=a.seed, decimals=a.decimals,
+        run_id=getattr(a, "run_id", None))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -722,7 +821,12 @@ def main(argv: list[str] | None = None) -> int:
         a = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
         return int(e.code or 0)
+    if a.run_id is None:  # every run its own ids: a second run never repeats the first's
+        a.run_id = secrets.token_hex(4)
+    sized = None
     try:
+        if a.events is None:
+            a.events, sized = default_events(a)
         gen = generator_from_args(a)
         kw = _resolve(a)
     except LpcalError as e:
@@ -730,12 +834,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     say = None if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     if say:
+        ids = f"{gen.models[0].model_id}-{a.run_id}-0, ..." if a.run_id else "MODEL-N"
         say(f"simulate: {len(gen.models)} model(s) "
-            f"{', '.join(f'{m.model_id} (k={m.k})' for m in gen.models)}, {gen.events} events "
-            f"-> {kw['bootstrap']} {kw['topics'][PREDICTIONS]} / {kw['topics'][OUTCOMES]}")
+            f"{', '.join(f'{m.model_id} (k={m.k})' for m in gen.models)}, {gen.events} events"
+            + (f" (enough for one bin map of each model under {sized})" if sized else "")
+            + f", ids {ids} -> {kw['bootstrap']} {kw['topics'][PREDICTIONS]} / "
+            f"{kw['topics'][OUTCOMES]}")
     from aiokafka.errors import KafkaError
 
-    from daemon.kafka_io import TopicLayoutError
+    from daemon.kafka_io import BrokerSettingsError, TopicLayoutError
 
     try:
         report = asyncio.run(simulate(
@@ -748,6 +855,9 @@ def main(argv: list[str] | None = None) -> int:
     except LpcalError as e:
         print(f"lpcal simulate: error: {e}", file=sys.stderr)
         return 2
+    except BrokerSettingsError as e:
+        print(f"lpcal simulate: error: {e}", file=sys.stderr)
+        return 1
     except (KafkaError, TopicLayoutError, OSError, TimeoutError) as e:
         print(f"lpcal simulate: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -16,7 +16,7 @@
    model and stays within the quality bounds of temperature scaling, a summary of the bin map,
    and the ``/metrics`` URL; then SIGTERM the daemon and report its graceful shutdown.
 
-``python -m daemon.demo --keep`` leaves the daemon and broker running until Ctrl-C.
+``python -m daemon.tools.demo --keep`` leaves the daemon and broker running until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.embedded_broker import EmbeddedBroker
-from daemon.simulate import SyntheticModel, TrafficGenerator, simulate, true_err_p
+from daemon.tools.embedded_broker import EmbeddedBroker
+from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate, true_err_p
 from lpcal.certificate import Certificate
 from lpcal.client import verify_artifact
 from lpcal.report import evaluate
@@ -61,11 +61,12 @@ def _free_port() -> int:
 
 def _config(bootstrap: str, port: int) -> str:
     lines = [
+        # the dev profile: no idempotent producer (the embedded broker has no InitProducerId),
+        # offset_gaps = "refetch" (it can hand out a batch before an earlier one), topics created
+        'profile = "dev"',
         "shutdown_grace_seconds = 20", 'log_level = "INFO"',
         "[kafka]", f'bootstrap_servers = "{bootstrap}"', 'group_id = "lpcal-demo"',
-        "enable_idempotence = false  # the embedded broker has no InitProducerId",
-        'offset_gaps = "refetch"  # the embedded broker can hand out a batch before an earlier one',
-        "create_topics = true", "topic_partitions = 2",
+        "topic_partitions = 2",
         "[http]", 'host = "127.0.0.1"', f"port = {port}", 'admin_token = "demo-token"',
         "[defaults]", "window_samples = 8000", "drift_sustain_seconds = 600",
         "[state]", 'backend = "kafka"', "checkpoint_interval_seconds = 5",
@@ -177,7 +178,8 @@ async def _stream(bootstrap: str, synth: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m daemon.demo", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m daemon.tools.demo",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--keep", action="store_true", help="keep daemon and broker running")
     a = ap.parse_args(argv)
     t0 = time.time()
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bin-map signing key id {keys.key_ids[0]} (private key in {secrets}, "
               f"public key {pub_file})")
         env = dict(os.environ, PYTHONUNBUFFERED="1", LPCAL_SECRETS_DIR=str(secrets))
-        daemon = subprocess.Popen([sys.executable, "-m", "lpcal.cli", "serve", "--config",
+        daemon = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--config",
                                    str(cfg)], stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             # topics exist once the daemon is ready (it creates them)

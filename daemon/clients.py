@@ -1,0 +1,90 @@
+"""The daemon's Kafka clients, mixed into :class:`daemon.service.Daemon`: starting the
+producer, creating (``kafka.create_topics``) and checking the topics, the input consumer's
+options, retrying broker calls during startup, and the broker probe behind ``/readyz``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+
+from daemon import kafka_io, retry
+from daemon.checkpointing import state_topic_config
+from lpcal.errors import LpcalError
+
+log = logging.getLogger("lpcal.daemon")
+
+_FATAL = (kafka_io.TopicLayoutError, kafka_io.BrokerSettingsError, LpcalError)  # not retried
+
+
+class KafkaClients:
+    """Producer, topics and consumer options of the daemon (uses ``s``, ``stopping``,
+    ``metrics``, ``t_pred`` and ``t_out`` of :class:`daemon.service.Daemon`)."""
+
+    async def _start_producer(self) -> None:
+        """Start the producer, then create the topics (if configured) and check their layout:
+        both input topics present and co-partitioned."""
+        k = self.s.kafka
+        sec = k
+        self.producer = kafka_io.make_producer(
+            k.bootstrap_servers, idempotence=k.enable_idempotence, security=sec,
+            client_id=k.client_id,
+            max_request_size=max(k.max_message_bytes, self.s.state.max_record_bytes))
+        # no producer compression: it runs on the event loop; large checkpoint values are
+        # compressed by KafkaCheckpointStore in a worker thread instead
+        # a broker that refuses idempotence fails at once, naming the setting (not retried)
+        await self._retry("producer start", lambda: kafka_io.start_producer(
+            self.producer, idempotence=k.enable_idempotence))
+        if k.create_topics:
+            specs = [kafka_io.TopicSpec(self.t_pred, k.topic_partitions),
+                     kafka_io.TopicSpec(self.t_out, k.topic_partitions),
+                     kafka_io.TopicSpec(k.topics.binmaps, 1, configs=kafka_io.COMPACT),
+                     kafka_io.TopicSpec(k.topics.deadletter, k.topic_partitions),
+                     kafka_io.TopicSpec(k.topics.state, 1, configs=state_topic_config(
+                         self.s.state.max_record_bytes))]
+            await self._retry("topic creation",
+                              lambda: kafka_io.ensure_topics(k.bootstrap_servers, specs,
+                                                             security=sec))
+        counts = await self._retry("partition check", lambda: kafka_io.partition_counts(
+            k.bootstrap_servers, list(k.topics.model_dump().values()), security=sec))
+        kafka_io.require_topics(counts, [self.t_pred, self.t_out], k.bootstrap_servers,
+                                optional=list(k.topics.model_dump().values()))
+        kafka_io.check_copartitioned(counts, self.t_pred, self.t_out)
+
+    def consumer_options(self) -> dict:
+        """Options of the input consumer, from ``kafka.*`` settings (then ``consumer_options``
+        given to the constructor, which override them: tests).
+
+        The range assignor gives partition n of both co-partitioned topics to one member
+        (aiokafka's default, round robin, would split a model's predictions and outcomes)."""
+        k = self.s.kafka
+        opts = {"session_timeout_ms": k.session_timeout_ms,
+                "heartbeat_interval_ms": k.heartbeat_interval_ms,
+                "fetch_max_wait_ms": k.fetch_max_wait_ms,
+                "max_partition_fetch_bytes": max(k.max_message_bytes, 1 << 20),
+                "partition_assignment_strategy": (RangePartitionAssignor,)}
+        opts.update(self._consumer_options)
+        return opts
+
+    async def _retry(self, what: str, fn):
+        """``await fn()`` until it succeeds (:func:`daemon.retry.retry`: 0.5 s doubling to
+        10 s); a stop signal cuts it short: then :class:`daemon.retry.Stopped`
+        (``daemon.service.StartupStopped``)."""
+        def warn(e: Exception, delay: float) -> None:
+            log.warning("%s failed (%s: %s); retrying in %.1f s", what, type(e).__name__, e,
+                        delay)
+
+        return await retry.retry(what, fn, stop=self.stopping, first=0.5, cap=10.0,
+                                 fatal=_FATAL, on_error=warn)
+
+    async def _probe_broker(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self.producer.client.fetch_all_metadata(), 3.0)
+                self.broker_ok = True
+            except Exception:  # noqa: BLE001
+                self.broker_ok = False
+            self.metrics.set_ready(self.ready)
+            await asyncio.sleep(2.0)

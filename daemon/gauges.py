@@ -1,0 +1,73 @@
+"""Per-model gauges, mixed into :class:`daemon.service.Daemon`: pool fill, join buffers,
+epochs waiting, windowed quality, bin-map certificates and consumer lag.
+
+A model's gauges are exported when it was checked since their last export
+(``registry.gauges_due``), at most once per :data:`_GAUGE_EVERY` seconds per model, so that a
+model that turns idle does not keep stale gauges.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+
+from daemon.model_state import ModelState
+from lpcal.errors import InputError
+
+log = logging.getLogger("lpcal.daemon")
+
+_GAUGE_EVERY = 1.0
+
+
+class Gauges:
+    """The gauge exports of the daemon (uses ``registry``, ``metrics``, ``consumer``,
+    ``assigned`` and ``positions`` of :class:`daemon.service.Daemon`)."""
+
+    def _export_due_gauges(self, now: float) -> None:
+        """Export the gauges of models checked since their last export, at most once per
+        :data:`_GAUGE_EVERY` seconds per model; the others stay due for a later poll."""
+        due = self.registry.gauges_due
+        for model in list(due):
+            slot = self.registry.get(model)
+            if slot is None:
+                due.discard(model)
+            elif now - slot.gauges_at >= _GAUGE_EVERY:
+                slot.gauges_at = now
+                due.discard(model)
+                self._export_gauges(model, slot.state)
+
+    def _export_gauges(self, model: str, st: ModelState) -> None:
+        m = self.metrics
+        m.set_pool_fill(model, st.pools.fill())
+        m.set_join_pending(model, st.join.pending(model))
+        m.set_join_buffer(model, st.join.memory_bytes(model), st.join.max_bytes)
+        m.set_epochs_waiting(model, len(st.sealed))
+        stats = st.evaluate()
+        for pred in ("raw", "calibrated"):
+            w = stats.get(pred)
+            if w is not None:
+                m.observe_quality(model, pred, w.err_p, min(w.ece, 1.0), min(w.brier, 2.0),
+                                  w.accuracy)
+        raw = stats.get("raw")
+        m.set_window_samples(model, raw.n if raw is not None else 0)
+
+    def _export_certificate(self, model: str, certificate: Any) -> None:
+        """Export a bin map's held-out certificate (a dict, or the map's JSON bytes); a map
+        without one clears the gauges. A malformed certificate is logged, never fatal."""
+        try:
+            if isinstance(certificate, (bytes, bytearray)):
+                certificate = orjson.loads(certificate).get("certificate")
+            self.metrics.set_certificate(model, certificate)
+        except (InputError, orjson.JSONDecodeError, AttributeError) as e:
+            log.warning("model %s: certificate not exported: %s", model, e)
+
+    def _export_lag(self) -> None:
+        lags = {"predictions": 0, "outcomes": 0}
+        for tp in self.assigned:
+            hw = self.consumer.highwater(tp)
+            pos = self.positions.get((tp.topic, tp.partition))
+            if hw is not None and pos is not None:
+                lags[self._topic_kind(tp.topic)] += max(0, hw - pos)
+        self.metrics.set_consumer_lags(lags)

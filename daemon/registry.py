@@ -1,0 +1,237 @@
+"""The models a replica owns: one :class:`ModelSlot` per model in a :class:`ModelRegistry`.
+
+A slot holds everything the daemon keeps about one model besides the input positions: its
+:class:`~daemon.model_state.ModelState`, the input partition it lives on, the fit in flight, the
+count of prefitted epochs (see ``Daemon._adopt_published_binmaps``) and the time its gauges were
+last exported. Two marks are kept as sets of model ids, since they are work lists the daemon
+walks on every poll: ``dirty`` (changed since its last checkpoint) and ``gauges_due`` (gauges
+changed since their last export).
+
+Models come and go only through the registry's operations, which keep the join budget, the
+parser and the per-model metrics in step (after aiokafka's ``TopicPartitionState``: the state
+of one unit of assignment in one object, its operations next to it):
+
+* :meth:`ModelRegistry.create`: a model seen for the first time (its first event);
+* :meth:`ModelRegistry.restore`: a model restored from its checkpoint record;
+* :meth:`ModelRegistry.release`: the models of revoked partitions, dropped, or parked in memory
+  when their checkpoint failed; :meth:`ModelRegistry.unpark` reinstates them if their
+  partitions come back and the parked state is further along than the checkpoint restored.
+
+``create`` and ``release`` end with :meth:`ModelRegistry.rebudget` (the join buffers' shares);
+``restore`` and ``unpark`` run for many models at once, and :mod:`daemon.restore` rebudgets once
+after them. The registry also keeps, per input partition, the sample rates of its sampled
+models (``sampled``, for the raw-bytes prefilter of :mod:`daemon.ingest`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from daemon.model_state import ModelState
+from lpcal.pools import PoolSet
+
+log = logging.getLogger("lpcal.daemon")
+
+
+@dataclass
+class Inflight:
+    """A fit started from an epoch's frozen pools; checkpointed until its bin map is published."""
+
+    pools: PoolSet
+    trigger: str
+    version: int
+    task: asyncio.Future | None = None
+
+
+@dataclass(eq=False)
+class ModelSlot:
+    """One owned model: its state and the daemon's bookkeeping about it."""
+
+    state: ModelState
+    partition: int
+    inflight: Inflight | None = None
+    prefitted: int = 0  # sealed epochs to come whose bin maps were already published
+    gauges_at: float = 0.0  # time.monotonic() of its last gauge export
+
+    def covered(self) -> int:
+        """Sum of the input offsets its state covers (a parked state further along wins)."""
+        return sum(o for t in self.state.offsets.values() for o in t.values())
+
+
+class ModelInfo(NamedTuple):
+    """A read-only view of one owned model (:meth:`ModelRegistry.snapshot`, the HTTP API)."""
+
+    model: str
+    state: ModelState
+    partition: int
+    fit_in_flight: bool
+
+
+class _View(Mapping):
+    """A ``{model: field}`` mapping over the slots (the daemon's compatibility attributes
+    ``models``, ``partition_of``, ``inflight``, ``prefitted``), read-only."""
+
+    def __init__(self, slots: dict[str, ModelSlot], field: str, skip_none: bool = False):
+        self._slots, self._field, self._skip_none = slots, field, skip_none
+
+    def __getitem__(self, model: str) -> Any:
+        value = getattr(self._slots[model], self._field)
+        if value is None and self._skip_none:
+            raise KeyError(model)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        if not self._skip_none:
+            return iter(self._slots)
+        return (m for m, s in self._slots.items() if getattr(s, self._field) is not None)
+
+    def __len__(self) -> int:
+        if not self._skip_none:
+            return len(self._slots)
+        return sum(1 for s in self._slots.values() if getattr(s, self._field) is not None)
+
+    def __contains__(self, model: object) -> bool:
+        slot = self._slots.get(model)  # type: ignore[arg-type]
+        return slot is not None and not (self._skip_none and getattr(slot, self._field) is None)
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+
+class _PlacingView(_View):
+    """A :class:`_View` of ``state`` or ``partition`` that also places a model directly
+    (``models[m] = st`` then ``partition_of[m] = p``), without metrics or budgets: how tests
+    and tools put a prepared state in place; the daemon itself uses the registry's operations."""
+
+    def __setitem__(self, model: str, value: Any) -> None:
+        slot = self._slots.get(model)
+        if slot is not None:
+            setattr(slot, self._field, value)
+        elif self._field == "state":
+            self._slots[model] = ModelSlot(value, -1)  # its partition is set next
+        else:
+            raise KeyError(f"no model {model!r} to place on partition {value!r}")
+
+
+class ModelRegistry:
+    """The owned models, their slots and the operations that add and remove them."""
+
+    def __init__(self, settings, metrics, parser):
+        self.s, self.metrics, self.parser = settings, metrics, parser
+        self.slots: dict[str, ModelSlot] = {}
+        self.dirty: set[str] = set()       # changed since their last checkpoint
+        self.gauges_due: set[str] = set()  # gauges changed since their last export
+        # slots of revoked partitions whose checkpoint failed (broker down): model -> slot
+        self.parked: dict[str, ModelSlot] = {}
+        # per input partition: {model: sample_rate} of its models with a rate < 1 (the
+        # raw-bytes prefilter of ingest, see daemon.ingest)
+        self.sampled: dict[int, dict[str, float]] = {}
+        self.models = _PlacingView(self.slots, "state")
+        self.partition_of = _PlacingView(self.slots, "partition")
+        self.inflight = _View(self.slots, "inflight", skip_none=True)
+        self.prefitted = _View(self.slots, "prefitted")
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __contains__(self, model: object) -> bool:
+        return model in self.slots
+
+    def get(self, model: str) -> ModelSlot | None:
+        return self.slots.get(model)
+
+    def on_partitions(self, parts: set[int]) -> list[str]:
+        """The models of input partitions ``parts``."""
+        return [m for m, slot in self.slots.items() if slot.partition in parts]
+
+    def snapshot(self) -> list[ModelInfo]:
+        """The owned models, sorted by id (read-only; for the HTTP API)."""
+        return [ModelInfo(m, slot.state, slot.partition, slot.inflight is not None)
+                for m, slot in sorted(self.slots.items())]
+
+    # ------------------------------------------------------------------ operations
+    def create(self, model: str, k: int, partition: int) -> ModelState:
+        """A model seen for the first time, on input ``partition``."""
+        st = ModelState.create(model, int(k), self.s.model_settings(model), self.s.join)
+        self.slots[model] = ModelSlot(st, partition)
+        self.metrics.register_model(model)
+        self.metrics.set_drift_threshold(model, st.config["drift_threshold"])
+        self.rebudget()
+        return st
+
+    def restore(self, model: str, st: ModelState, partition: int, *, sample_rate: float,
+                inflight: Inflight | None, prefitted: int, dirty: bool) -> ModelSlot:
+        """A model restored from its checkpoint (admitted even beyond ``max_models``); call
+        :meth:`rebudget` after restoring a set of models."""
+        slot = self.slots[model] = ModelSlot(st, partition, inflight, prefitted)
+        self.parser.admit(model, st.k)
+        self.metrics.register_model(model, restored=True)
+        st.sample_rate = sample_rate
+        if sample_rate < 1.0:
+            self.sampled.setdefault(partition, {})[model] = sample_rate
+        if dirty:
+            self.dirty.add(model)
+        self.gauges_due.add(model)  # its pools and join buffer, before any new event
+        return slot
+
+    def unpark(self, parts: set[int]) -> None:
+        """Reinstate parked slots of re-assigned partitions when they are further along than
+        the checkpoint restored (or there is none): their covered offsets decide."""
+        for model, slot in list(self.parked.items()):
+            if slot.partition not in parts:
+                continue
+            del self.parked[model]
+            cur = self.slots.get(model)
+            if cur is not None and cur.covered() >= slot.covered():
+                continue
+            self.slots[model] = slot
+            self.parser.admit(model, slot.state.k)
+            self.metrics.register_model(model, restored=True)
+            self.dirty.add(model)
+            log.info("model %s: reinstated the state kept in memory (its checkpoint failed)",
+                     model)
+
+    def release(self, parts: set[int], *, park: bool) -> None:
+        """Remove the models of revoked partitions ``parts`` (cancelling their fits); with
+        ``park``, keep their slots to reinstate if the partitions come back (:meth:`unpark`)."""
+        for model in self.on_partitions(parts):
+            slot = self.slots.pop(model)
+            inf = slot.inflight
+            if inf is not None and inf.task is not None:
+                inf.task.cancel()
+            if park:  # on reassignment, the state further along wins
+                slot.inflight = None if inf is None else Inflight(inf.pools, inf.trigger,
+                                                                  inf.version)
+                slot.gauges_at = 0.0
+                self.parked[model] = slot
+            self.dirty.discard(model)
+            self.gauges_due.discard(model)
+            self.metrics.remove_model(model)
+        self.rebudget()
+        for p in parts:
+            self.sampled.pop(p, None)
+
+    def rebudget(self) -> None:
+        """Give every model its share of the join buffers' byte budget,
+        ``min(join.max_bytes_per_model, join.max_bytes_total / models)`` (issue 11, finding
+        9); call whenever models come or go. A lowered budget evicts the oldest pending events
+        of a model at once (counted as ``capacity`` evictions). O(models)."""
+        j = self.s.join
+        share = min(j.max_bytes_per_model, j.max_bytes_total // max(1, len(self.slots)))
+        total = models = 0
+        for model, slot in self.slots.items():
+            st = slot.state
+            if st.join.max_bytes != share:
+                evicted = st.join.set_budget(share)
+                if evicted:
+                    self.metrics.inc_evicted(model, "capacity", evicted)
+                    total += evicted
+                    models += 1
+        if total:  # one line per change of the share, not one per model
+            log.info("join buffer budget now %d bytes per model (%d models): evicted the %d "
+                     "oldest pending events of %d models", share, len(self.slots), total,
+                     models)

@@ -1,0 +1,324 @@
+"""Restoring an assignment, mixed into :class:`daemon.service.Daemon`: reading the checkpoint
+records (:mod:`daemon.checkpointing` writes them), restoring the models of the assigned
+partitions, reinstating parked ones, adopting bin maps published after the last checkpoint,
+positioning the partitions, and retrying an assignment whose restore failed.
+
+Steps of :meth:`Restore._restore_assignment`, for the newly assigned partitions:
+
+1. read every checkpoint record (retried while the broker is unreachable, bounded);
+2. read the manifests ``partition/<n>`` of those partitions;
+3. restore each model record ``model/<id>`` on its own (:meth:`Restore._restore_model`); one
+   that cannot be used is counted, logged with its location and skipped, never the partition;
+4. reinstate parked models further along than their checkpoints
+   (:meth:`daemon.registry.ModelRegistry.unpark`), then rebalance the join budgets;
+5. adopt bin maps published after the checkpoint (:meth:`Restore._adopt_published_binmaps`);
+6. seek each partition to its manifest's offset, else the smallest offset of its models'
+   records, else the beginning;
+7. relaunch the fits that were in flight;
+
+then resume every assigned partition that is not backlogged, and report ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import orjson
+from aiokafka import TopicPartition
+
+from daemon import kafka_io, retry
+from daemon.checkpoint_store import ValueTooLarge, decode_value
+from daemon.checkpointing import ENVELOPE_FORMAT
+from daemon.model_state import ModelState
+from daemon.registry import Inflight
+from lpcal.errors import ArtifactError
+from lpcal.pools import PoolSet
+
+log = logging.getLogger("lpcal.daemon")
+
+_ASSIGN_RETRY_FIRST, _ASSIGN_RETRY_MAX = 0.5, 10.0  # seconds between assignment retries
+_LOAD_RETRY_FIRST, _LOAD_RETRY_MAX, _LOAD_DEADLINE = 0.5, 5.0, 60.0  # reading checkpoints
+#: An assignment whose restore keeps failing this long makes /healthz fail (pod restarted)
+ASSIGN_UNHEALTHY_SECONDS = 120.0
+
+
+class Restore:
+    """The restore half of the daemon (uses ``registry``, ``consumer``, ``positions``,
+    ``assigned``, ``metrics``, ``stopping`` and ``_store`` of :class:`daemon.service.Daemon`)."""
+
+    # ------------------------------------------------------------------ assignment retries
+    def _assignment_failed(self, e: BaseException) -> None:
+        if self.assign_failing_since is None:
+            self.assign_failing_since = time.monotonic()
+        log.error("assignment of partitions %s failed (%s: %s); partitions stay paused, "
+                  "retrying (failing for %.1f s; /healthz fails after %.0f s)",
+                  sorted({tp.partition for tp in self.assigned}), type(e).__name__, e,
+                  time.monotonic() - self.assign_failing_since, self.assign_unhealthy_after)
+
+    async def _retry_assignment(self, tps: set[TopicPartition],
+                                new: set[TopicPartition]) -> None:
+        """Restore ``tps`` again with a backoff until it succeeds, a stop is requested or the
+        assignment changes."""
+        async def attempt() -> bool:
+            if self.assigned != tps:
+                return False
+            await self._restore_assignment(tps, new)
+            return True
+
+        try:
+            restored = await retry.retry(
+                "assignment", attempt, stop=self.stopping, first=_ASSIGN_RETRY_FIRST,
+                cap=_ASSIGN_RETRY_MAX, wait_first=True,
+                on_error=lambda e, _delay: self._assignment_failed(e))
+        except retry.Stopped:
+            return
+        if restored:
+            log.info("assignment restored after failing for %.1f s",
+                     time.monotonic() - (self.assign_failing_since or time.monotonic()))
+            self.assign_failing_since = None
+
+    def _cancel_assignment_retry(self) -> None:
+        if self._assign_task is not None:
+            self._assign_task.cancel()
+            self._assign_task = None
+
+    @property
+    def assignment_unhealthy(self) -> bool:
+        """True once restoring the assignment has kept failing for ``assign_unhealthy_after``
+        seconds: ``/healthz`` then fails, so that Kubernetes restarts the pod."""
+        since = self.assign_failing_since
+        return since is not None and time.monotonic() - since > self.assign_unhealthy_after
+
+    # ------------------------------------------------------------------ restore
+    async def _restore_assignment(self, tps: set[TopicPartition],
+                                  new: set[TopicPartition]) -> None:
+        """Restore the models of the ``new`` partitions from their checkpoints, seek them, and
+        resume every partition of ``tps`` that is not backlogged (see the module docstring).
+        Safe to run again after a failure (models restored already are kept)."""
+        parts = {tp.partition for tp in new}
+        reg = self.registry
+        if parts:
+            records = await self._load_checkpoints()  # 1. raw values, decoded one at a time
+            where = getattr(self._store, "where", None) or (lambda key: key)
+            manifests: dict[int, dict[str, int]] = {}
+            for key in [k for k in records if k.startswith("partition/")]:  # 2.
+                part, offsets = self._read_manifest(key, records.pop(key), parts, where)
+                if offsets is not None:
+                    manifests[part] = offsets
+            for key in sorted(k for k in records if k.startswith("model/")):  # 3.
+                self._restore_model(key[6:], records.pop(key), parts, where=where(key))
+            records.clear()
+            reg.unpark(parts)  # 4.
+            reg.rebudget()
+            await self._adopt_published_binmaps(parts)  # 5.
+            for tp in new:  # 6.
+                off = manifests.get(tp.partition, {}).get(tp.topic)
+                if off is None:
+                    offs = [slot.state.offsets.get(tp.topic, {}).get(tp.partition)
+                            for slot in reg.slots.values() if slot.partition == tp.partition]
+                    offs = [o for o in offs if o is not None]
+                    off = min(offs) if offs else None
+                if off is None:
+                    await self.consumer.seek_to_beginning(tp)
+                else:
+                    self.consumer.seek(tp, int(off))
+                    self.positions[(tp.topic, tp.partition)] = int(off)
+            for model, slot in list(reg.slots.items()):  # 7.
+                inf = slot.inflight
+                if inf is not None and inf.task is None and slot.partition in parts:
+                    self._launch_fit(model, inf)
+        # restored backlogs stay paused (see _apply_backpressure)
+        self.throttled = self._backlogged_partitions() & {tp.partition for tp in tps}
+        resume = [tp for tp in tps if tp.partition not in self.throttled]
+        if resume:
+            self.consumer.resume(*resume)
+        self.restored = True
+        self.metrics.set_ready(self.ready)
+        log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in tps))
+
+    async def _load_checkpoints(self) -> dict[str, bytes]:
+        """All checkpoint records; retried while the broker is unreachable (bounded)."""
+        def warn(e: Exception, delay: float) -> None:
+            log.warning("reading checkpoints failed (%s: %s); retrying in %.1f s",
+                        type(e).__name__, e, delay)
+
+        try:
+            return await retry.retry(
+                "reading checkpoints", self._store.load_all, stop=self.stopping,
+                first=_LOAD_RETRY_FIRST, cap=_LOAD_RETRY_MAX, deadline=_LOAD_DEADLINE,
+                on_error=warn, check_stop_first=False)
+        except retry.Stopped as stopped:  # the last error, as before a stop
+            raise (stopped.__cause__ or stopped) from None
+
+    def _read_manifest(self, key: str, raw: bytes, parts: set[int], where
+                       ) -> tuple[int, dict[str, int] | None]:
+        """``(partition, {topic: offset})`` of a manifest record of one of ``parts``, or
+        ``(partition, None)`` (not ours, or unusable: counted and logged, then the partition
+        is positioned from its model records as if it had no manifest)."""
+        try:
+            part = int(key.split("/", 1)[1])
+        except ValueError:
+            return -1, None  # not a manifest this daemon writes: no partition of ours
+        if part not in parts:
+            return part, None
+        try:
+            m = orjson.loads(decode_value(raw, self.s.state.max_state_bytes))
+            if not isinstance(m, dict) or not isinstance(m.get("offsets"), dict):
+                raise TypeError("not an object with an 'offsets' object")
+            offsets = {}
+            for topic in (self.t_pred, self.t_out):
+                off = m["offsets"].get(topic)
+                if off is None:
+                    continue
+                if type(off) is not int or off < 0:
+                    raise ValueError(f"offset of {topic!r} is {off!r}, not an integer >= 0")
+                offsets[topic] = off
+        except ValueTooLarge as e:
+            self.metrics.inc_restore("too_large")
+            log.error("ignoring manifest %s at %s: %s", key, where(key), e)
+            return part, None
+        except (TypeError, ValueError, orjson.JSONDecodeError) as e:
+            self.metrics.inc_restore("bad_manifest")
+            log.error("ignoring unusable manifest %s at %s: %s", key, where(key), e)
+            return part, None
+        return part, offsets
+
+    def _restore_model(self, model: str, value: bytes, parts: set[int], *,
+                       where: str = "?") -> None:
+        """Restore ``model`` from its record (raw, maybe compressed) if it belongs to one of
+        ``parts``. The record is decoded here, alone, within ``state.max_state_bytes``; one
+        that is too large, unreadable, or holds another model's state (its key and its
+        ``model`` differ) is counted in ``lpcal_state_restores_total{outcome}``, logged with
+        its location ``where`` and skipped: the model starts fresh. A restored model is always
+        admitted (even beyond ``max_models``), and reconciled with the current settings
+        (:meth:`ModelState.reconcile`: a changed k or config is logged and counted)."""
+        try:
+            value = decode_value(value, self.s.state.max_state_bytes)
+        except ValueTooLarge as e:
+            self.metrics.inc_restore("too_large")
+            log.error("cannot restore model %r from %s: %s", model, where, e)
+            return
+        except ValueError as e:
+            self.metrics.inc_restore("corrupt")
+            log.error("cannot restore model %r from %s: %s", model, where, e)
+            return
+        try:
+            env = orjson.loads(value)
+            del value
+            if not isinstance(env, dict):
+                raise ArtifactError(f"envelope is a JSON {type(env).__name__}, not an object")
+            if env.get("format") != ENVELOPE_FORMAT:
+                raise ArtifactError(f"format {env.get('format')!r}")
+            part = env.get("partition")
+            if type(part) is not int:
+                raise ArtifactError(f"partition {part!r} is not an integer")
+            if part not in parts or model in self.registry:
+                return
+            owner = env.get("model", model)
+            st = ModelState.from_checkpoint(orjson.dumps(env["state"]))
+            if owner != model or st.model != model:
+                self.metrics.inc_restore("wrong_model")
+                log.error("skipping the state record of model %r at %s: it holds the state of "
+                          "model %r; model %r starts fresh", model, where,
+                          st.model if st.model != model else owner, model)
+                return
+            prefitted = env.get("prefitted") or 0
+            if type(prefitted) is not int or not 0 <= prefitted <= 1_000_000:
+                raise ArtifactError(f"prefitted {prefitted!r}")
+            inf = env.get("inflight")
+            inflight = None
+            if inf:
+                inflight = Inflight(PoolSet.from_dict(inf["pools"]), str(inf["trigger"]),
+                                    int(inf["version"]))
+            ms = self.s.model_settings(model)
+            outcome, detail = "restored", ""
+            if ms is not None:
+                st, outcome, detail = st.reconcile(ms, self.s.join, getattr(ms, "k", None))
+        except Exception as e:  # noqa: BLE001 - any bad record costs its model only
+            self.metrics.inc_restore("corrupt")
+            log.error("cannot restore model %r from %s: %s: %s", model, where,
+                      type(e).__name__, e)
+            return
+        if outcome != "restored":
+            inflight, prefitted = None, 0  # fitted from pools of the old settings
+            log.warning("model %s: settings changed since its checkpoint (%s): %s", model,
+                        outcome, detail)
+        self.metrics.inc_restore(outcome)
+        self.registry.restore(  # the settings decide the sample rate
+            model, st, part, sample_rate=ms.sample_rate if ms is not None else 1.0,
+            inflight=inflight, prefitted=prefitted, dirty=outcome != "restored")
+        if st.binmap is not None:
+            self.metrics.set_binmap_published(model, st.binmap_version)
+            self._export_certificate(model, st.binmap)
+
+    async def _adopt_published_binmaps(self, parts: set[int]) -> None:
+        """Install bin maps published after the last checkpoint (a crash between publishing and
+        checkpointing). Every record is verified (:meth:`verify_binmap`); a corrupt, truncated
+        or incompatible one, one not signed by this daemon's key(s) when signing is configured,
+        and one whose k or lambda does not fit the model's state are rejected and counted, and
+        the model keeps its previous good map: only maps this deployment signed set a version."""
+        try:
+            latest = await kafka_io.read_compacted_latest(
+                self.s.kafka.bootstrap_servers, self.s.kafka.topics.binmaps, timeout=30.0,
+                security=self.s.kafka, missing_ok=True)
+        except Exception as e:  # noqa: BLE001 - the checkpointed maps stay in force
+            log.warning("cannot read %s: %s", self.s.kafka.topics.binmaps, e)
+            return
+        for model, data in latest.items():
+            slot = self.registry.get(model)
+            if slot is None or slot.partition not in parts or data is None:
+                continue
+            st = slot.state
+            bm = self.verify_binmap(data, model)
+            if bm is None or bm.version <= st.binmap_version:
+                continue
+            # versions after the checkpoint's were fitted from the fit in flight, then from the
+            # oldest sealed epochs, in order: those epochs are consumed, not fitted again
+            steps = bm.version - st.binmap_version
+            inf = slot.inflight
+            if inf is not None and inf.version <= bm.version:
+                slot.inflight = None  # its result was published before the crash
+                steps -= 1
+            while steps > 0 and st.pools.full:
+                st.start_new_epoch()
+                steps -= 1
+            # epochs still filling at the checkpoint: the replay seals them again; they were
+            # fitted already (as the adopted versions), so they are consumed without a refit
+            if steps > 0:
+                slot.prefitted += steps
+            log.info("model %s: adopting version %d over checkpointed %d (in flight: %s, "
+                     "prefitted now %d)", model, bm.version, st.binmap_version,
+                     None if inf is None else inf.version, slot.prefitted)
+            st.install_binmap(data, bm.version)
+            self.registry.dirty.add(model)
+            self.metrics.set_binmap_published(model, bm.version)
+            self._export_certificate(model, bm.certificate)
+            log.info("model %s: adopted published bin map version %d", model, bm.version)
+
+    def verify_binmap(self, data: bytes, model: str):
+        """``BinMap`` of ``data`` if it verifies, is signed by one of the daemon's keys (when
+        ``signing`` is configured), belongs to ``model`` and has the k and lambda of the model's
+        state; else None, counted in ``lpcal_binmaps_rejected_total{reason}``."""
+        from lpcal.client import BinMapRejected, verify_artifact
+
+        try:
+            bm = verify_artifact(data, where=f"bin map of {model!r}",
+                                 public_keys=self.s.signing.keyring())
+        except BinMapRejected as e:
+            self.metrics.inc_binmap_rejected(e.reason)
+            log.error("rejected %s", e)
+            return None
+        if bm.model_id != model:
+            self.metrics.inc_binmap_rejected("model")
+            log.error("rejected bin map under key %r: it is for model %r", model, bm.model_id)
+            return None
+        slot = self.registry.get(model)
+        st = None if slot is None else slot.state
+        if st is not None and (bm.k, bm.lam) != (st.k, st.lam):
+            self.metrics.inc_binmap_rejected("config")
+            log.error("rejected bin map version %d of model %r: (k, lambda) = (%d, %d), but the "
+                      "model's state has (%d, %d)", bm.version, model, bm.k, bm.lam, st.k,
+                      st.lam)
+            return None
+        return bm

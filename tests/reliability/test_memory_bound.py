@@ -1,0 +1,218 @@
+"""Memory is bounded in bytes (issue 11, finding 9): the worst traffic we can generate keeps a
+subprocess daemon's peak resident memory (``VmHWM``) within its budgets.
+
+Traffic, all at once, on the embedded broker:
+
+* models whose ``k`` is learned, each sent predictions with ``k = max_k = 1000`` and 256-byte
+  ids that never get an outcome (the costliest pending entry: ~17 KB with its row);
+* outcomes that never match, and predictions of a model whose first vector has k = 100,000
+  (``k_too_large``: before the cap, 0.8 MB per pending prediction);
+* events under thousands of distinct model names (``unknown_model`` beyond ``max_models``;
+  they grew an unbounded policy cache by 127 MiB per 200,000 names).
+
+Short version (``make test``): join budgets lowered to 96 MiB in all, 32 MiB per model, and
+traffic whose unbounded footprint (~420 MB of rows) is over four times that; asserted: peak
+RSS growth below the budget plus 160 MiB for the process's own buffers. Long version (``make
+soak``): the shipped defaults (384 MiB of join buffers) and traffic worth ~1.3 GB of rows
+unbounded; asserted: peak RSS below the shipped pod limit (``deploy/k8s/base``, 1 GiB).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from daemon import kafka_io
+from tests.reliability.harness import FastDaemon, rss_kib
+from tests.support.daemon_harness import (
+    TopicNames,
+    create_topics,
+    daemon_config,
+    free_port,
+    metric_value,
+    scrape_metrics,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.soak]
+
+MIB = 1 << 20
+ROOT = Path(__file__).resolve().parents[2]
+K = 1000
+
+
+def _pod_memory_limit() -> int:
+    text = (ROOT / "deploy/k8s/base/deployment.yaml").read_text()
+    m = re.search(r"limits:\s*\n(?:\s+\w+: .*\n)*?\s+memory: (\d+)Gi", text)
+    assert m, "deploy/k8s/base/deployment.yaml has no memory limit in Gi"
+    return int(m.group(1)) << 30
+
+
+async def _invalid(url: str, reason: str, at_least: int) -> bool:
+    mx = await scrape_metrics(url)
+    return metric_value(mx, "lpcal_events_invalid_total", default=0.0,
+                        reason=reason) >= at_least
+
+
+def _status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def _prediction(model: str, eid: str, k: int, hot: int, ts: float) -> bytes:
+    probs = ["0"] * k
+    probs[hot] = "1"
+    return (f'{{"model":"{model}","id":"{eid}","ts":{ts},"probs":[' + ",".join(probs)
+            + "]}").encode()
+
+
+async def _produce(bootstrap: str, names: TopicNames, models: int, per_model: int,
+                   names_count: int, admitted=None) -> int:
+    """The worst traffic of the module docstring; returns the number of messages sent."""
+    prod = kafka_io.make_producer(bootstrap, idempotence=False, client_id="memory-bound",
+                                  max_request_size=2 * MIB, linger_ms=20)
+    await prod.start()
+    sent = 0
+    ts = time.time() - 60
+    try:
+        futs = []
+
+        async def send(topic, value, model):
+            nonlocal sent
+            futs.append(await prod.send(topic, value=value, key=model.encode()))
+            sent += 1
+            if len(futs) >= 2000:
+                for f in futs:
+                    await f
+                futs.clear()
+
+        for j in range(3):  # a learned k of 100,000: rejected, nothing kept
+            await send(names.predictions, _prediction("huge", f"h{j}", 100_000, 0, ts), "huge")
+        for f in futs:
+            await f
+        futs.clear()
+        if admitted is not None:
+            await admitted()  # before the distinct names below fill max_models
+        for i in range(per_model):
+            for m in range(models):
+                eid = f"m{m}-{i}-".ljust(256, "x")
+                await send(names.predictions, _prediction(f"wide-{m}", eid, K, i % K, ts),
+                           f"wide-{m}")
+            await send(names.outcomes, (f'{{"model":"wide-0","id":"{"o" * 200}-{i}",'
+                                        f'"ts":{ts},"label":1}}').encode(), "wide-0")
+        for j in range(names_count):
+            await send(names.outcomes, f'{{"model":"name-{j}","id":"x","ts":{ts},"label":0}}'
+                       .encode(), f"name-{j}")
+        for f in futs:
+            await f
+    finally:
+        await prod.stop()
+    return sent
+
+
+async def test_worst_traffic_keeps_peak_memory_within_the_budget(
+        broker, topic_prefix, tmp_path, soak, figures):
+    names = TopicNames.for_prefix(topic_prefix)
+    await create_topics(broker.bootstrap, names, partitions=2)
+    if soak:  # the shipped defaults
+        join: dict = {}
+        models, per_model, names_count = 8, 20_000, 200_000
+        total = 384 * MIB
+    else:
+        total = 96 * MIB
+        join = {"max_bytes_total": total, "max_bytes_per_model": 32 * MIB}
+        models, per_model, names_count = 6, 8_000, 20_000
+    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
+                        defaults={"k": None}, join=join,
+                        kafka={"max_message_bytes": 2 * MIB},
+                        state={"checkpoint_interval_seconds": 5.0})
+    daemon = FastDaemon(cfg, tmp_path, name="memory").start()
+    try:
+        await daemon.wait_ready(60)
+        await asyncio.sleep(1.0)
+        rss0 = rss_kib(daemon.pid)
+        t0 = time.monotonic()
+        async def huge_rejected():
+            await wait_until(lambda: _invalid(daemon.url, "k_too_large", 3), 60,
+                             "the k = 100,000 predictions rejected")
+
+        sent = await _produce(broker.bootstrap, names, models, per_model, names_count,
+                              huge_rejected)
+        t_sent = time.monotonic() - t0
+
+        async def consumed():
+            mx = await scrape_metrics(daemon.url)
+            done = sum(v for (n, _lb), v in mx.items() if n == "lpcal_events_consumed_total")
+            return done >= sent or None
+
+        async def progress():
+            mx = await scrape_metrics(daemon.url)
+            done = sum(v for (n, _lb), v in mx.items() if n == "lpcal_events_consumed_total")
+            lag = sum(v for (n, _lb), v in mx.items() if n == "lpcal_consumer_lag_messages")
+            return (f"consumed {done:.0f} of {sent}, lag {lag:.0f}, RSS "
+                    f"{rss_kib(daemon.pid) // 1024} MiB\n{daemon.logs(2000)}")
+
+        await wait_until(consumed, 900 if soak else 120, "every message consumed",
+                         interval=0.5, diag=progress)
+        await asyncio.sleep(6.0)  # a checkpoint of the full buffers
+        mx = await scrape_metrics(daemon.url)
+        hwm = _status_kib(daemon.pid, "VmHWM")
+        rss_end = rss_kib(daemon.pid)
+        assert daemon.alive(), daemon.logs()
+    finally:
+        rc, _ = daemon.terminate(60)
+        log = daemon.all_logs()
+        daemon.stop_quietly()
+
+    def total_of(name: str) -> float:
+        return sum(v for (n, _lb), v in mx.items() if n == name)
+
+    buffers = total_of("lpcal_join_buffer_bytes")
+    budgets = total_of("lpcal_join_buffer_budget_bytes")
+    pending = total_of("lpcal_join_pending")
+    too_large = metric_value(mx, "lpcal_events_invalid_total", default=0.0,
+                             reason="k_too_large")
+    unknown = metric_value(mx, "lpcal_events_invalid_total", default=0.0,
+                           reason="unknown_model")
+    unbounded_rows = models * per_model * 8 * K
+    limit = _pod_memory_limit()
+    figures("memory bound: worst traffic", {
+        "messages sent": sent,
+        "seconds to send": round(t_sent, 1),
+        "models with k = 1000 and 256-byte ids": models,
+        "predictions per model (never joined)": per_model,
+        "distinct model names": names_count,
+        "rows if unbounded (MiB)": round(unbounded_rows / MIB),
+        "join budget, all models (MiB)": round(total / MIB),
+        "sum of lpcal_join_buffer_bytes (MiB)": round(buffers / MIB, 1),
+        "sum of lpcal_join_buffer_budget_bytes (MiB)": round(budgets / MIB, 1),
+        "pending events kept": int(pending),
+        "k_too_large rejected": int(too_large),
+        "unknown_model rejected": int(unknown),
+        "RSS when ready (MiB)": round(rss0 / 1024),
+        "peak RSS, VmHWM (MiB)": round(hwm / 1024),
+        "RSS at end (MiB)": round(rss_end / 1024),
+        "shipped memory limit (MiB)": limit // MIB,
+        "exit code after SIGTERM": rc,
+    })
+    assert rc == 0, log[-3000:]
+    assert "checkpoint failed" not in log and "Traceback" not in log, log[-3000:]
+    assert too_large >= 3
+    assert unknown >= names_count - 100
+    assert metric_value(mx, "lpcal_events_invalid_total", reason="bad_schema") == 0
+    assert buffers <= total, (buffers, total)
+    assert budgets <= total + MIB
+    assert pending < models * per_model  # the budgets evicted
+    if soak:
+        assert hwm * 1024 < limit, f"peak RSS {hwm} KiB above the pod limit {limit} bytes"
+    else:
+        growth = (hwm - rss0) * 1024
+        assert growth < total + 160 * MIB, (
+            f"peak RSS grew by {growth / MIB:.0f} MiB with a join budget of {total / MIB:.0f} "
+            f"MiB (rows alone would be {unbounded_rows / MIB:.0f} MiB unbounded)")
