@@ -211,15 +211,13 @@ class KafkaCheckpointStore:
                 for key, value in [*whole, *((key, head) for key, _p, head in split)]]
         for f in futs:
             await f
-        # step 4: delete the parts the new values no longer use
-        dead = []
-        for key, _v in items:
-            old = self._stale.pop(key, set())
-            dead += sorted(old)
-        for key, parts, _head in split:
-            self._stale[key] = {pk for pk, _ in parts}  # stale once the next value replaces it
-        for key, _v in whole:
-            self._stale.pop(key, None)
+        # step 4: delete the parts the new values no longer use (an unchanged value has the
+        # same digest, so the same part keys: those stay); the new parts become stale once a
+        # later value replaces them
+        live = {key: {pk for pk, _ in parts} for key, parts, _head in split}
+        dead = sorted(pk for key, _v in items
+                      for pk in self._stale.pop(key, set()) - live.get(key, set()))
+        self._stale.update(live)
         futs = [await send(self.topic, key=pk.encode(), value=None) for pk in dead]
         for f in futs:
             await f

@@ -88,6 +88,16 @@ async def test_a_new_value_deletes_the_parts_of_the_one_it_replaced(log):
     assert (await _store(log).load_all())["model/a"] == b"small now"
 
 
+async def test_saving_an_unchanged_value_again_keeps_its_parts(log):
+    """Same content, same digest, same part keys: the second save must not delete them."""
+    store = _store(log)
+    value = os.urandom(3 * LIMIT)
+    await store.save({"model/a": value})
+    await store.save({"model/a": value})
+    assert decode_value((await _store(log).load_all())["model/a"]) == value
+    assert not [k for k, v in log.records if v is None]  # nothing was deleted
+
+
 async def test_a_crash_before_the_head_keeps_the_previous_value(log):
     store = _store(log)
     old = os.urandom(3 * LIMIT)
