@@ -223,13 +223,12 @@ class JoinStore:
                               else max_pending_per_model)
         if self.max_recent < 0:
             raise InputError("recent_per_model must be >= 0")
-        if max_bytes is not None and int(max_bytes) < 1:
-            raise InputError(f"max_bytes must be >= 1, got {max_bytes}")
-        #: byte budget of each model's pending and recent entries (None: counts only)
-        self.max_bytes = None if max_bytes is None else int(max_bytes)
         self.clock = -math.inf
         self.wm = [-math.inf, -math.inf]  # largest ts seen: predictions, outcomes
         self._models: dict[str, _ModelJoin] = {}
+        #: byte budget of each model's pending and recent entries (None: counts only)
+        self.max_bytes: int | None = None
+        self.set_budget(max_bytes)
 
     # ---------------------------------------------------------------- reading
     def models(self) -> list[str]:
@@ -292,8 +291,8 @@ class JoinStore:
 
     def _observe(self, m: _ModelJoin, ids: Sequence[str], probs: np.ndarray | None) -> int:
         """Note the largest id and the row width of a batch; when either is new, lower the
-        bounds and trim (returns the evictions)."""
-        sz = max(map(_getsizeof, ids)) if len(ids) else 0
+        bounds and trim (returns the evictions). Ids are sized only under a budget."""
+        sz = max(map(_getsizeof, ids)) if self.max_bytes is not None and len(ids) else 0
         k = probs.shape[1] if probs is not None else 0
         if sz <= m.id_bytes and k <= m.k:
             return 0
@@ -323,8 +322,10 @@ class JoinStore:
     def memory_bytes(self, model: str | None = None) -> int:
         """Estimated bytes held by the pending and recent entries of one model or all: the
         per-entry costs of the module docstring, with the row blocks counted exactly."""
-        ms = [self._models[model]] if model in self._models else (
-            [] if model is not None else list(self._models.values()))
+        if model is None:
+            ms = list(self._models.values())
+        else:
+            ms = [self._models[model]] if model in self._models else []
         total = 0
         for m in ms:
             pend, rec = self._costs(m)
@@ -427,17 +428,11 @@ class JoinStore:
             raise InputError(f"offer: probs must have shape ({n}, k), got {probs.shape}")
         if now is not None and now > self.clock:
             self.clock = float(now)
-        if self.max_bytes is not None:
-            trimmed = self._observe(m, ids, probs)
-        else:
-            trimmed = 0
-            if probs is not None and probs.shape[1] > m.k:
-                m.k = probs.shape[1]
+        trimmed = self._observe(m, ids, probs)
         res = self._offer(m, kind_l, ids, ts_l, probs, lab_l, now is None)
         if trimmed:
             res.evicted["capacity"] += trimmed
-        if m.rows.nbytes > ROW_SLACK_BYTES:
-            self._maybe_compact_rows(m)
+        self._maybe_compact_rows(m)
         return res
 
     def _offer(self, m: _ModelJoin, kind_l: list, ids: Sequence[str], ts_l: list,

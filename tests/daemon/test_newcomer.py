@@ -26,17 +26,6 @@ from tests.support.daemon_harness import free_port
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def isolated(tmp_path, monkeypatch):
-    """No stray LPCAL_* variables, no default config file, an empty secrets dir."""
-    for key in list(os.environ):
-        if key.upper().startswith("LPCAL_"):
-            monkeypatch.delenv(key)
-    monkeypatch.chdir(tmp_path)
-    secrets = tmp_path / "secrets"
-    secrets.mkdir()
-    monkeypatch.setenv("LPCAL_SECRETS_DIR", str(secrets))
-    return tmp_path
 
 
 def _clean_env(**extra: str) -> dict[str, str]:

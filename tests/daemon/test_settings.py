@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
@@ -16,16 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    """No stray LPCAL_* variables, no default config file, an empty secrets dir."""
-    for key in list(os.environ):
-        if key.upper().startswith("LPCAL_"):
-            monkeypatch.delenv(key)
-    monkeypatch.chdir(tmp_path)
-    secrets = tmp_path / "secrets"
-    secrets.mkdir()
-    monkeypatch.setenv("LPCAL_SECRETS_DIR", str(secrets))
-    return tmp_path
+def _isolate_every_test(isolated):
+    """Every test here runs ``isolated`` (tests/daemon/conftest.py)."""
+    return isolated
 
 
 def write(path: Path, text: str) -> Path:
