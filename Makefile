@@ -18,9 +18,17 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m daemon.tools.demo
 
+# The tests but those marked `serial` run on 2 pytest-xdist workers: most broker tests wait
+# (group joins, session timeouts), so two overlap well on 2 cores; `--dist loadscope` keeps a
+# module on one worker (its module fixtures run once). Then the `serial` tests (they measure
+# timing: poll gaps, rates, prompt exits) run in a plain pytest run of their own, as before.
+# TEST_WORKERS=0: no xdist workers.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	bash deploy/tools/ensure-promtool.sh
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not serial"; \
+	status=$$?; $(BIN)/python -m pytest -q -m serial && exit $$status
 
 bench: $(STAMP)
 	$(BIN)/python -m tests.bench.run_all

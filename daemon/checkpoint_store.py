@@ -259,53 +259,15 @@ class RecordLimitError(ValueError):
 async def read_latest_with_positions(bootstrap: str, topic: str, timeout: float = 30.0, *,
                                      security=None) -> tuple[dict[str, bytes],
                                                              dict[str, str]]:
-    """The latest raw value per key of ``topic`` (as :func:`daemon.kafka_io.read_compacted_latest`
-    with ``missing_ok``: tombstones delete, records without a UTF-8 key are skipped) and, per
-    key, where that value was read (``topic[partition]@offset``). Nothing is decoded, and a
-    value replaced by a later one is dropped as soon as the later one is read."""
-    from aiokafka import TopicPartition
+    """The latest raw value per key of ``topic`` and, per key, where that value was read
+    (``topic[partition]@offset``): :func:`daemon.kafka_io.read_compacted_latest` with
+    ``missing_ok`` (a missing topic holds no checkpoint)."""
+    from daemon.kafka_io import read_compacted_latest
 
-    from daemon.kafka_io import make_consumer
-
-    consumer = make_consumer(bootstrap, group_id=None, security=security,
-                             client_id="lpcal-state-reader")
-    latest: dict[str, bytes] = {}
     where: dict[str, str] = {}
-    skipped = 0
-    async with asyncio.timeout(timeout):
-        await consumer.start()
-        try:
-            await consumer.topics()  # all-topics metadata: does not auto-create
-            parts = consumer.partitions_for_topic(topic)
-            if not parts:
-                return {}, {}
-            tps = [TopicPartition(topic, p) for p in sorted(parts)]
-            consumer.assign(tps)
-            ends = await consumer.end_offsets(tps)
-            await consumer.seek_to_beginning(*tps)
-            pending = {tp for tp in tps if await consumer.position(tp) < ends[tp]}
-            while pending:
-                batch = await consumer.getmany(*pending, timeout_ms=200)
-                for tp, msgs in batch.items():
-                    for m in msgs:  # records past the end snapshot are newer values: kept
-                        try:
-                            key = m.key.decode("utf-8")
-                        except (AttributeError, UnicodeDecodeError):
-                            skipped += 1
-                            continue
-                        if m.value is None:
-                            latest.pop(key, None)
-                            where.pop(key, None)
-                        else:
-                            latest[key] = m.value
-                            where[key] = f"{topic}[{tp.partition}]@{m.offset}"
-                for tp in list(pending):
-                    if await consumer.position(tp) >= ends[tp]:
-                        pending.discard(tp)
-        finally:
-            await consumer.stop()
-    if skipped:
-        log.warning("state topic %s: skipped %d records without a usable key", topic, skipped)
+    latest = await read_compacted_latest(bootstrap, topic, timeout, security=security,
+                                         missing_ok=True, where=where,
+                                         client_id="lpcal-state-reader")
     return latest, where
 
 

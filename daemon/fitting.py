@@ -8,8 +8,9 @@ in flight at a checkpoint is fitted again after a restore.
 
 Epoch boundaries: pools are count tables, so an epoch's pools do not depend on the order of its
 samples. Which samples fall in which epoch can shift by a batch between runs (a fit starts
-after the batch that filled the pools); no sample is lost or counted twice either way. ``fit_pools`` and the publish retry
-delays are looked up in :mod:`daemon.service` when used (tests replace them there).
+after the batch that filled the pools); no sample is lost or counted twice either way.
+``fit_pools`` and the publish retry delays are looked up in :mod:`daemon.service` when used
+(tests replace them there).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import hashlib
 import logging
 import time
 
+from daemon import retry
 from daemon.model_state import MAX_SEALED
 from daemon.registry import Inflight
 
@@ -187,28 +189,33 @@ class Fitting:
         self._apply_backpressure()
 
     async def _publish(self, model: str, inf: Inflight, data: bytes) -> bool:
-        """Send ``data`` to the bin-map topic, retried with backoff while the fit is still in
-        flight and no stop was requested (then False: the checkpoint keeps the fit)."""
+        """Send ``data`` to the bin-map topic, retried with backoff (:func:`daemon.retry.retry`)
+        while the fit is still in flight. A stop request does not cut the retry short: the
+        first attempt that fails after it ends it (then False: the checkpoint keeps the fit)."""
         service = _service()
-        delay = service._PUBLISH_RETRY_FIRST
-        while True:
+
+        async def attempt() -> bool:
             if not self._still_inflight(model, inf):
                 log.info("model %s: bin map version %d not published: the model was revoked "
                          "(its new owner fits it again from the checkpoint)", model, inf.version)
                 return False
-            try:
-                await self.producer.send_and_wait(
-                    self.s.kafka.topics.binmaps, key=model.encode(), value=data,
-                    headers=[("lpcal.version", str(inf.version).encode())])
-                return True
-            except Exception as e:  # noqa: BLE001 - broker trouble: retried, never fatal
-                if self.stopping.is_set():
-                    log.info("model %s: bin map version %d not published before shutdown "
-                             "(%s); it stays in flight in the checkpoint and is fitted again "
-                             "after a restart", model, inf.version, type(e).__name__)
-                    return False
-                self.metrics.inc_calibration_failure(model)
-                log.warning("model %s: publishing bin map version %d failed (%s: %s); "
-                            "retrying in %.1f s", model, inf.version, type(e).__name__, e, delay)
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, service._PUBLISH_RETRY_MAX)
+            await self.producer.send_and_wait(
+                self.s.kafka.topics.binmaps, key=model.encode(), value=data,
+                headers=[("lpcal.version", str(inf.version).encode())])
+            return True
+
+        def failed(e: Exception, delay: float) -> None:  # broker trouble: retried, never fatal
+            self.metrics.inc_calibration_failure(model)
+            log.warning("model %s: publishing bin map version %d failed (%s: %s); "
+                        "retrying in %.1f s", model, inf.version, type(e).__name__, e, delay)
+
+        try:
+            return await retry.retry(
+                "bin-map publish", attempt, stop=self.stopping,
+                first=service._PUBLISH_RETRY_FIRST, cap=service._PUBLISH_RETRY_MAX,
+                on_error=failed, stop_on_failure_only=True)
+        except retry.Stopped as stopped:
+            log.info("model %s: bin map version %d not published before shutdown (%s); it "
+                     "stays in flight in the checkpoint and is fitted again after a restart",
+                     model, inf.version, type(stopped.__cause__).__name__)
+            return False

@@ -44,6 +44,10 @@ class Gauges:
         m.set_join_pending(model, st.join.pending(model))
         m.set_join_buffer(model, st.join.memory_bytes(model), st.join.max_bytes)
         m.set_epochs_waiting(model, len(st.sealed))
+        slot = self.registry.get(model)
+        inflight = slot.inflight if slot is not None else None
+        fitting = inflight.pools.nbytes if inflight is not None and inflight.pools else 0
+        m.set_model_state(model, st.nbytes + fitting, st.budget)
         stats = st.evaluate()
         for pred in ("raw", "calibrated"):
             w = stats.get(pred)

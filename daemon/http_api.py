@@ -167,7 +167,11 @@ class HttpServer:
             self.app, access_log=None, keepalive_timeout=s.idle_timeout_seconds,
             lingering_time=min(2.0, s.body_timeout_seconds), shutdown_timeout=2.0)
         await self.runner.setup()
-        site = _LimitedSite(self.runner, s.host, s.port, self._accept)
+        # the listen backlog is also how many connections asyncio accepts in one go before any
+        # protocol (so the limit above) sees them: keep such a burst within the descriptors
+        # reserved beyond the limit
+        site = _LimitedSite(self.runner, s.host, s.port, self._accept,
+                            backlog=_FD_RESERVE // 2)
         await site.start()
         self.port = self.runner.addresses[0][1] if self.runner.addresses else s.port
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)

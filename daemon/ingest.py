@@ -144,6 +144,10 @@ class Ingest:
                     sampled.setdefault(tp.partition, {})[model] = st.sample_rate
                 if res.joined:
                     self.metrics.inc_joined(model, res.joined)
+                if res.sealed_early:
+                    self.metrics.inc_sealed_early(model, res.sealed_early)
+                if res.window_trimmed:
+                    self.metrics.inc_window_trimmed(model, res.window_trimmed)
                 if res.label_out_of_range:
                     self.metrics.inc_invalid("label_out_of_range", res.label_out_of_range)
                 for reason, k in res.evicted.items():

@@ -471,8 +471,9 @@ class JoinStore:
                     wm0 = t
                 if kd != KIND_PREDICTION and t > wm1:
                     wm1 = t
-                c = wm0 if wm0 < wm1 else wm1
-                if c > clock:
+                # comparisons, not min()/max(): this runs once per event
+                c = wm0 if wm0 < wm1 else wm1  # noqa: FURB136
+                if c > clock:  # noqa: PLR1730
                     clock = c
             if front < clock:
                 self.clock = clock
@@ -522,7 +523,7 @@ class JoinStore:
                 else:
                     um["duplicate"] += 1
                 continue
-            deadline = ((clock if clock > t else t) if event_time else clock) + ttl
+            deadline = ((clock if clock > t else t) if event_time else clock) + ttl  # noqa: FURB136
             # a pending entry, [E_KIND, E_DEADLINE, E_TS, E_PAYLOAD, E_ID] (daemon.codes)
             if kd == KIND_PREDICTION:
                 e = [kd, deadline, t, i, eid]

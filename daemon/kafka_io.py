@@ -701,19 +701,22 @@ def deadletter_info(headers: Iterable[tuple[str, bytes]]) -> dict[str, Any]:
 
 async def read_compacted_latest(bootstrap: str, topic: str, timeout: float = 30.0, *,
                                 security: Any = None, decode_keys: bool = True,
-                                missing_ok: bool = False) -> dict[Any, bytes]:
+                                missing_ok: bool = False, where: dict[Any, str] | None = None,
+                                client_id: str = "lpcal-compacted-reader") -> dict[Any, bytes]:
     """Read ``topic`` from the beginning at least up to its end offsets (taken at the start)
     and return the last value per key; a tombstone (value ``None``) deletes its key. Records
     fetched past the end offsets (same fetch) are applied too, as newer values.
 
     This is the view a compacted topic converges to, whether or not the broker has compacted
     yet. Keys are ``str`` (UTF-8) when ``decode_keys`` (undecodable and missing keys are
-    skipped with a warning), else ``bytes``. Raises :class:`TopicMissingError` when the topic
-    does not exist (unless ``missing_ok``: then ``{}``), ``TimeoutError`` when the end is not
-    reached within ``timeout`` seconds.
+    skipped with a warning), else ``bytes``. Values are returned as read (nothing is decoded),
+    and a value replaced by a later one is dropped as soon as the later one is read. ``where``
+    (a dict), if given, is filled with the position each returned value was read at,
+    ``topic[partition]@offset``. Raises :class:`TopicMissingError` when the topic does not
+    exist (unless ``missing_ok``: then ``{}``), ``TimeoutError`` when the end is not reached
+    within ``timeout`` seconds.
     """
-    consumer = make_consumer(bootstrap, group_id=None, security=security,
-                             client_id="lpcal-compacted-reader")
+    consumer = make_consumer(bootstrap, group_id=None, security=security, client_id=client_id)
     latest: dict[Any, bytes] = {}
     skipped = 0
     async with asyncio.timeout(timeout):
@@ -748,8 +751,12 @@ async def read_compacted_latest(bootstrap: str, topic: str, timeout: float = 30.
                                 continue
                         if m.value is None:
                             latest.pop(key, None)
+                            if where is not None:
+                                where.pop(key, None)
                         else:
                             latest[key] = m.value
+                            if where is not None:
+                                where[key] = f"{topic}[{tp.partition}]@{m.offset}"
                 for tp in list(pending):
                     if await consumer.position(tp) >= ends[tp]:
                         pending.discard(tp)

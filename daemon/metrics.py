@@ -233,6 +233,21 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
     "lpcal_join_buffer_budget_bytes": (
         "gauge", ("model",),
         "Byte budget of the model's join buffer: its share of join.max_bytes_total."),
+    "lpcal_model_state_bytes": (
+        "gauge", ("model",),
+        ("Bytes of the model's pools (filling and sealed epochs), held-out sums and monitoring "
+         "window; kept within lpcal_model_state_budget_bytes (see daemon/state_budget.py).")),
+    "lpcal_model_state_budget_bytes": (
+        "gauge", ("model",),
+        "Byte budget of the model's pools and window: its share of state.max_bytes_total."),
+    "lpcal_epochs_sealed_early_total": (
+        "counter", ("model",),
+        ("Epochs sealed (and fitted) before their pools were full because they reached a "
+         "quarter of lpcal_model_state_budget_bytes: smaller pools, looser certificates.")),
+    "lpcal_window_trimmed_samples_total": (
+        "counter", ("model",),
+        ("Samples dropped from the monitoring window before their time, oldest first, to keep "
+         "it within its byte budget.")),
     "lpcal_pool_samples": (
         "gauge", ("model", "pool"), "Samples currently in each sample pool of Algorithm 2."),
     "lpcal_pool_fill_ratio": (
@@ -413,6 +428,10 @@ class DaemonMetrics:
         self.join_pending = make("lpcal_join_pending")
         self.join_buffer_bytes = make("lpcal_join_buffer_bytes")
         self.join_buffer_budget = make("lpcal_join_buffer_budget_bytes")
+        self.model_state_bytes = make("lpcal_model_state_bytes")
+        self.model_state_budget = make("lpcal_model_state_budget_bytes")
+        self.sealed_early = make("lpcal_epochs_sealed_early_total")
+        self.window_trimmed = make("lpcal_window_trimmed_samples_total")
         self.pool_samples = make("lpcal_pool_samples")
         self.pool_fill_ratio = make("lpcal_pool_fill_ratio")
         self.epochs_waiting = make("lpcal_epochs_waiting")
@@ -475,6 +494,8 @@ class DaemonMetrics:
                 self.calibrations.labels(model=model, trigger=trigger.value)
             self.calibration_failures.labels(model=model)
             self.joined_samples.labels(model=model)
+            self.window_trimmed.labels(model=model)
+            self.sealed_early.labels(model=model)
         return model
 
     @property
@@ -496,6 +517,8 @@ class DaemonMetrics:
         per_model = [
             (self.joined_samples, only), (self.join_pending, only),
             (self.join_buffer_bytes, only), (self.join_buffer_budget, only),
+            (self.model_state_bytes, only), (self.model_state_budget, only),
+            (self.sealed_early, only), (self.window_trimmed, only),
             (self.epochs_waiting, only), (self.calibration_failures, only),
             (self.fit_duration, only), (self.fit_iterations, only),
             (self.high_probability_bins, only), (self.binmap_version, only),
@@ -577,6 +600,22 @@ class DaemonMetrics:
         self.join_buffer_bytes.labels(model=label).set(_count(nbytes, "bytes"))
         if budget is not None:
             self.join_buffer_budget.labels(model=label).set(_count(budget, "budget"))
+
+    def set_model_state(self, model: str, nbytes: int, budget: int | None) -> None:
+        """Set the bytes of ``model``'s pools, held-out sums and window, and their budget
+        (None: none)."""
+        label = self._model(model)
+        self.model_state_bytes.labels(model=label).set(_count(nbytes, "bytes"))
+        if budget is not None:
+            self.model_state_budget.labels(model=label).set(_count(budget, "budget"))
+
+    def inc_sealed_early(self, model: str, n: int = 1) -> None:
+        """Count ``n`` epochs of ``model`` sealed before full, at the byte budget."""
+        self.sealed_early.labels(model=self._model(model)).inc(_count(n, "n"))
+
+    def inc_window_trimmed(self, model: str, n: int) -> None:
+        """Count ``n`` samples dropped early from ``model``'s window by its byte budget."""
+        self.window_trimmed.labels(model=self._model(model)).inc(_count(n, "n"))
 
     # ------------------------------------------------------------------ pools
 

@@ -73,6 +73,7 @@ import orjson
 from daemon.join import JoinResult, JoinStore
 from daemon.monitor import WindowMonitor, WindowStats
 from daemon.native import route_uniform_fast
+from daemon.state_budget import EPOCH_SHARE, MONITOR_SHARE, SEALED_SHARE
 from daemon.trigger import DriftTrigger, Firing, Triggers
 from lpcal.errors import ArtifactError, InputError
 from lpcal.levels import beta_for, bin_rows, lambda_for
@@ -174,6 +175,8 @@ class IngestResult:
     evicted: dict[str, int] = field(default_factory=dict)
     unmatched: dict[str, int] = field(default_factory=dict)
     sealed: int = 0                      # epochs sealed (pools became full) by this call
+    sealed_early: int = 0                # of which sealed before full, at the byte budget
+    window_trimmed: int = 0              # samples dropped from the window by its byte budget
 
     @property
     def pools_full(self) -> bool:
@@ -228,6 +231,9 @@ class ModelState:
         #: no clock of this state may be beyond it (see :meth:`bound_clocks`)
         self.ts_limit = -math.inf
         self.clocks_repaired = 0
+        #: byte budget of the pools, held-out sums and window (None: none; see
+        #: :meth:`set_budget`)
+        self.budget: int | None = None
 
     @classmethod
     def create(cls, model: str, k: int, ms: Any, join: Any, *,
@@ -292,7 +298,7 @@ class ModelState:
         self.sealed = []
         self.monitor = WindowMonitor(
             self.k, self.lam, self.config["p"], window_samples=self.config["window_samples"],
-            window_seconds=self.config["window_seconds"])
+            window_seconds=self.config["window_seconds"], max_bytes=self._monitor_budget())
         self._last_eval = None
 
     def bound_clocks(self, limit: float) -> bool:
@@ -352,11 +358,17 @@ class ModelState:
                 if self.filling.full:
                     self.seal()
                     res.sealed += 1
+                elif self._epoch_over_budget():  # all of the batch was taken (a == n)
+                    self.seal()
+                    res.sealed += 1
+                    res.sealed_early += 1
                 elif a < n:  # not full, yet not every sample was taken: cannot happen
                     raise RuntimeError(f"model {self.model!r}: pools consumed {used} of "
                                        f"{n - a + used} samples without filling")
             cal = self._calibrator(probs) if self._calibrator is not None else None
+            before = self.monitor.trimmed
             self.monitor.update(probs, labels, ts, calibrated=cal, hashes=(h, pair))
+            res.window_trimmed = self.monitor.trimmed - before
         res.joined = int(labels.size)
         self.samples_total += res.joined
         return res
@@ -416,10 +428,43 @@ class ModelState:
 
     @property
     def backlogged(self) -> bool:
-        """True while :data:`MAX_SEALED` or more sealed epochs wait for their fit: stop feeding
+        """True while :data:`MAX_SEALED` or more sealed epochs wait for their fit, or while they
+        take a quarter of the byte budget or more (:mod:`daemon.state_budget`): stop feeding
         this model until fits catch up (one batch may seal several epochs, so the queue can
         exceed the mark by what one batch holds)."""
-        return len(self.sealed) >= MAX_SEALED
+        if len(self.sealed) >= MAX_SEALED:
+            return True
+        return (self.budget is not None and bool(self.sealed)
+                and sum(ps.nbytes for _, ps in self.sealed) >= SEALED_SHARE * self.budget)
+
+    # ---------------------------------------------------------------- byte budget
+    def _monitor_budget(self) -> int | None:
+        return None if self.budget is None else int(MONITOR_SHARE * self.budget)
+
+    def _epoch_budget(self) -> int | None:
+        return None if self.budget is None else int(EPOCH_SHARE * self.budget)
+
+    def set_budget(self, budget: int | None) -> int:
+        """Set the byte budget of the pools, held-out sums and monitoring window (None: none;
+        split as :mod:`daemon.state_budget` describes); the window is trimmed to its part at
+        once. Returns the samples trimmed from the window."""
+        self.budget = None if budget is None else int(budget)
+        return self.monitor.set_max_bytes(self._monitor_budget())
+
+    def _epoch_over_budget(self) -> bool:
+        """True when the filling epoch, compacted, takes more than its part of the budget."""
+        limit = self._epoch_budget()
+        if limit is None or self.filling.nbytes <= limit:
+            return False
+        self.filling.compact()  # buffered rows are dense: count the epoch as it will be kept
+        return self.filling.nbytes > limit
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pools (filling and sealed epochs), held-out sums and window sums (the
+        join buffer has its own budget: :meth:`daemon.join.JoinStore.memory_bytes`)."""
+        return (self.filling.nbytes + sum(ps.nbytes for _, ps in self.sealed)
+                + self.monitor.nbytes)
 
     def start_new_epoch(self, layout: PoolLayout | None = None) -> None:
         """Hand off :attr:`pools`: pop the oldest sealed epoch (its fit was launched) or, with
@@ -485,6 +530,13 @@ class ModelState:
             d = orjson.loads(data)
         except orjson.JSONDecodeError as e:
             raise ArtifactError(f"checkpoint is not valid JSON: {e}") from None
+        return cls.from_dict(d, calibrator_factory=calibrator_factory)
+
+    @classmethod
+    def from_dict(cls, d: Any, *,
+                  calibrator_factory: CalibratorFactory = binmap_calibrator) -> ModelState:
+        """:meth:`from_checkpoint` of a decoded checkpoint (the ``state`` of the daemon's
+        envelope, decoded once with it)."""
         if not isinstance(d, dict):
             raise ArtifactError("checkpoint is not a JSON object")
         fmt = d.get("format")

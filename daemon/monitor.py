@@ -29,7 +29,16 @@ samples never count. ``stderr`` is the delta-method standard error of the plug-i
 in the last ``n_buckets`` buckets of width ``T / n_buckets`` (event time; the clock is the largest
 time seen). Buckets form a ring; each holds additive sums, so an update costs O(batch * k) and
 an evaluation merges at most ``n_buckets`` buckets (O(window bins * k): call it on a timer, not
-per event). State is the buckets' sums: ``to_dict``/``from_dict`` round-trip it exactly (arrays
+per event).
+
+**Memory**: the sums take ``16 k + 16`` bytes per bin, bucket and predictor, so a window whose
+samples fall in distinct bins costs up to ``2 (16 k + 16)`` bytes per sample (320 MB for 10,000
+samples at k = 1000). With a byte budget (``max_bytes``) the oldest buckets are dropped while
+the sums exceed it (the newest one too if it alone does): the window then covers fewer samples
+than configured, counted in ``trimmed``. A sample window's bucket then also closes once it takes
+half the budget, so the newest samples that fit are kept; a time window's bucket cannot close
+early (its samples are placed by time), and one that alone exceeds the budget is dropped. A time
+window without a budget is unbounded in samples. Evaluating merges the buckets into one more copy of the window's sums, transiently. State is the buckets' sums: ``to_dict``/``from_dict`` round-trip it exactly (arrays
 are stored as base64 of their little-endian bytes). Bins are identified by their 64-bit row hash
 (collision probability ~ bins^2 / 2^64; a collision would merge two bins' sums).
 
@@ -203,6 +212,11 @@ class CellSums:
         out.gap = np.sum([p.gap for p in parts], axis=0)
         return out
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the per-bin arrays (``16 k + 16`` per bin)."""
+        return self.hashes.nbytes + self.counts.nbytes + self.s.nbytes + self.q.nbytes
+
     def to_dict(self) -> dict[str, Any]:
         return {"k": self.k, "n": self.n, "brier": self.brier, "correct": self.correct,
                 "gap": _enc(self.gap), "hashes": _enc(self.hashes), "counts": _enc(self.counts),
@@ -292,32 +306,44 @@ def window_stats(sums: CellSums, p: float, z: float) -> WindowStats | None:
 
 
 class _Bucket:
-    __slots__ = ("merged", "n", "parts")
+    __slots__ = ("merged", "n", "nbytes", "parts")
 
     def __init__(self):
         self.n = 0                                   # samples (raw predictor) in this bucket
+        self.nbytes = 0                              # bytes of all the sums held
         self.parts: dict[str, list[CellSums]] = {name: [] for name in PREDICTORS}
         self.merged: dict[str, CellSums | None] = {name: None for name in PREDICTORS}
 
     def add(self, name: str, s: CellSums, k: int) -> None:
         self.parts[name].append(s)
+        self.nbytes += s.nbytes
         if len(self.parts[name]) >= _COMPACT_PARTS:
             self.sums(name, k)
 
     def sums(self, name: str, k: int) -> CellSums:
         parts = self.parts[name]
         if parts or self.merged[name] is None:
-            base = [self.merged[name]] if self.merged[name] is not None else []
+            old = self.merged[name]
+            base = [old] if old is not None else []
+            self.nbytes -= sum(p.nbytes for p in base + parts)
             self.merged[name] = CellSums.merge_all(base + parts, k)
+            self.nbytes += self.merged[name].nbytes
             self.parts[name] = []
         return self.merged[name]  # type: ignore[return-value]
+
+    def drop(self, name: str) -> None:
+        """Forget the sums of one predictor."""
+        m = self.merged[name]
+        self.nbytes -= sum(p.nbytes for p in self.parts[name]) + (m.nbytes if m else 0)
+        self.parts[name], self.merged[name] = [], None
 
 
 class WindowMonitor:
     """Sliding-window Err_p / ECE / Brier / accuracy of one model (raw and calibrated)."""
 
     def __init__(self, k: int, lam: int, p: float, *, window_samples: int | None = 10_000,
-                 window_seconds: float | None = None, n_buckets: int = 16):
+                 window_seconds: float | None = None, n_buckets: int = 16,
+                 max_bytes: int | None = None):
         if k < 2 or lam < 1:
             raise InputError(f"WindowMonitor needs k >= 2 and lambda >= 1, got {k}, {lam}")
         if not p >= 1:
@@ -338,6 +364,10 @@ class WindowMonitor:
         self.buckets: OrderedDict[int, _Bucket] = OrderedDict()
         self.clock = -math.inf
         self.total_samples = 0
+        #: byte budget of the window's sums (None: none); see :meth:`set_max_bytes`
+        self.max_bytes = None if max_bytes is None else int(max_bytes)
+        #: samples dropped from the window, oldest first, to keep it within ``max_bytes``
+        self.trimmed = 0
         self._cache: dict[float, dict[str, WindowStats | None]] = {}  # z -> stats, until changed
 
     # ---------------------------------------------------------------- updating
@@ -383,22 +413,65 @@ class WindowMonitor:
                 self._add(self._bucket(b), rows, sel)
                 counted += sel.size
             self.total_samples += counted
+            self._trim()
             return counted
         if ts is not None and len(ts):
             self.clock = max(self.clock, float(np.max(ts)))
         a = 0
+        # under a byte budget a bucket closes early at half of it, and one slice adds at most
+        # that much (at the worst-case 2 (16 k + 16) bytes per sample): the trim then keeps
+        # the newest buckets that fit instead of emptying the window
+        half = None if self.max_bytes is None else self.max_bytes // 2
+        step = n if half is None else max(1, half // (32 * self.k + 32))
         while a < n:
-            if not self.buckets or next(reversed(self.buckets.values())).n >= self.width:
+            last = next(reversed(self.buckets.values())) if self.buckets else None
+            if last is None or last.n >= self.width or (half is not None and last.n
+                                                        and last.nbytes >= half):
                 nxt = (next(reversed(self.buckets)) + 1) if self.buckets else 0
                 self._advance_bucket(nxt)
                 self._bucket(nxt)
             bid_last = next(reversed(self.buckets))
             cur = self.buckets[bid_last]
-            take = min(n - a, int(self.width) - cur.n)
+            take = min(n - a, int(self.width) - cur.n, step)
             self._add(cur, rows, slice(a, a + take))
             a += take
         self.total_samples += n
+        self._trim()
         return n
+
+    # ---------------------------------------------------------------- byte budget
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the window's sums: ``16 k + 16`` per (bucket, predictor, bin), so at most
+        ``2 (16 k + 16)`` per sample in the window."""
+        return sum(bk.nbytes for bk in self.buckets.values())
+
+    def set_max_bytes(self, max_bytes: int | None) -> int:
+        """Set the byte budget of the window's sums (None: none) and trim to it; returns the
+        samples dropped."""
+        self.max_bytes = None if max_bytes is None else int(max_bytes)
+        return self._trim()
+
+    def _trim(self) -> int:
+        """Drop the oldest buckets while the sums take more than ``max_bytes`` (the newest
+        bucket too, after merging its parts, if it alone is over): the window then covers
+        fewer samples than configured, newest first. Counted in :attr:`trimmed`; returns the
+        samples dropped by this call."""
+        if self.max_bytes is None or self.nbytes <= self.max_bytes:
+            return 0
+        dropped = 0
+        while len(self.buckets) > 1 and self.nbytes > self.max_bytes:
+            dropped += self.buckets.popitem(last=False)[1].n
+        if self.buckets and self.nbytes > self.max_bytes:
+            bk = next(iter(self.buckets.values()))
+            for name in PREDICTORS:
+                bk.sums(name, self.k)
+            if bk.nbytes > self.max_bytes:
+                dropped += bk.n
+                self.buckets.clear()
+        self._cache.clear()
+        self.trimmed += dropped
+        return dropped
 
     def _bucket(self, b: int) -> _Bucket:
         bk = self.buckets.get(b)
@@ -454,8 +527,7 @@ class WindowMonitor:
         if predictor not in PREDICTORS:
             raise InputError(f"unknown predictor {predictor!r}")
         for bk in self.buckets.values():
-            bk.parts[predictor] = []
-            bk.merged[predictor] = None
+            bk.drop(predictor)
 
     # ---------------------------------------------------------------- reading
     def sums(self, predictor: str = "raw") -> CellSums:
@@ -512,6 +584,7 @@ class WindowMonitor:
                     if s.k != mon.k:
                         raise ValueError(f"bucket {i} {name} has k={s.k}")
                     bk.merged[name] = s
+                    bk.nbytes += s.nbytes
                 if bk.merged["raw"].n != bk.n:  # type: ignore[union-attr]
                     raise ValueError(f"bucket {i}: n={bk.n} but raw sums hold "
                                      f"{bk.merged['raw'].n}")  # type: ignore[union-attr]

@@ -7,7 +7,7 @@ blake2b pool routing (:func:`route_uniform_fast`, reference :func:`lpcal.pools.r
 ids of up to 128 bytes are hashed 4 or 8 side by side in AVX2 / AVX-512F vector lanes when the
 CPU has them, see ``hash_lanes``) and the sampling prefilter of hot models
 (``sample_records``: the decision of :meth:`daemon.model_state.ModelState.sample` taken on raw
-message bytes, one call per partition batch, see :meth:`daemon.service.Daemon._sample_out`).
+message bytes, one call per partition batch, see :meth:`daemon.ingest.Ingest._sample_out`).
 Each one computes exactly what its pure-Python reference computes;
 ``tests/daemon/test_native.py`` and ``tests/daemon/test_sampling.py`` check that on random and
 adversarial input, at every hash width the CPU runs.
@@ -22,7 +22,7 @@ codes the C kernels share with Python (event kinds, the pending join entry) are 
 The extension is built by ``pip install`` when a C compiler and the Python headers are present,
 and skipped with a warning otherwise (``optional = true`` in pyproject.toml). Without it, or
 with ``LPCAL_NATIVE=0`` in the environment, the daemon runs the pure-Python path, with the same
-results at about half the ingest throughput (README, benchmark 5).
+results at about 70% of the ingest throughput (``tests/bench/bench_ingest.py``).
 ``lpcal_build_info{ingest_path}`` on ``/metrics`` says which path a process runs
 (:func:`describe`). ``SPEEDUPS`` (the loaded module or None) is ``KERNELS.module``, read
 through the same reference.

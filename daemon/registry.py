@@ -216,13 +216,17 @@ class ModelRegistry:
             self.sampled.pop(p, None)
 
     def rebudget(self) -> None:
-        """Give every model its share of the join buffers' byte budget,
-        ``min(join.max_bytes_per_model, join.max_bytes_total / models)`` (issue 11, finding
-        9); call whenever models come or go. A lowered budget evicts the oldest pending events
-        of a model at once (counted as ``capacity`` evictions). O(models)."""
-        j = self.s.join
-        share = min(j.max_bytes_per_model, j.max_bytes_total // max(1, len(self.slots)))
-        total = models = 0
+        """Give every model its shares of the replica's byte budgets (issue 11, finding 9):
+        of the join buffers, ``min(join.max_bytes_per_model, join.max_bytes_total / models)``,
+        and of the pools and monitoring windows, ``min(state.max_bytes_per_model,
+        state.max_bytes_total / models)`` (:mod:`daemon.state_budget`); call whenever models
+        come or go. A lowered budget evicts the oldest pending events of a model at once
+        (counted as ``capacity`` evictions) and trims its window (counted). O(models)."""
+        n = max(1, len(self.slots))
+        j, sb = self.s.join, self.s.state
+        share = min(j.max_bytes_per_model, j.max_bytes_total // n)
+        state_share = min(sb.max_bytes_per_model, sb.max_bytes_total // n)
+        total = models = trimmed = 0
         for model, slot in self.slots.items():
             st = slot.state
             if st.join.max_bytes != share:
@@ -231,7 +235,16 @@ class ModelRegistry:
                     self.metrics.inc_evicted(model, "capacity", evicted)
                     total += evicted
                     models += 1
+            if st.budget != state_share:
+                cut = st.set_budget(state_share)
+                if cut:
+                    self.metrics.inc_window_trimmed(model, cut)
+                    trimmed += cut
+                self.gauges_due.add(model)
         if total:  # one line per change of the share, not one per model
             log.info("join buffer budget now %d bytes per model (%d models): evicted the %d "
                      "oldest pending events of %d models", share, len(self.slots), total,
                      models)
+        if trimmed:
+            log.info("state budget now %d bytes per model (%d models): trimmed %d samples "
+                     "from monitoring windows", state_share, len(self.slots), trimmed)

@@ -216,7 +216,7 @@ class Restore:
             if part not in parts or model in self.registry:
                 return
             owner = env.get("model", model)
-            st = ModelState.from_checkpoint(orjson.dumps(env["state"]))
+            st = ModelState.from_dict(env["state"])  # decoded once, with its envelope
             if owner != model or st.model != model:
                 self.metrics.inc_restore("wrong_model")
                 log.error("skipping the state record of model %r at %s: it holds the state of "

@@ -468,6 +468,18 @@ class StateSettings(_Strict):
     starts fresh). Values are decoded one at a time, so restoring needs about this much memory
     beyond the raw records. The default is above what a model within
     ``join.max_bytes_per_model`` writes (~1.5 bytes of JSON per byte of buffer)."""
+    max_bytes_per_model: Annotated[int, Field(ge=MIB)] = 128 * MIB
+    """Byte budget, in memory, of one model's pools (filling, sealed and in-flight epochs),
+    held-out sums and monitoring window, a quarter each for the window (its oldest samples are
+    dropped beyond it), the filling epoch (sealed early beyond it), the sealed epochs (the
+    model's input partition pauses beyond it) and the epoch being fitted. See
+    :mod:`daemon.state_budget`, which also gives sizing figures: a k = 10 model needs ~7 MiB
+    to run undegraded, a k = 100 one ~33 MiB."""
+    max_bytes_total: Annotated[int, Field(ge=MIB)] = 320 * MIB
+    """Byte budget of the pools, held-out sums and windows of all models of a replica: each
+    model gets ``min(max_bytes_per_model, max_bytes_total / models)``, updated as models come
+    and go. With ``join.max_bytes_total`` (384 MiB) and the process itself (~150 MiB) this
+    stays within the shipped 1 GiB memory limit; raise both with the limit for more models."""
     release_heap: bool = True
     """After each periodic checkpoint, give freed heap memory back to the OS (glibc
     ``malloc_trim``, see :mod:`daemon.heap`); without it resident memory ratchets up."""

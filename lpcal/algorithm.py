@@ -75,7 +75,7 @@ STOP_MAX_ITER = "max_iterations"
 
 def iteration_bound(beta: float, lam: int) -> int:
     """``T <= (9 + 36/lambda * log2(36/beta)) / beta^2`` (Lemma algorithm-termination)."""
-    return int(math.ceil((9.0 + 36.0 / lam * math.log2(36.0 / beta)) / beta**2))
+    return math.ceil((9.0 + 36.0 / lam * math.log2(36.0 / beta)) / beta**2)
 
 
 @dataclass
@@ -261,7 +261,7 @@ def run_kernel(
     if n == 0:
         return KernelResult(np.zeros(0, np.int64), np.zeros((0, c_B.shape[1])), 0,
                             STOP_CONVERGED, 0.0, 0.0, 0, 0)
-    need = int(math.floor(math.log2(n))) + 1
+    need = math.floor(math.log2(n)) + 1
     if len(levels) < need:
         raise ValueError(f"|B| = {n} needs {need} pool levels, got {len(levels)}")
 

@@ -167,6 +167,11 @@ class HoldoutSums(BinSums):
     def _assign(self, o: HoldoutSums) -> None:
         self.rows, self.hashes, self.counts, self.sums = o.rows, o.hashes, o.counts, o.sums
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays (``28 k + 16`` per bin: row, ``[Y | G | Q]``, hash and count)."""
+        return self.rows.nbytes + self.hashes.nbytes + self.counts.nbytes + self.sums.nbytes
+
     def merge(self, other: HoldoutSums) -> HoldoutSums:
         """A new object holding the sums of both operands (neither is modified)."""
         if (other.k, other.lam) != (self.k, self.lam):

@@ -60,7 +60,7 @@ def lambda_for(beta: float) -> int:
         raise InputError(f"beta must lie in (0, 1], got {beta!r}")
     x = 1.0 / beta
     r = round(x)
-    lam = max(1, int(r)) if abs(x - r) <= _SNAP_REL * x else int(math.ceil(x))
+    lam = max(1, int(r)) if abs(x - r) <= _SNAP_REL * x else math.ceil(x)
     if lam > MAX_LAMBDA:
         raise InputError(f"beta = {beta:g} needs lambda = {lam} > {MAX_LAMBDA} (eps too small)")
     return lam

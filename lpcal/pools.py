@@ -41,6 +41,10 @@ from lpcal.levels import (
 )
 
 _COMPACT_EVERY = 1 << 16
+#: Buffered (dense, ``4 k`` bytes per row) rows of a table are folded in once they take more
+#: than ``max(COMPACT_MIN_BYTES, the compacted table's bytes)``: amortised O(1) compactions
+#: per doubling, and buffered rows never cost more than the table itself plus this floor.
+COMPACT_MIN_BYTES = 1 << 18
 
 
 def _locked(method):
@@ -113,6 +117,7 @@ class CountTable:
         "_lock",
         "_npend",
         "_pb",
+        "_pbytes",
         "_pc",
         "_pending",
         "_pl",
@@ -135,6 +140,7 @@ class CountTable:
         self._pc = np.zeros(0, dtype=np.int64)
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._npend = 0
+        self._pbytes = 0
         # (probability rows, one row index per bin): bin rows not materialised yet
         self._lazy: tuple[np.ndarray, np.ndarray] | None = None
         # reads compact pending rows and materialise lazy ones, i.e. they write: one re-entrant
@@ -170,7 +176,9 @@ class CountTable:
         """Buffer checked rows (int32 bins, int32 labels, int64 hashes; see :meth:`add`)."""
         self._pending.append((c, y, h))
         self._npend += c.shape[0]
-        if self._npend >= _COMPACT_EVERY:
+        self._pbytes += c.nbytes + y.nbytes + h.nbytes
+        if (self._npend >= _COMPACT_EVERY
+                or self._pbytes >= max(COMPACT_MIN_BYTES, self._compacted_bytes())):
             self._compact()
 
     def compact(self) -> None:
@@ -185,7 +193,7 @@ class CountTable:
         c = np.concatenate([p[0] for p in self._pending])
         y = np.concatenate([p[1] for p in self._pending])
         h = np.concatenate([p[2] for p in self._pending])
-        self._pending, self._npend = [], 0
+        self._pending, self._npend, self._pbytes = [], 0, 0
         uh, first, inv = group_rows(c, h)
         ptr, idx, val = _csr_from_dense(c[first])
         pair = inv.astype(np.int64) * self.k + y
@@ -284,6 +292,17 @@ class CountTable:
         return t
 
     # ------------------------------------------------------------------ reading
+    def _compacted_bytes(self) -> int:
+        return (self._h.nbytes + self._ptr.nbytes + self._idx.nbytes + self._val.nbytes
+                + self._pb.nbytes + self._pl.nbytes + self._pc.nbytes)
+
+    @property
+    @_locked
+    def nbytes(self) -> int:
+        """Bytes of the table's arrays: the compacted bins and counts plus the buffered rows
+        (the probability rows a lazy table refers to are not counted: they are the caller's)."""
+        return self._compacted_bytes() + self._pbytes
+
     @property
     @_locked
     def total(self) -> int:
@@ -469,7 +488,7 @@ def tables_from_rows(probs: np.ndarray, labels: np.ndarray, assign: np.ndarray, 
 
 def n_levels(beta: float) -> int:
     """``L = floor(log2(6/beta)) + 1``: group sizes ``1, 2, ..., 2^(L-1)`` cover ``|B| <= 6/beta``."""
-    return int(math.floor(math.log2(6.0 / beta) + 1e-12)) + 1
+    return math.floor(math.log2(6.0 / beta) + 1e-12) + 1
 
 
 def pool_names(levels: int, variant: str) -> list[str]:
@@ -717,6 +736,15 @@ class PoolSet:
     @property
     def full(self) -> bool:
         return all(c >= t for c, t in self.fill().values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the epoch's arrays (tables, held-out sums, warm-up grid)."""
+        n = sum(t.nbytes for t in self.tables.values())
+        for h in (self.holdout, self.holdout_raw):
+            if h is not None:
+                n += h.nbytes
+        return n + (self.grid.nll.nbytes if self.grid is not None else 0)
 
     @property
     def total(self) -> int:

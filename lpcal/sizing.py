@@ -92,16 +92,16 @@ def theory_sizing(eps: float, p: float, delta: float, k: int, variant: str = "sp
     beta = beta_for(eps, p)
     lam = lambda_for(beta)
     L = n_levels(beta)
-    b_max = int(math.floor(6.0 / beta + 1e-9))
+    b_max = math.floor(6.0 / beta + 1e-9)
     a1, d1 = beta / 12.0, delta / 3.0
     m1 = math.log(4.0 / (a1 * d1)) / (2.0 * a1 * a1)
     m2 = 4.0 / (3.0 * a1) * (math.log(2.0 / d1) + log_level_set_bound(lam, k))
-    targets = {"mu": int(math.ceil(m1 + m2))}
+    targets = {"mu": math.ceil(m1 + m2)}
     alpha, d_i = beta / (36.0 * L), delta / (3.0 * L)
     scales: dict[str, float] = {"mu": 0.0}
 
     def pool(n_i: int, dim: int) -> int:
-        return int(math.ceil(32.0 * math.log(4.0 * n_i * dim / d_i) / alpha**2))
+        return math.ceil(32.0 * math.log(4.0 * n_i * dim / d_i) / alpha**2)
 
     for i in range(L):
         n_i = max(1, b_max >> i)

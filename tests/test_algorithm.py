@@ -16,9 +16,6 @@ import math
 
 import numpy as np
 import pytest
-from tests.reference_algorithm import iteration_bound as ref_iteration_bound
-from tests.reference_algorithm import project, reference_run, round_down
-from tests.reference_algorithm import rho as ref_rho
 
 from lpcal.algorithm import (
     STOP_CONVERGED,
@@ -31,6 +28,9 @@ from lpcal.algorithm import (
 from lpcal.calibrate import fit, fit_pools
 from lpcal.levels import beta_for, lambda_for
 from lpcal.pools import PoolLayout, PoolSet, n_levels, pool_names
+from tests.reference_algorithm import iteration_bound as ref_iteration_bound
+from tests.reference_algorithm import project, reference_run, round_down
+from tests.reference_algorithm import rho as ref_rho
 
 # ----------------------------------------------------------------------------- instances
 

@@ -1,7 +1,8 @@
 """Euclidean simplex projection: KKT conditions, idempotence, and an independent bisection."""
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from lpcal.simplex import project_simplex, projection_threshold

@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         base = f"http://127.0.0.1:{port}"
         cfg = work / "lpcal.toml"
         cfg.write_text(_config(broker.bootstrap, port))
-        log = open(work / "daemon.log", "wb")
+        log = open(work / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes it until stopped
         print(f"broker on {broker.bootstrap}; starting `lpcal serve --config {cfg}` "
               f"(log: {work / 'daemon.log'})")
         secrets = work / "secrets"

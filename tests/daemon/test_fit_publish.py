@@ -4,6 +4,8 @@ broker: the producer is a stand-in that fails a given number of times, the fits 
 
 - A publish that fails (broker down) is counted and retried until it lands; the epoch is not
   lost and its version is not reused for other pools.
+- Publish retries back off (doubling to a cap); a stop prevents no attempt, and the first
+  attempt that fails after it ends the retry at once; a revoked model's publish stops.
 - On shutdown a publish that cannot land is left in flight, so the final checkpoint carries it.
 - A fit that raises is counted and its epoch dropped.
 - The gauges of a model that turns idle right after a change are still exported (CI caught
@@ -111,6 +113,73 @@ async def test_publish_failing_at_shutdown_stays_in_flight_for_the_checkpoint(da
     assert envelope["inflight"]["pools"] == inf.pools.to_dict()
     # the attempts before the shutdown count as failures; the one cut short by it does not
     assert failures(daemon) == daemon.producer.attempts - 1
+
+
+async def test_publish_backs_off_doubling_to_its_cap(daemon, monkeypatch, caplog):
+    monkeypatch.setattr(service, "_PUBLISH_RETRY_MAX", 0.04)
+    with_sealed(daemon, 1)
+    daemon.producer = FlakyProducer(failures=5)
+    with caplog.at_level("WARNING", logger="lpcal.daemon"):
+        daemon._after_batch()
+        await until(lambda: MODEL not in daemon.inflight, "the fit to be published")
+    retried = [r for r in caplog.records if "publishing bin map version 1 failed" in r.message]
+    assert [r.args[-1] for r in retried] == [0.01, 0.02, 0.04, 0.04, 0.04]
+    assert all("KafkaConnectionError" in r.message for r in retried)
+    assert daemon.producer.attempts == 6 and failures(daemon) == 5
+
+
+async def test_publish_requested_during_shutdown_is_still_attempted(daemon):
+    """Shutdown lets fits in flight finish and publish: a stop prevents no attempt."""
+    st = with_sealed(daemon, 1)
+    daemon.producer = FlakyProducer(failures=0)
+    daemon.stopping.set()
+    daemon._after_batch()
+    await until(lambda: MODEL not in daemon.inflight, "the fit to be published")
+    assert len(daemon.producer.sent) == 1 and st.binmap_version == 1
+
+
+class GatedProducer:
+    """``send_and_wait`` waits for ``gate``, then fails."""
+
+    def __init__(self):
+        self.gate = asyncio.Event()
+        self.attempts = 0
+
+    async def send_and_wait(self, topic, key, value, headers=()):
+        self.attempts += 1
+        await self.gate.wait()
+        raise KafkaConnectionError("broker unreachable (stand-in)")
+
+
+async def test_publish_failing_after_a_stop_ends_without_a_backoff(daemon, monkeypatch, caplog):
+    monkeypatch.setattr(service, "_PUBLISH_RETRY_FIRST", 30.0)
+    with_sealed(daemon, 1)
+    daemon.producer = GatedProducer()
+    daemon._after_batch()
+    inf = daemon.inflight[MODEL]
+    await until(lambda: daemon.producer.attempts == 1, "a publish attempt")
+    daemon.stopping.set()
+    daemon.producer.gate.set()
+    t0 = asyncio.get_running_loop().time()
+    with caplog.at_level("INFO", logger="lpcal.daemon"):
+        await until(lambda: not daemon._publishing, "the publish to give up")
+    assert asyncio.get_running_loop().time() - t0 < 5.0  # not after the 30 s backoff
+    assert daemon.producer.attempts == 1 and not failures(daemon)
+    assert daemon.inflight.get(MODEL) is inf
+    assert any("not published before shutdown (KafkaConnectionError)" in r.message
+               for r in caplog.records)
+
+
+async def test_publish_of_a_revoked_model_stops_retrying(daemon):
+    with_sealed(daemon, 1)
+    daemon.producer = FlakyProducer(failures=None)
+    daemon._after_batch()
+    await until(lambda: daemon.producer.attempts >= 2, "a retried publish")
+    daemon.registry.slots[MODEL].inflight = None  # as when the model's partition is revoked
+    await until(lambda: not daemon._publishing, "the publish to give up")
+    attempts = daemon.producer.attempts
+    await asyncio.sleep(0.1)  # ten retry periods
+    assert daemon.producer.attempts == attempts and not daemon.producer.sent
 
 
 async def test_fit_that_raises_is_counted_and_its_epoch_dropped(daemon, monkeypatch):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -30,8 +33,11 @@ def promtool() -> str:
     if found:
         return found
     script = DEPLOY / "tools" / "ensure-promtool.sh"
-    proc = subprocess.run(["sh", str(script)], check=False, capture_output=True, text=True,
-                          timeout=900)
+    # one install at a time: pytest-xdist workers (make test) would race for apt's lock
+    with open(Path(tempfile.gettempdir()) / "lpcal-ensure-promtool.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.run(["sh", str(script)], check=False, capture_output=True,
+                              text=True, timeout=900)
     if proc.returncode in (2, 3):
         pytest.skip(f"promtool unavailable and cannot be installed: {proc.stderr.strip()}")
     assert proc.returncode == 0, f"ensure-promtool.sh failed ({proc.returncode}): {proc.stderr}"

@@ -240,6 +240,32 @@ async def test_read_compacted_latest_missing_topic(broker, topic_prefix):
 
 
 @integration
+async def test_read_compacted_latest_reports_where_each_value_was_read(broker, topic_prefix):
+    """The checkpoint store's reader (positions for its log lines) is this same read."""
+    from daemon.checkpoint_store import read_latest_with_positions
+
+    topic = f"{topic_prefix}.state"
+    await ensure_topics(broker.bootstrap, [TopicSpec(topic, 1, configs=COMPACT)])
+    producer = make_producer(broker.bootstrap, idempotence=False)
+    await producer.start()
+    try:  # offsets 0-5
+        for key, value in [(b"a", b"a1"), (b"b", b"b1"), (b"a", b"a2"), (None, b"keyless"),
+                           (b"b", None), (b"c", b"c1")]:
+            await producer.send(topic, key=key, value=value)
+        await producer.flush()
+    finally:
+        await producer.stop()
+    where: dict[str, str] = {}
+    latest = await read_compacted_latest(broker.bootstrap, topic, timeout=10, where=where)
+    assert latest == {"a": b"a2", "c": b"c1"}
+    assert where == {"a": f"{topic}[0]@2", "c": f"{topic}[0]@5"}  # b's tombstone drops it
+    assert await read_latest_with_positions(broker.bootstrap, topic, timeout=10) == (
+        latest, where)
+    missing = f"{topic_prefix}.absent"
+    assert await read_latest_with_positions(broker.bootstrap, missing, timeout=10) == ({}, {})
+
+
+@integration
 async def test_end_offsets_lag_follows_position_and_seek(broker, topic_prefix):
     topic = f"{topic_prefix}.t"
     await ensure_topics(broker.bootstrap, [TopicSpec(topic, 2)])

@@ -26,7 +26,7 @@ import time
 import orjson
 import pytest
 
-import daemon.service as service
+from daemon import service
 from daemon.events import EventParser
 from daemon.model_state import MAX_SEALED, ModelState
 from lpcal.calibrate import fit_pools

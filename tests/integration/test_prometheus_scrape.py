@@ -63,11 +63,12 @@ async def test_prometheus_scrapes_calibrated_err_p(broker, topic_prefix, tmp_pat
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
         "scrape_configs:\n  - job_name: lpcal\n    static_configs:\n"
         f"      - targets: ['127.0.0.1:{port}']\n")
-    prom = subprocess.Popen(
+    prom = subprocess.Popen(  # noqa: ASYNC220 - starts a server, returns at once
         [_prometheus_binary(), f"--config.file={tmp_path / 'prometheus.yml'}",
          f"--storage.tsdb.path={tmp_path / 'tsdb'}",
          f"--web.listen-address=127.0.0.1:{prom_port}"],
-        stdout=open(tmp_path / "prometheus.log", "wb"), stderr=subprocess.STDOUT)
+        stdout=open(tmp_path / "prometheus.log", "wb"),  # noqa: SIM115, ASYNC230 - Popen's, once
+        stderr=subprocess.STDOUT)
     prom_url = f"http://127.0.0.1:{prom_port}"
     try:
         async with running_daemon(settings) as rd:

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tests.reliability.harness import FIGURES, record_figures
+from tests.reliability.harness import FIGURES, record_figures, write_figures
 
 SOAK = os.environ.get("LPCAL_SOAK", "") == "1"
 
@@ -33,10 +33,4 @@ def figures(request, soak):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not FIGURES:
-        return
-    terminalreporter.section("lpcal reliability figures")
-    for name, mode, values in FIGURES:
-        terminalreporter.write_line(f"{name} [{mode}]:")
-        for k, v in values.items():
-            terminalreporter.write_line(f"    {k}: {v}")
+    write_figures(terminalreporter, FIGURES)

@@ -61,6 +61,18 @@ async def models_view(url: str) -> dict[str, dict]:
     return {e["model"]: e for e in orjson.loads(body)["models"]}
 
 
+def write_figures(terminalreporter, entries) -> None:
+    """Print ``entries`` (``(name, mode, values)``, values a dict or ``(key, value)`` pairs) in
+    the terminal summary's "lpcal reliability figures" section (nothing when empty)."""
+    if not entries:
+        return
+    terminalreporter.section("lpcal reliability figures")
+    for name, mode, values in entries:
+        terminalreporter.write_line(f"{name} [{mode}]:")
+        for k, v in (values.items() if isinstance(values, dict) else values):
+            terminalreporter.write_line(f"    {k}: {v}")
+
+
 def record_figures(name: str, values: dict, soak: bool, command: str) -> None:
     """Print a test's figures, keep them for the terminal summary, and (soak) write them."""
     mode = "long (LPCAL_SOAK=1)" if soak else "short"

@@ -105,7 +105,7 @@ class LocalS3:
                 proc.kill()
                 proc.wait(timeout=10)
 
-    def __enter__(self) -> LocalS3:
+    def __enter__(self) -> LocalS3:  # noqa: PYI034 - start() returns self
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -29,6 +29,9 @@ import pytest
 from tests.bench import bench_ingest as bi
 from tests.support.daemon_harness import read_deadletters
 
+# serial: compares rates and poll gaps: `make test` runs it alone, not on xdist workers
+pytestmark = pytest.mark.serial
+
 EVENTS = 20_000
 BURST = 30_000
 

@@ -38,6 +38,10 @@ from tests.support.daemon_harness import (
     wait_until,
 )
 
+# serial: times connects, /healthz answers and server-side timeouts: `make test` runs the
+# module alone, not on pytest-xdist workers
+pytestmark = pytest.mark.serial
+
 TOKEN = "adm-5b1e-hardening-token"
 PARTIAL_HEAD = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "  # never finished
 

@@ -42,7 +42,8 @@ from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
 from tests.reliability.harness import FastDaemon, models_view, rss_kib
 from tests.support.daemon_harness import TopicNames, create_topics, daemon_config, free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.soak]
+# serial: measures poll gaps and lag: `make test` runs it alone, not on xdist workers
+pytestmark = [pytest.mark.integration, pytest.mark.soak, pytest.mark.serial]
 
 RATE = float(os.environ.get("LPCAL_SOAK_RATE", "2000"))  # events/s (x2 messages)
 ID_DIGITS = 10  # fixed-length ids (see the module docstring)

@@ -8,13 +8,18 @@ Traffic, all at once, on the embedded broker:
 * outcomes that never match, and predictions of a model whose first vector has k = 100,000
   (``k_too_large``: before the cap, 0.8 MB per pending prediction);
 * events under thousands of distinct model names (``unknown_model`` beyond ``max_models``;
-  they grew an unbounded policy cache by 127 MiB per 200,000 names).
+  they grew an unbounded policy cache by 127 MiB per 200,000 names);
+* predictions *with* outcomes of models with k = 1000 whose every sample falls in its own bin
+  (nine classes at level 1 of 10): without the state budget of :mod:`daemon.state_budget`,
+  ~32 KB of window and ~5 KB of pools and held-out sums per sample (320 MB for a 10,000-sample
+  window).
 
-Short version (``make test``): join budgets lowered to 96 MiB in all, 32 MiB per model, and
-traffic whose unbounded footprint (~420 MB of rows) is over four times that; asserted: peak
-RSS growth below the budget plus 160 MiB for the process's own buffers. Long version (``make
-soak``): the shipped defaults (384 MiB of join buffers) and traffic worth ~1.3 GB of rows
-unbounded; asserted: peak RSS below the shipped pod limit (``deploy/k8s/base``, 1 GiB).
+Short version (``make test``): join budgets lowered to 96 MiB in all, 32 MiB per model, the
+state budget to 32 MiB, and traffic whose unbounded footprint (~420 MB of rows, ~200 MB of
+window) is several times that; asserted: peak RSS growth below the budgets plus 160 MiB for the
+process's own buffers. Long version (``make soak``): the shipped defaults (384 MiB of join
+buffers, 320 MiB of state) and traffic worth ~1.3 GB of rows and ~640 MB of windows unbounded;
+asserted: peak RSS below the shipped pod limit (``deploy/k8s/base``, 1 GiB).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from daemon import kafka_io
@@ -72,8 +78,25 @@ def _prediction(model: str, eid: str, k: int, hot: int, ts: float) -> bytes:
             + "]}").encode()
 
 
+_LEVEL1 = "0.1005"
+_FILLER = f"{(1 - 9 * 0.1005) / (K - 9):.4e}"
+
+
+def _dense_pair(model: str, eid: str, rng, ts: float) -> tuple[bytes, bytes]:
+    """A prediction whose level set at lambda = 10 is new (nine random classes at level 1)
+    and its outcome (one of the nine)."""
+    top = rng.choice(K, size=9, replace=False)
+    probs = [_FILLER] * K
+    for j in top:
+        probs[j] = _LEVEL1
+    pred = (f'{{"model":"{model}","id":"{eid}","ts":{ts},"probs":[' + ",".join(probs)
+            + "]}").encode()
+    out = f'{{"model":"{model}","id":"{eid}","ts":{ts},"label":{int(top[0])}}}'.encode()
+    return pred, out
+
+
 async def _produce(bootstrap: str, names: TopicNames, models: int, per_model: int,
-                   names_count: int, admitted=None) -> int:
+                   names_count: int, admitted=None, dense: tuple[int, int] = (0, 0)) -> int:
     """The worst traffic of the module docstring; returns the number of messages sent."""
     prod = kafka_io.make_producer(bootstrap, idempotence=False, client_id="memory-bound",
                                   max_request_size=2 * MIB, linger_ms=20)
@@ -106,6 +129,13 @@ async def _produce(bootstrap: str, names: TopicNames, models: int, per_model: in
                            f"wide-{m}")
             await send(names.outcomes, (f'{{"model":"wide-0","id":"{"o" * 200}-{i}",'
                                         f'"ts":{ts},"label":1}}').encode(), "wide-0")
+        rng = np.random.default_rng(0)
+        for i in range(dense[1]):
+            for m in range(dense[0]):
+                model = f"dense-{m}"
+                pred, out = _dense_pair(model, f"d{m}-{i}", rng, ts)
+                await send(names.predictions, pred, model)
+                await send(names.outcomes, out, model)
         for j in range(names_count):
             await send(names.outcomes, f'{{"model":"name-{j}","id":"x","ts":{ts},"label":0}}'
                        .encode(), f"name-{j}")
@@ -122,16 +152,20 @@ async def test_worst_traffic_keeps_peak_memory_within_the_budget(
     await create_topics(broker.bootstrap, names, partitions=2)
     if soak:  # the shipped defaults
         join: dict = {}
+        state: dict = {}
         models, per_model, names_count = 8, 20_000, 200_000
-        total = 384 * MIB
+        dense = (2, 12_000)
+        total, state_total = 384 * MIB, 320 * MIB
     else:
-        total = 96 * MIB
+        total, state_total = 96 * MIB, 32 * MIB
         join = {"max_bytes_total": total, "max_bytes_per_model": 32 * MIB}
+        state = {"max_bytes_total": state_total, "max_bytes_per_model": state_total}
         models, per_model, names_count = 6, 8_000, 20_000
+        dense = (1, 6_000)
     cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
                         defaults={"k": None}, join=join,
                         kafka={"max_message_bytes": 2 * MIB},
-                        state={"checkpoint_interval_seconds": 5.0})
+                        state={"checkpoint_interval_seconds": 5.0, **state})
     daemon = FastDaemon(cfg, tmp_path, name="memory").start()
     try:
         await daemon.wait_ready(60)
@@ -143,7 +177,7 @@ async def test_worst_traffic_keeps_peak_memory_within_the_budget(
                              "the k = 100,000 predictions rejected")
 
         sent = await _produce(broker.bootstrap, names, models, per_model, names_count,
-                              huge_rejected)
+                              huge_rejected, dense)
         t_sent = time.monotonic() - t0
 
         async def consumed():
@@ -173,6 +207,15 @@ async def test_worst_traffic_keeps_peak_memory_within_the_budget(
     def total_of(name: str) -> float:
         return sum(v for (n, _lb), v in mx.items() if n == name)
 
+    state_bytes = total_of("lpcal_model_state_bytes")
+    trimmed = total_of("lpcal_window_trimmed_samples_total")
+    dense_models = [f"dense-{m}" for m in range(dense[0])]
+    joined = sum(metric_value(mx, "lpcal_joined_samples_total", model=m) for m in dense_models)
+    # a pair not joined had an event evicted by the join budget (the predictions and outcomes
+    # topics are consumed unevenly under load) or still waits
+    unjoined = sum(v for (n, lb), v in mx.items()
+                   if n in ("lpcal_join_evictions_total", "lpcal_join_pending")
+                   and dict(lb).get("model") in dense_models)
     buffers = total_of("lpcal_join_buffer_bytes")
     budgets = total_of("lpcal_join_buffer_budget_bytes")
     pending = total_of("lpcal_join_pending")
@@ -193,6 +236,13 @@ async def test_worst_traffic_keeps_peak_memory_within_the_budget(
         "sum of lpcal_join_buffer_bytes (MiB)": round(buffers / MIB, 1),
         "sum of lpcal_join_buffer_budget_bytes (MiB)": round(budgets / MIB, 1),
         "pending events kept": int(pending),
+        "models with k = 1000, every sample a new bin": dense[0],
+        "samples joined of those models": int(joined),
+        "their events evicted or pending": int(unjoined),
+        "window if unbounded (MiB)": round(min(dense[1], 10_000) * dense[0] * 32_032 / MIB),
+        "state budget, all models (MiB)": round(state_total / MIB),
+        "sum of lpcal_model_state_bytes (MiB)": round(state_bytes / MIB, 1),
+        "samples trimmed from windows": int(trimmed),
         "k_too_large rejected": int(too_large),
         "unknown_model rejected": int(unknown),
         "RSS when ready (MiB)": round(rss0 / 1024),
@@ -209,10 +259,13 @@ async def test_worst_traffic_keeps_peak_memory_within_the_budget(
     assert buffers <= total, (buffers, total)
     assert budgets <= total + MIB
     assert pending < models * per_model  # the budgets evicted
+    assert joined >= dense[0] * dense[1] / 2 and joined + unjoined >= dense[0] * dense[1]
+    assert trimmed > 0 and state_bytes <= state_total + 16 * MIB, (trimmed, state_bytes)
     if soak:
         assert hwm * 1024 < limit, f"peak RSS {hwm} KiB above the pod limit {limit} bytes"
     else:
         growth = (hwm - rss0) * 1024
-        assert growth < total + 160 * MIB, (
+        assert growth < total + state_total + 160 * MIB, (
             f"peak RSS grew by {growth / MIB:.0f} MiB with a join budget of {total / MIB:.0f} "
-            f"MiB (rows alone would be {unbounded_rows / MIB:.0f} MiB unbounded)")
+            f"MiB and a state budget of {state_total / MIB:.0f} MiB (rows alone would be "
+            f"{unbounded_rows / MIB:.0f} MiB unbounded)")

@@ -34,6 +34,10 @@ from tests.support.daemon_harness import (
     wait_until,
 )
 
+# serial: the exits must come within 3 s (5 s): `make test` runs the module alone, not on
+# pytest-xdist workers
+pytestmark = pytest.mark.serial
+
 
 @pytest.mark.parametrize("when", ["first attempts", "4 s backoff"])
 async def test_sigterm_while_the_broker_is_unreachable_exits_0_promptly(tmp_path, when,

@@ -603,7 +603,7 @@ async def read_state(bootstrap: str, topic: str, timeout: float = 20.0) -> State
         if key.startswith("model/"):
             env = orjson.loads(decode_value(value))
             snap.envelopes[key[6:]] = env
-            snap.models[key[6:]] = ModelState.from_checkpoint(orjson.dumps(env["state"]))
+            snap.models[key[6:]] = ModelState.from_dict(env["state"])
         elif key.startswith("partition/"):
             snap.manifests[int(key.split("/", 1)[1])] = orjson.loads(value)
     return snap
