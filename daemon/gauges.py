@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from daemon.model_state import ModelState
+from daemon.registry import ModelSlot
 from lpcal.errors import InputError
 
 log = logging.getLogger("lpcal.daemon")
@@ -36,17 +36,16 @@ class Gauges:
             elif now - slot.gauges_at >= _GAUGE_EVERY:
                 slot.gauges_at = now
                 due.discard(model)
-                self._export_gauges(model, slot.state)
+                self._export_gauges(model, slot)
 
-    def _export_gauges(self, model: str, st: ModelState) -> None:
-        m = self.metrics
+    def _export_gauges(self, model: str, slot: ModelSlot) -> None:
+        m, st = self.metrics, slot.state
         m.set_pool_fill(model, st.pools.fill())
         m.set_join_pending(model, st.join.pending(model))
         m.set_join_buffer(model, st.join.memory_bytes(model), st.join.max_bytes)
         m.set_epochs_waiting(model, len(st.sealed))
-        slot = self.registry.get(model)
-        inflight = slot.inflight if slot is not None else None
-        fitting = inflight.pools.nbytes if inflight is not None and inflight.pools else 0
+        inflight = slot.inflight
+        fitting = inflight.pools.nbytes if inflight is not None else 0  # the last quarter
         m.set_model_state(model, st.nbytes + fitting, st.budget)
         stats = st.evaluate()
         for pred in ("raw", "calibrated"):

@@ -38,7 +38,10 @@ the sums exceed it (the newest one too if it alone does): the window then covers
 than configured, counted in ``trimmed``. A sample window's bucket then also closes once it takes
 half the budget, so the newest samples that fit are kept; a time window's bucket cannot close
 early (its samples are placed by time), and one that alone exceeds the budget is dropped. A time
-window without a budget is unbounded in samples. Evaluating merges the buckets into one more copy of the window's sums, transiently. State is the buckets' sums: ``to_dict``/``from_dict`` round-trip it exactly (arrays
+window without a budget is unbounded in samples. Evaluating merges the buckets into one more
+copy of the window's sums, transiently.
+
+State is the buckets' sums: ``to_dict``/``from_dict`` round-trip it exactly (arrays
 are stored as base64 of their little-endian bytes). Bins are identified by their 64-bit row hash
 (collision probability ~ bins^2 / 2^64; a collision would merge two bins' sums).
 
@@ -66,7 +69,8 @@ from lpcal.errors import InputError
 from lpcal.levels import bin_rows, group_hashed
 from lpcal.metrics import lp_norm as _lp_norm
 
-__all__ = ["PREDICTORS", "CellSums", "WindowMonitor", "WindowStats", "cell_bounds"]
+__all__ = ["PREDICTORS", "CellSums", "WindowMonitor", "WindowStats", "cell_bounds",
+           "sample_bytes"]
 
 PREDICTORS = ("raw", "calibrated")
 ECE_BINS = 15
@@ -96,6 +100,12 @@ def _dec(d: Mapping[str, Any], where: str) -> np.ndarray:
     if any(s < 0 for s in shape) or len(raw) != 8 * math.prod(shape):
         raise InputError(f"{where}: array of shape {shape} has {len(raw)} bytes")
     return np.frombuffer(raw, dtype=np.dtype(d["dtype"])).astype(dt).reshape(shape)
+
+
+def sample_bytes(k: int) -> int:
+    """Upper bound of the bytes one sample adds to a window's sums: ``16 k + 16`` for its bin
+    (``S`` and ``Q`` rows, hash and count) in each of the two predictors' sums."""
+    return 2 * (16 * int(k) + 16)
 
 
 # --------------------------------------------------------------------------- sums
@@ -419,10 +429,10 @@ class WindowMonitor:
             self.clock = max(self.clock, float(np.max(ts)))
         a = 0
         # under a byte budget a bucket closes early at half of it, and one slice adds at most
-        # that much (at the worst-case 2 (16 k + 16) bytes per sample): the trim then keeps
-        # the newest buckets that fit instead of emptying the window
+        # that much (at the worst case of sample_bytes): the trim then keeps the newest
+        # buckets that fit instead of emptying the window
         half = None if self.max_bytes is None else self.max_bytes // 2
-        step = n if half is None else max(1, half // (32 * self.k + 32))
+        step = n if half is None else max(1, half // sample_bytes(self.k))
         while a < n:
             last = next(reversed(self.buckets.values())) if self.buckets else None
             if last is None or last.n >= self.width or (half is not None and last.n
@@ -443,7 +453,7 @@ class WindowMonitor:
     @property
     def nbytes(self) -> int:
         """Bytes of the window's sums: ``16 k + 16`` per (bucket, predictor, bin), so at most
-        ``2 (16 k + 16)`` per sample in the window."""
+        :func:`sample_bytes` per sample in the window."""
         return sum(bk.nbytes for bk in self.buckets.values())
 
     def set_max_bytes(self, max_bytes: int | None) -> int:

@@ -55,6 +55,7 @@ k = 100 models.
 
 from __future__ import annotations
 
+from daemon import monitor
 from lpcal.pools import COMPACT_MIN_BYTES, PoolLayout
 
 __all__ = ["EPOCH_SHARE", "MONITOR_SHARE", "SEALED_SHARE", "epoch_bytes",
@@ -76,8 +77,9 @@ def holdout_sample_bytes(k: int) -> int:
 
 
 def monitor_sample_bytes(k: int) -> int:
-    """Upper bound of the bytes one sample adds to the monitoring window's sums."""
-    return 2 * (16 * int(k) + 16)
+    """Upper bound of the bytes one sample adds to the monitoring window's sums
+    (:func:`daemon.monitor.sample_bytes`, which the window's own slicing uses)."""
+    return monitor.sample_bytes(k)
 
 
 def epoch_bytes(layout: PoolLayout) -> int:

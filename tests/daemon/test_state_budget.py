@@ -98,7 +98,7 @@ def test_window_is_trimmed_oldest_first_to_its_budget():
     assert tw.nbytes <= full // 4 and tw.trimmed > 0
 
 
-def _adversarial_state(budget: int | None, k: int = 1000) -> ModelState:
+def _state(budget: int | None, k: int = 1000) -> ModelState:
     s = Settings()
     st = ModelState.create("m", k, s.defaults, s.join)
     st.set_budget(budget)
@@ -127,7 +127,7 @@ def test_a_model_with_distinct_bins_stays_within_its_share():
     gc.collect()
     tracemalloc.start()
     try:
-        st = _adversarial_state(budget, k)
+        st = _state(budget, k)
         base = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
         counts = _feed(st, x, y, batch)
@@ -143,7 +143,7 @@ def test_a_model_with_distinct_bins_stays_within_its_share():
 
 def test_backlogged_when_sealed_epochs_take_a_quarter():
     budget, k = 16 * MIB, 1000
-    st = _adversarial_state(budget, k)
+    st = _state(budget, k)
     x, y = distinct_bins(np.random.default_rng(4), 16_000, k)
     _feed(st, x, y, 250, fit=False)
     assert st.sealed and len(st.sealed) < 4 and st.backlogged
@@ -165,7 +165,7 @@ def test_real_models_are_not_degraded_at_their_sizing_share(record, share):
     x, y = p[idx], d["ground_truth"].astype(np.int64)[idx]
     runs = []
     for budget in (share, None):
-        st = _adversarial_state(budget, p.shape[1])
+        st = _state(budget, p.shape[1])
         sealed_at = []
         for a in range(0, len(y), 500):
             res = st.ingest([f"r{a + i}" for i in range(500)], x[a:a + 500], y[a:a + 500],
@@ -181,7 +181,7 @@ def test_real_models_are_not_degraded_at_their_sizing_share(record, share):
 
 
 def test_epoch_bound_covers_a_full_epoch():
-    st = _adversarial_state(None, 300)
+    st = _state(None, 300)
     x, y = distinct_bins(np.random.default_rng(6), 60_000, 300)
     _feed(st, x, y, 1000, fit=False)
     assert st.sealed
