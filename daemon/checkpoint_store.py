@@ -21,7 +21,7 @@ polling meanwhile (level 1: 41 ms for 3.5 MB, to 44 %).
 of earlier versions, manifests). The local backend writes values as they are, one file per
 key with a bounded file name (see :class:`LocalCheckpointStore`).
 
-Records fit the broker (issue 11, finding 8). The Kafka backend writes no record larger than
+Records fit the broker. The Kafka backend writes no record larger than
 ``max_record_bytes`` (``state.max_record_bytes``, default 1 MiB: a Kafka broker's default
 message limit). A larger value (after compression) is split, in four steps:
 
@@ -38,7 +38,7 @@ leaves stale parts that the next save deletes. ``load_all`` reassembles each hea
 parts and checks length and sha256; a head whose parts are missing or do not match stays as it
 is, and :func:`decode_value` rejects it (``ValueError``), so that model starts fresh.
 
-Reading is bounded (issue 11, finding 4): ``load_all`` of the Kafka backend keeps only the raw
+Reading is bounded: ``load_all`` of the Kafka backend keeps only the raw
 bytes of the latest value per key, *not decoded*, and remembers where each came from
 (:meth:`KafkaCheckpointStore.where`: ``topic[partition]@offset``); the daemon decodes them one
 at a time while restoring, each with :func:`decode_value`'s ``limit`` (``state.max_record_bytes``),

@@ -33,8 +33,8 @@ Nothing here raises on bad input: every message becomes a :class:`Prediction`, :
 * ``ts_out_of_range``: ``ts`` more than ``max_ts_skew`` seconds after the message's record
   timestamp (the broker's; ``[join] max_ts_skew_seconds`` in the daemon). Event time drives the
   join watermark, the monitor's time window and the drift timers, which only move forward: one
-  event far in the future would expire every pending join and freeze those clocks (issue 11,
-  finding 5). Checked only when the caller passes record timestamps; a message without one
+  event far in the future would expire every pending join and freeze those clocks.
+  Checked only when the caller passes record timestamps; a message without one
   (missing or negative) is not bounded.
 
 ``k``: a model's ``k`` comes from its policy; when the policy has none, the parser learns it from
@@ -356,7 +356,7 @@ class EventParser:
 
     def _cache_policy(self, model: str, pol: ModelPolicy | None) -> None:
         """Remember ``model``'s policy (and, once admitted, its configured ``k`` unless one is
-        known). Policies of models not admitted go to a bounded cache (issue 11, finding 9:
+        known). Policies of models not admitted go to a bounded cache (
         200,000 distinct model names grew an unbounded one by 127 MiB)."""
         if model in self.admitted:
             self._others.pop(model, None)

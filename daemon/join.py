@@ -393,7 +393,7 @@ class JoinStore:
         input allows; see ``max_ts_skew_seconds``): the clock, both watermarks, and the ts and
         TTL deadline of pending entries (deadlines to at most ``limit + ttl``, which keeps
         them in arrival order). Repairs a state (e.g. an old checkpoint) poisoned by an event
-        far in the future (issue 11, finding 5). Returns whether anything was beyond."""
+        far in the future. Returns whether anything was beyond."""
         if not max(self.clock, self.wm[0], self.wm[1]) > limit:
             return False
         self.clock = min(self.clock, limit)

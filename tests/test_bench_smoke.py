@@ -77,7 +77,7 @@ def test_apply_quick_table():
                                                   for v in r_variants]
     assert all(_ratio(c) > 0 for c in vs_r.column("apply / R"))
     assert all(int(b) > 0 for b in vs_r.column("|B|"))
-    # the full grid covers issue 13's k and n, n * k capped
+    # the full grid covers the apply benchmark's k and n, n * k capped
     full = bench_apply._grid(quick=False)
     assert {k for k, _ in full} == {10, 100, 1000, 10_000}
     assert (10, 10**4) in full and (10, 10**6) in full
@@ -104,7 +104,7 @@ def test_quality_quick_table():
     assert all(0.85 < a < 0.95 for a in acc)  # WideResNet on CIFAR-10: about 0.91
     ece = dict(zip(methods, (float(v) for v in tab.column("top-label ECE"))))
     assert ece["temperature"] < ece["uncalibrated"]
-    # the default stays within issue 10's bounds of temperature scaling on this network
+    # the default stays within the quality bounds of temperature scaling on this network
     assert bounds.key == "quality_bounds"
     assert bounds.column("within")[0] == "yes" and bounds.column("certified (seeds)")[0] == "c"
 

@@ -320,7 +320,7 @@ def _kinds(k=3, lam=20, n=400, seed=0):
 
 
 def _old_apply(bm, u):
-    """Today's arithmetic before issue 13 (shifted softmax of the normalised rows, then bins)."""
+    """The arithmetic before the apply fast paths (shifted softmax of the normalised rows, then bins)."""
     if bm.temperature is not None:
         u = scale_temperature(u / u.sum(axis=1, keepdims=True), bm.temperature)
         if bm.n_bins == 0 and bm.outside == "identity":

@@ -1,5 +1,5 @@
-"""Authentic bin maps (issue 11, finding 7 "Forged bin maps are accepted", and finding 1 "Crash
-loop from a bin map with the wrong k"); broker-free. The daemon's end-to-end behaviour on the
+"""Authentic bin maps (forged maps are refused; a map with the wrong k does not crash-loop the
+daemon); broker-free. The daemon's end-to-end behaviour on the
 embedded broker is in tests/integration/test_daemon_signing.py.
 
 * maps are signed with Ed25519 (:mod:`lpcal.signing`, the ``cryptography`` package); a signed
@@ -149,11 +149,11 @@ def test_bad_keys_are_refused_with_a_clear_error(keys):
         KeyRing([])
 
 
-# ----------------------------------------------------------------------------- finding 7
+# ----------------------------------------------------------------------------- forged maps
 
 
 def test_forged_maps_are_rejected_when_a_key_is_configured(maps, keys):
-    """Issue 11 finding 7: a forged map that flipped the top class of 23% of rows was installed.
+    """A forged map that flipped the top class of 23% of rows was installed.
     With the daemon's public key configured, unsigned, edited and foreign-key maps are rejected
     under ``signature`` and the installed map stays in force."""
     good = maps.v1.to_json(signer=Signer(keys.a.priv))
@@ -261,7 +261,7 @@ def test_cli_apply_and_eval_verify_with_public_key(maps, keys, tmp_path, capsys)
 
 @pytest.mark.parametrize("version", [1e300, 1003.0, 2 ** 53, 2 ** 63, -1, "7", True, None])
 def test_versions_are_bounded_integers(maps, version):
-    """Issue 11 finding 7: a forged version 1e300 made every later checkpoint fail."""
+    """A forged version 1e300 made every later checkpoint fail."""
     data = _forge(maps.v1.to_json(), version=version)
     with pytest.raises(ArtifactError, match="version"):
         BinMap.from_json(data)
@@ -368,7 +368,7 @@ def _map_for(st, *, k=None, lam=None, version=5) -> BinMap:
 
 
 def test_daemon_rejects_maps_with_the_wrong_k_or_lambda(daemon_factory):
-    """Issue 11 finding 1: ``verify_binmap`` checked the model id but not k or lambda; a map with
+    """``verify_binmap`` checked the model id but not k or lambda; a map with
     the wrong k was adopted, and the first joined sample then ended the process."""
     d = daemon_factory(None)
     st = _state(d)
@@ -403,7 +403,7 @@ async def test_daemon_signs_what_it_publishes(daemon_factory, keys):
 
 
 async def test_forged_version_on_the_topic_does_not_skip_fits(daemon_factory, keys, monkeypatch):
-    """Issue 11 finding 7: the daemon adopted a forged version 1003 and then skipped every fit
+    """The daemon adopted a forged version 1003 and then skipped every fit
     until version 1003. Maps not signed by the daemon's own key never set its version."""
     from daemon import kafka_io
     from tests.daemon.daemon_stubs import MODEL as M

@@ -158,7 +158,7 @@ def _report(base: str, synth: dict, keys: KeyRing) -> None:
 
 _QUALITY = ("top-label ECE (15 eq-width)", "classwise ECE (15 eq-width)", "Brier", "NLL",
             "accuracy")
-#: Allowed excess over temperature scaling (accuracy: allowed shortfall), issue 10's bounds.
+#: Allowed excess over temperature scaling (accuracy: allowed shortfall): the quality bounds against TS.
 _TS_BOUNDS = {"top-label ECE (15 eq-width)": 0.003, "classwise ECE (15 eq-width)": 0.001,
               "Brier": 0.001, "NLL": 0.01}
 

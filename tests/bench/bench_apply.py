@@ -1,10 +1,10 @@
-"""Benchmark 2: ``BinMap.apply`` against temperature scaling (issue 13) and against R (issue 2).
+"""Benchmark 2: ``BinMap.apply`` against temperature scaling and against R.
 
 Three kinds of bin map, all at eps = 0.05, p = inf (lambda = 20):
 
 * **default**: ``lpcal.fit(f, y, eps=0.05, p=inf)`` (mode "certified") on an overconfident model
   that temperature scaling fixes (logits ``N(0, 3^2)``, true temperature 0.5). It publishes the
-  temperature alone with a certificate (``B`` empty, identity outside). Issue 13's targets are
+  temperature alone with a certificate (``B`` empty, identity outside). The targets are
   for this map.
 * **TS + B**: a temperature and groups in ``B``, identity outside (the form of the certified
   mode's "corrected" candidate): ``fit(..., mode="paper", prescale="temperature",
@@ -16,11 +16,11 @@ The baseline is temperature scaling written as plain vectorised numpy, ``e = exp
 for the paper map, which has none), on the same array. Tables:
 
 1. one row (``(1, k)`` arrays): p50 and p99 latency of ``apply`` and of the baseline, called
-   alternately row after row; target (issue 13) p50 at most 2x the baseline's for the default map;
+   alternately row after row; target p50 at most 2x the baseline's for the default map;
 2. batches: wall time of ``apply`` over the baseline, interleaved; target at most 1.0x for the
    default map at every k and n. ``n * k`` is capped at :data:`MAX_ELEMENTS` values (160 MB of
    float64 per array) to keep memory reasonable on a shared machine;
-3. ``apply`` of paper-mode maps against computing R alone (``bin_counts``); target (issue 2) 3x.
+3. ``apply`` of paper-mode maps against computing R alone (``bin_counts``); target 3x.
 
 Run alone: ``python -m tests.bench.bench_apply [--quick]``.
 """
@@ -221,7 +221,7 @@ def batch_table(quick: bool) -> Table:
 
 
 def _variants(k: int, fit_n: int):
-    """``(task, [(name, bin map, apply kwargs), ...])``: the paper-mode maps of issue 2's table
+    """``(task, [(name, bin map, apply kwargs), ...])``: the paper-mode maps of the R table
     (also profiled by :mod:`tests.bench.bench_fit`, which takes the first)."""
     task = Overconfident(k, s=3.0, T=0.5, prototypes=50, proto_share=0.5)
     f, y, _ = task.sample(fit_n, seed=3)
@@ -259,7 +259,7 @@ def r_table(quick: bool) -> Table:
                     fmt_time(cmp_.candidate.median), f"{cmp_.ratio:.2f}x",
                     yes_no(cmp_.ratio <= R_TARGET))
     tab.notes.append(
-        "Issue 2's table: maps fitted in the paper's mode with eps = 0.05, p = inf (lambda = 20) "
+        "The R table: maps fitted in the paper's mode with eps = 0.05, p = inf (lambda = 20) "
         f"on 20,000 samples of the prototype model; n * k = {elements:.0e} values; medians of "
         f"{MIN_REPEATS} interleaved repeats. `prescale=temperature` (a temperature, rho outside "
         "B) includes its log/exp pass: judge it against temperature scaling (table above).")

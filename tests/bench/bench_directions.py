@@ -1,4 +1,4 @@
-"""Benchmark: issue 10's directions b and d against the shipped default (directions a + c + d).
+"""Benchmark: the design directions b and d against the shipped default (directions a + c + d).
 
 The shipped default, ``lpcal.fit(..., mode="certified")``, holds out 30% of the sample, fits a
 temperature ``T`` on the rest, runs Algorithm 2 on the bins of ``g = softmax(log f / T)`` (identity
@@ -349,7 +349,7 @@ def run_real(records_: list[str], seeds) -> tuple[Table, Table]:
     summ = Table(
         "Directions b and d on real records: summary over the records (medians per record, "
         "then over records)",
-        ["method", "records within issue 10's bounds of TS", "median d Brier vs default",
+        ["method", "records within the quality bounds of TS", "median d Brier vs default",
          "median d Err_inf vs default", "median d top-label ECE vs default",
          "worst d Brier vs TS", "median fit ms", "selected (all fits)"],
         key="directions_real_summary",
@@ -403,7 +403,7 @@ def run_real(records_: list[str], seeds) -> tuple[Table, Table]:
          "Forced rows publish their map whatever the certificate says."),
         ("b: h = pi(g + Delta_S) inside B; d: the kernel stops at beta/4 or beta/8 instead of "
          "beta/2 (same B, lambda and pools). Err_inf is on each map's own level sets."),
-        ("issue 10's bounds against TS: top-label ECE +0.003, classwise ECE +0.001, Brier "
+        ("the quality bounds against TS: top-label ECE +0.003, classwise ECE +0.001, Brier "
          "+0.001, NLL +0.01, accuracy -0.001."),
     ]
     tab.notes.extend(notes)

@@ -1,6 +1,6 @@
 """Benchmark 1: fit time, from raw arrays and from pools (count tables).
 
-Targets of issue 2 (k = 100 and |B| <= 1000):
+Targets (k = 100 and |B| <= 1000):
 
 * from raw arrays: ``fit(probs, labels)`` within 2x of computing ``R`` (``bin_counts``) on the same
   array; the ratio is measured interleaved with the baseline in this process;

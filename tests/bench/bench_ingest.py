@@ -1,8 +1,8 @@
 """Benchmark 5: the daemon's ingest throughput on a real broker, as a ratio to a raw consumer.
 
-Issue 3: "ingest throughput on k = 10 JSON events, measured as a ratio to raw aiokafka
-``getmany`` plus ``orjson.loads`` of the same messages, in the same run; target >= 0.7".
-Issue 5: "fit runs do not stall ingestion: no gap over 1 s in consumption while a fit runs".
+Targets: ingest throughput on k = 10 JSON events, as a ratio to raw aiokafka ``getmany`` plus
+``orjson.loads`` of the same messages in the same run, >= 0.7; fit runs do not stall ingestion
+(no gap over 1 s in consumption while a fit runs).
 
 Setup (one process, one embedded Tansu broker, see :mod:`daemon.tools.embedded_broker`): a
 :class:`daemon.tools.simulate.TrafficGenerator` stream of ``N`` events of one ``k = 10`` model
@@ -23,7 +23,7 @@ Both are timed from the moment the first message is handed to the consumer's cod
 joins and fetch warm-up are excluded the same way for both. Throughput = messages / that time;
 the headline is the median over the repetitions of the per-pair ratio lpcal / raw.
 
-**Sampled model** (issue 13, item 4): the same stream read by daemons whose model has
+**Sampled model**: the same stream read by daemons whose model has
 ``sample_rate = 0.01`` and ``1``, alternating (each pair next to a raw read). Reported:
 end-to-end messages/s, and the daemon's own ingest cost per message (wall time, and CPU time
 of the event-loop thread, inside ``Daemon._process``: prefilter, parse, join, pools, monitor),
@@ -39,7 +39,7 @@ and 6.2x in two earlier runs under heavier load); end to end **1.84x**, against 
 lanes, and samples a model configured with a rate < 1 from its first batch on.
 ``--sampled-only`` runs just this table (with the raw reads), ``--events``/``--repeats`` apply.
 
-**Fit stall** (issue 5): the same daemon run with small pools (1000 samples per pool), so
+**Fit stall**: the same daemon run with small pools (1000 samples per pool), so
 epochs fill and fits run in the daemon's worker thread all through the ingestion; every poll
 (``DaemonMetrics.mark_poll``) is timestamped and the table reports the largest gap between
 consecutive polls that overlaps a running fit (target < 1 s), and the throughput of that run.
@@ -69,7 +69,7 @@ TARGET_GAP = 1.0
 SAMPLED_RATE = 0.01
 MODEL = "bench-k10"
 TARGET_SAMPLED = 5.0
-TARGET_MALFORMED = 0.5  # 10% malformed: at least half the clean stream's msgs/s (issue 11)
+TARGET_MALFORMED = 0.5  # 10% malformed: at least half the clean stream's msgs/s
 MALFORMED_EVERY = 10
 K = 10
 EVENTS = 200_000
@@ -467,7 +467,7 @@ async def measure(events: int, repeats: int, log=print, small_pool: int = SMALL_
         log(f"[ingest] produced {sent} in {time.perf_counter() - t:.1f} s")
         pair = [topics["predictions"], topics["outcomes"]]
         raws, lps, pys = [], [], []
-        mixed: list[Run] = []  # the 10%-malformed stream (issue 11, finding 12)
+        mixed: list[Run] = []  # the 10%-malformed stream
         mixed_total = 0
         if not sampled_only:
             mixed_topics = {k: f"{v}.bad10" for k, v in topics.items()}
@@ -558,7 +558,7 @@ def render(res: dict) -> str:
         (f"| lpcal daemon with fits running (pools of {res['small_pool']} samples) | "
          f"{fit.rate:,.0f} | | {fit.rate / raw_rate:.2f} | |"),
         "",
-        "| fit stall (issue 5) | value | target |",
+        "| fit stall | value | target |",
         "|---|---|---|",
         f"| fits started during ingestion | {len(fit.fits)} | > 0 |",
         (f"| max gap between polls overlapping a fit | {gap_fit * 1000:.0f} ms | < "
@@ -573,7 +573,7 @@ def render(res: dict) -> str:
 
 
 def _malformed_lines(res: dict) -> list[str]:
-    """Dead letters at stream speed (issue 11, finding 12): the same valid stream with 10% of
+    """Dead letters at stream speed: the same valid stream with 10% of
     the messages malformed (:func:`produce_mixed`, every ``MALFORMED_EVERY``-th; cut JSON and a
     missing field, alternating), read by the daemon right after each clean daemon run; ratio
     of its messages/s (malformed ones included) to the clean run's, per pair; target >= 0.5."""
@@ -583,7 +583,7 @@ def _malformed_lines(res: dict) -> list[str]:
     ratios = [m.rate / c.rate for c, m in zip(lps, mixed)]
     ratio = statistics.median(ratios)
     return [
-        "#### 10% malformed events: dead letters at stream speed (issue 11, finding 12)",
+        "#### 10% malformed events: dead letters at stream speed",
         "",
         (f"{res['mixed_messages']:,} messages, every {MALFORMED_EVERY}th malformed (each "
          f"dead-lettered with its reason); each run right after a clean daemon run above."),
@@ -601,7 +601,7 @@ def _malformed_lines(res: dict) -> list[str]:
 
 
 def _sampled_lines(res: dict, raw_rate: float) -> list[str]:
-    """The sampled-model table (issue 13, item 4).
+    """The sampled-model table.
 
     ``g``: the time per message outside ``Daemon._process`` (run time minus the time inside it:
     aiokafka's fetch, decode and record objects, the poll loop, waits for the broker) in the

@@ -14,13 +14,13 @@ permutation: the calibrators are fitted on one half and evaluated on the other. 
 * ``lpcal paper (eps, p)``: Algorithm 2 as in the paper (``mode="paper"``: no pre-scaling,
   ``rho(R(f))`` outside ``B``);
 * ``lpcal paper+TS+id (eps, p)``: the paper's algorithm on temperature-scaled bins with the
-  identity outside ``B`` and no certificate (direction a of issue 10 alone, rejected: see the
+  identity outside ``B`` and no certificate (the kernel direction alone, rejected: see the
   notes);
 * ``lpcal paper shared (eps, p)`` (extra): the paper's algorithm with ``P_hat`` and ``E_hat`` of a
   group estimated from one pool per level (``variant="shared"``).
 
 A second table checks the default against temperature scaling fitted on the same half, with
-issue 10's bounds: top-label ECE <= TS + 0.003, classwise ECE <= TS + 0.001, Brier <= TS + 0.001,
+the quality bounds: top-label ECE <= TS + 0.003, classwise ECE <= TS + 0.001, Brier <= TS + 0.001,
 NLL <= TS + 0.01, accuracy >= TS - 0.001 (medians over the seeds).
 
 Two settings of Algorithm 2: ``eps = 0.05, p = inf`` (lambda = 20) and ``eps = 0.1, p = 2``
@@ -141,7 +141,7 @@ def run(quick: bool = False) -> list[Table]:
         key="quality",
     )
     bounds = Table(
-        "The default against temperature scaling fitted on the same half (issue 10's bounds)",
+        "The default against temperature scaling fitted on the same half (the quality bounds)",
         ["record", "setting", "d top-label ECE (<= 0.003)", "d classwise ECE (<= 0.001)",
          "d Brier (<= 0.001)", "d NLL (<= 0.01)", "d accuracy (>= -0.001)", "within",
          "certified (seeds)"],

@@ -1,4 +1,4 @@
-"""Benchmark: replica scaling and failover (issue 13, item 3).
+"""Benchmark: replica scaling and failover.
 
 **Scaling.** One embedded Tansu broker; a :class:`daemon.tools.simulate.TrafficGenerator` stream of 8
 ``k = 10`` models is produced once into predictions/outcomes topics of 8 partitions (each model

@@ -6,7 +6,7 @@ baseline, candidate, ...) so that a burst of background load hits both. A :class
 every repeat; the headline is the median over at least :data:`MIN_REPEATS` repeats, and the ratio
 is the median of the per-pair ratios.
 
-Synthetic data with known conditionals (the oracle of issue 2). Logits ``z ~ N(0, s^2)`` per
+Synthetic data with known conditionals (the oracle). Logits ``z ~ N(0, s^2)`` per
 class, ``f = softmax(z)`` and the true label distribution ``q = softmax(T log f) = softmax(T z)``
 with ``T < 1``, so ``f`` is overconfident. Optionally a share of the rows takes its logits from a
 fixed, finite set of *prototypes* (themselves ``N(0, s^2)`` draws): a model whose outputs

@@ -1,5 +1,5 @@
-"""Checkpoints larger than ``state.max_record_bytes`` are split into parts (issue 11, finding
-8): no record written is larger than the limit, a crash at any step leaves one complete value,
+"""Checkpoints larger than ``state.max_record_bytes`` are split into parts: no
+record written is larger than the limit, a crash at any step leaves one complete value,
 and stale parts are deleted. The broker here is a log in memory with compaction's read
 semantics (latest value per key, tombstones delete); the real broker is exercised by
 ``tests/integration/test_state_limits.py``."""

@@ -92,7 +92,7 @@ async def test_kafka_store_compresses_large_values_in_a_worker_thread(monkeypatc
 
 
 async def test_kafka_store_load_keeps_raw_values_and_their_positions(monkeypatch):
-    """load_all does not decode (values are decoded one at a time on restore, issue 11)."""
+    """load_all does not decode (values are decoded one at a time on restore)."""
     big = _big_checkpoint()
     latest = {"model/a": encode_value(big), "model/b": COMPRESSED + b"garbage",
               "partition/0": b'{"offsets": {}}'}
@@ -111,7 +111,7 @@ async def test_kafka_store_load_keeps_raw_values_and_their_positions(monkeypatch
 
 
 def test_decode_value_is_bounded_by_its_limit():
-    """Finding 4: inflation stops at the limit; plain values above it are refused too."""
+    """Decompression bombs: inflation stops at the limit; plain values above it are refused too."""
     import tracemalloc
 
     bomb = COMPRESSED + zlib.compress(b"0" * (256 << 20), 9)

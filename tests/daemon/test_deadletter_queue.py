@@ -1,4 +1,4 @@
-"""Dead letters in batches, pipelined, bounded, none lost (issue 11, finding 12): unit tests of
+"""Dead letters in batches, pipelined, bounded, none lost: unit tests of
 :class:`daemon.kafka_io.DeadLetterQueue` with a producer stand-in (aiokafka's own batch builder,
 delivery futures the test resolves), and of the daemon's use of it. The timing on a real broker
 is tests/reliability/test_deadletter_burst.py."""

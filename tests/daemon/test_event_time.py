@@ -1,12 +1,12 @@
-"""Issue 11, findings 5 and 6, on the state machines (parser, join, monitor, triggers, state).
+"""Event time and join order on the state machines (parser, join, monitor, triggers, state).
 
-* Finding 5, "event time is bounded": one schema-valid event with ``ts = 1e12`` expired all
+* Event time is bounded: one schema-valid event with ``ts = 1e12`` expired all
   pending joins of its model, made the following outcomes ``late``, shrank the monitor's time
   window to one sample and froze the drift clock, and a checkpoint kept all of it. Now such an
   event is dead-lettered as ``ts_out_of_range`` (more than ``max_ts_skew`` seconds after its
   record timestamp), and a state restored from a poisoned checkpoint has its clocks pulled back
   at its first batch.
-* Finding 6, "joins in either order, for pinned and learned k alike": outcomes of a model whose
+* Joins in either order, for pinned and learned k alike: outcomes of a model whose
   k is learned, arriving before its first prediction, wait (a state with ``k = 0``) instead of
   being dead-lettered.
 
@@ -84,11 +84,11 @@ POISON = orjson.dumps({"model": MODEL, "id": "poison", "ts": 1e12,
                        "probs": [0.2, 0.3, 0.5], "label": 1})
 
 
-# --------------------------------------------------------------------------- finding 5
+# --------------------------------------------------------------------------- bounded event time
 
 
 def test_one_future_ts_is_dead_lettered_and_does_not_destroy_joins(path):
-    """The reproduction of finding 5: 500 pending predictions, one sample event with
+    """The reproduction of the poisoned clock: 500 pending predictions, one sample event with
     ``ts = 1e12`` (record time now), then the 500 outcomes. Before: every prediction evicted
     by TTL, 500 outcomes ``late``, a one-sample window, drift clock at 1e12."""
     st = ModelState.create(MODEL, K, ms(), JOIN)
@@ -177,7 +177,7 @@ def test_poisoned_checkpoint_recovers_on_restore(path):
     assert not st2.bound_clocks(st2.ts_limit)
 
 
-# --------------------------------------------------------------------------- finding 6
+# --------------------------------------------------------------------------- join order
 
 
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned_k", "learned_k"])

@@ -1,4 +1,4 @@
-"""The join buffer's byte budget (issue 11, finding 9): the per-entry costs of
+"""The join buffer's byte budget: the per-entry costs of
 :mod:`daemon.join` are upper bounds of what ``tracemalloc`` measures, a store with a budget
 stays within it under the worst traffic, and lowered bounds evict the oldest entries."""
 

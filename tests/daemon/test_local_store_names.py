@@ -1,4 +1,4 @@
-"""Local checkpoint backend: file names of any allowed model name (issue 11, finding 13).
+"""Local checkpoint backend: file names of any allowed model name.
 
 Model names have up to 255 characters; escaped, ``model/<name>`` grew past the file-name limit
 (255 bytes) and ``save`` failed with ENAMETOOLONG, and since records are saved in order, every

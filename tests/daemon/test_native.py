@@ -265,7 +265,7 @@ def test_parse_batch_native_equals_python(raws, policy_k):
 @given(st.lists(st.builds(lambda d: json.dumps(d).encode(), event()), min_size=1, max_size=8),
        st.booleans(), st.lists(st.floats(0, 2e9) | st.just(-1.0), min_size=8, max_size=8))
 def test_parse_batch_ts_bound_native_equals_python(raws, policy_k, rec_ts):
-    """With ``max_ts_skew`` (issue 11, finding 5): the same ``ts_out_of_range`` verdicts and
+    """With ``max_ts_skew``: the same ``ts_out_of_range`` verdicts and
     ``ts_limit`` either way."""
     def parse():
         p = EventParser(lambda m: ModelPolicy(k=3 if policy_k else None), max_bytes=200,

@@ -1,4 +1,4 @@
-"""The parser's memory does not grow with input (issue 11, finding 9): policies are cached for
+"""The parser's memory does not grow with input: policies are cached for
 admitted models plus a bounded number of others, and a learned k above ``max_k`` is rejected
 with its own reason before anything is kept."""
 

@@ -1,4 +1,4 @@
-"""Per-model ``sample_rate`` (issue 13, item 4): deterministic hash sampling before the join.
+"""Per-model ``sample_rate``: deterministic hash sampling before the join.
 
 An event is kept iff ``u = route_uniform([id]) < sample_rate``; kept samples are routed to the
 pools with ``u / sample_rate``. The daemon drops most sampled-out events on their raw bytes

@@ -1,4 +1,4 @@
-"""The byte budget of a model's pools, held-out sums and window (issue 11, finding 9): the
+"""The byte budget of a model's pools, held-out sums and window: the
 per-sample bounds of :mod:`daemon.state_budget` hold for the arrays, a model fed samples that
 all fall in distinct bins stays within its share (measured with ``tracemalloc``), real models'
 samples at a realistic share are not degraded, and the registry shares the replica's total."""

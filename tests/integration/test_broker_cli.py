@@ -1,4 +1,4 @@
-"""Issue 12, part 6, against the real embedded broker (never mocked): ``lpcal broker`` in the
+"""The newcomer path against the real embedded broker (never mocked): ``lpcal broker`` in the
 foreground, a daemon on it with nothing but the dev profile and the printed settings, the
 clear errors of a broker that refuses idempotence and of missing topics, the effective settings
 in the startup log, and ``lpcal simulate``'s run ids and progress lines."""

@@ -1,9 +1,9 @@
-"""Issue 11, findings 5 and 6, against the real daemon on the embedded broker.
+"""Event time and join order against the real daemon on the embedded broker.
 
-* Finding 5: one schema-valid event with ``ts = 1e12`` is dead-lettered as ``ts_out_of_range``;
+* One schema-valid event with ``ts = 1e12`` is dead-lettered as ``ts_out_of_range``;
   the model's 500 pending predictions still join their outcomes (before: all 500 evicted, the
   outcomes counted ``late``, a one-sample monitor window, the drift clock at 1e12).
-* Finding 6: outcomes that arrive before their model's first prediction wait in the join
+* Outcomes that arrive before their model's first prediction wait in the join
   buffer, across a restart, for pinned and learned k (before, with learned k: dead-lettered as
   ``bad_schema``, and their predictions waited forever).
 """

@@ -1,15 +1,15 @@
-"""Issue 11, findings 2, 3, 4 and 11: the restore on partition assignment is total.
+"""The restore on partition assignment is total.
 
 Each test runs real daemons on the embedded broker and writes the state topic directly:
 
-* a model's valid checkpoint under another model's key (finding 2) is skipped, counted and
+* a model's valid checkpoint under another model's key is skipped, counted and
   logged with its topic, partition and offset; the model starts fresh (was a crash loop);
 * state values and manifests the daemon cannot use (``[]``, a non-integer offset, ...) cost
-  that record only, never the partition (finding 3: was every partition paused for good);
-* a rolling update that hands one replica more restored models than ``max_models`` (finding 3);
+  that record only, never the partition (it used to pause every partition for good);
+* a rolling update that hands one replica more restored models than ``max_models``;
 * an assignment that fails anyway is retried, and ``/healthz`` fails after a bounded time;
-* a zlib bomb on the state topic (finding 4): the daemon's peak RSS stays bounded;
-* a changed ``k`` or ``eps`` in the settings on restore (finding 11).
+* a zlib bomb on the state topic: the daemon's peak RSS stays bounded;
+* a changed ``k`` or ``eps`` in the settings on restore.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ async def _send(names: TopicNames, bootstrap: str, model: str, n: int, k: int = 
 
 async def test_checkpoint_under_another_models_key_is_skipped_not_a_crash_loop(
         broker, topic_prefix, tmp_path, caplog):
-    """Finding 2: model ``ma``'s valid checkpoint stored under ``model/mb``."""
+    """Model ``ma``'s valid checkpoint stored under ``model/mb``."""
     names = TopicNames.for_prefix(topic_prefix)
     await create_topics(broker.bootstrap, names, 1)
     cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), defaults={"k": 3})
@@ -105,7 +105,7 @@ async def test_checkpoint_under_another_models_key_is_skipped_not_a_crash_loop(
 
 async def test_unusable_state_values_and_manifests_cost_only_their_record(
         broker, topic_prefix, tmp_path):
-    """Finding 3: a state value ``[]``, a manifest offset that is not an integer, and other
+    """A state value ``[]``, a manifest offset that is not an integer, and other
     shapes; the good model on the same partition is restored and the partition consumed."""
     names = TopicNames.for_prefix(topic_prefix)
     await create_topics(broker.bootstrap, names, 1)
@@ -162,7 +162,7 @@ def _models_on_distinct_partitions(n: int, partitions: int) -> list[str]:
 
 async def test_rolling_update_restores_more_models_than_max_models(broker, topic_prefix,
                                                                    tmp_path):
-    """Finding 3 / failover: 2 replicas, 4 models, ``max_models = 2``; one replica leaves and
+    """Failover: 2 replicas, 4 models, ``max_models = 2``; one replica leaves and
     the survivor restores all 4 (restored models are always admitted) and keeps consuming."""
     names = TopicNames.for_prefix(topic_prefix)
     await create_topics(broker.bootstrap, names, 4)
@@ -270,7 +270,7 @@ async def test_failing_assignment_is_retried_then_healthz_fails(broker, topic_pr
 
 async def test_zlib_bomb_on_the_state_topic_keeps_memory_bounded(broker, topic_prefix,
                                                                   tmp_path):
-    """Finding 4: 1 MiB records that inflate to 1 GiB each, under a model key and a manifest
+    """1 MiB records that inflate to 1 GiB each, under a model key and a manifest
     key; the daemon (a subprocess) becomes ready, counts them, and its peak RSS stays low."""
     names = TopicNames.for_prefix(topic_prefix)
     await create_topics(broker.bootstrap, names, 1)
@@ -300,7 +300,7 @@ async def test_zlib_bomb_on_the_state_topic_keeps_memory_bounded(broker, topic_p
 
 
 async def test_changed_k_and_eps_on_restore(broker, topic_prefix, tmp_path):
-    """Finding 11: k 3 -> 4 discards the restored pools (no event dead-lettered as
+    """k 3 -> 4 discards the restored pools (no event dead-lettered as
     ``wrong_length``); then eps 0.1 -> 0.05 starts a new epoch with the new config."""
     names = TopicNames.for_prefix(topic_prefix)
     await create_topics(broker.bootstrap, names, 1)

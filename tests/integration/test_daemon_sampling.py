@@ -1,4 +1,4 @@
-"""Per-model ``sample_rate`` end to end (issue 13, item 4): ``lpcal serve`` as a SUBPROCESS on
+"""Per-model ``sample_rate`` end to end: ``lpcal serve`` as a SUBPROCESS on
 the embedded broker, with one model at rate 1 and one at :data:`RATE`, fed the same kind of
 :class:`daemon.tools.simulate.TrafficGenerator` stream (predictions, their outcomes 5 s of event time
 later, orphans and complete samples).

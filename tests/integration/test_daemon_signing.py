@@ -1,10 +1,10 @@
-"""Authentic bin maps on the embedded broker (issue 11, findings 1 and 7).
+"""Authentic bin maps on the embedded broker.
 
-* finding 1: a checksummed map with the wrong k for its model, published on the bin-map topic,
+* a checksummed map with the wrong k for its model, published on the bin-map topic,
   was adopted at the next start; the first joined sample then ended ``lpcal serve`` (exit 2),
   and so did every restart. Now it is rejected (``lpcal_binmaps_rejected_total{reason="config"}``)
   and never installed; the daemon keeps joining samples across restarts.
-* finding 7: the daemon signs what it publishes (private key from the secrets directory); a
+* the daemon signs what it publishes (private key from the secrets directory); a
   forged map of a higher version on the topic (unsigned, or signed by another key) is rejected
   (``reason="signature"``) at the next assignment and does not make the daemon skip fits.
 """

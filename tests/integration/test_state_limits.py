@@ -1,4 +1,4 @@
-"""Checkpoints fit the broker (issue 11, finding 8), on the embedded broker with the real daemon.
+"""Checkpoints fit the broker, on the embedded broker with the real daemon.
 
 At the default join bounds, a model with k = 100 and 256-byte ids fills its join buffer to the
 byte budget (~24,000 pending predictions) and its checkpoint is ~25 MB: before, it failed with

@@ -1,4 +1,4 @@
-"""Fixtures of the reliability suite (issue 5): short versions in ``make test``, long versions
+"""Fixtures of the reliability suite: short versions in ``make test``, long versions
 with ``LPCAL_SOAK=1`` (``make soak`` runs ``pytest -m soak`` with it).
 
 * ``soak`` (session): True when ``LPCAL_SOAK=1``; tests size themselves from it;

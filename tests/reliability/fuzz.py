@@ -1,4 +1,4 @@
-"""A seeded, structure-aware fuzzer of malformed input events (issue 5, "bad input").
+"""A seeded, structure-aware fuzzer of malformed input events.
 
 :func:`malformed_events` yields ``(key, value, expected_reason)``: each event is a valid event
 of the daemon's contract (``daemon.events``) with ONE defect drawn at random from a family,

@@ -1,4 +1,4 @@
-"""Artifacts (issue 5): corrupt, truncated and schema-incompatible bin maps on the topic.
+"""Artifacts: corrupt, truncated and schema-incompatible bin maps on the topic.
 
 A subprocess daemon publishes version 1 of four models. The test then publishes on the
 bin-map topic, under each model's key: a CORRUPT v2 (content changed, old checksum), a

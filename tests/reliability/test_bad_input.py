@@ -1,4 +1,4 @@
-"""Bad input (issue 5): fuzzed malformed events interleaved with a valid stream.
+"""Bad input: fuzzed malformed events interleaved with a valid stream.
 
 The fuzzer (:mod:`tests.reliability.fuzz`) makes events with one defect each, so the expected
 dead-letter reason is known by construction. They are interleaved at seeded random positions

@@ -1,4 +1,4 @@
-"""Broker outage (issue 5): stop the embedded broker mid-stream for ``outage`` seconds, start it
+"""Broker outage: stop the embedded broker mid-stream for ``outage`` seconds, start it
 again on the same port, and check the daemon rides it out without losing or doubling a sample.
 
 Storage: the broker keeps its data across the outage, as a real Kafka broker would. The embedded

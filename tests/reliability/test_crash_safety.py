@@ -1,4 +1,4 @@
-"""Crash safety (issue 5): SIGKILL the daemon at random moments, restart it, and compare the
+"""Crash safety: SIGKILL the daemon at random moments, restart it, and compare the
 end state with an uninterrupted run over the same input.
 
 Two subprocess daemons consume the SAME input topics at the same time: ``ref`` (never killed)
@@ -26,7 +26,7 @@ no dead letters, exit 0 within the grace period at SIGTERM, and final partition 
 that cover the input logs to their ends. One kill lands right
 after a restart's restore. After the stream, 40 predictions of ``crash-c`` never get their
 outcome: both final checkpoints hold exactly those pending. (This test absorbed the SIGKILL
-scenario of the former ``tests/integration/test_daemon_crash.py``, issue 12.) Both daemons
+scenario of the former ``tests/integration/test_daemon_crash.py``.) Both daemons
 are stopped with SIGTERM and compared through what they wrote to Kafka (``model/<id>``
 envelopes of the state topics, all records of the bin-map topics).
 Drift refills are off (``drift_threshold`` 100): when a drift fires depends on batching.

@@ -1,4 +1,4 @@
-"""HTTP hardening (issue 11, finding 10 and the HTTP items of finding 13).
+"""HTTP hardening: timeouts, connection limits, bearer parsing, admin tokens.
 
 * Slow clients: a connection that does not deliver a complete request head within
   ``http.idle_timeout_seconds`` (of opening it, or of its previous response) is closed, and so
@@ -107,7 +107,7 @@ async def _raw_request(port: int, request: bytes, timeout: float = 5.0) -> bytes
         w.close()
 
 
-# --------------------------------------------------------------------------- finding 10
+# --------------------------------------------------------------------------- timeouts and limits
 
 
 @pytest.mark.slow
@@ -202,7 +202,7 @@ async def test_partial_heads_idle_keepalive_and_slow_bodies_time_out(tmp_path):
         await server.stop()
 
 
-# --------------------------------------------------------------------------- finding 13
+# --------------------------------------------------------------------------- tokens and bearer parsing
 
 
 async def test_authorization_scheme_is_case_insensitive_and_bad_bytes_get_401(tmp_path):

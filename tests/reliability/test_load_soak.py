@@ -1,4 +1,4 @@
-"""Load and soak (issue 5): sustained input at a fixed rate into a subprocess daemon.
+"""Load and soak: sustained input at a fixed rate into a subprocess daemon.
 
 A seeded two-model stream (k = 10 and k = 3) is produced at ``RATE`` events/s (2 messages
 each; override with ``LPCAL_SOAK_RATE``) for 60 s (short) or 30 min (long, LPCAL_SOAK=1).

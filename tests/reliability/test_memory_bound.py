@@ -1,4 +1,4 @@
-"""Memory is bounded in bytes (issue 11, finding 9): the worst traffic we can generate keeps a
+"""Memory is bounded in bytes: the worst traffic we can generate keeps a
 subprocess daemon's peak resident memory (``VmHWM``) within its budgets.
 
 Traffic, all at once, on the embedded broker:

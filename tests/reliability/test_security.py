@@ -1,4 +1,4 @@
-"""Security (issue 5).
+"""Security.
 
 * Kafka SASL/SSL: the embedded Tansu broker supports neither (see :mod:`daemon.kafka_io`), so
   the test checks that the aiokafka clients the DAEMON builds receive the settings: a real

@@ -1,4 +1,4 @@
-"""The in-flight pools are shared by two threads (issue 5, found by the long crash test).
+"""The in-flight pools are shared by two threads (found by the long crash test).
 
 ``Daemon._launch_fit`` hands the sealed epoch's :class:`lpcal.pools.PoolSet` to the fit worker
 thread (``fit_pools`` reads it) and keeps it in ``Daemon.inflight``; every checkpoint

@@ -1,4 +1,4 @@
-"""Shutdown during any startup phase exits promptly with code 0 (issue 11, finding 13).
+"""Shutdown during any startup phase exits promptly with code 0.
 
 * a real ``lpcal serve`` subprocess pointed at a closed port (the broker unreachable, so the
   producer start is retried with a growing backoff) gets SIGTERM during its first attempts and
