@@ -395,3 +395,57 @@ def test_metrics_doc_generator_replaces_only_its_block_and_detects_drift(tmp_pat
     assert metrics_doc.main(["--doc", str(doc), "--check"]) == 0
     doc.write_text("no markers\n")
     assert metrics_doc.main(["--doc", str(doc)]) == 2
+
+
+# --------------------------------------------------------------------------- the newcomer's CLI
+
+
+def quickstart() -> tuple[list[str], str]:
+    """The commands of the README's Quickstart code block and the section's prose."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```sh\n(.*?)```", section, re.DOTALL).group(1)
+    commands = [line.split("#", 1)[0].strip() for line in code.splitlines()]
+    return [c for c in commands if c], section
+
+
+def test_quickstart_is_two_commands_and_says_how_to_reach_the_cli():
+    commands, section = quickstart()
+    assert commands == ["make demo", "make test"]
+    assert "`. .venv/bin/activate`" in section and "`.venv/bin/lpcal`" in section
+
+
+def test_the_hinted_cli_exists_in_the_venv_the_makefile_builds():
+    """The hint names the console script where `make venv` puts it (this run's venv)."""
+    import shutil
+    import sys
+
+    venv_bin = Path(sys.executable).parent
+    if (venv_bin.parent / "pyvenv.cfg").is_file() and venv_bin.parent.name == ".venv":
+        assert (venv_bin / "lpcal").is_file(), "the venv has no lpcal console script"
+    else:
+        pytest.skip("not running from the project's .venv")
+    assert shutil.which("make")
+
+
+@pytest.mark.parametrize("target", ["demo", "test"])
+def test_make_demo_and_test_end_with_the_cli_hint(target):
+    """`make -n TARGET` (commands printed, not run): the last command prints the hint, after
+    the demo / both test runs, and `make test` still exits with the tests' status."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("make"):
+        pytest.skip("no make")
+    proc = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, check=True)
+    lines = proc.stdout.strip().splitlines()
+    last = lines[-1]
+    assert ". .venv/bin/activate" in last and ".venv/bin/lpcal" in last, proc.stdout
+    if target == "demo":
+        assert "daemon.tools.demo" in lines[-2]
+    else:
+        assert "-m serial" in lines[-2] and last.rstrip().endswith("exit $status")
+        hint = last.rsplit(";", 1)[0]
+        out = subprocess.run(["sh", "-c", hint], capture_output=True, text=True, check=True)
+        assert out.stdout.strip().splitlines()[0].startswith("The lpcal command is in .venv")
