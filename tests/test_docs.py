@@ -449,3 +449,53 @@ def test_make_demo_and_test_end_with_the_cli_hint(target):
         hint = last.rsplit(";", 1)[0]
         out = subprocess.run(["sh", "-c", hint], capture_output=True, text=True, check=True)
         assert out.stdout.strip().splitlines()[0].startswith("The lpcal command is in .venv")
+
+
+# --------------------------------------------------------------------------- changelog, versions
+
+TRACKER = re.compile(r"\b(?:issues?|findings?|items?|parts?)\s+\d+", re.IGNORECASE)
+#: Docs whose text names what the code does, never a tracker's issue or finding number.
+NO_TRACKER_NUMBERS = ["CHANGELOG.md", "config/README.md", "config/lpcal.toml",
+                      "deploy/README.md", "docs/operations.md", "docs/development.md",
+                      "docs/scaling.md"]
+
+
+def releases() -> list[tuple[str, str]]:
+    """(version, date) of each released version in CHANGELOG.md, newest first."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    return re.findall(r"^## (\d+\.\d+\.\d+) \((\d{4}-\d{2}-\d{2})\)$", text, re.MULTILINE)
+
+
+def test_changelog_is_a_users_changelog_of_released_versions():
+    text = (ROOT / "CHANGELOG.md").read_text()
+    headings = re.findall(r"^## (.+)$", text, re.MULTILINE)
+    assert headings[0] == "Unreleased", "the lead's Unreleased section comes first"
+    found = releases()
+    assert len(headings) == 1 + len(found), f"a release heading without a date: {headings}"
+    versions = [tuple(int(x) for x in v.split(".")) for v, _ in found]
+    assert versions == sorted(versions, reverse=True) and len(set(versions)) == len(versions)
+    dates = [d for _, d in found]
+    assert dates == sorted(dates, reverse=True)
+    assert (0, 3, 0) in versions
+    sections = re.split(r"^## ", text, flags=re.MULTILINE)[1:]
+    for section in sections[1:-1]:  # every release but the first says how to upgrade
+        assert "### Upgrade notes" in section, section.splitlines()[0]
+
+
+@pytest.mark.parametrize("rel", NO_TRACKER_NUMBERS)
+def test_no_tracker_numbers(rel):
+    hits = [m.group(0) for m in TRACKER.finditer((ROOT / rel).read_text())]
+    assert not hits, f"{rel} cites tracker numbers {hits}: name what the code does instead"
+
+
+def test_package_version_is_the_latest_release_and_the_image_tag():
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert releases()[0][0] == version, "pyproject.toml's version is not the latest release"
+    deployment = (ROOT / "deploy" / "k8s" / "base" / "deployment.yaml").read_text()
+    overlay = (ROOT / "deploy" / "k8s" / "overlays" / "example" / "kustomization.yaml")
+    assert f"image: lpcal:{version}" in deployment
+    assert f"newTag: {version}" in overlay.read_text()
+    readme = (ROOT / "deploy" / "README.md").read_text()
+    assert set(re.findall(r"lpcal:(\d+\.\d+\.\d+)", readme)) == {version}

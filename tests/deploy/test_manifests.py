@@ -142,7 +142,7 @@ def test_example_overlay(rendered):
     assert dep["spec"]["replicas"] == 2
     assert {o["metadata"]["namespace"] for o in objs} == {"lpcal-example"}
     _, c = pod(objs)
-    assert c["image"] == "ghcr.io/example/lpcal:0.1.0"
+    assert c["image"] == "ghcr.io/example/lpcal:0.3.0"
     env = {e["name"]: e for e in c["env"]}
     assert env["LPCAL_KAFKA__BOOTSTRAP_SERVERS"]["value"]
     assert SECRET_ENV <= set(env)  # the patch merged env, it did not replace it
