@@ -499,3 +499,32 @@ def test_package_version_is_the_latest_release_and_the_image_tag():
     assert f"newTag: {version}" in overlay.read_text()
     readme = (ROOT / "deploy" / "README.md").read_text()
     assert set(re.findall(r"lpcal:(\d+\.\d+\.\d+)", readme)) == {version}
+
+
+# --------------------------------------------------------------------------- claims checked against the code
+
+
+def test_docs_name_the_dead_letter_header_the_daemon_writes():
+    from daemon.kafka_io import DLQ_REASON
+
+    for rel in ("config/README.md", "config/lpcal.toml", "deploy/README.md"):
+        text = (ROOT / rel).read_text()
+        assert DLQ_REASON in text, f"{rel} does not name the dead-letter header {DLQ_REASON}"
+        wrong = re.findall(r"[`\"]reason[`\"] header|header [`\"]reason[`\"]", text)
+        assert not wrong, f"{rel} calls the dead-letter header {wrong}"
+
+
+def test_operations_sizes_an_epoch_with_the_real_defaults():
+    """docs/operations.md's default eps and epoch size are the daemon's."""
+    from daemon.model_state import _config_of, layout_for
+    from daemon.settings import ModelSettings
+
+    text = " ".join((ROOT / "docs" / "operations.md").read_text().split())
+    m = re.search(r"With the defaults \(eps = ([\d.]+), p = inf.*?that is ([\d,]+) joined samples",
+                  text)
+    assert m, "docs/operations.md no longer sizes the default epoch"
+    defaults = ModelSettings()
+    assert float(m.group(1)) == defaults.eps and defaults.p == float("inf")
+    layout = layout_for(_config_of(defaults), 3)
+    need = layout.warmup + layout.holdout + sum(layout.targets.values())
+    assert int(m.group(2).replace(",", "")) == need
