@@ -75,8 +75,7 @@ def cells(line: str) -> list[str]:
     """GFM table cells of one source line: split on pipes not escaped by a backslash (GFM
     splits inside code spans too), outer pipes dropped."""
     text = line.strip()
-    if text.startswith("|"):
-        text = text[1:]
+    text = text.removeprefix("|")
     if text.endswith("|") and not text.endswith("\\|"):
         text = text[:-1]
     return re.split(r"(?<!\\)\|", text)
@@ -172,7 +171,7 @@ def links(path: Path) -> Iterator[tuple[int, str]]:
 def link_problems(path: Path) -> list[str]:
     problems = []
     for line, href in links(path):
-        if re.match(r"^[a-z][a-z0-9+.-]*:", href, re.I):  # http:, https:, mailto:
+        if re.match(r"^[a-z][a-z0-9+.-]*:", href, re.IGNORECASE):  # http:, https:, mailto:
             continue
         target, _, anchor = href.partition("#")
         dest = (path.parent / target).resolve() if target else path
@@ -209,8 +208,8 @@ _NUM = r"\d[\d,]*(?:\.\d+)?"
 #: ratios named as such ("ratio of 0.67", "0.53 of raw"). Integers such as a "5x" target or
 #: a "500 ms" setting are not figures of a run.
 FIGURE_PATTERNS = [
-    re.compile(rf"(?<![\w.])(?P<n>\d+\.\d+)\s?(?:x|×)(?![\w])"),
-    re.compile(rf"(?<![\w.])(?P<n>\d+\.\d+)\s+times\b"),
+    re.compile(r"(?<![\w.])(?P<n>\d+\.\d+)\s?(?:x|×)(?![\w])"),
+    re.compile(r"(?<![\w.])(?P<n>\d+\.\d+)\s+times\b"),
     re.compile(rf"(?<![\w.])(?P<n>{_NUM})\s?(?:µs|us|ns)\b"),
     re.compile(rf"(?<![\w.])(?P<n>{_NUM})\s?(?P<k>[kM])?\s?(?:joined\s+)?"
                r"(?:msgs?|messages|samples|events|rows|predictions|outcomes)/s\b"),

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["BEGIN", "DOC", "END", "metrics_table", "render", "main"]
+__all__ = ["BEGIN", "DOC", "END", "main", "metrics_table", "render"]
 
 #: The doc holding the table, relative to the repository root.
 DOC = Path(__file__).resolve().parents[2] / "docs" / "daemon.md"
@@ -37,9 +37,9 @@ def metrics_table(spec: Mapping[str, tuple[str, Sequence[str], str]] | None = No
     if spec is None:
         from daemon.metrics import _SPEC as spec
     lines = [
-        "Generated from `_SPEC` in [`daemon/metrics.py`](../daemon/metrics.py); "
-        f"{len(spec)} metrics. Counters are named as in PromQL (with `_total`); a histogram "
-        "adds `_bucket`, `_sum` and `_count` to its name.",
+        ("Generated from `_SPEC` in [`daemon/metrics.py`](../daemon/metrics.py); "
+         f"{len(spec)} metrics. Counters are named as in PromQL (with `_total`); a histogram "
+         "adds `_bucket`, `_sum` and `_count` to its name."),
         "",
         "| metric | type | labels | meaning |",
         "|---|---|---|---|",
