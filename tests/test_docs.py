@@ -436,8 +436,13 @@ def test_make_demo_and_test_end_with_the_cli_hint(target):
 
     if not shutil.which("make"):
         pytest.skip("no make")
-    proc = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, check=True)
+    import os
+
+    # run as a fresh make: under `make test` the parent's MAKEFLAGS and MAKELEVEL would add
+    # flags and "Entering directory" lines
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    proc = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60, check=True)
     lines = proc.stdout.strip().splitlines()
     last = lines[-1]
     assert ". .venv/bin/activate" in last and ".venv/bin/lpcal" in last, proc.stdout
