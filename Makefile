@@ -6,6 +6,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv demo test bench soak lint clean
 
+# Printed at the end of `make demo` and `make test`: the lpcal command is installed in the venv,
+# not on PATH.
+CLI_HINT = printf '\nThe lpcal command is in $(VENV): run ". $(BIN)/activate" to put it on PATH,\nor call $(BIN)/lpcal directly (e.g. $(BIN)/lpcal --help).\n'
+
 $(STAMP): pyproject.toml $(wildcard daemon/csrc/*)
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,6 +21,7 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m daemon.tools.demo
+	@$(CLI_HINT)
 
 # The tests but those marked `serial` run on 2 pytest-xdist workers: most broker tests wait
 # (group joins, session timeouts), so two overlap well on 2 cores; `--dist loadscope` keeps a
@@ -27,8 +32,10 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	bash deploy/tools/ensure-promtool.sh
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not serial"; \
-	status=$$?; $(BIN)/python -m pytest -q -m serial && exit $$status
+	status=0; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not serial" || status=$$?; \
+	$(BIN)/python -m pytest -q -m serial || status=$$?; \
+	$(CLI_HINT); exit $$status
 
 bench: $(STAMP)
 	$(BIN)/python -m tests.bench.run_all

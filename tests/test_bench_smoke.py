@@ -148,6 +148,8 @@ def test_table_markdown_and_row_width():
     assert t.to_markdown().splitlines()[2:5] == ["| a | b |", "|---|---|", "| 1 | x\\|y |"]
     with pytest.raises(ValueError):
         t.add(1)
+    # a header with a pipe ("|B|") is escaped too, or GitHub does not render the table
+    assert Table("T", ["k", "|B|"], key="t").to_markdown().splitlines()[2] == "| k | \\|B\\| |"
 
 
 def test_timing_helpers_count_repeats():

@@ -170,7 +170,7 @@ class Table:
 
     def to_markdown(self) -> str:
         out = [f"### {self.title}", ""]
-        out.append("| " + " | ".join(self.headers) + " |")
+        out.append("| " + " | ".join(h.replace("|", "\\|") for h in self.headers) + " |")
         out.append("|" + "|".join("---" for _ in self.headers) + "|")
         for r in self.rows:
             out.append("| " + " | ".join(c.replace("|", "\\|") for c in r) + " |")

@@ -360,7 +360,7 @@ def test_default_event_count_yields_a_bin_map_under_the_default_pools(isolated):
     assert 2 * n - 2000 <= two <= 2 * n  # the per-model count, rounded up to thousands
     shipped, where = default_events(build_parser().parse_args(
         ["--config", str(REPO / "config" / "lpcal.toml")]))
-    assert shipped > n and "config/lpcal.toml" in where  # its fraud-v3 has eps 0.05, p 2
+    assert shipped > n and "config/lpcal.toml" in where  # its fraud-v3 has eps 0.05: L = 7
 
     s = Settings()
     st = ModelState.create("fraud-v3", 3, s.defaults, s.join)

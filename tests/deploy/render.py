@@ -14,7 +14,11 @@ overlays with this module. Supported kustomization fields:
   ``containerPort``); a ``null`` value deletes a field; other lists are replaced.
 * ``namespace``, ``images`` (name -> newName/newTag/digest),
   ``commonLabels`` and ``labels`` (``pairs``, ``includeSelectors``, ``includeTemplates``)
-  on Deployment, Service, PodDisruptionBudget, ServiceAccount, ConfigMap.
+  on Deployment, Service, PodDisruptionBudget, ServiceAccount, ConfigMap, NetworkPolicy,
+  with kustomize's selector field specs for them (``api/internal/konfig/builtinpluginconsts/
+  commonlabels.go``): among others the Deployment's ``topologySpreadConstraints`` and a
+  NetworkPolicy's ``podSelector`` and ingress/egress peers' ``podSelector.matchLabels``, all
+  only where the ``matchLabels`` already exist.
 
 Anything else raises :class:`UnsupportedFeature` rather than being silently ignored. When a
 real ``kustomize`` (or ``kubectl kustomize``) is available, tests compare the two outputs.
@@ -40,7 +44,9 @@ SUPPORTED_FIELDS = {
     "apiVersion", "kind", "resources", "namespace", "images", "patches",
     "configMapGenerator", "commonLabels", "labels",
 }
-# Kinds whose label selectors/templates we know how to extend (kustomize's fieldspecs).
+# Kinds whose label selectors/templates we know how to extend (kustomize's fieldspecs). A path
+# element "[]" walks every item of a list; paths in SELECTOR_PATHS_IF_PRESENT are kustomize's
+# "create: false" specs: labels are added only where the mapping already exists.
 SELECTOR_PATHS: dict[str, list[tuple[str, ...]]] = {
     "Deployment": [("spec", "selector", "matchLabels"), ("spec", "template", "metadata", "labels")],
     "Service": [("spec", "selector")],
@@ -48,6 +54,25 @@ SELECTOR_PATHS: dict[str, list[tuple[str, ...]]] = {
     "ServiceAccount": [],
     "ConfigMap": [],
     "Secret": [],
+    "NetworkPolicy": [],
+}
+_AFFINITY = ("spec", "template", "spec", "affinity")
+SELECTOR_PATHS_IF_PRESENT: dict[str, list[tuple[str, ...]]] = {
+    "Deployment": [
+        (*_AFFINITY, kind, "preferredDuringSchedulingIgnoredDuringExecution", "[]",
+         "podAffinityTerm", "labelSelector", "matchLabels")
+        for kind in ("podAffinity", "podAntiAffinity")
+    ] + [
+        (*_AFFINITY, kind, "requiredDuringSchedulingIgnoredDuringExecution", "[]",
+         "labelSelector", "matchLabels")
+        for kind in ("podAffinity", "podAntiAffinity")
+    ] + [("spec", "template", "spec", "topologySpreadConstraints", "[]", "labelSelector",
+          "matchLabels")],
+    "NetworkPolicy": [
+        ("spec", "podSelector", "matchLabels"),
+        ("spec", "ingress", "[]", "from", "[]", "podSelector", "matchLabels"),
+        ("spec", "egress", "[]", "to", "[]", "podSelector", "matchLabels"),
+    ],
 }
 TEMPLATE_PATHS: dict[str, list[tuple[str, ...]]] = {
     "Deployment": [("spec", "template", "metadata", "labels")],
@@ -108,6 +133,19 @@ def _get(obj: dict, path: tuple[str, ...], create: bool = False) -> dict | None:
             nxt = cur[key] = {}
         cur = nxt
     return cur
+
+
+def _existing(obj: Any, path: tuple[str, ...]) -> list[dict]:
+    """The mappings at ``path`` under ``obj`` that exist ("[]" walks each list item)."""
+    if not path:
+        return [obj] if isinstance(obj, dict) else []
+    key, rest = path[0], path[1:]
+    if key == "[]":
+        return [hit for item in (obj if isinstance(obj, list) else [])
+                for hit in _existing(item, rest)]
+    if not isinstance(obj, dict) or obj.get(key) is None:
+        return []
+    return _existing(obj[key], rest)
 
 
 def _pod_specs(res: Resource) -> list[dict]:
@@ -242,6 +280,10 @@ def _apply_labels(root: Path, pairs: dict, selectors: bool, templates: bool,
             if kind == "Service" and _get(res, path) is None:
                 continue  # kustomize does not create a Service selector
             _get(res, path, create=True).update(pairs)
+        if selectors:
+            for path in SELECTOR_PATHS_IF_PRESENT.get(kind, []):
+                for selector in _existing(res, path):
+                    selector.update(pairs)
 
 
 def _split_image(image: str) -> tuple[str, str | None, str | None]:

@@ -36,7 +36,8 @@ def pod(objs) -> tuple[dict, dict]:
 def test_every_rendered_object_validates_strictly(rendered, where):
     objs = rendered[where]
     assert {o["kind"] for o in objs} == {
-        "ServiceAccount", "ConfigMap", "Service", "Deployment", "PodDisruptionBudget"}
+        "ServiceAccount", "ConfigMap", "Service", "Deployment", "PodDisruptionBudget",
+        "NetworkPolicy"}
     for obj in objs:
         # strict: unknown fields are errors too; raises ValidationError with the path
         version = kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
@@ -92,6 +93,9 @@ def test_secrets_come_from_secret_refs(rendered, where):
         assert "value" not in env[name], f"{name} must not be inlined"
         ref = env[name]["valueFrom"]["secretKeyRef"]
         assert ref["name"] == "lpcal-secrets" and ref["key"]
+        # the base config is PLAINTEXT without an admin token: the pod starts without the
+        # Secret (a required secretKeyRef would hold it in CreateContainerConfigError)
+        assert ref.get("optional") is True, f"{name}: secretKeyRef must be optional"
     for name in env:
         assert name.startswith("LPCAL_"), name  # settings env prefix
 
@@ -138,7 +142,7 @@ def test_example_overlay(rendered):
     assert dep["spec"]["replicas"] == 2
     assert {o["metadata"]["namespace"] for o in objs} == {"lpcal-example"}
     _, c = pod(objs)
-    assert c["image"] == "ghcr.io/example/lpcal:0.1.0"
+    assert c["image"] == "ghcr.io/example/lpcal:0.3.0"
     env = {e["name"]: e for e in c["env"]}
     assert env["LPCAL_KAFKA__BOOTSTRAP_SERVERS"]["value"]
     assert SECRET_ENV <= set(env)  # the patch merged env, it did not replace it
@@ -242,3 +246,96 @@ def test_daemon_settings_load_from_the_rendered_pod(rendered, where, tmp_path, m
     assert s.kafka.sasl_password.get_secret_value() == "dummy-kafka-sasl-password"
     assert s.http.admin_token.get_secret_value() == "dummy-admin-token"
     assert spec["terminationGracePeriodSeconds"] == s.shutdown_grace_seconds + 10
+
+
+@pytest.mark.parametrize("where", ALL_DIRS)
+def test_pod_without_the_optional_secret(rendered, where, tmp_path, monkeypatch):
+    """Without Secret lpcal-secrets the kubelet leaves its optional variables unset: the base
+    (PLAINTEXT) starts; the example overlay (SASL_SSL) stops with an error naming the missing
+    SASL settings, not with a pod stuck in CreateContainerConfigError."""
+    from daemon import settings
+    objs = rendered[where]
+    _, c = pod(objs)
+    cm = by_kind(objs)["ConfigMap"]
+    (tmp_path / "lpcal.toml").write_text(cm["data"]["lpcal.toml"])
+    for name in [n for n in __import__("os").environ if n.upper().startswith("LPCAL_")]:
+        monkeypatch.delenv(name)
+    for e in c["env"]:
+        if "value" in e:
+            value = str(tmp_path / "lpcal.toml") if e["name"] == "LPCAL_CONFIG" else e["value"]
+            monkeypatch.setenv(e["name"], value)
+        else:
+            assert e["valueFrom"]["secretKeyRef"]["optional"] is True
+    monkeypatch.setenv("LPCAL_SECRETS_DIR", str(tmp_path / "no-secrets"))
+    monkeypatch.chdir(tmp_path)
+    protocol = next((e["value"] for e in c["env"]
+                     if e["name"] == "LPCAL_KAFKA__SECURITY_PROTOCOL"), "PLAINTEXT")
+    if protocol.startswith("SASL_"):
+        with pytest.raises(settings.SettingsError, match="sasl"):
+            settings.load_settings()
+    else:
+        s = settings.load_settings()
+        assert s.kafka.sasl_password is None and s.http.admin_token is None
+
+
+@pytest.mark.parametrize("where", ALL_DIRS)
+def test_replicas_spread_over_zones_and_nodes(rendered, where):
+    dep = by_kind(rendered[where])["Deployment"]
+    spec, _ = pod(rendered[where])
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    constraints = {c["topologyKey"]: c for c in spec["topologySpreadConstraints"]}
+    assert set(constraints) == {"topology.kubernetes.io/zone", "kubernetes.io/hostname"}
+    for c in constraints.values():
+        assert c["maxSkew"] == 1
+        # soft: a cluster without zone labels, or with one node, still schedules the replicas
+        assert c["whenUnsatisfiable"] == "ScheduleAnyway"
+        selector = c["labelSelector"]["matchLabels"]
+        # it selects this Deployment's pods only (kustomize added the common labels)
+        assert selector.items() <= pod_labels.items()
+        assert selector == dep["spec"]["selector"]["matchLabels"]
+        assert c["matchLabelKeys"] == ["pod-template-hash"]
+
+
+@pytest.mark.parametrize("where", ALL_DIRS)
+def test_network_policy_admits_only_the_scraper_and_http_clients(rendered, where):
+    k = by_kind(rendered[where])
+    netpol, svc, dep = k["NetworkPolicy"], k["Service"], k["Deployment"]
+    _, c = pod(rendered[where])
+    spec = netpol["spec"]
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert spec["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert spec["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert spec["policyTypes"] == ["Ingress"] and "egress" not in spec  # Kafka stays reachable
+    (rule,) = spec["ingress"]
+    # only the Service's port (the container's http port: /metrics and /v1 share it)
+    container_ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    service_targets = {p["targetPort"] for p in svc["spec"]["ports"]}
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert service_targets == {"http"} and "http" in container_ports
+    peers = rule["from"]
+    assert len(peers) == 2 and all("ipBlock" not in p for p in peers)
+
+    def selects(selector: dict, labels: dict) -> bool:
+        ok = all(labels.get(key) == v for key, v in (selector.get("matchLabels") or {}).items())
+        for e in selector.get("matchExpressions") or []:
+            assert e["operator"] == "In", e
+            ok = ok and labels.get(e["key"]) in e["values"]
+        return ok
+
+    prometheus = {"app.kubernetes.io/name": "prometheus"}
+    monitoring = {"kubernetes.io/metadata.name": "monitoring"}
+    client = {"lpcal-client": "true", "app": "checkout"}
+    other_ns = {"kubernetes.io/metadata.name": "shop"}
+
+    def admitted(pod_labels: dict, ns_labels: dict) -> bool:
+        return any(selects(p["namespaceSelector"], ns_labels) and
+                   selects(p["podSelector"], pod_labels) for p in peers)
+
+    assert admitted(prometheus, monitoring)          # the metrics scraper
+    assert admitted(client, other_ns) and admitted(client, monitoring)  # HTTP clients
+    assert not admitted(prometheus, other_ns)        # a "prometheus" pod elsewhere
+    assert not admitted({"app": "checkout"}, other_ns)  # any other pod
+    assert not admitted(pod_labels, other_ns)        # not even another lpcal replica
+    # kustomize's common labels did not leak into the peers' selectors
+    for p in peers:
+        assert "matchLabels" not in p["podSelector"], p

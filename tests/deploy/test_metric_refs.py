@@ -17,7 +17,15 @@ from .common import DEPLOY
 DASHBOARD = DEPLOY / "grafana" / "lpcal-dashboard.json"
 RULE_FILES = [DEPLOY / "prometheus" / "rules.yaml", DEPLOY / "k8s" / "prometheusrule.yaml"]
 METRIC_RE = re.compile(r"\blpcal_[a-z_]+\b")
-EXTERNAL = {"up"}  # produced by Prometheus itself
+#: Series the rules use that are not in daemon/metrics.py _SPEC, and who produces them.
+EXTERNAL = {
+    "up": "Prometheus itself",
+    "process_resident_memory_bytes": "the daemon's process collector (prometheus_client)",
+    "kube_pod_container_resource_limits": "kube-state-metrics",
+}
+#: Names PromQL uses that are functions, keywords or label names, not series.
+_NOT_SERIES = {"by", "on", "ignoring", "unless", "and", "or", "without", "group_left",
+               "group_right", "bool", "offset"}
 
 
 def dashboard() -> dict:
@@ -176,3 +184,21 @@ def test_exposition_passes_promtool_check_metrics(promtool):
     proc = subprocess.run([promtool, "check", "metrics"], input=bad, check=False,
                           capture_output=True, timeout=60)
     assert proc.returncode != 0 and b"_total" in proc.stdout + proc.stderr
+
+
+def test_rules_use_only_known_series():
+    """Every series a rule selects is the daemon's (_SPEC) or a named external one."""
+    for expr in rule_exprs():
+        for name in re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{", expr):
+            if name in _NOT_SERIES or name.startswith("lpcal_"):
+                continue
+            assert name in EXTERNAL, f"unknown series {name!r} in: {expr}"
+
+
+def test_the_daemon_exports_the_process_series_the_rules_use():
+    """The daemon's own registry (``Daemon`` builds ``DaemonMetrics()`` without one) carries
+    the process collector, whose resident memory LpcalMemoryNearLimit reads."""
+    from daemon.metrics import DaemonMetrics
+
+    exposition = DaemonMetrics(version="0.0.0-test").exposition().decode()
+    assert re.search(r"^process_resident_memory_bytes \d", exposition, re.MULTILINE)

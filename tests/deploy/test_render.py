@@ -121,6 +121,62 @@ def test_generator_patch_namespace_labels_images(renderer, tmp_path):
     assert_same_as_real_kustomize(renderer, tmp_path / "ov")
 
 
+def test_selector_labels_reach_spread_constraints_and_network_policy_peers(renderer, tmp_path):
+    """kustomize's create-false field specs: with includeSelectors the labels go into
+    existing matchLabels of topologySpreadConstraints, pod (anti-)affinity terms and a
+    NetworkPolicy's podSelector and peers, never into matchExpressions, and nothing is created
+    where no matchLabels exist."""
+    write(tmp_path, {
+        "kustomization.yaml": """\
+            resources: [deploy.yaml, netpol.yaml]
+            labels:
+              - pairs: {team: x}
+                includeSelectors: true
+            """,
+        "deploy.yaml": DEPLOYMENT.replace("""\
+          containers:""", """\
+          topologySpreadConstraints:
+            - {maxSkew: 1, topologyKey: zone, whenUnsatisfiable: ScheduleAnyway,
+               labelSelector: {matchLabels: {app: web}}}
+            - {maxSkew: 1, topologyKey: host, whenUnsatisfiable: ScheduleAnyway,
+               labelSelector: {matchExpressions: [{key: app, operator: Exists}]}}
+          affinity:
+            podAntiAffinity:
+              preferredDuringSchedulingIgnoredDuringExecution:
+                - weight: 1
+                  podAffinityTerm: {topologyKey: host, labelSelector: {matchLabels: {app: web}}}
+          containers:"""),
+        "netpol.yaml": """\
+            apiVersion: networking.k8s.io/v1
+            kind: NetworkPolicy
+            metadata: {name: web}
+            spec:
+              podSelector: {matchLabels: {app: web}}
+              ingress:
+                - from:
+                    - podSelector: {matchLabels: {role: scraper}}
+                    - podSelector: {matchExpressions: [{key: role, operator: In, values: [c]}]}
+                      namespaceSelector: {matchLabels: {env: prod}}
+            """,
+    })
+    objs = {o["kind"]: o for o in renderer.render(tmp_path)}
+    spec = objs["Deployment"]["spec"]["template"]["spec"]
+    zone, host = spec["topologySpreadConstraints"]
+    assert zone["labelSelector"] == {"matchLabels": {"app": "web", "team": "x"}}
+    assert host["labelSelector"] == {"matchExpressions": [{"key": "app", "operator": "Exists"}]}
+    (term,) = spec["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == {"app": "web", "team": "x"}
+    netpol = objs["NetworkPolicy"]
+    assert netpol["metadata"]["labels"] == {"team": "x"}
+    assert netpol["spec"]["podSelector"]["matchLabels"] == {"app": "web", "team": "x"}
+    scraper, client = netpol["spec"]["ingress"][0]["from"]
+    assert scraper["podSelector"]["matchLabels"] == {"role": "scraper", "team": "x"}
+    assert "matchLabels" not in client["podSelector"]
+    assert client["namespaceSelector"] == {"matchLabels": {"env": "prod"}}
+    assert_same_as_real_kustomize(renderer, tmp_path)
+
+
 def test_null_in_patch_deletes_a_field(renderer, tmp_path):
     write(tmp_path, {
         "kustomization.yaml": "resources: [d.yaml]\npatches:\n  - patch: |\n"
@@ -167,8 +223,8 @@ def test_cli_prints_yaml(tmp_path):
         [sys.executable, "-m", "tests.deploy.render", str(BASE)], cwd=ROOT,
         capture_output=True, text=True, check=True)
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(proc.stdout) if d)
-    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service",
-                     "ServiceAccount"]
+    assert kinds == ["ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget",
+                     "Service", "ServiceAccount"]
 
 
 def _key(obj):

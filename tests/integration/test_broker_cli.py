@@ -265,3 +265,53 @@ async def test_simulate_progress_lines(broker, topic_prefix):
                         r"\d+ s, about \d+ s left", lines[0]), lines[0]
     assert lines[-1].startswith("simulate: 300/300 events (100%)")
 
+
+
+@pytest.mark.slow
+def test_example_config_certifies_with_the_simulators_defaults(broker, topic_prefix, tmp_path,
+                                                               capsys):
+    """The hands-on path of docs/development.md: ``lpcal serve`` on config/lpcal.toml (dev
+    profile) and ``lpcal simulate`` with its defaults publish a *certified* bin map for the
+    simulated model (its [models."fraud-v3"] override once gave a bound of 0.136 against eps
+    0.05). Only the topic names, group and port are moved out of the way of other tests."""
+    example = Path(__file__).resolve().parents[2] / "config" / "lpcal.toml"
+    prefix = topic_prefix + "."
+    http_port = free_port()
+    log = tmp_path / "daemon.log"
+    env = _env(LPCAL_PROFILE="dev", LPCAL_KAFKA__BOOTSTRAP_SERVERS=broker.bootstrap,
+               LPCAL_KAFKA__GROUP_ID=topic_prefix, LPCAL_HTTP__HOST="127.0.0.1",
+               LPCAL_HTTP__PORT=str(http_port), LPCAL_SECRETS_DIR=str(tmp_path / "none"),
+               **{f"LPCAL_KAFKA__TOPICS__{t.upper()}": f"{prefix}lpcal.{t}"
+                  for t in ("predictions", "outcomes", "binmaps", "deadletter", "state")})
+    with open(log, "w") as out:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "daemon.cli", "serve", "--config", str(example)],
+            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        asyncio.run(_ready_config(url, daemon, log))
+        # the simulator's defaults; --config only names the settings it sizes --events for
+        assert main(["--bootstrap", broker.bootstrap, "--no-idempotence",
+                     "--topic-prefix", prefix, "--config", str(example)]) == 0
+        assert "one bin map of each model under the daemon settings of" in (
+            capsys.readouterr().err)
+
+        async def published():
+            assert daemon.poll() is None, log.read_text()[-3000:]
+            status, body = await http_get(url, "/v1/models")
+            models = {m["model"]: m for m in orjson.loads(body)["models"]} if status == 200 else {}
+            return models.get("fraud-v3") if models.get("fraud-v3", {}).get(
+                "binmap_version") else None
+        model = asyncio.run(wait_until(published, 180, "a bin map of fraud-v3",
+                                       diag=lambda: log.read_text()[-3000:]))
+        cert = model["certificate"]
+        assert model["mode"] == "certified" and cert["eps"] == 0.05
+        assert cert["certified"] is True and cert["bound"] <= cert["eps"], cert
+    finally:
+        if daemon.poll() is None:
+            daemon.send_signal(signal.SIGTERM)
+            try:
+                daemon.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait(timeout=10)
