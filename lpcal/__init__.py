@@ -9,6 +9,8 @@ The public API::
     fit(probs, labels, FitSpec(eps=0.05, p=2, mode="paper"))  # Algorithm 2 as published
 """
 
+from importlib import metadata as _metadata
+
 from lpcal import metrics
 from lpcal.binmap import BinMap
 from lpcal.calibrate import fit, fit_pools
@@ -17,7 +19,10 @@ from lpcal.pools import CountTable, PoolLayout, PoolSet
 from lpcal.sizing import practical_sizing, theory_sizing
 from lpcal.spec import FitSpec
 
-__version__ = "0.1.0"
+try:  # one version, pyproject.toml's, as installed
+    __version__ = _metadata.version("lpcal")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 __all__ = ["ArtifactError", "BinMap", "CountTable", "FitSpec", "InputError", "LpcalError",
            "PoolLayout", "PoolSet", "fit", "fit_pools", "metrics", "practical_sizing",
            "theory_sizing"]

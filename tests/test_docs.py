@@ -532,3 +532,14 @@ def test_operations_sizes_an_epoch_with_the_real_defaults():
     layout = layout_for(_config_of(defaults), 3)
     need = layout.warmup + layout.holdout + sum(layout.targets.values())
     assert int(m.group(2).replace(",", "")) == need
+
+
+def test_the_package_version_is_pyprojects():
+    import tomllib
+
+    import lpcal
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        version = tomllib.load(f)["project"]["version"]
+    assert lpcal.__version__ == version
+    assert f"## {version} (" in (ROOT / "CHANGELOG.md").read_text()
