@@ -17,8 +17,11 @@ Two modes (``mode=``), one switch apart:
        held-out sums (:mod:`lpcal.holdout`): plug-in ``Err_p`` on each candidate's own level sets,
        an upper confidence bound at level ``1 - delta`` and the Brier score
        (:mod:`lpcal.certificate`). The published map is the certified candidate (bound ``<= eps``)
-       with the best held-out Brier; with none certified, the one with the lowest bound.
-       The certificate, with the same figures for the raw model, travels in the bin map.
+       with the best held-out Brier; with none certified, the one with the best held-out Brier.
+       The choice sees the data that certify it, so each of the two candidates is bounded at
+       ``1 - delta/2`` (Bonferroni) and the published one holds at ``1 - delta``. The
+       certificate, with the same figures for the raw model (``vacuous`` when the raw model
+       already meets ``eps``), travels in the bin map.
 
     So on a network that temperature scaling calibrates (most trained networks), the default is
     temperature scaling with a certificate; where it does not (class-dependent distortion), the
@@ -310,7 +313,7 @@ def fit(
     n_hold = round(n * hf)
     if (spec.mode is Mode.CERTIFIED and spec.holdout_fraction is None
             and prescale is Prescale.TEMPERATURE
-            and n_hold < min_certifiable_holdout(eps, p, delta)):
+            and n_hold < min_certifiable_holdout(eps, p, delta, k, candidates=2)):
         return _precalibrator_only(x, y, eps=eps, p=p, delta=delta, model_id=model_id)
     if hf > 0 and not (1 <= n_hold < n):
         raise InputError(f"holdout_fraction={hf} of {n} samples leaves no held-out or no fit "
@@ -353,7 +356,8 @@ def _precalibrator_only(x: np.ndarray, y: np.ndarray, *, eps: float, p: float, d
         model_id=model_id, version=1, created_at=utc_now(), eps=float(eps), p=float(p),
         delta=float(delta), beta=beta, lam=lam, k=k, temperature=grid.fit(), outside="identity",
         sizing={"mode": "precalibrator-only", "samples": int(x.shape[0]),
-                "min_certifiable_holdout": min_certifiable_holdout(eps, p, delta)},
+                "min_certifiable_holdout": min_certifiable_holdout(eps, p, delta, k,
+                                                                   candidates=2)},
         iterations=0, stop_reason="not_run", est_error={}, bins=(),
         group=np.zeros(0, np.int64), preds=np.zeros((0, k)), mode="certified",
         certificate=cert.to_dict())
