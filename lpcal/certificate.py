@@ -176,8 +176,9 @@ def _second_moment_ucb(wbar: np.ndarray | float, n: int, L: float) -> np.ndarray
     return np.minimum(a + np.sqrt(np.maximum(a * a - (wbar + c) ** 2 + c * c, 0.0)), 1.0)
 
 
-def _inf_tail_sum(x: float, v: np.ndarray, n: int) -> float:
-    return float(np.sum(2.0 * np.exp(-n * x * x / (2.0 * v + 4.0 * x / 3.0))))
+def _inf_tail_sum(x: float, v: np.ndarray, w: np.ndarray, n: int) -> float:
+    """``sum_i w_i 2 exp(-n x^2 / (2 v_i + 4x/3))``: Bernstein tails of ``w_i`` cells each."""
+    return float(np.dot(w, np.exp(-n * x * x / (2.0 * v + 4.0 * x / 3.0)))) * 2.0
 
 
 def _mass_ucb(counts: np.ndarray, n: int, L: float) -> np.ndarray:
@@ -185,13 +186,14 @@ def _mass_ucb(counts: np.ndarray, n: int, L: float) -> np.ndarray:
     with ``n kl(N/n, q) <= L`` (``P(Bin(n, q) <= N) <= exp(-n kl(N/n, q))``); bisection."""
     ph = np.asarray(counts, dtype=np.float64) / n
     lo, hi = ph.copy(), np.ones_like(ph)
-    for _ in range(50):
+    a = np.where(ph > 0, ph * np.log(np.where(ph > 0, ph, 1.0)), 0.0)
+    b = np.where(ph < 1, (1 - ph) * np.log(np.where(ph < 1, 1 - ph, 1.0)), 0.0)
+    for _ in range(40):
         q = 0.5 * (lo + hi)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            kl = (np.where(ph > 0, ph * np.log(ph / q), 0.0)
-                  + np.where(ph < 1, (1 - ph) * np.log((1 - ph) / (1 - q)), 0.0))
+        kl = a - ph * np.log(q) + b - (1 - ph) * np.log1p(-q)
         ok = n * kl <= L
-        lo, hi = np.where(ok, q, lo), np.where(ok, hi, q)
+        lo = np.where(ok, q, lo)
+        hi = np.where(ok, hi, q)
     return hi
 
 
@@ -227,10 +229,13 @@ def _inf_bound(cells: Cells | None, n: int, k: int, delta: float) -> float:
             v = np.partition(v, v.size - K)[v.size - K:]
         v = np.sort(np.concatenate([v, np.full(K, v0)]))[-K:]  # the K largest tails
         zabs = np.abs(cells.S) / n
-    lo, hi = 0.0, float(_bernstein(float(v.max()), n, math.log(4.0 * K / delta), 2.0))
-    for _ in range(60):
+    v, w = np.unique(v, return_counts=True)
+    w = w.astype(np.float64)
+    lo = float(_bernstein(float(v[-1]), n, math.log(4.0 / delta), 2.0))
+    hi = float(_bernstein(float(v[-1]), n, math.log(4.0 * K / delta), 2.0))
+    for _ in range(40):
         mid = 0.5 * (lo + hi)
-        if _inf_tail_sum(mid, v, n) <= delta / 2.0:
+        if _inf_tail_sum(mid, v, w, n) <= delta / 2.0:
             hi = mid
         else:
             lo = mid
