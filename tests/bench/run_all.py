@@ -9,7 +9,8 @@ Benchmarks: ``fit`` (fit time from raw arrays and from pools), ``apply`` (apply 
 ``quality`` (CIFAR records), ``variants`` (split vs shared pools, theory vs practical sizing),
 ``directions`` (issue 10's directions b and d against the default), ``scale`` (1 replica
 against 2, failover with a 10,000-model state topic), ``certificate`` (coverage, tightness and
-certification rate of the held-out bound on truth-known families, the selection rule, its cost).
+certification rate of the held-out bound on truth-known families, the selection rule, its cost),
+``eps`` (Err_p against top-label ECE on the CIFAR records: what eps means, per k).
 Every timing is a ratio against a baseline measured in the same process (see
 :mod:`tests.bench.common`).
 """
@@ -31,6 +32,7 @@ from tests.bench import (
     bench_apply,
     bench_certificate,
     bench_directions,
+    bench_eps,
     bench_fit,
     bench_ingest,
     bench_quality,
@@ -67,6 +69,7 @@ BENCHMARKS = {
     "directions": bench_directions,
     "scale": bench_scale,
     "certificate": bench_certificate,
+    "eps": bench_eps,
 }
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
