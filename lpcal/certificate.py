@@ -100,6 +100,7 @@ integral operators and their approximations*, Constr. Approx. 2007; D. McAlleste
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -181,22 +182,49 @@ def _inf_tail_sum(x: float, v: np.ndarray, w: np.ndarray, n: int) -> float:
     return float(np.dot(w, np.exp(-n * x * x / (2.0 * v + 4.0 * x / 3.0)))) * 2.0
 
 
-def _mass_ucb(counts: np.ndarray, n: int, L: float) -> np.ndarray:
+@functools.lru_cache(maxsize=4096)
+def _mass_ucb_one(count: int, n: int, L: float) -> float:
     """Chernoff (KL) upper bound on a level set's mass from its count: the largest ``q >= N/n``
     with ``n kl(N/n, q) <= L`` (``P(Bin(n, q) <= N) <= exp(-n kl(N/n, q))``); bisection."""
-    ph = np.asarray(counts, dtype=np.float64) / n
-    lo, hi = ph.copy(), np.ones_like(ph)
-    a = np.where(ph > 0, ph * np.log(np.where(ph > 0, ph, 1.0)), 0.0)
-    b = np.where(ph < 1, (1 - ph) * np.log(np.where(ph < 1, 1 - ph, 1.0)), 0.0)
-    for _ in range(40):
+    ph = count / n
+    if count == 0:
+        return -math.expm1(-L / n)
+    a = ph * math.log(ph) + ((1.0 - ph) * math.log1p(-ph) if ph < 1.0 else 0.0)
+    lo, hi = ph, 1.0
+    for _ in range(50):
         q = 0.5 * (lo + hi)
-        kl = a - ph * np.log(q) + b - (1 - ph) * np.log1p(-q)
-        ok = n * kl <= L
-        lo = np.where(ok, q, lo)
-        hi = np.where(ok, hi, q)
+        if n * (a - ph * math.log(q) - (1.0 - ph) * math.log1p(-q)) <= L:
+            lo = q
+        else:
+            hi = q
     return hi
 
 
+def _mass_ucb(counts: np.ndarray, n: int, L: float) -> np.ndarray:
+    """:func:`_mass_ucb_one` of every count (computed once per distinct count)."""
+    uniq, inv = np.unique(np.asarray(counts, dtype=np.int64), return_inverse=True)
+    return np.array([_mass_ucb_one(int(c), n, L) for c in uniq])[inv.ravel()]
+
+
+_BUCKET = math.log(1.02)
+
+
+def _top_k_tails(v: np.ndarray, K: int, v0: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(values, weights)`` whose tails sum to at least those of the ``K`` largest of ``v``
+    together with ``K`` copies of ``v0`` (the ``K`` largest in all): ``v`` rounded up to a
+    geometric grid of ratio 1.02 (tails grow with ``v``, so rounding up is conservative) and
+    counted per grid value from the top, ``O(len(v))`` without a sort."""
+    b = np.ceil(np.log(v) / _BUCKET).astype(np.int64)
+    b0 = int(b.min())
+    cnt = np.bincount(b - b0).astype(np.float64)
+    vals = np.exp((np.arange(cnt.size) + b0) * _BUCKET)
+    nz = np.flatnonzero(cnt)[::-1]
+    vals, cnt = np.append(vals[nz], v0), np.append(cnt[nz], float(K))
+    keep = np.minimum(cnt, np.maximum(K - (np.cumsum(cnt) - cnt), 0.0))
+    return vals[keep > 0], keep[keep > 0]
+
+
+@functools.lru_cache(maxsize=256)
 def _mass_threshold(n: int, delta: float) -> float:
     """``t``: the fixed point ``t = 1 - exp(-log(4 / (t delta)) / n)``, the mass bound of an
     unobserved heavy level set at ``t`` (module docstring, p = inf); deterministic."""
@@ -216,23 +244,21 @@ def _inf_bound(cells: Cells | None, n: int, k: int, delta: float) -> float:
     K = math.ceil(k / t)
     lm = math.log(4.0 * K / delta)
     lq = math.log(4.0 / (t * delta))
-    q0 = float(_mass_ucb(np.zeros(1), n, lq)[0])
+    q0 = _mass_ucb_one(0, n, lq)
     v0 = min(float(_second_moment_ucb(0.0, n, lm)), q0)
     if cells is None or cells.S.size == 0:
-        v, zabs, qplus = np.full(K, v0), np.zeros(0), np.zeros(0)
+        v, w, zabs, qplus = np.array([v0]), np.array([float(K)]), np.zeros(0), np.zeros(0)
     else:
-        uniq, inv = np.unique(cells.counts, return_inverse=True)
-        qplus = _mass_ucb(uniq, n, lq)[inv.ravel()]
+        qplus = _mass_ucb(cells.counts, n, lq)
         v = np.minimum(_second_moment_ucb(np.asarray(cells.Q, dtype=np.float64) / n, n, lm),
                        qplus[:, None]).ravel()
-        if v.size > K:
-            v = np.partition(v, v.size - K)[v.size - K:]
-        v = np.sort(np.concatenate([v, np.full(K, v0)]))[-K:]  # the K largest tails
+        v, w = _top_k_tails(np.maximum(v, v0), K, v0)
         zabs = np.abs(cells.S) / n
-    v, w = np.unique(v, return_counts=True)
-    w = w.astype(np.float64)
-    lo = float(_bernstein(float(v[-1]), n, math.log(4.0 / delta), 2.0))
-    hi = float(_bernstein(float(v[-1]), n, math.log(4.0 * K / delta), 2.0))
+    vmax = float(v.max())
+    lo = float(_bernstein(vmax, n, math.log(4.0 / delta), 2.0))
+    hi = float(_bernstein(vmax, n, math.log(4.0 * float(w.sum()) / delta), 2.0))
+    while _inf_tail_sum(hi, v, w, n) > delta / 2.0:  # not reached: w sums to K
+        hi *= 2.0
     for _ in range(40):
         mid = 0.5 * (lo + hi)
         if _inf_tail_sum(mid, v, w, n) <= delta / 2.0:

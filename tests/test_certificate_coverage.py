@@ -52,12 +52,12 @@ def test_bound_covers_the_true_error_of_fixed_candidates(family, k, p, eps, n_ho
             assert bound >= est
             misses[nm] += bound < truth[nm]
             bounds[nm].append(bound)
-    for nm in truth:
+    for nm, true in truth.items():
         assert misses[nm] <= 4, (f"{family} {nm}: the bound missed the true Err_p "
-                                 f"{truth[nm]:.4f} in {misses[nm]}/{R} draws")
+                                 f"{true:.4f} in {misses[nm]}/{R} draws")
         # informative: within a small multiple of the truth plus the held-out noise floor
         floor = 3.0 * math.sqrt(1.0 / n_hold) if p == 2.0 else 0.03
-        assert np.median(bounds[nm]) < 3.0 * truth[nm] + floor, (nm, truth[nm], bounds[nm])
+        assert np.median(bounds[nm]) < 3.0 * true + floor, (nm, true, bounds[nm])
     if family == "tempered" and p == 2.0:
         assert truth["ts"] < 0.02 < truth["raw"]  # the test separates the two candidates
         certified = sum(b <= eps for b in bounds["ts"])

@@ -319,3 +319,35 @@ def test_sample_too_small_to_certify_gets_temperature_scaling_on_all_of_it():
     bm = fit(f, y, eps=0.05, p=math.inf, holdout_fraction=0.3)
     assert bm.certificate["n_holdout"] == round(len(y) * 0.3)
     assert not bm.certificate["certified"]
+
+
+# ----------------------------------------------------------------------------- eps = "auto"
+
+
+def test_eps_auto_is_certifiable_and_never_reads_the_held_out_share(capsys, tmp_path):
+    from lpcal.calibrate import AUTO_EPS_GRID, auto_eps
+    from lpcal.spec import FitSpec
+
+    f, _, y = _tempered(5000, 4, 2.5, seed=11)
+    bm = fit(f, y, eps="auto", p=math.inf)
+    assert bm.eps in AUTO_EPS_GRID and bm.certificate["eps"] == bm.eps
+    assert bm.certificate["certified"]
+    # a smaller grid value would not have met the margin on the fitting share
+    i = AUTO_EPS_GRID.index(bm.eps)
+    assert i > 0 and auto_eps(f, y, FitSpec(eps="auto", p=math.inf)) == bm.eps
+    # the held-out share (the first 30% of the seeded permutation) does not move it
+    hold = np.random.default_rng(0).permutation(len(y))[:1500]
+    y2 = y.copy()
+    y2[hold] = (y2[hold] + 1) % 4
+    assert auto_eps(f, y2, FitSpec(eps="auto", p=math.inf)) == bm.eps
+    with pytest.raises(InputError, match="'auto'"):
+        FitSpec(eps="small", p=math.inf)
+    with pytest.raises(InputError, match="resolves it"):
+        _ = FitSpec(eps="auto", p=math.inf).lam
+    with pytest.raises(InputError, match="held-out share"):
+        fit(f, y, eps="auto", p=math.inf, holdout_fraction=0.0)
+    save_npz(tmp_path / "fit.npz", f, y)
+    assert cli_main(["fit", "--input", str(tmp_path / "fit.npz"), "--eps", "auto", "--p",
+                     "inf", "--out", str(tmp_path / "bm.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"eps auto: {bm.eps:g}" in out and "mode=certified" in out and "certified: yes" in out

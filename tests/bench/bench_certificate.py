@@ -103,15 +103,16 @@ def run_coverage(reps: int, n_truth: int) -> Table:
         print(f"[certificate] {family} p={p_label(p)} eps={eps} done", file=sys.stderr,
               flush=True)
     t.notes += [
-        f"True Err_p from the known label law on {n_truth:,} independent samples; raw true "
-        "Err_p is that of the uncalibrated model (its bound is reported in every certificate).",
-        "coverage: share of draws with bound >= true Err_p (target >= 1 - delta = "
-        f"{1 - DELTA:g}); certified: bound <= eps; vacuous: the raw model's own bound <= eps.",
-        "bound / true: median over the draws whose true Err_p > 0.005 ('–' when fewer than "
-        "half are).",
-        "Bounds: p = inf, Bernstein per cell with a union over the heavy cells and Chernoff "
-        "mass bounds for the light ones; p = 2, Bousquet's bound on the whole residual vector "
-        "(lpcal/certificate.py docstring); each of the 2 candidates at delta/2.",
+        (f"True Err_p from the known label law on {n_truth:,} independent samples; raw true "
+         "Err_p is that of the uncalibrated model (its bound is reported in every "
+         "certificate)."),
+        ("coverage: share of draws with bound >= true Err_p (target >= 1 - delta = "
+         f"{1 - DELTA:g}); certified: bound <= eps; vacuous: the raw model's own bound <= eps."),
+        ("bound / true: median over the draws whose true Err_p > 0.005 ('–' when fewer than "
+         "half are)."),
+        ("Bounds: p = inf, Bernstein per cell with a union over the heavy cells and Chernoff "
+         "mass bounds for the light ones; p = 2, Bousquet's bound on the whole residual vector "
+         "(lpcal/certificate.py docstring); each of the 2 candidates at delta/2."),
     ]
     return t
 
@@ -163,7 +164,7 @@ def run_cost(repeats: int) -> Table:
             raw = {"raw": HoldoutSums(k, lam).update(f[:1500], y[:1500]).cells()}
             cmp = compare(lambda cells=cells, raw=raw, lam=lam, p=p, eps=eps: certify_and_select(
                 cells, eps=eps, p=p, lam=lam, delta=DELTA, reported=raw),
-                lambda: fit_temperature(f, y), repeats=repeats)
+                lambda f=f, y=y: fit_temperature(f, y), repeats=repeats)
             t.add(k, p_label(p), eps, cells["precalibrator"].counts.size,
                   f"{cmp.candidate.median * 1e3:.1f}", f"{cmp.baseline.median * 1e3:.1f}",
                   f"{cmp.ratio:.2f}x")

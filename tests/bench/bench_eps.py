@@ -67,14 +67,14 @@ def run(quick: bool = False) -> list[Table]:
                   f"{metrics.err_p_debiased(h, yb, _lam(0.1, 2.0), 2.0):.4f}",
                   f"{_bound(h, yb, 0.05, math.inf):.4f}", f"{_bound(h, yb, 0.1, 2.0):.4f}")
     t.notes += [
-        "lambda: eps 0.1 / 0.05 at p = inf give lambda 10 / 20; eps 0.2 / 0.1 at p = 2 give "
-        "lambda 50 / 200 (beta = eps^2 / 2).",
-        "Err_inf is the largest |E[(f_j - y_j) 1[R(f) = u]]| over level sets u and classes j: "
-        "a level set's error counts with its mass, so on networks whose outputs spread over "
-        "many level sets (k = 100) it stays small while the ECE moves.",
-        "bound: the certificate's upper confidence bound for the predictor itself on 1,500 "
-        f"samples at delta/2 = {DELTA / 2:g}; bound <= eps means eps is vacuous for it (the "
-        "certificate reports `vacuous: yes` when this holds for the raw model).",
+        ("lambda: eps 0.1 / 0.05 at p = inf give lambda 10 / 20; eps 0.2 / 0.1 at p = 2 give "
+         "lambda 50 / 200 (beta = eps^2 / 2)."),
+        ("Err_inf is the largest |E[(f_j - y_j) 1[R(f) = u]]| over level sets u and classes "
+         "j: a level set's error counts with its mass, so on networks whose outputs spread "
+         "over many level sets (k = 100) it stays small while the ECE moves."),
+        ("bound: the certificate's upper confidence bound for the predictor itself on 1,500 "
+         f"samples at delta/2 = {DELTA / 2:g}; bound <= eps means eps is vacuous for it (the "
+         "certificate reports `vacuous: yes` when this holds for the raw model)."),
     ]
     return [t]
 
