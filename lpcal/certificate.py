@@ -457,6 +457,9 @@ class Certificate:
                              "estimate")
         if cert.selectable < 1:
             raise InputError(f"certificate: selectable must be >= 1, got {cert.selectable}")
+        if not isinstance(d.get("vacuous", False), bool):
+            raise InputError(f"certificate: vacuous must be true or false, got "
+                             f"{d.get('vacuous')!r}")
         return cert
 
     def format(self) -> str:

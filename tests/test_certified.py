@@ -160,6 +160,8 @@ def test_vacuous_when_the_raw_model_already_meets_eps():
     old = {k: v for k, v in loose.to_dict().items() if k not in ("vacuous", "selectable")}
     back = Certificate.from_dict(old)
     assert (back.vacuous, back.selectable) == (False, 1)
+    with pytest.raises(InputError, match="vacuous must be true or false"):
+        Certificate.from_dict({**loose.to_dict(), "vacuous": "false"})
 
 
 # ----------------------------------------------------------------------------- fit and artifact
