@@ -183,6 +183,10 @@ class Fitting:
         log.info("model %s: published bin map version %d (%s, |B|=%d, %d iterations, %s, "
                  "%.3f s)", model, inf.version, inf.trigger, bm.n_bins, bm.iterations,
                  bm.stop_reason, seconds)
+        if (bm.certificate or {}).get("vacuous"):
+            log.info("model %s: eps %g is vacuous: the raw model already meets it on the "
+                     "held-out share (bound %.4f)", model, bm.eps,
+                     bm.certificate["estimates"]["raw"]["bound"])
         # the next sealed epoch (if any) need not wait for the next poll, which may be idle
         # for a whole fetch timeout when its partitions are paused
         self._check_model(model, time.monotonic())

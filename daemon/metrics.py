@@ -33,8 +33,10 @@ Certificate gauges (set after each fit whose bin map carries a held-out certific
 share): ``lpcal_certificate_bound`` ``{model}`` is the upper confidence bound (level
 ``1 - delta``) on the published candidate's ``Err_p``, computed on the epoch's held-out samples;
 ``lpcal_certificate_target`` ``{model}`` is the ``eps`` it is certified against (certified iff
-bound <= target); ``lpcal_certificate_estimate`` ``{model, candidate}`` is the plug-in held-out
-``Err_p`` of each candidate: ``raw`` (the model as-is, reported only), ``precalibrator``
+bound <= target); ``lpcal_certificate_vacuous`` ``{model}`` is 1 when that target says nothing
+about the model (the raw model's own bound already meets it), else 0;
+``lpcal_certificate_estimate`` ``{model, candidate}`` is the plug-in held-out ``Err_p`` of each
+candidate: ``raw`` (the model as-is, reported only), ``precalibrator``
 (temperature scaling alone) and ``corrected`` (Algorithm 2's map on the temperature-scaled bins).
 
 Names in :data:`METRIC_NAMES` are the names used in PromQL: counters with their ``_total``
@@ -285,6 +287,10 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
     "lpcal_certificate_target": (
         "gauge", ("model",),
         "The eps the latest bin map is certified against (certified iff bound <= target)."),
+    "lpcal_certificate_vacuous": (
+        "gauge", ("model",),
+        ("1 when the latest certificate's target is vacuous: the raw (uncalibrated) model's own "
+         "held-out bound already meets eps; 0 otherwise.")),
     "lpcal_calibration_error": (
         "gauge", ("model", "predictor"), "Windowed estimate of the lp calibration error Err_p."),
     "lpcal_top_label_ece": (
@@ -446,6 +452,7 @@ class DaemonMetrics:
         self.certificate_bound = make("lpcal_certificate_bound")
         self.certificate_estimate = make("lpcal_certificate_estimate")
         self.certificate_target = make("lpcal_certificate_target")
+        self.certificate_vacuous = make("lpcal_certificate_vacuous")
         self.calibration_error = make("lpcal_calibration_error")
         self.top_label_ece = make("lpcal_top_label_ece")
         self.brier_score = make("lpcal_brier_score")
@@ -524,7 +531,7 @@ class DaemonMetrics:
             (self.high_probability_bins, only), (self.binmap_version, only),
             (self.binmap_published, only), (self.drift_threshold, only),
             (self.window_samples, only), (self.certificate_bound, only),
-            (self.certificate_target, only),
+            (self.certificate_target, only), (self.certificate_vacuous, only),
             (self.certificate_estimate, tuple((c.value,) for c in Candidate)),
             (self.join_evictions, tuple((r.value,) for r in EvictionReason)),
             (self.join_unmatched, tuple((k.value,) for k in UnmatchedKind)),
@@ -690,7 +697,8 @@ class DaemonMetrics:
         certificate) removes the model's certificate series, so no stale bound remains."""
         self._model(model)
         if certificate is None:
-            for gauge in (self.certificate_bound, self.certificate_target):
+            for gauge in (self.certificate_bound, self.certificate_target,
+                          self.certificate_vacuous):
                 try:
                     gauge.remove(model)
                 except KeyError:
@@ -716,6 +724,8 @@ class DaemonMetrics:
             raise InputError(f"metrics: certificate bound={bound!r} must be >= 0")
         self.certificate_bound.labels(model=model).set(bound)
         self.certificate_target.labels(model=model).set(target)
+        self.certificate_vacuous.labels(model=model).set(
+            1.0 if certificate.get("vacuous") is True else 0.0)
         present = {name for name, _ in rows}
         for name, err in rows:
             self.certificate_estimate.labels(model=model, candidate=name).set(err)

@@ -17,8 +17,11 @@ Two modes (``mode=``), one switch apart:
        held-out sums (:mod:`lpcal.holdout`): plug-in ``Err_p`` on each candidate's own level sets,
        an upper confidence bound at level ``1 - delta`` and the Brier score
        (:mod:`lpcal.certificate`). The published map is the certified candidate (bound ``<= eps``)
-       with the best held-out Brier; with none certified, the one with the lowest bound.
-       The certificate, with the same figures for the raw model, travels in the bin map.
+       with the best held-out Brier; with none certified, the one with the best held-out Brier.
+       The choice sees the data that certify it, so each of the two candidates is bounded at
+       ``1 - delta/2`` (Bonferroni) and the published one holds at ``1 - delta``. The
+       certificate, with the same figures for the raw model (``vacuous`` when the raw model
+       already meets ``eps``), travels in the bin map.
 
     So on a network that temperature scaling calibrates (most trained networks), the default is
     temperature scaling with a certificate; where it does not (class-dependent distortion), the
@@ -215,6 +218,57 @@ def _mass_outside(pools: PoolSet, hB: np.ndarray) -> float:
     return float(1.0 - mass[np.isin(h, hB)].sum() / max(1, mass.sum()))
 
 
+#: The grid of ``eps = "auto"``: ``0.005 * 2^(i/4)`` to 3 significant digits, 0.005 to 0.448.
+AUTO_EPS_GRID = tuple(float(f"{0.005 * 2.0 ** (i / 4.0):.3g}") for i in range(27))
+#: ``eps = "auto"`` keeps the proxy bound at most this share of eps: room for the held-out
+#: share's own sampling variation (the bound varies by 3 to 5% between draws on the families of
+#: ``tests/test_certificate_coverage.py``).
+AUTO_EPS_MARGIN = 0.85
+
+
+def auto_eps(probs, labels, spec: FitSpec) -> float:
+    """The ``eps`` that ``eps = "auto"`` resolves to: the smallest value of
+    :data:`AUTO_EPS_GRID` whose certificate bound for the pre-calibrated model, computed on a
+    block of the fitting share as large as the held-out share (same seeded split as
+    :func:`fit`), is at most ``AUTO_EPS_MARGIN * eps``; the largest grid value if none is.
+
+    So ``eps`` is what this sample size can certify for a model as good as temperature
+    scaling, judged on data the certificate does not use: the held-out share stays untouched,
+    and the certificate's guarantee is unchanged. Whether the target is also informative for
+    the model is what the certificate's ``vacuous`` flag then says.
+
+    Raises
+    ------
+    InputError
+        Bad inputs, or a spec that holds nothing out (``holdout_fraction = 0``).
+    """
+    import dataclasses
+
+    from lpcal.certificate import err_p_bound
+    from lpcal.holdout import HoldoutSums
+
+    x = validate_probs(np.asarray(probs, dtype=np.float64), "probs", tol=1e-4)
+    x = x / x.sum(axis=1, keepdims=True)
+    n, k = x.shape
+    y = validate_labels(labels, k, "labels", n=n)
+    hf = spec.holdout_fraction_value
+    n_hold = round(n * hf)
+    if not (1 <= n_hold < n):
+        raise InputError(f"eps='auto' needs a held-out share: holdout_fraction={hf} of {n} "
+                         "samples holds none out")
+    rest = np.random.default_rng(spec.seed).permutation(n)[n_hold:]
+    g = x[rest]
+    if spec.prescale_value is Prescale.TEMPERATURE:
+        g = scale_temperature(g, TemperatureGrid().update(g, y[rest]).fit())
+    block, yb = g[:n_hold], y[rest][:n_hold]
+    for eps in AUTO_EPS_GRID:
+        p_spec = dataclasses.replace(spec, eps=eps)
+        cells = HoldoutSums(k, p_spec.lam).update(block, yb).cells()
+        if err_p_bound(cells, spec.p, spec.delta / 2.0, k)[1] <= AUTO_EPS_MARGIN * eps:
+            return eps
+    return AUTO_EPS_GRID[-1]
+
+
 def _scanned(probs, lam: int, tol: float = 1e-4):
     """Validate and bin-hash ``probs`` in one fused pass: ``(x, scan)``; ``x`` is renormalised
     (and rescanned) only when row sums are far enough from 1 to move a bin boundary."""
@@ -253,7 +307,8 @@ def fit(
     labels : array_like, shape (n,)
         Observed classes in ``[0, k)``.
     spec : FitSpec, optional
-        Every option of the fit (:class:`lpcal.spec.FitSpec`): ``eps``, ``p``, ``delta``,
+        Every option of the fit (:class:`lpcal.spec.FitSpec`): ``eps`` (a number, or
+        ``"auto"``: :func:`auto_eps`, recorded in the map as the value chosen), ``p``, ``delta``,
         ``mode``, ``sizing``, ``pool_size``, ``mu_pool``, ``variant``, ``noise``, ``prescale``,
         ``outside``, ``holdout_fraction``, ``seed``, ``max_iter``.
     **options
@@ -271,9 +326,9 @@ def fit(
     BinMap
         With a ``certificate`` whenever a share was held out. With the certified defaults, a
         sample whose 30% could not certify anything whatever the data
-        (:func:`lpcal.certificate.min_certifiable_holdout`: 120 samples for eps = 0.05,
-        p = inf, delta = 0.1) gets temperature scaling fitted on all of it, with a certificate
-        that says it is not certified.
+        (:func:`lpcal.certificate.min_certifiable_holdout`: 144 samples for eps = 0.05,
+        p = inf, delta = 0.1, k = 10) gets temperature scaling fitted on all of it, with a
+        certificate that says it is not certified.
 
     Raises
     ------
@@ -302,6 +357,10 @@ def fit(
     if logits:
         from lpcal.io import softmax
         probs = softmax(probs)
+    if spec.eps_auto:
+        import dataclasses
+
+        spec = dataclasses.replace(spec, eps=auto_eps(probs, labels, spec))
     eps, p, delta, lam = spec.eps, spec.p, spec.delta, spec.lam
     x, scan = _scanned(probs, lam)
     n, k = x.shape
@@ -310,7 +369,7 @@ def fit(
     n_hold = round(n * hf)
     if (spec.mode is Mode.CERTIFIED and spec.holdout_fraction is None
             and prescale is Prescale.TEMPERATURE
-            and n_hold < min_certifiable_holdout(eps, p, delta)):
+            and n_hold < min_certifiable_holdout(eps, p, delta, k, candidates=2)):
         return _precalibrator_only(x, y, eps=eps, p=p, delta=delta, model_id=model_id)
     if hf > 0 and not (1 <= n_hold < n):
         raise InputError(f"holdout_fraction={hf} of {n} samples leaves no held-out or no fit "
@@ -353,7 +412,8 @@ def _precalibrator_only(x: np.ndarray, y: np.ndarray, *, eps: float, p: float, d
         model_id=model_id, version=1, created_at=utc_now(), eps=float(eps), p=float(p),
         delta=float(delta), beta=beta, lam=lam, k=k, temperature=grid.fit(), outside="identity",
         sizing={"mode": "precalibrator-only", "samples": int(x.shape[0]),
-                "min_certifiable_holdout": min_certifiable_holdout(eps, p, delta)},
+                "min_certifiable_holdout": min_certifiable_holdout(eps, p, delta, k,
+                                                                   candidates=2)},
         iterations=0, stop_reason="not_run", est_error={}, bins=(),
         group=np.zeros(0, np.int64), preds=np.zeros((0, k)), mode="certified",
         certificate=cert.to_dict())

@@ -33,6 +33,16 @@ def _p(text: str) -> float:
         raise argparse.ArgumentTypeError(f"p must be a number > 1 or 'inf', got {text!r}") from None
 
 
+def _eps(text: str) -> float | str:
+    if text.lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"eps must be a number in (0, 1) or 'auto', got "
+                                         f"{text!r}") from None
+
+
 class _Progress:
     """A progress line on stderr: redrawn in place on a terminal, every 2 s otherwise."""
 
@@ -88,10 +98,12 @@ def cmd_fit(a) -> int:
     prog.done()
     Path(a.out).write_bytes(bm.to_json())
     s = bm.summary()
-    print(f"wrote {a.out}: mode {bm.mode}, |B| = {s['|B|']}, |G| = {s['|G|']}, "
+    print(f"wrote {a.out}: mode={bm.mode}, |B| = {s['|B|']}, |G| = {s['|G|']}, "
           f"{s['iterations']} iterations ({s['stop_reason']}), lambda = {bm.lam}, "
           f"temperature {'none' if bm.temperature is None else f'{bm.temperature:.4g}'}, "
           f"fit {time.time() - t0:.2f} s")
+    if a.eps == "auto":
+        print(f"eps auto: {bm.eps:g} (lambda = {bm.lam})")
     if bm.certificate is not None:
         print(Certificate.from_dict(bm.certificate).format())
     return 0
@@ -152,7 +164,10 @@ def build_parser(commands: Commands | None = None) -> argparse.ArgumentParser:
 
     f = sub.add_parser("fit", help="fit a bin map on labelled predictions (.npz or .csv)")
     f.add_argument("--input", required=True)
-    f.add_argument("--eps", type=float, required=True)
+    f.add_argument("--eps", type=_eps, required=True,
+                   help="target Err_p, or 'auto': the smallest eps a model as good as "
+                        "temperature scaling certifies at this sample size (lpcal.calibrate."
+                        "auto_eps)")
     f.add_argument("--p", type=_p, required=True, help="p > 1 or 'inf'")
     f.add_argument("--delta", type=float, default=0.1)
     f.add_argument("--pool-size", type=int, default=None,

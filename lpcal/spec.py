@@ -34,7 +34,10 @@ from typing import Any, ClassVar
 from lpcal.errors import InputError
 from lpcal.levels import beta_for, lambda_for
 
-__all__ = ["FitSpec", "Mode", "Outside", "Prescale", "SizingRule", "Variant"]
+__all__ = ["EPS_AUTO", "FitSpec", "Mode", "Outside", "Prescale", "SizingRule", "Variant"]
+
+#: The ``eps`` that asks :func:`lpcal.fit` to choose the target from the data.
+EPS_AUTO = "auto"
 
 
 class Mode(StrEnum):
@@ -103,8 +106,10 @@ class FitSpec:
 
     Parameters
     ----------
-    eps : float
-        Target lp calibration error, in ``(0, 1)``.
+    eps : float or "auto"
+        Target lp calibration error, in ``(0, 1)``; ``"auto"``: chosen from the data by
+        :func:`lpcal.fit` (:data:`EPS_AUTO`, :func:`lpcal.calibrate.auto_eps`), on the share
+        it fits on, never the held-out share.
     p : float
         The ``p`` of ``Err_p``, ``>= 1`` or ``math.inf``.
     delta : float, default 0.1
@@ -136,7 +141,7 @@ class FitSpec:
         An option of the wrong type or outside its allowed values, naming it.
     """
 
-    eps: float
+    eps: float | str
     p: float
     delta: float = 0.1
     mode: Mode = Mode.CERTIFIED
@@ -153,7 +158,7 @@ class FitSpec:
 
     #: option -> (check, what is allowed); enums are checked by their type.
     RULES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
-        "eps": (_real(0.0, 1.0), "a number in (0, 1)"),
+        "eps": (lambda v: v == EPS_AUTO or _real(0.0, 1.0)(v), "a number in (0, 1) or 'auto'"),
         "p": (_real(1.0, math.inf, lo_open=False, inf=True), "a number >= 1 or inf"),
         "delta": (_real(0.0, 1.0), "a number in (0, 1)"),
         "pool_size": (_int(1), "a positive integer"),
@@ -201,8 +206,15 @@ class FitSpec:
 
     # ------------------------------------------------------------------ derived values
     @property
+    def eps_auto(self) -> bool:
+        """``eps = "auto"``: :func:`lpcal.fit` resolves it from the data before fitting."""
+        return self.eps == EPS_AUTO
+
+    @property
     def beta(self) -> float:
         """``beta = eps^(p/(p-1)) / 2^(1/(p-1))`` (``eps`` for ``p = inf``)."""
+        if self.eps_auto:
+            raise InputError("eps='auto' has no beta until lpcal.fit resolves it from the data")
         return beta_for(self.eps, self.p)
 
     @property

@@ -135,7 +135,33 @@ def test_selection_prefers_certified_brier_then_lowest_bound():
     assert not cert.certified and cert.selected == "corrected"  # none: lowest bound
     assert set(cert.estimates) == {"raw", "precalibrator", "corrected"}
     assert Certificate.from_dict(orjson.loads(orjson.dumps(cert.to_dict()))) == cert
-    assert "NOT certified" in cert.format()
+    text = cert.format()
+    assert "certified: no (bound" in text and "NOT certified" not in text
+    # each of the two selectable candidates is bounded at delta/2, the raw model too
+    assert cert.selectable == 2 and "bonferroni over 2" in cert.method
+    assert cert.estimates["corrected"].bound == err_p_bound(good, math.inf, 0.05)[1]
+    assert not cert.vacuous  # the raw model does not meet eps = 1e-4
+
+
+def test_vacuous_when_the_raw_model_already_meets_eps():
+    f, _, y = _tempered(3000, 3, 2.0, seed=4)
+    ts = HoldoutSums(3, 20).update(apply_temperature(f, 2.0), y).cells()
+    raw = HoldoutSums(3, 20).update(f, y).cells()
+    raw_bound = err_p_bound(raw, math.inf, 0.05)[1]
+    loose = certify_and_select({"precalibrator": ts, "corrected": ts}, eps=raw_bound + 0.01,
+                               p=math.inf, lam=20, delta=0.1, reported={"raw": raw})
+    tight = certify_and_select({"precalibrator": ts, "corrected": ts}, eps=raw_bound - 1e-6,
+                               p=math.inf, lam=20, delta=0.1, reported={"raw": raw})
+    assert loose.vacuous and loose.raw_bound == pytest.approx(raw_bound)
+    assert "vacuous: yes" in loose.format()
+    assert not tight.vacuous and "vacuous" not in tight.format()
+    assert Certificate.from_dict(loose.to_dict()).vacuous
+    # certificates written before the field read as not vacuous, one candidate
+    old = {k: v for k, v in loose.to_dict().items() if k not in ("vacuous", "selectable")}
+    back = Certificate.from_dict(old)
+    assert (back.vacuous, back.selectable) == (False, 1)
+    with pytest.raises(InputError, match="vacuous must be true or false"):
+        Certificate.from_dict({**loose.to_dict(), "vacuous": "false"})
 
 
 # ----------------------------------------------------------------------------- fit and artifact
@@ -263,7 +289,7 @@ def test_cli_fit_and_eval_print_the_certificate(tmp_path, capsys):
                      "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "certificate: Err_inf at lambda=20 on 1500 held-out samples" in text
-    assert "<- published" in text and "certified: bound" in text
+    assert "<- published" in text and "certified: yes (bound" in text
     assert cli_main(["eval", "--input", str(tmp_path / "eval.npz"), "--binmap", str(out)]) == 0
     text = capsys.readouterr().out
     assert "raw" in text and "precalibrator" in text and "corrected" in text
@@ -277,17 +303,53 @@ def test_cli_fit_and_eval_print_the_certificate(tmp_path, capsys):
 def test_sample_too_small_to_certify_gets_temperature_scaling_on_all_of_it():
     from lpcal.certificate import NO_HOLDOUT, min_certifiable_holdout
 
-    need = min_certifiable_holdout(0.05, math.inf, 0.1)
-    assert need == 120  # the unobserved-level-set term alone: t(119) > 0.05 >= t(120)
+    need = min_certifiable_holdout(0.05, math.inf, 0.1, 4, candidates=2)
+    # the bound on zero residuals: above eps one sample below `need`, at most eps at `need`
+    from lpcal.certificate import _empty_margin
+    assert _empty_margin(need - 1, math.inf, 0.05, 4) > 0.05 >= _empty_margin(need, math.inf,
+                                                                               0.05, 4)
+    assert min_certifiable_holdout(0.05, math.inf, 0.1) <= need  # k = 2, one candidate
     f, _, y = _tempered(int(need / 0.3) - 10, 4, 2.0, seed=9)  # 30% is just below `need`
     bm = fit(f, y, eps=0.05, p=math.inf)
     cert = Certificate.from_dict(bm.certificate)
     assert cert.method == NO_HOLDOUT and not cert.certified and cert.bound == math.inf
     assert bm.n_bins == 0 and bm.temperature == pytest.approx(fit_temperature(f, y), rel=0.05)
     np.testing.assert_allclose(bm.apply(f), apply_temperature(f, bm.temperature), atol=1e-12)
-    assert "NOT certified" in cert.format()
+    assert "certified: no" in cert.format()
     assert BinMap.from_json(bm.to_json()).certificate == bm.certificate
     # an explicit share is respected: held out and evaluated, just not certifiable
     bm = fit(f, y, eps=0.05, p=math.inf, holdout_fraction=0.3)
     assert bm.certificate["n_holdout"] == round(len(y) * 0.3)
     assert not bm.certificate["certified"]
+
+
+# ----------------------------------------------------------------------------- eps = "auto"
+
+
+def test_eps_auto_is_certifiable_and_never_reads_the_held_out_share(capsys, tmp_path):
+    from lpcal.calibrate import AUTO_EPS_GRID, auto_eps
+    from lpcal.spec import FitSpec
+
+    f, _, y = _tempered(5000, 4, 2.5, seed=11)
+    bm = fit(f, y, eps="auto", p=math.inf)
+    assert bm.eps in AUTO_EPS_GRID and bm.certificate["eps"] == bm.eps
+    assert bm.certificate["certified"]
+    # a smaller grid value would not have met the margin on the fitting share
+    i = AUTO_EPS_GRID.index(bm.eps)
+    assert i > 0 and auto_eps(f, y, FitSpec(eps="auto", p=math.inf)) == bm.eps
+    # the held-out share (the first 30% of the seeded permutation) does not move it
+    hold = np.random.default_rng(0).permutation(len(y))[:1500]
+    y2 = y.copy()
+    y2[hold] = (y2[hold] + 1) % 4
+    assert auto_eps(f, y2, FitSpec(eps="auto", p=math.inf)) == bm.eps
+    with pytest.raises(InputError, match="'auto'"):
+        FitSpec(eps="small", p=math.inf)
+    with pytest.raises(InputError, match="resolves it"):
+        _ = FitSpec(eps="auto", p=math.inf).lam
+    with pytest.raises(InputError, match="held-out share"):
+        fit(f, y, eps="auto", p=math.inf, holdout_fraction=0.0)
+    save_npz(tmp_path / "fit.npz", f, y)
+    assert cli_main(["fit", "--input", str(tmp_path / "fit.npz"), "--eps", "auto", "--p",
+                     "inf", "--out", str(tmp_path / "bm.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"eps auto: {bm.eps:g}" in out and "mode=certified" in out and "certified: yes" in out

@@ -72,6 +72,7 @@ EXPECTED = {
     "lpcal_certificate_bound": ("gauge", ("model",)),
     "lpcal_certificate_estimate": ("gauge", ("model", "candidate")),
     "lpcal_certificate_target": ("gauge", ("model",)),
+    "lpcal_certificate_vacuous": ("gauge", ("model",)),
     "lpcal_calibration_error": ("gauge", ("model", "predictor")),
     "lpcal_top_label_ece": ("gauge", ("model", "predictor")),
     "lpcal_brier_score": ("gauge", ("model", "predictor")),
@@ -205,6 +206,10 @@ def test_helpers_set_the_right_samples(dm: DaemonMetrics, registry):
     assert g("lpcal_pool_samples", model="fraud-v3", pool="hold") == 30
     assert g("lpcal_certificate_bound", model="fraud-v3") == 0.07
     assert g("lpcal_certificate_target", model="fraud-v3") == 0.05
+    assert g("lpcal_certificate_vacuous", model="fraud-v3") == 0  # raw bound 0.26 > eps
+    dm.set_certificate("fraud-v3", {**CERTIFICATE, "vacuous": True})
+    assert g("lpcal_certificate_vacuous", model="fraud-v3") == 1
+    dm.set_certificate("fraud-v3", CERTIFICATE)
     assert g("lpcal_certificate_estimate", model="fraud-v3", candidate="raw") == 0.21
     assert g("lpcal_certificate_estimate", model="fraud-v3", candidate="corrected") == 0.05
     assert g("lpcal_calibrations_total", model="fraud-v3", trigger="pools_full") == 1
@@ -331,6 +336,7 @@ def test_certificate_gauges_follow_the_latest_bin_map(dm, registry):
     text = dm.exposition().decode()
     assert 'lpcal_certificate_bound{model="m"}' not in text
     assert 'lpcal_certificate_estimate{' not in text and "lpcal_certificate_target{" not in text
+    assert "lpcal_certificate_vacuous{" not in text
     with pytest.raises(InputError, match="is not one of"):
         dm.set_certificate("m", {**CERTIFICATE, "estimates": {
             **CERTIFICATE["estimates"], "smoothed": {"err_p": 0.1, "bound": 0.2, "brier": 0.3}}})

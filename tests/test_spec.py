@@ -11,9 +11,9 @@ from lpcal.spec import FitSpec, Mode, Outside, Prescale, SizingRule, Variant
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"eps": 0.0}, "eps must be a number in (0, 1), got 0.0"),
+    ({"eps": 0.0}, "eps must be a number in (0, 1) or 'auto', got 0.0"),
     ({"eps": 1.5}, "eps must be a number in (0, 1)"),
-    ({"eps": True}, "eps must be a number in (0, 1), got True"),
+    ({"eps": True}, "eps must be a number in (0, 1) or 'auto', got True"),
     ({"p": 0.5}, "p must be a number >= 1 or inf"),
     ({"p": -math.inf}, "p must be a number >= 1 or inf"),
     ({"p": "inf"}, "p must be a number >= 1 or inf, got 'inf'"),

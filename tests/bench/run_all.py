@@ -8,7 +8,9 @@
 Benchmarks: ``fit`` (fit time from raw arrays and from pools), ``apply`` (apply throughput),
 ``quality`` (CIFAR records), ``variants`` (split vs shared pools, theory vs practical sizing),
 ``directions`` (issue 10's directions b and d against the default), ``scale`` (1 replica
-against 2, failover with a 10,000-model state topic).
+against 2, failover with a 10,000-model state topic), ``certificate`` (coverage, tightness and
+certification rate of the held-out bound on truth-known families, the selection rule, its cost),
+``eps`` (Err_p against top-label ECE on the CIFAR records: what eps means, per k).
 Every timing is a ratio against a baseline measured in the same process (see
 :mod:`tests.bench.common`).
 """
@@ -28,7 +30,9 @@ import numpy as np
 
 from tests.bench import (
     bench_apply,
+    bench_certificate,
     bench_directions,
+    bench_eps,
     bench_fit,
     bench_ingest,
     bench_quality,
@@ -64,6 +68,8 @@ BENCHMARKS = {
     "ingest": _MarkdownBench(bench_ingest, "ingest"),
     "directions": bench_directions,
     "scale": bench_scale,
+    "certificate": bench_certificate,
+    "eps": bench_eps,
 }
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
