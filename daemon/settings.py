@@ -75,6 +75,7 @@ from pydantic_settings import (
 from pydantic_settings.exceptions import SettingsError as SourceError
 
 from lpcal.calibrate import MODE_DEFAULTS
+from lpcal.spec import parse_p
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
@@ -114,21 +115,17 @@ class SettingsError(ValueError):
 # --------------------------------------------------------------------------- field types
 
 
-def _parse_float(v: Any) -> Any:
-    """Accept ``"inf"``, ``"Infinity"``, ``"+inf"`` (any case) for infinite floats."""
-    if isinstance(v, str):
-        s = v.strip().lower()
-        if s in ("inf", "+inf", "infinity", "+infinity"):
-            return math.inf
-    return v
-
-
 def _upper(v: Any) -> Any:
     return v.strip().upper() if isinstance(v, str) else v
 
 
 Prob = Annotated[float, Field(gt=0.0, lt=1.0)]
-PNorm = Annotated[float, BeforeValidator(_parse_float), Field(gt=1.0)]
+def _p_norm(v: Any) -> float:
+    """The ``p`` of ``Err_p``: :func:`lpcal.spec.parse_p`, the domain the library and CLI use."""
+    return parse_p(v)
+
+
+PNorm = Annotated[float, BeforeValidator(_p_norm)]
 PosInt = Annotated[int, Field(gt=0)]
 PosFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
