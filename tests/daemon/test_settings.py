@@ -347,7 +347,7 @@ def test_toml_typos_get_a_did_you_mean(isolated):
 def test_keygen_directory_is_a_secrets_dir(isolated):
     from lpcal.signing import PRIVATE_KEY_FILE, keygen
 
-    private, public, kid = keygen(isolated / "keys")
+    private, _, kid = keygen(isolated / "keys")
     assert private.name == PRIVATE_KEY_FILE == "signing__private_key"
     signer = load_settings(secrets_dir=isolated / "keys").signing.signer()
     assert signer is not None and signer.key_id == kid
