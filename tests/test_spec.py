@@ -115,3 +115,29 @@ def test_p_domain_is_defined_once(tmp_path):
         settings.load_settings(toml, secrets_dir=tmp_path)
     toml.write_text('[defaults]\np = "Infinity"\n')
     assert settings.load_settings(toml, secrets_dir=tmp_path).defaults.p == math.inf
+
+
+def test_library_messages_print_numpy_scalars_as_plain_numbers():
+    from lpcal import metrics
+    from lpcal.binmap import BinMap
+    from lpcal.errors import shown
+    from lpcal.levels import beta_for
+
+    assert shown(np.float64(1.1)) == "1.1" and shown(np.int64(3)) == "3" and shown("x") == "'x'"
+    probs = np.full((4, 2), 0.5)
+    labels = np.array([0, 1, 0, 1])
+    cases = [
+        (lambda: beta_for(np.float64(1.5), 2.0), "eps must lie in (0, 1), got 1.5"),
+        (lambda: metrics.err_p(probs, labels, np.int64(0), 2.0),
+         "lambda must be a positive integer, got 0"),
+        (lambda: metrics.err_p(probs, labels, 10, np.float64(0.5)), "got 0.5"),
+        (lambda: fit(probs, labels, eps=0.1, p=2, delta=np.float64(2.0)), "got 2.0"),
+    ]
+    bm = BinMap.from_json(fit(np.tile(probs, (500, 1)), np.tile(labels, 500), eps=0.2,
+                              p=math.inf, mode="paper").to_json())
+    cases.append((lambda: bm.apply(np.array([[0.5, 0.7], [0.5, 0.5]])),
+                  "not a probability vector (sum 1.2, min 0.5)"))
+    for call, message in cases:
+        with pytest.raises(InputError) as e:
+            call()
+        assert message in str(e.value) and "np." not in str(e.value), str(e.value)
