@@ -162,12 +162,9 @@ _INPUT_HELP = ("labelled predictions: .npz with arrays 'probs' (float, shape (n,
 
 
 def cmd_keygen(a) -> int:
-    from lpcal.signing import keygen, next_steps
+    from lpcal.signing import main as keygen_main
 
-    kp, pp, kid = keygen(a.dir)
-    print(f"wrote {kp} (private key, mode 0600) and {pp} (public key); key id {kid}")
-    print(next_steps(kp, pp))
-    return 0
+    return keygen_main([a.dir], prog="lpcal keygen")
 
 
 def build_parser(commands: Commands | None = None) -> argparse.ArgumentParser:

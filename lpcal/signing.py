@@ -251,8 +251,11 @@ def keygen(directory: str | os.PathLike) -> tuple[Path, Path, str]:
     kp, pp = d / PRIVATE_KEY_FILE, d / PUBLIC_KEY_FILE
     present = [str(f) for f in (kp, pp) if f.exists() or f.is_symlink()]
     if present:
-        raise ArtifactError(f"{' and '.join(present)} already exist(s): keys are never "
-                            "overwritten; move them away or choose another directory")
+        raise ArtifactError(f"{' and '.join(present)} already exist{'s' * (len(present) == 1)}"
+                            ": keys are never overwritten; move them away or choose another "
+                            "directory")
+    if not d.parent.is_dir():
+        raise ArtifactError(f"{d}: directory {str(d.parent)!r} does not exist (create it first)")
     priv, pub = generate_keypair()
     written: list[Path] = []
     try:
@@ -271,6 +274,7 @@ def keygen(directory: str | os.PathLike) -> tuple[Path, Path, str]:
 
 def next_steps(private: Path, public: Path) -> str:
     """What to do with the files :func:`keygen` wrote (printed by ``lpcal keygen``)."""
+    private, public = private.absolute(), public.absolute()
     return (
         "next steps:\n"
         f"  1. daemon: make {private.parent} its secrets directory (LPCAL_SECRETS_DIR="
