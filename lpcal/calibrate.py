@@ -209,9 +209,7 @@ def seen_classes(pools: PoolSet) -> np.ndarray:
     """Boolean mask of the classes with at least one label in the fit pools (held-out excluded)."""
     seen = np.zeros(pools.layout.k, dtype=bool)
     for table in pools.tables.values():
-        h, _ = table.bin_mass()
-        if h.size:
-            seen |= table.label_counts(h).sum(axis=0) > 0
+        seen |= table.class_counts() > 0
     return seen
 
 
