@@ -303,11 +303,18 @@ def _halves(seed):
     return probs[a], labels[a], probs[b], labels[b]
 
 
-def test_paper_map_never_outputs_zero_for_a_seen_class_on_a_real_network():
+@pytest.mark.parametrize("options", [
+    {"mode": "paper"},
+    # certified mode without the pre-calibrator: the corrected map is certified and published
+    {"mode": "certified", "prescale": "none", "outside": "rho"},
+])
+def test_map_never_outputs_zero_for_a_seen_class_on_a_real_network(options):
     # the network outputs exactly 1.0 (float32) for some images: bins outside B whose rho is
-    # one-hot, and the kernel's projection sets classes to 0 inside B
+    # one-hot, and the kernel's projection sets classes to 0 inside B; without the floor one
+    # evaluation image of its true class gets probability 0 (NLL infinite)
     x, y, xt, yt = _halves(1)
-    bm = fit(x, y, eps=0.02, p=math.inf, mode="paper", seed=1)
+    bm = fit(x, y, eps=0.02, p=math.inf, seed=1, **options)
+    assert bm.certificate is None or bm.certificate["selected"] == "corrected"
     h = bm.apply(xt)
     seen = np.unique(y)
     assert seen.size == 10 and (h[:, seen] > 0).all()
