@@ -232,6 +232,8 @@ class BinMap:
         ``dict`` built when the map was loaded; it returns the batch path's values (rows in
         ``B`` exactly their group's prediction, other rows up to the rounding of a row sum,
         about 1e-16). If a row fails the check, ``out`` may already hold earlier rows' results.
+        Last, a map with a ``floor`` lifts every output row with an exact 0 on one of its
+        classes (one reduction over the output; the module docstring).
         """
         u = np.asarray(probs, dtype=np.float64)
         k = self.k
@@ -245,8 +247,9 @@ class BinMap:
             self._plan.apply_row(u[0], o[0], check, inplace)
         elif u.shape[0]:
             self._plan.apply_rows(u, o, check, inplace)
-        if self._floor is not None:
-            lift_zeros(o, self._floor[0], self._floor[1], out=o)
+        if self._floor is not None and o.size and (
+                min(o.ravel().tolist()) if o.size <= 32 else o.min()) <= 0:
+            lift_zeros(o, self._floor[0], self._floor[1], out=o)  # rare: an output with a 0
         return o
 
     __call__ = apply
