@@ -63,8 +63,11 @@ def lift_zeros(v: np.ndarray, classes: np.ndarray, eta: float, *,
     rows = x[None, :] if x.ndim == 1 else x  # views: writes land in x
     if rows.min() > 0.0:  # the usual case, one pass without temporaries
         return x
-    sub = rows if m == rows.shape[1] else rows[:, mask]
-    low = np.flatnonzero(sub.min(axis=1) <= 0.0)
+    k = rows.shape[1]
+    flat = np.flatnonzero(rows.ravel() <= 0.0)  # zeros are few: index them, not every row
+    if m < k:
+        flat = flat[mask[flat % k]]
+    low = np.unique(flat // k)
     if low.size:
         rows[low] *= 1.0 - m * eta
         rows[np.ix_(low, np.flatnonzero(mask))] += eta
