@@ -7,10 +7,10 @@ It runs the commands of the daemon and its tools, each importing its modules onl
 * ``lpcal broker``: the embedded Kafka broker for development, in the foreground
   (:mod:`daemon.tools.embedded_broker`; the ``broker`` extra).
 
-Every other command (``fit``, ``apply``, ``eval``, ``--help``) goes to :func:`lpcal.cli.main`, the
-library's command line, which imports nothing from ``daemon``. A missing extra is a one-line
-error naming it (exit 2), as is every invalid setting and a broker that does not fit the settings
-(an idempotent producer refused, missing topics).
+Every other command (``fit``, ``apply``, ``eval``, ``keygen``, ``--help``) goes to
+:func:`lpcal.cli.main`, the library's command line, which imports nothing from ``daemon``. A
+missing extra is a one-line error naming it (exit 2), as is every invalid setting and a broker
+that does not fit the settings (an idempotent producer refused, missing topics).
 
 ``python -m daemon.cli ARGS`` is the same as ``lpcal ARGS``.
 """

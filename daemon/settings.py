@@ -75,6 +75,7 @@ from pydantic_settings import (
 from pydantic_settings.exceptions import SettingsError as SourceError
 
 from lpcal.calibrate import MODE_DEFAULTS
+from lpcal.spec import parse_p
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
@@ -114,21 +115,17 @@ class SettingsError(ValueError):
 # --------------------------------------------------------------------------- field types
 
 
-def _parse_float(v: Any) -> Any:
-    """Accept ``"inf"``, ``"Infinity"``, ``"+inf"`` (any case) for infinite floats."""
-    if isinstance(v, str):
-        s = v.strip().lower()
-        if s in ("inf", "+inf", "infinity", "+infinity"):
-            return math.inf
-    return v
-
-
 def _upper(v: Any) -> Any:
     return v.strip().upper() if isinstance(v, str) else v
 
 
 Prob = Annotated[float, Field(gt=0.0, lt=1.0)]
-PNorm = Annotated[float, BeforeValidator(_parse_float), Field(gt=1.0)]
+def _p_norm(v: Any) -> float:
+    """The ``p`` of ``Err_p``: :func:`lpcal.spec.parse_p`, the domain the library and CLI use."""
+    return parse_p(v)
+
+
+PNorm = Annotated[float, BeforeValidator(_p_norm)]
 PosInt = Annotated[int, Field(gt=0)]
 PosFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
@@ -750,8 +747,28 @@ def _format_errors(e: ValidationError) -> list[tuple[str, str]]:
                 else:
                     items.append((loc or "<settings>", part))
             continue
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown setting{_did_you_mean(err['loc'])}"
         items.append((loc or "<settings>", msg))
     return items
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """``"; did you mean 'x'?"`` for an unknown key at ``loc`` (a typo of a setting of the same
+    section, by :func:`difflib.get_close_matches`), else ``""``."""
+    cls: Any = Settings
+    parts = list(loc)
+    while len(parts) > 1 and cls is not None:
+        field = cls.model_fields.get(str(parts.pop(0))) if hasattr(cls, "model_fields") else None
+        ann = None if field is None else field.annotation
+        if typing.get_origin(ann) is dict:  # models."<name>": the next part is the name
+            parts.pop(0)
+            ann = typing.get_args(ann)[1]
+        cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    if cls is None or len(parts) != 1:
+        return ""
+    close = get_close_matches(str(parts[0]), sorted(cls.model_fields), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def load_settings(path: str | os.PathLike | None = None, *,
@@ -800,7 +817,7 @@ def unknown_env(environ: typing.Mapping[str, str] | None = None) -> list[str]:
     that name no setting: neither ``LPCAL_<FIELD>`` of a top-level setting nor
     ``LPCAL_<SECTION>__<KEY>...`` of a section (or of ``models``), nor one of
     :data:`PROCESS_ENV`. Unknown keys inside a known section are left to validation, which
-    names them (``kafka.bootstrap: Extra inputs are not permitted``)."""
+    names them (``kafka.bootstrap: unknown setting; did you mean 'bootstrap_servers'?``)."""
     env = os.environ if environ is None else environ
     fields, nested = set(Settings.model_fields), _nested_fields()
     out = []

@@ -15,12 +15,18 @@ JSON layout (schema 2; orjson; UTF-8)::
      "certificate": null | {"method", "eps", "p", "lam", "delta", "n_holdout",
                             "estimates": {candidate: {"err_p", "bound", "brier"}},
                             "selected", "certified"},
+     "floor": {"eta", "classes"} (absent in maps of lpcal versions without the floor),
      "signature": {"alg": "ed25519", "key_id", "sig"} (only in signed maps),
      "checksum": "sha256:<hex>"}
 
 Schema 1 (lpcal 0.1) had neither ``mode`` nor ``certificate``; it is still read (as
 ``mode = "paper"`` without a certificate). A map whose certificate selected the pre-calibrator
 alone has no bins (``B`` empty, ``outside = "identity"``): it is temperature scaling, certified.
+
+``floor`` is the probability floor (:func:`lpcal.calibrate.probability_floor`): every output row
+with an exact 0 on one of ``classes`` (the classes seen in the fit sample) is mixed with ``eta``
+on each of them, so the map never outputs 0 for a class that has occurred. Readers that do not
+know the field (older lpcal) load the map and apply it without the floor.
 
 Predictions are stored sparsely: every coordinate equals ``d`` except those listed. The checksum
 is the sha256 of the canonical JSON (sorted keys) of every other field, so any corruption,
@@ -50,7 +56,7 @@ import orjson
 from lpcal.errors import ArtifactError, InputError
 from lpcal.kernels import ApplyPlan, scale_temperature  # noqa: F401 (re-exported)
 from lpcal.levels import BinIndex, decode_keys
-from lpcal.signing import KeyRing, canonical
+from lpcal.simplex import lift_zeros
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
@@ -136,6 +142,7 @@ class BinMap:
     preds: np.ndarray  # (|G|, k) float
     mode: str = "paper"
     certificate: dict | None = None  # lpcal.certificate.Certificate.to_dict()
+    floor: dict | None = None  # {"eta", "classes"}: the probability floor (lpcal.calibrate)
     bin_rows: dataclasses.InitVar[np.ndarray | None] = None  # rows of ``bins``, if known
 
     def __post_init__(self, bin_rows: np.ndarray | None):
@@ -154,6 +161,7 @@ class BinMap:
                 Certificate.from_dict(self.certificate)
             except InputError as e:
                 raise ArtifactError(str(e)) from None
+        object.__setattr__(self, "_floor", _floor_mask(self.floor, self.k))
         # callers that built ``bins`` from their rows (fit_pools) pass them, saving the parse
         rows = decode_keys(self.bins, self.k, self.lam) if bin_rows is None else bin_rows
         object.__setattr__(self, "_index", BinIndex(rows))
@@ -224,6 +232,8 @@ class BinMap:
         ``dict`` built when the map was loaded; it returns the batch path's values (rows in
         ``B`` exactly their group's prediction, other rows up to the rounding of a row sum,
         about 1e-16). If a row fails the check, ``out`` may already hold earlier rows' results.
+        Last, a map with a ``floor`` lifts every output row with an exact 0 on one of its
+        classes (one reduction over the output; the module docstring).
         """
         u = np.asarray(probs, dtype=np.float64)
         k = self.k
@@ -237,6 +247,9 @@ class BinMap:
             self._plan.apply_row(u[0], o[0], check, inplace)
         elif u.shape[0]:
             self._plan.apply_rows(u, o, check, inplace)
+        if self._floor is not None and o.size and (
+                min(o.ravel().tolist()) if o.size <= 32 else o.min()) <= 0:
+            lift_zeros(o, self._floor[0], self._floor[1], out=o)  # rare: an output with a 0
         return o
 
     __call__ = apply
@@ -272,14 +285,18 @@ class BinMap:
             "preds": [_encode_pred(r) for r in self.preds],
             "mode": self.mode,
             "certificate": self.certificate,
-        }
+        } | ({} if self.floor is None else {"floor": self.floor})
 
     @staticmethod
     def _digest(content: dict) -> str:
+        from lpcal.signing import canonical  # lazily: ``import lpcal`` loads no cryptography
+
         return "sha256:" + hashlib.sha256(canonical(content)).hexdigest()
 
     def to_json(self, *, signer: Any = None) -> bytes:
         """The artifact; with ``signer`` (an :class:`lpcal.signing.Signer`) a signed one."""
+        from lpcal.signing import canonical
+
         content = self._content()
         if signer is not None:
             content["signature"] = signer.sign(canonical(content))
@@ -298,6 +315,12 @@ class BinMap:
         """Key id whose signature was verified when this map was loaded (``from_json`` with
         ``public_keys``), else None."""
         return self.__dict__.get("_verified_by")
+
+    @property
+    def signature_key_id(self) -> str | None:
+        """Key id named by the signature of the artifact this map was loaded from (None if it
+        was unsigned or not loaded); verified only if :attr:`verified_by` is set too."""
+        return self.__dict__.get("_signature_key_id")
 
     @classmethod
     def from_json(cls, data: bytes | str, *, where: str = "bin map",
@@ -328,6 +351,8 @@ class BinMap:
         if cls._digest(obj) != checksum:
             raise ArtifactError(f"{where}: checksum mismatch (artifact corrupt or tampered)")
         signature = obj.pop("signature", None)
+        from lpcal.signing import KeyRing, canonical
+
         ring = KeyRing.of(public_keys)
         verified_by = None if ring is None else ring.verify(canonical(obj), signature, where)
         version = _check_version(obj.get("version"), where)
@@ -348,6 +373,7 @@ class BinMap:
                 mode=str(obj["mode"]) if schema >= 2 else "paper",
                 certificate=None if schema < 2 or obj["certificate"] is None
                 else dict(obj["certificate"]),
+                floor=None if obj.get("floor") is None else dict(obj["floor"]),
             )
         except KeyError as e:
             raise ArtifactError(f"{where}: missing field {e}") from None
@@ -359,6 +385,8 @@ class BinMap:
             raise ArtifactError(f"{where}: n_bins/n_groups disagree with the stored bins")
         object.__setattr__(bm, "_artifact_checksum", checksum)
         object.__setattr__(bm, "_verified_by", verified_by)
+        object.__setattr__(bm, "_signature_key_id", None if not isinstance(signature, dict)
+                           else str(signature.get("key_id")))
         return bm
 
     def summary(self) -> dict:
@@ -369,8 +397,26 @@ class BinMap:
             "iterations": self.iterations, "stop_reason": self.stop_reason,
             "temperature": self.temperature, "outside": self.outside,
             "est_error": self.est_error, "sizing_mode": self.sizing.get("mode"),
-            "mode": self.mode, "certificate": self.certificate,
+            "mode": self.mode, "certificate": self.certificate, "floor": self.floor,
         }
+
+
+def _floor_mask(floor: Any, k: int) -> tuple[np.ndarray, float] | None:
+    """``(class mask, eta)`` of a map's ``floor`` field, checked; None without one."""
+    if floor is None:
+        return None
+    try:
+        eta = float(floor["eta"])
+        classes = np.asarray(floor["classes"], dtype=np.int64)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ArtifactError(f"floor is malformed ({e})") from None
+    mask = np.zeros(k, dtype=bool)
+    if classes.ndim != 1 or (classes.size and (classes.min() < 0 or classes.max() >= k)):
+        raise ArtifactError(f"floor: classes must be indices in [0, {k})")
+    mask[classes] = True
+    if not (math.isfinite(eta) and 0.0 <= eta * mask.sum() < 1.0):
+        raise ArtifactError(f"floor: eta = {eta} does not fit {int(mask.sum())} classes")
+    return mask, eta
 
 
 def _out_buffer(u: np.ndarray, out) -> tuple[np.ndarray, bool]:

@@ -29,7 +29,13 @@ Two modes (``mode=``), one switch apart:
 
 ``"paper"``
     Algorithm 2 as in the paper: no pre-calibration, ``rho(R(f))`` outside ``B``, no held-out
-    share (``holdout_fraction`` may still be set to certify the map).
+    share (``holdout_fraction`` may still be set to certify the map). One deviation, in both
+    modes: the probability floor (:func:`probability_floor`). The paper's projection onto the
+    simplex, and ``rho`` of a bin whose coordinates sum to ``lambda``, can give a class exactly
+    0, which makes the log-loss of any sample of that class infinite; a map's output with an
+    exact 0 on a class seen in the fit pools is lifted to at least ``FLOOR_SHARE * eps / m`` on
+    each of them (``m`` such classes), which moves ``Err_p`` by at most
+    ``2 FLOOR_SHARE eps = eps / 50``.
 
 ``fit_pools`` is the functional kernel the daemon uses: it takes a filled :class:`PoolSet` and
 returns a :class:`BinMap`:
@@ -39,7 +45,8 @@ returns a :class:`BinMap`:
    by canonical bin key (deterministic and independent of hashing);
 3. per level ``i``, the counts of pools ``P{i}``/``E{i}`` (or ``PE{i}``) restricted to ``B``;
 4. the iterative phase (:func:`lpcal.algorithm.run_kernel`);
-5. ``h`` = group prediction on ``B``, fallback ``rho(R(g))`` (or ``g``) outside ``B``;
+5. ``h`` = group prediction on ``B``, fallback ``rho(R(g))`` (or ``g``) outside ``B``, with the
+   probability floor (:func:`probability_floor`);
 6. with held-out sums in the pools: the certificate and the selection of step 4 above.
 
 ``fit`` splits one labelled sample with a seeded permutation: the held-out share first, then
@@ -65,11 +72,16 @@ from lpcal.io import validate_labels, validate_probs
 from lpcal.levels import beta_for, encode_keys, lambda_for, rho
 from lpcal.pools import PoolSet, tables_from_rows
 from lpcal.precalibrate import TemperatureGrid
+from lpcal.simplex import lift_zeros
 from lpcal.sizing import Sizing
 from lpcal.spec import MODE_DEFAULTS as SPEC_MODE_DEFAULTS
-from lpcal.spec import FitSpec, Mode, Outside, Prescale
+from lpcal.spec import FitSpec, Mode, Outside, Prescale, parse_p
 
 MODES = tuple(m.value for m in Mode)
+FLOOR_SHARE = 0.01
+"""Probability floor of published bin maps: a prediction with an exact 0 on a class seen in the
+fit pools gets ``eta = FLOOR_SHARE * eps / m`` on each of the ``m`` such classes (see
+:func:`probability_floor`); this moves ``Err_p`` by at most ``2 FLOOR_SHARE eps = eps / 50``."""
 _OUTSIDE = tuple(o.value for o in Outside)
 #: What each mode implies for the options left at None (plain strings; see lpcal.spec).
 MODE_DEFAULTS = {m.value: {k: getattr(v, "value", v) for k, v in d.items()}
@@ -132,8 +144,8 @@ def fit_pools(
         and the map applies that temperature first; if ``pools.holdout`` holds samples, the map
         carries a :class:`lpcal.certificate.Certificate`.
     eps, p, delta : float
-        Target ``Err_p <= eps`` (``p`` in ``[1, inf]``), failure probability ``delta`` (also the
-        certificate's level ``1 - delta``).
+        Target ``Err_p <= eps`` (``p`` > 1 or inf, :func:`lpcal.spec.parse_p`), failure
+        probability ``delta`` (also the certificate's level ``1 - delta``).
     mode : {"certified", "paper"}
         ``"certified"``: the pre-calibrator alone competes with the corrected map (module
         docstring). ``"paper"``: the corrected map is published (and certified if held-out sums
@@ -157,6 +169,7 @@ def fit_pools(
         raise InputError(f"mode must be one of {MODES}, got {mode!r}")
     if outside not in _OUTSIDE:
         raise InputError(f"outside must be one of {_OUTSIDE}, got {outside!r}")
+    p = parse_p(p)
     beta = beta_for(eps, p)
     lam = lambda_for(beta)
     lay = pools.layout
@@ -173,9 +186,12 @@ def fit_pools(
         "pools": dict(lay.targets), "holdout": lay.holdout, "warmup": lay.warmup,
         "total": lay.total_target, "noise_scales": {}, "warnings": []}
     sizing_info["filled"] = {n: c for n, (c, _) in pools.fill().items()}
-    bins, group, preds, rows = tuple(keys), res.group_of_bin, res.preds, cB
+    floor = probability_floor(pools, eps)
+    preds = res.preds if floor is None else lift_zeros(res.preds, _mask(floor, lay.k),
+                                                         floor["eta"])
+    bins, group, rows = tuple(keys), res.group_of_bin, cB
     cert = _certify(pools, hB, preds[group] if len(keys) else preds, eps=eps, p=p, lam=lam,
-                    delta=delta, mode=mode, outside=outside)
+                    delta=delta, mode=mode, outside=outside, floor=floor)
     if cert is not None and cert.selected == "precalibrator":
         bins, group, preds, rows = (), np.zeros(0, np.int64), np.zeros((0, lay.k)), None
         outside = "identity"
@@ -188,12 +204,50 @@ def fit_pools(
                    "iterations_run": res.iterations_run, "merges": res.n_merges,
                    "mass_outside_B": _mass_outside(pools, hB)},
         bins=bins, group=group, preds=preds, bin_rows=rows, mode=mode,
-        certificate=None if cert is None else cert.to_dict(),
+        certificate=None if cert is None else cert.to_dict(), floor=floor,
     )
 
 
+def seen_classes(pools: PoolSet) -> np.ndarray:
+    """Boolean mask of the classes with at least one label in the fit pools (held-out excluded)."""
+    seen = np.zeros(pools.layout.k, dtype=bool)
+    for table in pools.tables.values():
+        seen |= table.class_counts() > 0
+    return seen
+
+
+def probability_floor(pools: PoolSet, eps: float) -> dict | None:
+    """The probability floor a bin map fitted on ``pools`` carries: ``{"eta", "classes"}``, or
+    None when no class was seen.
+
+    Algorithm 2's projection onto the simplex sets coordinates to exactly 0, and so does
+    ``rho`` for a bin whose coordinates sum to ``lambda`` (a network's float32 output of exactly
+    1.0 falls there); a published 0 for a class that does occur makes the log-loss of such a
+    sample infinite. So every output of the map, group prediction or fallback, with an exact 0
+    on a class seen in the fit pools (``m`` classes, ``classes``) is mixed with the uniform
+    vector on them, ``(1 - m eta) u + eta 1`` with ``eta = FLOOR_SHARE * eps / m``
+    (:func:`lpcal.simplex.lift_zeros`); other outputs are unchanged. A prediction moves by at
+    most ``2 m eta = 2 FLOOR_SHARE eps`` in l1, so the error of each level set,
+    ``|E[(h_j - y_j) 1{h in S}]|``, moves by at most ``P(S) 2 FLOOR_SHARE eps``, and ``Err_p``
+    by at most ``2 FLOOR_SHARE eps`` for every ``p``. The group predictions are floored before
+    the held-out certificate is computed, which therefore covers the published map.
+    """
+    seen = seen_classes(pools)
+    if not seen.any():
+        return None
+    return {"eta": FLOOR_SHARE * float(eps) / int(seen.sum()),
+            "classes": np.flatnonzero(seen).tolist()}
+
+
+def _mask(floor: dict, k: int) -> np.ndarray:
+    mask = np.zeros(k, dtype=bool)
+    mask[floor["classes"]] = True
+    return mask
+
+
 def _certify(pools: PoolSet, hB: np.ndarray, bin_preds: np.ndarray, *, eps: float, p: float,
-             lam: int, delta: float, mode: str, outside: str) -> Certificate | None:
+             lam: int, delta: float, mode: str, outside: str,
+             floor: dict | None = None) -> Certificate | None:
     """The held-out certificate of the candidates (None without held-out samples)."""
     hold = pools.holdout
     if hold is None or hold.n == 0:
@@ -201,8 +255,10 @@ def _certify(pools: PoolSet, hB: np.ndarray, bin_preds: np.ndarray, *, eps: floa
     if outside == "rho":  # constant rho(v) on every held-out bin outside B
         out = ~np.isin(hold.hashes, hB)
         hashes = np.concatenate([hB, hold.hashes[out]])
-        consts = np.concatenate([bin_preds.reshape(-1, pools.layout.k),
-                                 rho(hold.rows[out], lam).astype(np.float64)])
+        fallback = rho(hold.rows[out], lam).astype(np.float64)
+        if floor is not None:  # as the map applies it
+            lift_zeros(fallback, _mask(floor, pools.layout.k), floor["eta"], out=fallback)
+        consts = np.concatenate([bin_preds.reshape(-1, pools.layout.k), fallback])
     else:
         hashes, consts = hB, bin_preds
     candidates = {"corrected": hold.cells(hashes, consts)}
@@ -407,6 +463,7 @@ def _precalibrator_only(x: np.ndarray, y: np.ndarray, *, eps: float, p: float, d
     lam = lambda_for(beta)
     k = x.shape[1]
     grid = TemperatureGrid().update(x, y)
+    seen = np.unique(y)
     cert = Certificate.without_holdout(eps=eps, p=p, lam=lam, delta=delta)
     return BinMap(
         model_id=model_id, version=1, created_at=utc_now(), eps=float(eps), p=float(p),
@@ -416,4 +473,5 @@ def _precalibrator_only(x: np.ndarray, y: np.ndarray, *, eps: float, p: float, d
                                                                    candidates=2)},
         iterations=0, stop_reason="not_run", est_error={}, bins=(),
         group=np.zeros(0, np.int64), preds=np.zeros((0, k)), mode="certified",
-        certificate=cert.to_dict())
+        certificate=cert.to_dict(), floor={"eta": FLOOR_SHARE * float(eps) / int(seen.size),
+                                           "classes": seen.tolist()})

@@ -1,4 +1,4 @@
-"""The ``lpcal`` command line: ``fit``, ``apply``, ``eval`` (library) and ``serve``,
+"""The ``lpcal`` command line: ``fit``, ``apply``, ``eval``, ``keygen`` (library) and ``serve``,
 ``simulate``, ``broker`` (the daemon and its tools).
 
 This module is the library's part and imports nothing from ``daemon``. The ``lpcal`` console
@@ -7,12 +7,13 @@ command to :func:`main` here, passing its commands in ``commands`` so that ``lpc
 lists them. Without them (``python -m lpcal.cli serve``) a daemon command exits 2 with a hint.
 
 Exit codes: 0 success, 2 bad input or arguments (the message says what and where), 1 other errors.
+Every output file is written by :func:`lpcal.io.write_output` (atomically, mode 0644 under the
+usual umask, no directory created).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -20,17 +21,26 @@ from pathlib import Path
 
 from lpcal.binmap import BinMap
 from lpcal.certificate import Certificate
-from lpcal.errors import LpcalError
-from lpcal.io import load_predictions, save_npz
+from lpcal.errors import InputError, LpcalError
+from lpcal.io import check_output_path, load_predictions, save_npz, write_output
+from lpcal.spec import P_DOMAIN, parse_p
 
 
 def _p(text: str) -> float:
-    if text.lower() in ("inf", "infinity"):
-        return math.inf
     try:
-        return float(text)
+        return parse_p(text)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _lam(text: str) -> int:
+    try:
+        lam = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"p must be a number > 1 or 'inf', got {text!r}") from None
+        lam = 0
+    if lam < 1:
+        raise argparse.ArgumentTypeError(f"lambda must be a positive integer, got {text!r}")
+    return lam
 
 
 def _eps(text: str) -> float | str:
@@ -77,17 +87,19 @@ def _read_binmap(path: str, public_keys: list[str] | None = None) -> BinMap:
     except ValueError as e:
         raise LpcalError(f"--public-key: {e}") from None
     bm = BinMap.from_json(data, where=str(p), public_keys=ring)
-    if ring is None:
-        print(f"lpcal: warning: {p} is not authenticated (no --public-key given)",
-              file=sys.stderr)
-    else:
+    if ring is not None:
         print(f"{p}: signed by key id {bm.verified_by}, verified")
+    elif bm.signature_key_id is not None:  # a key exists that could have been given
+        print(f"lpcal: warning: {p} is signed (key id {bm.signature_key_id}) but not "
+              f"authenticated: pass the daemon's public key with --public-key FILE",
+              file=sys.stderr)
     return bm
 
 
 def cmd_fit(a) -> int:
     from lpcal.calibrate import fit
 
+    check_output_path(a.out)
     probs, labels = load_predictions(a.input, logits=a.logits)
     prog = _Progress()
     t0 = time.time()
@@ -96,7 +108,7 @@ def cmd_fit(a) -> int:
              outside=a.outside, holdout_fraction=a.holdout_fraction, variant=a.variant,
              model_id=a.model_id, progress=prog)
     prog.done()
-    Path(a.out).write_bytes(bm.to_json())
+    write_output(a.out, bm.to_json())
     s = bm.summary()
     print(f"wrote {a.out}: mode={bm.mode}, |B| = {s['|B|']}, |G| = {s['|G|']}, "
           f"{s['iterations']} iterations ({s['stop_reason']}), lambda = {bm.lam}, "
@@ -110,6 +122,7 @@ def cmd_fit(a) -> int:
 
 
 def cmd_apply(a) -> int:
+    check_output_path(a.out)
     bm = _read_binmap(a.binmap, a.public_key)
     probs, _ = load_predictions(a.input, logits=a.logits, expected_k=bm.k, require_labels=False)
     out = bm.apply(probs)
@@ -124,7 +137,7 @@ def cmd_eval(a) -> int:
     bm = _read_binmap(a.binmap, a.public_key) if a.binmap else None
     probs, labels = load_predictions(a.input, logits=a.logits,
                                      expected_k=bm.k if bm else None)
-    lam = a.lam or (bm.lam if bm else 20)
+    lam = a.lam if a.lam is not None else (bm.lam if bm else 20)
     cols = {"raw": evaluate(probs, labels, lam)}
     curves = {"raw": (probs, labels)}
     if bm is not None:
@@ -153,23 +166,36 @@ DAEMON_COMMANDS = ("serve", "simulate", "broker")
 
 _PUBKEY_HELP = ("Ed25519 public key of the daemon (PEM, raw 32 bytes or base64); repeat for "
                 "several (key rotation). The bin map must be signed by one of them. Without "
-                "it the map is not authenticated (a warning is printed)")
+                "it the map is not authenticated (a signed map gets a warning)")
+_INPUT_HELP = ("labelled predictions: .npz with arrays 'probs' (float, shape (n, k), rows "
+               "summing to 1; or 'logits' with --logits) and 'labels' (int, shape (n,), "
+               "classes 0..k-1); the names 'predictions'/'ground_truth' are accepted too. Or "
+               ".csv with a header p0,...,p{k-1},label and one sample per line")
+
+
+def cmd_keygen(a) -> int:
+    from lpcal.signing import main as keygen_main
+
+    return keygen_main([a.dir], prog="lpcal keygen")
 
 
 def build_parser(commands: Commands | None = None) -> argparse.ArgumentParser:
     """The parser of the library's commands, plus ``commands`` (listed in ``--help``; each
     takes every argument after its name)."""
-    ap = argparse.ArgumentParser(prog="lpcal", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="lpcal", description="lpcal: calibrate multiclass predictions under lp error "
+        "(fit, apply and evaluate bin maps; run the calibration daemon)")
     sub = ap.add_subparsers(dest="command", required=True)
 
     f = sub.add_parser("fit", help="fit a bin map on labelled predictions (.npz or .csv)")
-    f.add_argument("--input", required=True)
+    f.add_argument("--input", required=True, metavar="FILE", help=_INPUT_HELP)
     f.add_argument("--eps", type=_eps, required=True,
-                   help="target Err_p, or 'auto': the smallest eps a model as good as "
-                        "temperature scaling certifies at this sample size (lpcal.calibrate."
-                        "auto_eps)")
-    f.add_argument("--p", type=_p, required=True, help="p > 1 or 'inf'")
-    f.add_argument("--delta", type=float, default=0.1)
+                   help="target lp calibration error Err_p, in (0, 1), e.g. 0.05; or 'auto': the "
+                        "smallest eps a model as good as temperature scaling certifies at this "
+                        "sample size")
+    f.add_argument("--p", type=_p, required=True, help=f"the p of Err_p: {P_DOMAIN} ('inf')")
+    f.add_argument("--delta", type=float, default=0.1,
+                   help="failure probability; the certificate's level is 1 - delta (default 0.1)")
     f.add_argument("--pool-size", type=int, default=None,
                    help="practical sizing: samples per pool (default: split the input evenly)")
     f.add_argument("--sizing", choices=["practical", "theory"], default="practical")
@@ -188,26 +214,37 @@ def build_parser(commands: Commands | None = None) -> argparse.ArgumentParser:
                    help="share held out for the certificate (default from --mode: 0.3 | 0)")
     f.add_argument("--model-id", default="model")
     f.add_argument("--logits", action="store_true", help="inputs are logits: softmax first")
-    f.add_argument("--out", required=True)
+    f.add_argument("--out", required=True, metavar="FILE",
+                   help="the bin map to write (JSON; its directory must exist)")
     f.set_defaults(run=cmd_fit)
 
     p = sub.add_parser("apply", help="apply a bin map; writes probs to an .npz")
-    p.add_argument("--binmap", required=True)
-    p.add_argument("--input", required=True)
-    p.add_argument("--logits", action="store_true")
-    p.add_argument("--out", required=True)
+    p.add_argument("--binmap", required=True, metavar="FILE", help="bin map (JSON) to apply")
+    p.add_argument("--input", required=True, metavar="FILE",
+                   help="predictions (.npz 'probs' (n, k) or .csv p0..p{k-1}; labels optional)")
+    p.add_argument("--logits", action="store_true", help="inputs are logits: softmax first")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="calibrated probabilities, .npz array 'probs' (its directory must exist)")
     p.add_argument("--public-key", action="append", metavar="FILE", help=_PUBKEY_HELP)
     p.set_defaults(run=cmd_apply)
 
     e = sub.add_parser("eval", help="calibration metrics, before/after a bin map")
-    e.add_argument("--input", required=True)
-    e.add_argument("--binmap")
-    e.add_argument("--lam", type=int, default=None,
+    e.add_argument("--input", required=True, metavar="FILE", help=_INPUT_HELP)
+    e.add_argument("--binmap", metavar="FILE", help="bin map (JSON) to evaluate")
+    e.add_argument("--lam", type=_lam, default=None,
                    help="lambda for Err_p (default: the bin map's, else 20)")
     e.add_argument("--logits", action="store_true")
     e.add_argument("--plot", metavar="PNG")
     e.add_argument("--public-key", action="append", metavar="FILE", help=_PUBKEY_HELP)
     e.set_defaults(run=cmd_eval)
+
+    k = sub.add_parser("keygen", help="write a key pair that signs the daemon's bin maps",
+                       description="Write a new Ed25519 key pair: DIR/signing__private_key "
+                       "(mode 0600; the file the daemon reads from its secrets directory) and "
+                       "DIR/binmap-signing.pub (for the clients), then print the next steps. "
+                       "Existing keys are never overwritten.")
+    k.add_argument("dir", metavar="DIR", help="directory for the two files (created if missing)")
+    k.set_defaults(run=cmd_keygen)
 
     for name, (help_, run) in (commands or {}).items():
         s = sub.add_parser(name, help=help_, add_help=False)

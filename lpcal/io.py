@@ -311,26 +311,75 @@ def _locate_csv_error(p: Path, body: list[str], header: list[str]) -> None:
 # ----------------------------------------------------------------------------- saving
 
 
-def _atomic_write(path: Path, write) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def _file_mode() -> int:
+    """The mode ``open()`` gives a new file: ``0o666`` less the process umask (read without
+    changing it for good: set and restored at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def check_output_path(path: str | os.PathLike) -> Path:
+    """``path`` as a :class:`~pathlib.Path` if a file can be written there: not a directory, in
+    an existing directory (checked before a long computation whose result goes there); else
+    :class:`InputError` naming it."""
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{p}: is a directory; give a file name")
+    if not p.parent.is_dir():
+        raise InputError(f"{p}: directory {str(p.parent)!r} does not exist (create it first)")
+    return p
+
+
+def write_output(path: str | os.PathLike, write: Callable | bytes) -> Path:
+    """Write an output file atomically; the one writer of every file lpcal's CLI produces.
+
+    ``write`` is the content (``bytes``) or a function that writes to a binary file object. The
+    content goes to a temporary file in the target's directory, which is then renamed over
+    ``path``, so readers never see a partial file. The file gets the mode of a file made by
+    ``open()`` (``0o666`` less the umask: ``0644`` under the usual ``022``). No directory is
+    created.
+
+    Raises
+    ------
+    InputError
+        One line naming ``path`` and the problem: its directory does not exist, ``path`` is a
+        directory, or the system refused to write (permission, read-only or special file system,
+        disk full). No temporary file is left behind.
+    """
+    p = check_output_path(path)
+    parent = p.parent
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{p.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as fh:
-            write(fh)
-        os.replace(tmp, path)
+            if isinstance(write, bytes | bytearray | memoryview):
+                fh.write(write)
+            else:
+                write(fh)
+            os.fchmod(fh.fileno(), _file_mode())
+        os.replace(tmp, p)
+    except OSError as e:
+        _discard(tmp)
+        raise InputError(f"{p}: cannot write ({e.strerror or e})") from None
     except BaseException:
+        _discard(tmp)
+        raise
+    return p
+
+
+def _discard(tmp: str | None) -> None:
+    if tmp is not None:
         try:
             os.unlink(tmp)
-        except FileNotFoundError:
+        except OSError:
             pass
-        raise
-    return path
 
 
 def save_npz(path: str | os.PathLike, probs, labels=None, *, tol: float = DEFAULT_TOL) -> Path:
     """Validate and write ``probs`` (and ``labels`` if given) to a compressed ``.npz``, atomically.
 
-    The arrays are stored under the keys ``probs`` (float64) and ``labels`` (int64), which
+    Written by :func:`write_output` (no directory is created; errors name the path). The arrays are stored under the keys ``probs`` (float64) and ``labels`` (int64), which
     :func:`load_predictions` reads back. Returns the path written (exactly ``path``).
     """
     p = Path(path)
@@ -338,7 +387,7 @@ def save_npz(path: str | os.PathLike, probs, labels=None, *, tol: float = DEFAUL
     arrays = {"probs": x}
     if labels is not None:
         arrays["labels"] = validate_labels(labels, x.shape[1], str(p), n=x.shape[0])
-    return _atomic_write(p, lambda fh: np.savez_compressed(fh, **arrays))
+    return write_output(p, lambda fh: np.savez_compressed(fh, **arrays))
 
 
 def save_csv(path: str | os.PathLike, probs, labels=None, *, tol: float = DEFAULT_TOL) -> Path:
@@ -354,7 +403,7 @@ def save_csv(path: str | os.PathLike, probs, labels=None, *, tol: float = DEFAUL
         cols.append("label")
         fmt.append("%d")
         data = np.column_stack([x, y.astype(np.float64)])
-    return _atomic_write(
+    return write_output(
         p,
         lambda fh: np.savetxt(fh, data, delimiter=",", fmt=fmt, header=",".join(cols), comments=""),
     )

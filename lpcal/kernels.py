@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lpcal.errors import InputError
+from lpcal.errors import InputError, shown
 from lpcal.levels import FLOOR_TOL, BinIndex, _combine, _weights, floor_into
 
 SUM_TOL = 1e-3
@@ -84,8 +84,8 @@ def check_rows(u: np.ndarray, s: np.ndarray, offset: int) -> None:
     bad = ~np.isfinite(s) | (np.abs(s - 1.0) > SUM_TOL) | (u.min(axis=1) < 0)
     if bad.any():
         r = int(np.flatnonzero(bad)[0])
-        raise InputError(f"row {offset + r}: not a probability vector (sum {s[r]!r}, "
-                         f"min {u[r].min()!r})")
+        raise InputError(f"row {offset + r}: not a probability vector (sum {shown(s[r])}, "
+                         f"min {shown(u[r].min())})")
 
 
 def scale_temperature(probs: np.ndarray, temperature: float) -> np.ndarray:

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from lpcal.errors import InputError
+from lpcal.errors import InputError, shown
 
 FLOOR_TOL = 1e-9
 _SNAP_REL = 1e-9
@@ -46,9 +46,11 @@ _HASH_SEED = 0x6C70_6361_6C21  # "lpcal!"
 def beta_for(eps: float, p: float) -> float:
     """Return ``beta = eps^(p/(p-1)) / 2^(1/(p-1))``, or ``eps`` for ``p = inf``."""
     if not (0.0 < eps < 1.0) or not math.isfinite(eps):
-        raise InputError(f"eps must lie in (0, 1), got {eps!r}")
-    if not (p > 1.0):
-        raise InputError(f"p must be > 1 (use math.inf for p = inf), got {p!r}")
+        raise InputError(f"eps must lie in (0, 1), got {shown(eps)}")
+    if not (isinstance(p, float | int) and p > 1.0):
+        from lpcal.spec import parse_p  # the one statement of p's domain (raises)
+
+        p = parse_p(p)
     if math.isinf(p):
         return float(eps)
     return float(eps ** (p / (p - 1.0)) / 2.0 ** (1.0 / (p - 1.0)))
@@ -57,7 +59,7 @@ def beta_for(eps: float, p: float) -> float:
 def lambda_for(beta: float) -> int:
     """Return ``ceil(1/beta)``, snapping ``1/beta`` to an integer within a relative 1e-9."""
     if not (0.0 < beta <= 1.0):
-        raise InputError(f"beta must lie in (0, 1], got {beta!r}")
+        raise InputError(f"beta must lie in (0, 1], got {shown(beta)}")
     x = 1.0 / beta
     r = round(x)
     lam = max(1, int(r)) if abs(x - r) <= _SNAP_REL * x else math.ceil(x)

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from lpcal.errors import InputError
+from lpcal.errors import InputError, shown
 from lpcal.holdout import BinSums, merge_bin_sums
 from lpcal.io import DEFAULT_TOL, validate_labels, validate_probs
 from lpcal.levels import bin_counts_hashed, decode_keys, encode_keys, group_rows, row_hash
@@ -53,7 +53,7 @@ def _check_inputs(probs, labels, *, tol: float = DEFAULT_TOL) -> tuple[np.ndarra
 
 def _check_lam(lam) -> int:
     if isinstance(lam, bool) or not isinstance(lam, (int, np.integer)) or lam < 1:
-        raise InputError(f"lambda must be a positive integer, got {lam!r}")
+        raise InputError(f"lambda must be a positive integer, got {shown(lam)}")
     return int(lam)
 
 
@@ -61,9 +61,11 @@ def _check_p(p) -> float:
     try:
         pf = float(p)
     except (TypeError, ValueError):
-        raise InputError(f"p must be a number >= 1 or inf, got {p!r}") from None
+        raise InputError(f"p must be a number >= 1 or inf (Err_p is defined for p >= 1), got "
+                         f"{shown(p)}") from None
     if not (pf >= 1.0):  # also rejects NaN
-        raise InputError(f"p must be >= 1 (or inf), got {p!r}")
+        raise InputError(f"p must be a number >= 1 or inf (Err_p is defined for p >= 1), got "
+                         f"{shown(p)}")
     return pf
 
 
@@ -135,7 +137,7 @@ class ErrSums(BinSums):
 
     def __init__(self, k: int, lam: int):
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise InputError(f"k must be a positive integer, got {k!r}")
+            raise InputError(f"k must be a positive integer, got {shown(k)}")
         self.k = int(k)
         self.lam = _check_lam(lam)
         self.rows = np.zeros((0, self.k), dtype=np.int32)
@@ -373,7 +375,7 @@ def err_p_debiased(
     if n < 2:
         raise InputError(f"err_p_debiased needs at least 2 samples, got {n}")
     if not (isinstance(quad_nodes, (int, np.integer)) and quad_nodes >= 2):
-        raise InputError(f"quad_nodes must be an integer >= 2, got {quad_nodes!r}")
+        raise InputError(f"quad_nodes must be an integer >= 2, got {shown(quad_nodes)}")
     _, _, _, s, q = _batch_stats(x, y, lam, squares=True)
     s = s.ravel()
     q = q.ravel()
@@ -418,7 +420,7 @@ def _bin_index(scores: np.ndarray, n_bins: int, binning: str) -> np.ndarray:
 
 def _check_bins(n_bins) -> int:
     if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
-        raise InputError(f"n_bins must be a positive integer, got {n_bins!r}")
+        raise InputError(f"n_bins must be a positive integer, got {shown(n_bins)}")
     return int(n_bins)
 
 
@@ -488,7 +490,7 @@ def nll(probs, labels, *, clip: float = 1e-12, tol: float = DEFAULT_TOL) -> floa
     the observed class costs ``-log(clip)`` (27.6 nats for the default ``1e-12``) instead of inf.
     """
     if not (0.0 < clip < 1.0):
-        raise InputError(f"clip must lie in (0, 1), got {clip!r}")
+        raise InputError(f"clip must lie in (0, 1), got {shown(clip)}")
     x, y = _check_inputs(probs, labels, tol=tol)
     fy = np.clip(x[np.arange(x.shape[0]), y], clip, 1.0)
     return float(-np.mean(np.log(fy)))

@@ -315,6 +315,12 @@ class CountTable:
         return int(self._h.size)
 
     @_locked
+    def class_counts(self) -> np.ndarray:
+        """``(k,)`` int64: samples per label over every bin (O(stored pairs), no dense table)."""
+        self._compact()
+        return np.bincount(self._pl, weights=self._pc, minlength=self.k).astype(np.int64)
+
+    @_locked
     def bin_mass(self) -> tuple[np.ndarray, np.ndarray]:
         """``(hashes, counts)``: number of samples per stored bin."""
         self._compact()

@@ -19,8 +19,9 @@ Keys:
   a path to a file holding one of these. A ring holds one or more keys (rotation: the old and
   the new key while maps signed by the old one are still in use).
 
-``python -m lpcal.signing DIR`` writes a new key pair ``DIR/binmap-signing.key`` (mode 0600)
-and ``DIR/binmap-signing.pub`` and prints the key id.
+``lpcal keygen DIR`` (or ``python -m lpcal.signing DIR``, :func:`keygen`) writes a new key pair:
+``DIR/signing__private_key`` (mode 0600), the file the daemon reads from its secrets directory,
+and ``DIR/binmap-signing.pub`` for the clients; it prints the key id and the next steps.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 
 from lpcal.errors import ArtifactError
 
-__all__ = ["ALG", "KeyRing", "SignatureError", "Signer", "canonical", "generate_keypair",
-           "key_id", "load_private_key", "load_public_key"]
+__all__ = ["ALG", "PRIVATE_KEY_FILE", "PUBLIC_KEY_FILE", "KeyRing", "SignatureError", "Signer",
+           "canonical", "generate_keypair", "key_id", "keygen", "load_private_key",
+           "load_public_key"]
 
 ALG = "ed25519"
 KEY_ID_HEX = 16
@@ -226,14 +228,82 @@ def write_keypair(directory: str | os.PathLike, name: str = "binmap-signing") ->
     return kp, pp
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m lpcal.signing DIR  (writes DIR/binmap-signing.key and .pub)",
-              file=sys.stderr)
+PRIVATE_KEY_FILE = "signing__private_key"
+"""Name of the private-key file: the daemon's setting ``signing.private_key`` read from its
+secrets directory (``daemon.settings``: one file per setting, sections joined by ``__``)."""
+PUBLIC_KEY_FILE = "binmap-signing.pub"
+"""Name of the public-key file that clients are given (``--public-key``, ``public_keys=``)."""
+
+
+def keygen(directory: str | os.PathLike) -> tuple[Path, Path, str]:
+    """Write a new key pair for the daemon: ``(private key file, public key file, key id)``.
+
+    ``directory/signing__private_key`` (PEM PKCS#8, mode 0600) is the file the daemon reads from
+    its secrets directory; ``directory/binmap-signing.pub`` (PEM) is for the clients. The
+    directory is created (mode 0700) if its parent exists.
+
+    Raises
+    ------
+    ArtifactError
+        Either file exists already (keys are never overwritten), or a file cannot be written.
+    """
+    d = Path(directory)
+    kp, pp = d / PRIVATE_KEY_FILE, d / PUBLIC_KEY_FILE
+    present = [str(f) for f in (kp, pp) if f.exists() or f.is_symlink()]
+    if present:
+        raise ArtifactError(f"{' and '.join(present)} already exist{'s' * (len(present) == 1)}"
+                            ": keys are never overwritten; move them away or choose another "
+                            "directory")
+    if not d.parent.is_dir():
+        raise ArtifactError(f"{d}: directory {str(d.parent)!r} does not exist (create it first)")
+    priv, pub = generate_keypair()
+    written: list[Path] = []
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+        for path, data, mode in ((kp, priv, 0o600), (pp, pub, 0o644)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+            written.append(path)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+    except OSError as e:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise ArtifactError(f"{e.filename or d}: cannot write ({e.strerror or e})") from None
+    return kp, pp, key_id(pub)
+
+
+def next_steps(private: Path, public: Path) -> str:
+    """What to do with the files :func:`keygen` wrote (printed by ``lpcal keygen``)."""
+    private, public = private.absolute(), public.absolute()
+    return (
+        "next steps:\n"
+        f"  1. daemon: make {private.parent} its secrets directory (LPCAL_SECRETS_DIR="
+        f"{private.parent} lpcal serve), or in Kubernetes put {private.name} in the Secret "
+        "mounted at /var/run/secrets/lpcal (deploy/README.md: kubectl create secret generic "
+        f"lpcal-signing --from-file={PRIVATE_KEY_FILE}={private})\n"
+        f"  2. clients: give them {public} (lpcal apply/eval --public-key {public}; "
+        "BinMapStore(public_keys=[...]), lpcal/CLIENT.md)")
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m lpcal.signing") -> int:
+    """``lpcal keygen DIR`` (also ``python -m lpcal.signing DIR``): write a key pair, print the
+    key id and the next steps. Exit 0, or 2 with a one-line error (keys exist, cannot write)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog=prog, description=f"Write a new Ed25519 key pair for signing bin maps: DIR/"
+        f"{PRIVATE_KEY_FILE} (mode 0600, the file the daemon reads from its secrets directory) "
+        f"and DIR/{PUBLIC_KEY_FILE} (for the clients). Existing keys are never overwritten.")
+    ap.add_argument("dir", metavar="DIR", help="directory for the two files (created if "
+                                               "missing, mode 0700)")
+    a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        kp, pp, kid = keygen(a.dir)
+    except ArtifactError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    kp, pp = write_keypair(argv[0])
-    print(f"wrote {kp} (private, 0600) and {pp}; key id {key_id(pp)}")
+    print(f"wrote {kp} (private key, mode 0600) and {pp} (public key); key id {kid}")
+    print(next_steps(kp, pp))
     return 0
 
 

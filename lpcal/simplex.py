@@ -6,6 +6,9 @@ sort ``v`` decreasingly into ``s``, find ``rho = max{j : s_j - (sum_{i<=j} s_i -
 ``u_i = v_i - theta`` where ``u_i > 0`` and ``v_i - theta <= 0`` where ``u_i = 0``.
 
 Complexity ``O(n k log k)`` for ``n`` rows, vectorised over rows.
+
+:func:`lift_zeros` lifts the exact zeros of given classes to a floor by mixing a row with the
+uniform vector on those classes (the probability floor of published bin maps).
 """
 
 from __future__ import annotations
@@ -35,3 +38,37 @@ def projection_threshold(v: np.ndarray) -> np.ndarray:
     u = project_simplex(x)
     pos = u > 0
     return np.sum(np.where(pos, x - u, 0.0), axis=1) / pos.sum(axis=1)
+
+
+
+def lift_zeros(v: np.ndarray, classes: np.ndarray, eta: float, *,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """Rows of ``v`` (on the simplex) with no exact 0 on ``classes``: the probability floor.
+
+    ``classes`` is a boolean mask of length ``k`` (``m`` classes true). A row with a 0 on one of
+    them becomes the mixture ``(1 - m eta) u + eta 1_classes``: still on the simplex, at least
+    ``eta`` on every class of ``classes``, and ``||u' - u||_1 <= 2 m eta``. Other rows are left
+    exactly as they are. Requires ``0 <= m eta < 1``. ``out`` (may be ``v``) receives the result;
+    by default a new array.
+    """
+    x = np.array(v, dtype=np.float64) if out is None else out
+    if out is not None and out is not v:
+        np.copyto(x, v)
+    mask = np.asarray(classes, dtype=bool)
+    m = int(mask.sum())
+    if not 0.0 <= m * eta < 1.0:
+        raise ValueError(f"floor {eta} on {m} classes does not fit on the simplex")
+    if x.size == 0 or m == 0 or eta <= 0.0:
+        return x
+    rows = x[None, :] if x.ndim == 1 else x  # views: writes land in x
+    if rows.min() > 0.0:  # the usual case, one pass without temporaries
+        return x
+    k = rows.shape[1]
+    flat = np.flatnonzero(rows.ravel() <= 0.0)  # zeros are few: index them, not every row
+    if m < k:
+        flat = flat[mask[flat % k]]
+    low = np.unique(flat // k)
+    if low.size:
+        rows[low] *= 1.0 - m * eta
+        rows[np.ix_(low, np.flatnonzero(mask))] += eta
+    return x

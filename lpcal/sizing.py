@@ -26,7 +26,7 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
-from lpcal.errors import InputError
+from lpcal.errors import InputError, shown
 from lpcal.levels import beta_for, lambda_for
 from lpcal.pools import PoolLayout, n_levels, pool_names
 
@@ -88,7 +88,7 @@ def theory_sizing(eps: float, p: float, delta: float, k: int, variant: str = "sp
     """Every pool size from the paper's constants (see the module docstring)."""
     _check_variant(variant)
     if not (0 < delta < 1):
-        raise InputError(f"delta must lie in (0, 1), got {delta!r}")
+        raise InputError(f"delta must lie in (0, 1), got {shown(delta)}")
     beta = beta_for(eps, p)
     lam = lambda_for(beta)
     L = n_levels(beta)

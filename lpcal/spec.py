@@ -31,13 +31,42 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from lpcal.errors import InputError
+from lpcal.errors import InputError, shown
 from lpcal.levels import beta_for, lambda_for
 
-__all__ = ["EPS_AUTO", "FitSpec", "Mode", "Outside", "Prescale", "SizingRule", "Variant"]
+__all__ = ["EPS_AUTO", "P_DOMAIN", "FitSpec", "Mode", "Outside", "Prescale", "SizingRule",
+           "Variant", "parse_p"]
 
 #: The ``eps`` that asks :func:`lpcal.fit` to choose the target from the data.
 EPS_AUTO = "auto"
+
+P_DOMAIN = "a number > 1, or inf"
+"""The ``p`` of a fit, in words (every message about it uses these): ``1 < p <= inf``. ``Err_p``
+is defined for ``p >= 1`` (:mod:`lpcal.metrics` evaluates it there), but Algorithm 2's per-cell
+target ``beta = eps^(p/(p-1)) / 2^(1/(p-1))`` needs ``p > 1`` (``p -> 1`` sends it to 0)."""
+
+_INF_WORDS = frozenset({"inf", "+inf", "infinity", "+infinity"})
+
+
+def parse_p(value: Any, name: str = "p") -> float:
+    """``value`` as the ``p`` of a fit: a real number > 1, or infinity (``math.inf`` or the
+    strings ``"inf"``/``"infinity"``, any case); else :class:`InputError` naming ``name``.
+
+    The one definition of p's domain (:data:`P_DOMAIN`), used by :class:`FitSpec`, the ``lpcal``
+    command line and the daemon's settings.
+    """
+    v = value
+    if isinstance(v, str):
+        text = v.strip().lower()
+        if text in _INF_WORDS:
+            return math.inf
+        try:
+            v = float(text)
+        except ValueError:
+            raise InputError(f"{name} must be {P_DOMAIN}, got {value!r}") from None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v) or not v > 1.0:
+        raise InputError(f"{name} must be {P_DOMAIN}, got {shown(value)}")
+    return float(v)
 
 
 class Mode(StrEnum):
@@ -110,8 +139,8 @@ class FitSpec:
         Target lp calibration error, in ``(0, 1)``; ``"auto"``: chosen from the data by
         :func:`lpcal.fit` (:data:`EPS_AUTO`, :func:`lpcal.calibrate.auto_eps`), on the share
         it fits on, never the held-out share.
-    p : float
-        The ``p`` of ``Err_p``, ``>= 1`` or ``math.inf``.
+    p : float or str
+        The ``p`` of ``Err_p``: a number > 1, or ``math.inf`` (also ``"inf"``): :func:`parse_p`.
     delta : float, default 0.1
         Failure probability of the guarantee; the certificate's level is ``1 - delta``.
     mode : {"certified", "paper"}, default "certified"
@@ -159,7 +188,6 @@ class FitSpec:
     #: option -> (check, what is allowed); enums are checked by their type.
     RULES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
         "eps": (lambda v: v == EPS_AUTO or _real(0.0, 1.0)(v), "a number in (0, 1) or 'auto'"),
-        "p": (_real(1.0, math.inf, lo_open=False, inf=True), "a number >= 1 or inf"),
         "delta": (_real(0.0, 1.0), "a number in (0, 1)"),
         "pool_size": (_int(1), "a positive integer"),
         "mu_pool": (_int(1), "a positive integer"),
@@ -182,12 +210,12 @@ class FitSpec:
                 object.__setattr__(self, name, enum(v))
             except ValueError:
                 allowed = ", ".join(repr(e.value) for e in enum)
-                raise InputError(f"{name} must be one of {allowed}, got {v!r}") from None
+                raise InputError(f"{name} must be one of {allowed}, got {shown(v)}") from None
+        object.__setattr__(self, "p", parse_p(self.p))
         for name, (ok, allowed) in self.RULES.items():
             v = getattr(self, name)
             if v is not None and not ok(v):
-                raise InputError(f"{name} must be {allowed}, got {v!r}")
-        object.__setattr__(self, "p", float(self.p))
+                raise InputError(f"{name} must be {allowed}, got {shown(v)}")
 
     @classmethod
     def from_options(cls, spec: FitSpec | None = None, **options: Any) -> FitSpec:

@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from lpcal.errors import InputError
+from lpcal.errors import InputError, shown
 from lpcal.io import DEFAULT_TOL, validate_labels, validate_probs
 
 LOG_T_BOUNDS = (-10.0, 10.0)
@@ -52,9 +52,9 @@ def _check_t(temperature) -> float:
     try:
         t = float(temperature)
     except (TypeError, ValueError):
-        raise InputError(f"temperature must be a positive number, got {temperature!r}") from None
+        raise InputError(f"temperature must be a positive number, got {shown(temperature)}") from None
     if not (t > 0.0 and math.isfinite(t)):
-        raise InputError(f"temperature must be positive and finite, got {temperature!r}")
+        raise InputError(f"temperature must be positive and finite, got {shown(temperature)}")
     return t
 
 
@@ -181,6 +181,6 @@ def fit_temperature(
     if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
         raise InputError(f"log_t_bounds must be finite with lower < upper, got {log_t_bounds!r}")
     if not (xatol > 0.0):
-        raise InputError(f"xatol must be positive, got {xatol!r}")
+        raise InputError(f"xatol must be positive, got {shown(xatol)}")
     log_t, _, _ = _brent_bounded(_Objective(x, y), lo, hi, float(xatol), int(maxiter))
     return math.exp(log_t)

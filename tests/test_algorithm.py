@@ -25,7 +25,7 @@ from lpcal.algorithm import (
     iteration_bound,
     run_kernel,
 )
-from lpcal.calibrate import fit, fit_pools
+from lpcal.calibrate import FLOOR_SHARE, fit, fit_pools
 from lpcal.levels import beta_for, lambda_for
 from lpcal.pools import PoolLayout, PoolSet, n_levels, pool_names
 from tests.reference_algorithm import iteration_bound as ref_iteration_bound
@@ -348,7 +348,19 @@ def test_fit_pools_matches_reference_end_to_end(eps, p, k, variant):
     for pos, g in enumerate(bm.group.tolist()):
         groups[g].add(pos)
     kgroups = {frozenset(s): bm.preds[g] for g, s in groups.items()}
-    _same_state(kgroups, rr.groups, rr.preds, f"eps={eps} p={p}")
+    # Algorithm 2 exactly, but for the probability floor: a prediction with a 0 on a class seen
+    # in the pools gets FLOOR_SHARE * eps / m on each of the m seen classes
+    seen = sorted(set(y.tolist()))
+    eta = FLOOR_SHARE * eps / len(seen)
+    assert bm.floor == {"eta": eta, "classes": seen}
+    floored = {}
+    for g, pred in rr.preds.items():
+        pred = np.asarray(pred, dtype=float)
+        if any(pred[j] == 0 for j in seen):
+            pred = pred * (1 - len(seen) * eta)
+            pred[seen] += eta
+        floored[g] = pred
+    _same_state(kgroups, rr.groups, floored, f"eps={eps} p={p}")
     assert len(B) >= 3 and rr.iterations > 0  # the instance exercises the loop
     if bm.stop_reason == STOP_CONVERGED:  # errors recomputed by the reference from the pools
         assert rr.est_err_max <= beta / 2

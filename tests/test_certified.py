@@ -353,3 +353,78 @@ def test_eps_auto_is_certifiable_and_never_reads_the_held_out_share(capsys, tmp_
                      "inf", "--out", str(tmp_path / "bm.json")]) == 0
     out = capsys.readouterr().out
     assert f"eps auto: {bm.eps:g}" in out and "mode=certified" in out and "certified: yes" in out
+
+
+# ----------------------------------------------------------------------------- probability floor
+
+
+def _halves(seed):
+    probs, labels = load_predictions(RECORD)
+    perm = np.random.default_rng(seed).permutation(len(labels))
+    a, b = perm[: len(perm) // 2], perm[len(perm) // 2:]
+    return probs[a], labels[a], probs[b], labels[b]
+
+
+@pytest.mark.parametrize("options", [
+    {"mode": "paper"},
+    # certified mode without the pre-calibrator: the corrected map is certified and published
+    {"mode": "certified", "prescale": "none", "outside": "rho"},
+])
+def test_map_never_outputs_zero_for_a_seen_class_on_a_real_network(options):
+    # the network outputs exactly 1.0 (float32) for some images: bins outside B whose rho is
+    # one-hot, and the kernel's projection sets classes to 0 inside B; without the floor one
+    # evaluation image of its true class gets probability 0 (NLL infinite)
+    x, y, xt, yt = _halves(1)
+    bm = fit(x, y, eps=0.02, p=math.inf, seed=1, **options)
+    assert bm.certificate is None or bm.certificate["selected"] == "corrected"
+    h = bm.apply(xt)
+    seen = np.unique(y)
+    assert seen.size == 10 and (h[:, seen] > 0).all()
+    assert np.isfinite(metrics.nll(h, yt))
+    # the floor changed only outputs that had a zero, by at most 2 m eta in l1 (= eps / 50)
+    eta = bm.floor["eta"]
+    assert bm.floor["classes"] == seen.tolist() and eta == pytest.approx(0.01 * 0.02 / 10)
+    raw = BinMap(**{**_fields(bm), "floor": None}).apply(xt)
+    moved = np.abs(h - raw).sum(axis=1)
+    assert ((moved > 0) == (raw[:, seen] == 0).any(axis=1)).all()
+    assert moved.max() <= 2 * seen.size * eta + 1e-12
+    # the same holds for single rows and survives the JSON round trip
+    again = BinMap.from_json(bm.to_json())
+    assert again.floor == bm.floor
+    i = int(np.flatnonzero(moved)[0])
+    np.testing.assert_allclose(again.apply(xt[i]), h[i], rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("mode", ["certified", "paper"])
+def test_certificate_covers_the_floored_map(mode):
+    x, y, _, _ = _halves(2)
+    bm = fit(x, y, eps=0.02, p=math.inf, mode=mode, prescale="none", outside="rho",
+             holdout_fraction=0.3, seed=2)
+    n_hold = round(len(y) * 0.3)
+    hold = np.random.default_rng(2).permutation(len(y))[:n_hold]
+    h = bm.apply(x[hold])
+    assert (h > 0).all()
+    est = bm.certificate["estimates"]["corrected"]
+    assert est["err_p"] == pytest.approx(metrics.err_p(h, y[hold], bm.lam, math.inf), rel=1e-9)
+    assert est["brier"] == pytest.approx(metrics.brier(h, y[hold]), rel=1e-9)
+
+
+def test_floor_field_is_checked_and_old_maps_load_without_it():
+    x, y, _, _ = _halves(3)
+    bm = fit(x[:3000], y[:3000], eps=0.05, p=math.inf, mode="paper")
+    obj = orjson.loads(bm.to_json())
+    assert "floor" in obj
+    del obj["floor"], obj["checksum"]
+    old = BinMap.from_json(orjson.dumps({**obj, "checksum": BinMap._digest(obj)}))
+    assert old.floor is None and "floor" not in orjson.loads(old.to_json())
+    for bad, message in (({"eta": 0.5, "classes": list(range(10))}, "does not fit"),
+                         ({"eta": 1e-4, "classes": [10]}, r"indices in \[0, 10\)"),
+                         ({"classes": [1]}, "floor is malformed")):
+        with pytest.raises(ArtifactError, match=message):
+            BinMap(**{**_fields(bm), "floor": bad})
+
+
+def _fields(bm):
+    import dataclasses
+
+    return {f.name: getattr(bm, f.name) for f in dataclasses.fields(bm)}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 
 import numpy as np
 import pytest
@@ -197,8 +199,36 @@ def test_save_validates_and_is_atomic(tmp_path):
         io.save_npz(tmp_path / "out.npz", [[1.0, 1.0]])
     assert not (tmp_path / "out.npz").exists()
     assert list(tmp_path.iterdir()) == []  # no temp file left behind
+    (tmp_path / "sub").mkdir()
     path = io.save_npz(tmp_path / "sub" / "out", [[0.5, 0.5]], [1])  # no '.npz' appended
     assert path.name == "out" and path.exists()
+
+
+def test_write_output_creates_no_directory_and_names_the_problem(tmp_path):
+    with pytest.raises(InputError, match="directory .*missing.* does not exist"):
+        io.save_npz(tmp_path / "missing" / "x.npz", [[0.5, 0.5]])
+    assert not (tmp_path / "missing").exists()
+    with pytest.raises(InputError, match="is a directory"):
+        io.write_output(tmp_path, b"x")
+    with pytest.raises(InputError, match=r"/proc/x\.json: cannot write"):
+        io.write_output("/proc/x.json", b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temporary file left
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_write_output_gives_the_mode_of_a_normal_file(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        a = io.write_output(tmp_path / "a.json", b"{}")
+        b = io.save_npz(tmp_path / "b.npz", [[0.5, 0.5]])
+        with open(tmp_path / "c.txt", "w") as fh:  # what open() gives under this umask
+            fh.write("x")
+    finally:
+        os.umask(old)
+    want = stat.S_IMODE(os.stat(tmp_path / "c.txt").st_mode)
+    assert want == 0o666 & ~umask
+    assert stat.S_IMODE(os.stat(a).st_mode) == want
+    assert stat.S_IMODE(os.stat(b).st_mode) == want
 
 
 # ----------------------------------------------------------------------------- bundled data

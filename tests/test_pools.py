@@ -379,3 +379,14 @@ def test_route_uniform_equals_the_original_implementation():
     assert np.array_equal(lay.route(ids), np.minimum(
         np.searchsorted(lay.cumulative_weights(), _route_uniform_v1(ids), side="right"),
         len(lay.names) - 1))
+
+
+def test_class_counts_sum_the_labels_of_every_bin():
+    rng = np.random.default_rng(5)
+    probs = rng.dirichlet(np.ones(6), size=500)
+    labels = rng.choice([0, 2, 3], size=500)
+    t = CountTable(6, 10)
+    t.add(probs[:200], labels[:200])
+    t.add(probs[200:], labels[200:])  # buffered rows are folded in first
+    np.testing.assert_array_equal(t.class_counts(), np.bincount(labels, minlength=6))
+    assert t.class_counts().dtype == np.int64 and CountTable(6, 10).class_counts().sum() == 0

@@ -1,11 +1,12 @@
 """Euclidean simplex projection: KKT conditions, idempotence, and an independent bisection."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from lpcal.simplex import project_simplex, projection_threshold
+from lpcal.simplex import lift_zeros, project_simplex, projection_threshold
 
 
 def _bisect(v):
@@ -46,3 +47,20 @@ def test_matches_bisection(v):
 def test_idempotent_on_simplex():
     u = np.random.default_rng(0).dirichlet(np.ones(7), size=100)
     np.testing.assert_allclose(project_simplex(u), u, atol=1e-12)
+
+
+def test_lift_zeros_floors_only_rows_with_a_zero_on_the_given_classes():
+    v = np.array([[0.5, 0.5, 0.0, 0.0],    # zero on class 2 (given) and 3 (not given)
+                  [0.7, 0.1, 0.2, 0.0],    # zero only on class 3: unchanged
+                  [0.25, 0.25, 0.25, 0.25]])
+    classes = np.array([True, True, True, False])
+    out = lift_zeros(v, classes, 0.01)
+    np.testing.assert_array_equal(out[1:], v[1:])
+    np.testing.assert_allclose(out[0], [0.5 * 0.97 + 0.01, 0.5 * 0.97 + 0.01, 0.01, 0.0])
+    assert out.sum(axis=1) == pytest.approx(1.0)
+    assert np.abs(out - v).sum(axis=1).max() <= 2 * 3 * 0.01 + 1e-15  # ||u' - u||_1 <= 2 m eta
+    assert v[0, 2] == 0.0  # the input is not written without out=
+    row = v[0].copy()
+    assert lift_zeros(row, classes, 0.01, out=row) is row and row[2] == 0.01
+    with pytest.raises(ValueError, match="does not fit"):
+        lift_zeros(v, classes, 0.5)

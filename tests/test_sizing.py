@@ -118,7 +118,7 @@ def test_practical_warns_below_six_over_beta():
     (lambda: theory_sizing(0.1, 2.0, 0.1, 3, variant="mixed"), "variant"),
     (lambda: theory_sizing(0.1, 2.0, 1.5, 3), "delta"),
     (lambda: theory_sizing(1.5, 2.0, 0.1, 3), "eps"),
-    (lambda: theory_sizing(0.1, 1.0, 0.1, 3), "p must be > 1"),
+    (lambda: theory_sizing(0.1, 1.0, 0.1, 3), "p must be a number > 1, or inf, got 1.0"),
     (lambda: practical_sizing(0.1, 2.0, 0.1, 3, mu_pool=0, pool=10), "positive"),
     (lambda: practical_sizing(0.1, 2.0, 0.1, 3, mu_pool=10, pool=-1), "positive"),
 ])

@@ -14,9 +14,13 @@ from lpcal.spec import FitSpec, Mode, Outside, Prescale, SizingRule, Variant
     ({"eps": 0.0}, "eps must be a number in (0, 1) or 'auto', got 0.0"),
     ({"eps": 1.5}, "eps must be a number in (0, 1)"),
     ({"eps": True}, "eps must be a number in (0, 1) or 'auto', got True"),
-    ({"p": 0.5}, "p must be a number >= 1 or inf"),
-    ({"p": -math.inf}, "p must be a number >= 1 or inf"),
-    ({"p": "inf"}, "p must be a number >= 1 or inf, got 'inf'"),
+    ({"p": 0.5}, "p must be a number > 1, or inf, got 0.5"),
+    ({"p": 1}, "p must be a number > 1, or inf, got 1"),
+    ({"p": -math.inf}, "p must be a number > 1, or inf, got -inf"),
+    ({"p": "two"}, "p must be a number > 1, or inf, got 'two'"),
+    ({"p": np.float64(0.5)}, "p must be a number > 1, or inf, got 0.5"),
+    ({"eps": np.float64(1.1)}, "eps must be a number in (0, 1) or 'auto', got 1.1"),
+    ({"pool_size": np.int64(0)}, "pool_size must be a positive integer, got 0"),
     ({"delta": 1.0}, "delta must be a number in (0, 1)"),
     ({"pool_size": 0}, "pool_size must be a positive integer, got 0"),
     ({"pool_size": 2.5}, "pool_size must be a positive integer"),
@@ -84,3 +88,56 @@ def test_fit_with_a_spec_equals_fit_with_keywords():
     c = fit(f, y, spec, seed=5)  # keywords replace the spec's options
     d = fit(f, y, eps=0.1, p=math.inf, mode="paper", seed=5)
     assert c.with_version(1, "t").to_json() == d.with_version(1, "t").to_json()
+
+
+@pytest.mark.parametrize("given", ["inf", "INF", "Infinity", " +inf ", math.inf, np.inf])
+def test_p_inf_is_accepted_as_a_string_like_the_cli_and_the_daemon(given):
+    assert FitSpec(eps=0.05, p=given).p == math.inf
+    assert FitSpec(eps=0.05, p="2.5").p == 2.5
+
+
+def test_p_domain_is_defined_once(tmp_path):
+    from daemon import settings
+    from lpcal.cli import build_parser
+    from lpcal.spec import P_DOMAIN, parse_p
+
+    assert parse_p("inf") == math.inf and parse_p(2) == 2.0
+    for bad in (1, 1.0, "1", 0.5, "nan", float("nan"), True, None):
+        with pytest.raises(InputError, match=f"p must be {P_DOMAIN}"):
+            parse_p(bad)
+    # the CLI and the daemon's settings say the same
+    err = pytest.raises(SystemExit, build_parser().parse_args,
+                        ["fit", "--input", "x.npz", "--eps", "0.1", "--p", "1", "--out", "m"])
+    assert err.value.code == 2
+    toml = tmp_path / "lpcal.toml"
+    toml.write_text("[defaults]\np = 1\n")
+    with pytest.raises(settings.SettingsError, match=f"defaults.p: p must be {P_DOMAIN}"):
+        settings.load_settings(toml, secrets_dir=tmp_path)
+    toml.write_text('[defaults]\np = "Infinity"\n')
+    assert settings.load_settings(toml, secrets_dir=tmp_path).defaults.p == math.inf
+
+
+def test_library_messages_print_numpy_scalars_as_plain_numbers():
+    from lpcal import metrics
+    from lpcal.binmap import BinMap
+    from lpcal.errors import shown
+    from lpcal.levels import beta_for
+
+    assert shown(np.float64(1.1)) == "1.1" and shown(np.int64(3)) == "3" and shown("x") == "'x'"
+    probs = np.full((4, 2), 0.5)
+    labels = np.array([0, 1, 0, 1])
+    cases = [
+        (lambda: beta_for(np.float64(1.5), 2.0), "eps must lie in (0, 1), got 1.5"),
+        (lambda: metrics.err_p(probs, labels, np.int64(0), 2.0),
+         "lambda must be a positive integer, got 0"),
+        (lambda: metrics.err_p(probs, labels, 10, np.float64(0.5)), "got 0.5"),
+        (lambda: fit(probs, labels, eps=0.1, p=2, delta=np.float64(2.0)), "got 2.0"),
+    ]
+    bm = BinMap.from_json(fit(np.tile(probs, (500, 1)), np.tile(labels, 500), eps=0.2,
+                              p=math.inf, mode="paper").to_json())
+    cases.append((lambda: bm.apply(np.array([[0.5, 0.7], [0.5, 0.5]])),
+                  "not a probability vector (sum 1.2, min 0.5)"))
+    for call, message in cases:
+        with pytest.raises(InputError) as e:
+            call()
+        assert message in str(e.value) and "np." not in str(e.value), str(e.value)

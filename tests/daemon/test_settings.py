@@ -326,3 +326,28 @@ def test_http_hardening_settings_are_validated(isolated):
                 {"body_timeout_seconds": -1}):
         with pytest.raises(SettingsError, match=f"http.{next(iter(bad))}"):
             load_settings(http=bad)
+
+
+def test_toml_typos_get_a_did_you_mean(isolated):
+    write(isolated / "typo.toml", 'max_modles = 3\n[kafka]\nbootstrap_server = "x"\n'
+          '[defaults]\nepss = 0.1\nzzz = 1\n[models."m"]\neps_ = 0.2\n'
+          '[signing]\nprivate_kye = "x"\n')
+    with pytest.raises(SettingsError) as e:
+        load_settings(isolated / "typo.toml")
+    assert dict(e.value.errors) == {
+        "max_modles": "unknown setting; did you mean 'max_models'?",
+        "kafka.bootstrap_server": "unknown setting; did you mean 'bootstrap_servers'?",
+        "defaults.epss": "unknown setting; did you mean 'eps'?",
+        "defaults.zzz": "unknown setting",
+        "models.m.eps_": "unknown setting; did you mean 'eps'?",
+        "signing.private_kye": "unknown setting; did you mean 'private_key'?",
+    }
+
+
+def test_keygen_directory_is_a_secrets_dir(isolated):
+    from lpcal.signing import PRIVATE_KEY_FILE, keygen
+
+    private, _, kid = keygen(isolated / "keys")
+    assert private.name == PRIVATE_KEY_FILE == "signing__private_key"
+    signer = load_settings(secrets_dir=isolated / "keys").signing.signer()
+    assert signer is not None and signer.key_id == kid
