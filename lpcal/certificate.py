@@ -128,7 +128,7 @@ from typing import Any
 
 import numpy as np
 
-from lpcal.errors import InputError
+from lpcal.errors import InputError, shown
 from lpcal.holdout import Cells
 
 __all__ = ["NO_HOLDOUT", "Certificate", "Estimate", "bound_method", "certify_and_select",
@@ -360,7 +360,7 @@ def err_p_bound(cells: Cells, p: float, delta: float, k: int | None = None
     if n < 1:
         raise InputError("cannot bound Err_p without held-out samples")
     if not (0.0 < delta < 1.0):
-        raise InputError(f"delta must be in (0, 1), got {delta!r}")
+        raise InputError(f"delta must be in (0, 1), got {shown(delta)}")
     k = int(cells.S.shape[1]) if k is None else int(k)
     zbar = cells.S / n
     est = _lp(zbar, p)

@@ -215,19 +215,6 @@ def generate_keypair() -> tuple[bytes, bytes]:
                                          serialization.PublicFormat.SubjectPublicKeyInfo))
 
 
-def write_keypair(directory: str | os.PathLike, name: str = "binmap-signing") -> tuple[Path, Path]:
-    """Write a new pair as ``name.key`` (mode 0600) and ``name.pub`` under ``directory``."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    priv, pub = generate_keypair()
-    kp, pp = d / f"{name}.key", d / f"{name}.pub"
-    fd = os.open(kp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(priv)
-    pp.write_bytes(pub)
-    return kp, pp
-
-
 PRIVATE_KEY_FILE = "signing__private_key"
 """Name of the private-key file: the daemon's setting ``signing.private_key`` read from its
 secrets directory (``daemon.settings``: one file per setting, sections joined by ``__``)."""

@@ -41,7 +41,7 @@ from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate, tr
 from lpcal.certificate import Certificate
 from lpcal.client import verify_artifact
 from lpcal.report import evaluate
-from lpcal.signing import KeyRing, write_keypair
+from lpcal.signing import KeyRing, keygen
 from lpcal.temperature import apply_temperature, fit_temperature
 
 MODELS = {  # id: (k, T, scale, skew, eps, p, pool size), see the README for why these
@@ -196,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"broker on {broker.bootstrap}; starting `lpcal serve --config {cfg}` "
               f"(log: {work / 'daemon.log'})")
         secrets = work / "secrets"
-        key_file, pub_file = write_keypair(secrets, "signing")
-        key_file.rename(secrets / "signing__private_key")  # the daemon's secrets-dir name
+        _, pub_file, _ = keygen(secrets)  # signing__private_key: the daemon's secrets-dir name
         keys = KeyRing([pub_file])
         print(f"bin-map signing key id {keys.key_ids[0]} (private key in {secrets}, "
               f"public key {pub_file})")

@@ -255,9 +255,9 @@ def test_serve_names_an_unknown_variable_and_exits_2(tmp_path):
 async def test_v1_config_serves_the_effective_settings_with_secrets_redacted(isolated):
     from daemon.http_api import HttpServer, redact
     from daemon.service import Daemon
-    from lpcal.signing import write_keypair
+    from lpcal.signing import keygen
 
-    key_file, _ = write_keypair(isolated / "keys", "signing")
+    key_file, _, _ = keygen(isolated / "keys")
     secrets = isolated / "secrets"
     (secrets / "signing__private_key").write_bytes(key_file.read_bytes())
     (secrets / "kafka__sasl_password").write_text("hunter2-sasl")

@@ -220,13 +220,13 @@ async def test_the_documented_example_runs(broker, topic_prefix, maps, capsys, t
     """Run the first code block of lpcal/CLIENT.md (the README example) against the broker, with
     its public key file replaced by a key pair made here and the map signed by it."""
     import lpcal
-    from lpcal.signing import Signer, write_keypair
+    from lpcal.signing import Signer, keygen
 
     doc = (Path(lpcal.__file__).parent / "CLIENT.md").read_text()
     code = doc.split("```python\n", 1)[1].split("```", 1)[0]
     assert code.rstrip().endswith("asyncio.run(main())")
     code = code.rstrip().removesuffix("asyncio.run(main())")  # we are inside a running loop
-    private, public = write_keypair(tmp_path)
+    private, public, _ = keygen(tmp_path / "keys")
     assert '"/etc/lpcal/binmap-signing.pub"' in code
     code = code.replace('"/etc/lpcal/binmap-signing.pub"', repr(str(public)))
     topic = f"{topic_prefix}.binmaps"
