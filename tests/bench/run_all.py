@@ -8,7 +8,8 @@
 Benchmarks: ``fit`` (fit time from raw arrays and from pools), ``apply`` (apply throughput),
 ``quality`` (CIFAR records), ``variants`` (split vs shared pools, theory vs practical sizing),
 ``directions`` (issue 10's directions b and d against the default), ``scale`` (1 replica
-against 2, failover with a 10,000-model state topic).
+against 2, failover with a 10,000-model state topic), ``drift`` (the change test's detection
+delay and false alarms on real networks, against the Err_p threshold).
 Every timing is a ratio against a baseline measured in the same process (see
 :mod:`tests.bench.common`).
 """
@@ -29,6 +30,7 @@ import numpy as np
 from tests.bench import (
     bench_apply,
     bench_directions,
+    bench_drift,
     bench_fit,
     bench_ingest,
     bench_quality,
@@ -64,6 +66,7 @@ BENCHMARKS = {
     "ingest": _MarkdownBench(bench_ingest, "ingest"),
     "directions": bench_directions,
     "scale": bench_scale,
+    "drift": bench_drift,
 }
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 

@@ -1,0 +1,244 @@
+"""Change test of the live bin map's calibration against its own baseline. Pure: no I/O, no clock.
+
+A newly installed bin map is measured on the calibrated samples that follow it
+(:class:`daemon.monitor.WindowMonitor` feeds them here in *blocks* of :data:`BLOCK_SAMPLES`
+consecutive joined samples, counted from the installation, so block boundaries depend only on
+the sequence of samples, never on batching or on the wall clock). Each block yields, per
+statistic ``s`` (:data:`STATISTICS`), an estimate ``T_s`` and its standard error ``se_s``:
+
+* ``ece_top``, ``ece_classwise``: the debiased squared l2 top-label and classwise ECE
+  (:func:`lpcal.metrics.binned_sq_error`; the per-bin sampling-noise term subtracted);
+* ``brier_reliability``: the debiased reliability term of the Brier score on the level sets at
+  the model's lambda (``sum_v (n_v / n) ||mean_v (f - y)||^2``);
+* ``err_p``: the plug-in Err_p at the live lambda (its bias depends on the sample size, which is
+  the same in every block).
+
+**Baseline.** The first ``baseline_samples`` (rounded up to whole blocks) after the installation.
+For the debiased statistics ``B_s`` is their estimate on all the baseline samples pooled
+(unbiased, so comparable with a block's; its standard error shrinks like ``1 / n``). For
+``err_p`` (whose bias depends on the sample size) ``B_s`` is the mean of the baseline blocks'
+values, with standard error ``sqrt(sum se^2) / blocks``, so the bias cancels.
+
+**Test** (one-sided CUSUM per statistic, Page 1954). A change is an increase of at least
+``min_shift`` in the statistic's own units: for the squared statistics, in their l2 value
+(``Delta_s = (sqrt(B_s) + min_shift)^2 - B_s``), for ``err_p`` directly (``Delta_s = min_shift``).
+After the baseline, every block updates::
+
+    z_s = (T_s - B_s - Delta_s / 2) / sqrt(se_s^2 + se_B^2)
+    C_s = max(0, C_s + z_s - KREF)                                   (KREF = 0.5)
+
+and the test *alarms* when some ``C_s > h``. Under no change and the normal approximation the
+``z_s`` have mean ``<= 0`` and unit variance, and Siegmund's approximation of the CUSUM's
+average run length, ``ARL(h) = (exp(2 a b) - 2 a b - 1) / (2 a^2)`` with ``a = KREF`` and
+``b = h + 1.166``, sets ``h`` so that the expected number of samples to a false alarm is
+``1 / false_alarm_rate`` over all statistics together (each gets ``|STATISTICS| / rate``
+samples, a Bonferroni split). The alarm is latched until :meth:`ChangeDetector.reset` (a new
+bin map). ``false_alarm_rate = 0`` disables the test. The false-alarm rate is a design value:
+the benchmark (``tests/bench/bench_drift.py``) measures the realized one on real networks.
+
+Usage::
+
+    det = ChangeDetector(false_alarm_rate=1e-7, baseline_samples=5000, min_shift=0.01)
+    det.observe_block({"ece_top": (t, se), ...})   # True when it alarms at this block
+    det.alarm, det.score, det.to_dict()
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from lpcal.errors import InputError
+
+__all__ = ["BLOCK_SAMPLES", "KREF", "SQUARED", "Z_BASE", "STATISTICS", "TWO_SIDED",
+           "ChangeDetector", "cusum_threshold"]
+
+#: Statistics of the change test, in a fixed order (the ``statistic`` label of the gauges).
+STATISTICS = ("confidence_gap", "ece_top", "ece_classwise", "err_p")
+#: Statistics estimated on the squared scale (their minimum shift applies to the square root).
+SQUARED = frozenset(("ece_top", "ece_classwise"))
+#: Signed statistics, tested for a change in either direction (two one-sided CUSUMs).
+TWO_SIDED = frozenset(("confidence_gap",))
+#: Joined samples per block.
+BLOCK_SAMPLES = 1_000
+#: CUSUM reference value, in standard errors.
+KREF = 0.5
+#: Baseline margin, in the baseline's standard errors (see the module docstring).
+Z_BASE = 2.0
+_SIEGMUND = 1.166
+
+
+def _arl(h: float, a: float) -> float:
+    x = 2.0 * a * (h + _SIEGMUND)
+    return (math.expm1(x) - x) / (2.0 * a * a)
+
+
+def cusum_threshold(arl_blocks: float, kref: float = KREF) -> float:
+    """The CUSUM threshold ``h`` whose average run length to a false alarm is ``arl_blocks``
+    blocks (Siegmund's approximation, standardized normal increments, reference ``kref``)."""
+    if not arl_blocks > 0:
+        raise InputError(f"arl_blocks must be positive, got {arl_blocks}")
+    lo, hi = 0.0, 1.0
+    while _arl(hi, kref) < arl_blocks:
+        hi *= 2.0
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        if _arl(mid, kref) < arl_blocks:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _usable(stats: Mapping[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    out = {}
+    for name in STATISTICS:
+        v = stats.get(name)
+        if v is None:
+            continue
+        t, se = float(v[0]), float(v[1])
+        if math.isfinite(t) and math.isfinite(se) and se >= 0.0:
+            out[name] = (t, se)
+    return out
+
+
+class ChangeDetector:
+    """Baseline, then one-sided CUSUM per statistic (see the module docstring)."""
+
+    def __init__(self, *, false_alarm_rate: float, baseline_samples: int, min_shift: float,
+                 block_samples: int = BLOCK_SAMPLES):
+        if not (0.0 <= false_alarm_rate < 1.0):
+            raise InputError(f"drift_false_alarm_rate must be in [0, 1), got {false_alarm_rate}")
+        if int(baseline_samples) < 1 or int(block_samples) < 2:
+            raise InputError("drift_baseline_samples must be >= 1 and blocks >= 2 samples")
+        if not (min_shift >= 0.0 and math.isfinite(min_shift)):
+            raise InputError(f"drift_min_shift must be >= 0, got {min_shift}")
+        self.false_alarm_rate = float(false_alarm_rate)
+        self.baseline_samples = int(baseline_samples)
+        self.min_shift = float(min_shift)
+        self.block_samples = int(block_samples)
+        self.baseline_blocks = -(-self.baseline_samples // self.block_samples)
+        if self.false_alarm_rate > 0.0:
+            tests = len(STATISTICS) + len(TWO_SIDED)  # one-sided CUSUMs
+            arl = tests / (self.false_alarm_rate * self.block_samples)
+            self.threshold = cusum_threshold(max(arl, 1.0))
+        else:
+            self.threshold = math.inf
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything: the next block starts a new baseline (a new bin map)."""
+        self.blocks = 0                                          # blocks observed
+        self.base_sum = dict.fromkeys(STATISTICS, 0.0)           # sum of baseline T_s
+        self.base_var = dict.fromkeys(STATISTICS, 0.0)           # sum of baseline se_s^2
+        self.base_n = dict.fromkeys(STATISTICS, 0)               # baseline blocks with T_s
+        self.cusum = dict.fromkeys(STATISTICS, 0.0)
+        self.cusum_low = dict.fromkeys(TWO_SIDED, 0.0)            # decreases (signed stats)
+        self.last = dict.fromkeys(STATISTICS, 0.0)               # last z_s
+        self.alarm = False
+        self.alarm_statistic: str | None = None
+        self.alarm_block: int | None = None
+
+    @property
+    def testing(self) -> bool:
+        """True once the baseline is complete."""
+        return self.blocks >= self.baseline_blocks
+
+    def baseline(self, name: str) -> tuple[float, float] | None:
+        """``(B_s, se_B)`` of statistic ``name`` (None before any baseline block had it)."""
+        m = self.base_n[name]
+        if m == 0:
+            return None
+        return self.base_sum[name] / m, math.sqrt(self.base_var[name]) / m
+
+    @property
+    def score(self) -> float:
+        """``max_s C_s / h``: the alarm is at 1 (0 while disabled or in the baseline)."""
+        if not math.isfinite(self.threshold):
+            return 0.0
+        return max(*self.cusum.values(), *self.cusum_low.values()) / self.threshold
+
+    def observe_block(self, stats: Mapping[str, tuple[float, float]]) -> bool:
+        """Record one block's ``{statistic: (T, se)}``; True exactly when the test alarms now.
+        Statistics missing from ``stats`` or not finite are skipped for this block."""
+        self.blocks += 1
+        usable = _usable(stats)
+        if self.blocks <= self.baseline_blocks:
+            for name, (t, se) in usable.items():
+                self.base_sum[name] += t
+                self.base_var[name] += se * se
+                self.base_n[name] += 1
+            return False
+        fired = False
+        for name, (t, se) in usable.items():
+            base = self.baseline(name)
+            if base is None:
+                continue
+            b, se_b = base
+            sd = math.sqrt(se * se + se_b * se_b)
+            if sd <= 0.0:
+                continue
+            if name in SQUARED:
+                root = math.sqrt(max(b, 0.0))
+                delta = (root + self.min_shift) ** 2 - root * root
+            else:
+                delta = self.min_shift
+            margin = 0.5 * delta + Z_BASE * se_b
+            z = (t - b - margin) / sd
+            self.last[name] = (t - b) / sd
+            self.cusum[name] = max(0.0, self.cusum[name] + z - KREF)
+            high = self.cusum[name]
+            if name in TWO_SIDED:
+                z_low = (b - t - margin) / sd
+                self.cusum_low[name] = max(0.0, self.cusum_low[name] + z_low - KREF)
+                high = max(high, self.cusum_low[name])
+            if not self.alarm and high > self.threshold:
+                self.alarm, fired = True, True
+                self.alarm_statistic, self.alarm_block = name, self.blocks
+        return fired
+
+    # ---------------------------------------------------------------- snapshots
+    def settings(self) -> tuple[float, int, float, int]:
+        return (self.false_alarm_rate, self.baseline_samples, self.min_shift, self.block_samples)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"false_alarm_rate": self.false_alarm_rate,
+                "baseline_samples": self.baseline_samples, "min_shift": self.min_shift,
+                "block_samples": self.block_samples, "blocks": self.blocks,
+                "base_sum": dict(self.base_sum), "base_var": dict(self.base_var),
+                "base_n": dict(self.base_n), "cusum": dict(self.cusum), "cusum_low": dict(self.cusum_low),
+                "last": dict(self.last),
+                "alarm": self.alarm, "alarm_statistic": self.alarm_statistic,
+                "alarm_block": self.alarm_block}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "change test") -> ChangeDetector:
+        try:
+            det = cls(false_alarm_rate=float(d["false_alarm_rate"]),
+                      baseline_samples=int(d["baseline_samples"]),
+                      min_shift=float(d["min_shift"]), block_samples=int(d["block_samples"]))
+            det.blocks = int(d["blocks"])
+            det.base_sum = {s: float(d["base_sum"][s]) for s in STATISTICS}
+            det.base_var = {s: float(d["base_var"][s]) for s in STATISTICS}
+            det.base_n = {s: int(d["base_n"][s]) for s in STATISTICS}
+            det.cusum = {s: float(d["cusum"][s]) for s in STATISTICS}
+            det.cusum_low = {s: float(d["cusum_low"][s]) for s in TWO_SIDED}
+            det.last = {s: float(d["last"][s]) for s in STATISTICS}
+            det.alarm = bool(d["alarm"])
+            stat = d["alarm_statistic"]
+            if stat is not None and stat not in STATISTICS:
+                raise ValueError(f"unknown statistic {stat!r}")
+            det.alarm_statistic = stat
+            det.alarm_block = None if d["alarm_block"] is None else int(d["alarm_block"])
+            if det.blocks < 0 or any(v < 0 for v in (*det.cusum.values(),
+                                                      *det.cusum_low.values())):
+                raise ValueError("negative block count or CUSUM")
+        except InputError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"{where}: malformed snapshot ({type(e).__name__}: {e})") from None
+        return det
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ChangeDetector) and self.to_dict() == other.to_dict()
