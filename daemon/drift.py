@@ -51,8 +51,16 @@ from typing import Any
 
 from lpcal.errors import InputError
 
-__all__ = ["BLOCK_SAMPLES", "KREF", "SQUARED", "Z_BASE", "STATISTICS", "TWO_SIDED",
-           "ChangeDetector", "cusum_threshold"]
+__all__ = [
+    "BLOCK_SAMPLES",
+    "KREF",
+    "SQUARED",
+    "STATISTICS",
+    "TWO_SIDED",
+    "Z_BASE",
+    "ChangeDetector",
+    "cusum_threshold",
+]
 
 #: Statistics of the change test, in a fixed order (the ``statistic`` label of the gauges).
 STATISTICS = ("confidence_gap", "ece_top", "ece_classwise", "err_p")

@@ -65,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from daemon.drift import STATISTICS, ChangeDetector
+from daemon.drift import ChangeDetector
 from lpcal.errors import InputError
 from lpcal.levels import bin_rows, group_hashed
 from lpcal.metrics import Estimate, binned_sq_error, l2_of_squared
@@ -407,8 +407,8 @@ class WindowStats:
     confidence_gap_se: float = 0.0
     ece_debiased: float = 0.0        # l2 top-label ECE
     ece_debiased_se: float = 0.0
-    ece_classwise: float = 0.0       # l2 classwise ECE
-    ece_classwise_se: float = 0.0
+    ece_classwise: float | None = None     # l2 classwise ECE (None: not kept, raw predictor)
+    ece_classwise_se: float | None = None
     brier_reliability: float = 0.0   # reliability term of Brier on the level sets
     brier_reliability_se: float = 0.0
 
@@ -418,11 +418,14 @@ class WindowStats:
     def statistics(self) -> dict[str, Estimate]:
         """The change test's statistics (:data:`daemon.drift.STATISTICS`) as exported: the
         ECEs as l2 errors, the Brier reliability term and Err_p, each with its standard error."""
-        return {"confidence_gap": Estimate(self.confidence_gap, self.confidence_gap_se),
-                "ece_top": Estimate(self.ece_debiased, self.ece_debiased_se),
-                "ece_classwise": Estimate(self.ece_classwise, self.ece_classwise_se),
-                "brier_reliability": Estimate(self.brier_reliability, self.brier_reliability_se),
-                "err_p": Estimate(self.err_p, self.stderr)}
+        out = {"confidence_gap": Estimate(self.confidence_gap, self.confidence_gap_se),
+               "ece_top": Estimate(self.ece_debiased, self.ece_debiased_se),
+               "ece_classwise": Estimate(self.ece_classwise, self.ece_classwise_se),
+               "brier_reliability": Estimate(self.brier_reliability, self.brier_reliability_se),
+               "err_p": Estimate(self.err_p, self.stderr)}
+        if self.ece_classwise is None:
+            del out["ece_classwise"]
+        return out
 
 
 def block_statistics(sums: CellSums, p: float) -> dict[str, Estimate]:
@@ -475,7 +478,9 @@ def window_stats(sums: CellSums, p: float, z: float) -> WindowStats | None:
     if n == 0:
         return None
     st = block_statistics(sums, p)
-    top, cw = l2_of_squared(st["ece_top"]), l2_of_squared(st["ece_classwise"])
+    top = l2_of_squared(st["ece_top"])
+    cw = (l2_of_squared(st["ece_classwise"]) if math.isfinite(st["ece_classwise"].value)
+          else Estimate(None, None))  # type: ignore[arg-type]
     a, se = cell_bounds(sums)
     err = _lp_norm(a, p)
     lower = _lp_norm(np.maximum(a - z * se, 0.0), p)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from daemon.drift import ChangeDetector
-from daemon.model_state import _CHANGE_CONFIG
+from daemon.model_state import _CHANGE_CONFIG, change_detector
 from daemon.monitor import WindowMonitor
 from daemon.trigger import DriftTrigger
 from lpcal import fit
@@ -78,10 +78,7 @@ class Published:
 
     def monitor(self, change: ChangeDetector | None = None) -> WindowMonitor:
         return WindowMonitor(self.k, self.bm.lam, P, window_samples=10_000,
-                             change=change or ChangeDetector(**{
-                                 "false_alarm_rate": _CHANGE_CONFIG["drift_false_alarm_rate"],
-                                 "baseline_samples": _CHANGE_CONFIG["drift_baseline_samples"],
-                                 "min_shift": _CHANGE_CONFIG["drift_min_shift"]}))
+                             change=change or change_detector(_CHANGE_CONFIG))
 
     def draw(self, rng: np.random.Generator, n: int, scale: float = 1.0):
         idx = rng.choice(self.pool, size=n, replace=True)
@@ -166,18 +163,19 @@ def run(quick: bool = False) -> list[Table]:
         ["network", "k", "drift", "ECE before -> after", "Err_inf before -> after",
          "change test delay (median / max)", "Err_p > eps trigger"],
         key="drift_detection",
-        notes=[f"A map fitted with lpcal.fit (eps {EPS}, p inf) on one seeded half of the "
+        notes=[(f"A map fitted with lpcal.fit (eps {EPS}, p inf) on one seeded half of the "
               f"record; the stream resamples the other half. {STATIONARY_BEFORE:,} stationary "
               f"samples after the publication, then logits x scale; delay in joined samples "
               f"after the switch over {len(seeds)} seeds (target: within 5,000). The Err_p "
               f"trigger (the previous drift rule, shipped settings: lower bound above eps for "
               f"{SUSTAIN:.0f} s at {RATE:.0f} samples/s) gets {DRIFTED:,} drifted samples. "
-              f"Change test: shipped defaults ({_CHANGE_CONFIG})."])
+              f"Change test: shipped defaults ({_CHANGE_CONFIG}).")])
     fa = Table("False alarms of the change test in stationary streams",
                ["network", "k", "samples per seed", "seeds", "false alarms", "seconds"],
                key="drift_false_alarms",
-               notes=["Streams resampled with replacement from the held-out half (target: "
-                      "none); after an alarm the test restarts its baseline, as after a new map."])
+               notes=[("Streams resampled with replacement from the held-out half (target: "
+                       "none); after an alarm the test restarts its baseline, as after a new "
+                       "map.")])
     for name in records:
         pubs = [Published(name, s) for s in seeds]
         k = pubs[0].k
