@@ -9,7 +9,16 @@ bin map) the monitor keeps additive sums over a sliding window of recent joined 
   ``Err_p = ( sum_vj |S_vj / n|^p )^(1/p)`` (max for ``p = inf``);
 * top-label ECE (15 equal-width confidence bins, as :func:`lpcal.metrics.top_label_ece`):
   per bin ``sum (1[argmax f = y] - max f)``; ECE ``= sum_b |gap_b| / n``;
-* Brier ``sum ||f - e_y||^2 / n`` and accuracy ``sum 1[argmax f = y] / n``.
+* Brier ``sum ||f - e_y||^2 / n`` and accuracy ``sum 1[argmax f = y] / n``;
+* for the debiased statistics (:func:`block_statistics`): per confidence bin the count and sum of
+  squared residuals, and, for the calibrated predictor, the classwise sums per (class, bin of
+  ``f_j``) (:class:`Classwise`, ``360 k`` bytes per bucket, up to ``k =``
+  :data:`CLASSWISE_MAX_K`).
+
+**Change test.** With a :class:`daemon.drift.ChangeDetector` (``change``), the calibrated
+samples are also cut into blocks of its ``block_samples``, counted from the last
+``reset("calibrated")`` (a new bin map): each completed block's statistics are one observation
+of the test. The current block's sums and the test's state are part of the snapshot.
 
 **Noise and the confidence margin** (used by the drift trigger). Each cell mean
 ``Zbar_vj = S_vj / n`` has standard error ``se_vj = sqrt(s^2_vj / n)`` with the unbiased sample
@@ -51,6 +60,8 @@ Usage::
     mon.update(probs, labels, ts, calibrated=binmap.apply(probs))
     stats = mon.evaluate(z=3.0)      # {"raw": WindowStats, "calibrated": WindowStats | None}
     stats["calibrated"].err_p, stats["calibrated"].lower, stats["raw"].ece
+    stats["calibrated"].statistics()   # debiased ECEs, ..., each with its standard error
+    mon.change.alarm                 # the change test (if one was given)
     mon.reset("calibrated")          # after a new bin map: measure it from scratch
 """
 

@@ -209,3 +209,12 @@ def test_trigger_fires_once_on_the_change_alarm():
     assert trig.check(now=1.0, pools_full=False, change=True) == Firing("drift", "refill")
     assert trig.refill_cause == "drift"
     assert trig.check(now=2.0, pools_full=False, change=True) is None
+
+
+def test_settings_defaults_are_the_legacy_checkpoint_defaults():
+    """A checkpoint written before the change test restores with the settings' defaults."""
+    from daemon.model_state import _CHANGE_CONFIG
+    from daemon.settings import ModelSettings
+
+    ms = ModelSettings()
+    assert {key: getattr(ms, key) for key in _CHANGE_CONFIG} == _CHANGE_CONFIG
