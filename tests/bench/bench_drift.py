@@ -65,6 +65,15 @@ def rescale(probs: np.ndarray, scale: float) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
+class WithoutGap(ChangeDetector):
+    """The shipped test with the confidence gap's CUSUMs left out (the same threshold): what the
+    debiased ECEs and Err_p detect on their own. Its alarms are a subset of the full test's on
+    the same stream (the same CUSUMs, one fewer statistic)."""
+
+    def observe_block(self, stats):
+        return super().observe_block({s: v for s, v in stats.items() if s != "confidence_gap"})
+
+
 class Published:
     """A bin map fitted on one half of a record; the other half is the stream's pool."""
 
@@ -124,14 +133,14 @@ def false_alarms(pub: Published, seed: int, n: int = STATIONARY) -> int:
 
 
 def drift_run(pub: Published, seed: int, scale: float, before: int = STATIONARY_BEFORE,
-              drifted: int = DRIFTED, old: bool = True) -> dict:
+              drifted: int = DRIFTED, old: bool = True, gap: bool = True) -> dict:
     """Stationary ``before`` samples, then ``drifted`` rescaled ones. Returns the change test's
     delay (samples after the switch; None: missed; -1: alarmed before the switch), whether the
     old trigger fired after the switch, and the live map's ECE / Err_inf before and after."""
     rng = np.random.default_rng(20_000 + seed)
     x0, y0 = pub.draw(rng, before)
     x1, y1 = pub.draw(rng, drifted, scale)
-    mon = pub.monitor()
+    mon = pub.monitor(None if gap else WithoutGap(**_detector_kw()))
     trig = DriftTrigger(EPS, SUSTAIN, min_samples=MIN_SAMPLES)
     fired_old: list[int] = []
 
@@ -150,6 +159,12 @@ def drift_run(pub: Published, seed: int, scale: float, before: int = STATIONARY_
             "err": (err_p(c0, y0, pub.bm.lam, P), err_p(c1, y1, pub.bm.lam, P))}
 
 
+def _detector_kw() -> dict:
+    d = change_detector(_CHANGE_CONFIG)
+    return {"false_alarm_rate": d.false_alarm_rate, "baseline_samples": d.baseline_samples,
+            "min_shift": d.min_shift}
+
+
 def _fmt(xs: list) -> str:
     if any(v is None for v in xs):
         return f"missed {sum(v is None for v in xs)}/{len(xs)}"
@@ -164,7 +179,8 @@ def run(quick: bool = False) -> list[Table]:
     det = Table(
         "Drift detection on real networks: change test of the live map vs the Err_p threshold",
         ["network", "k", "drift", "ECE before -> after", "Err_inf before -> after",
-         "change test delay (median / max)", "declared by", "Err_p > eps trigger"],
+         "change test delay (median / max)", "declared by",
+         "delay without the confidence gap", "Err_p > eps trigger"],
         key="drift_detection",
         notes=[(f"A map fitted with lpcal.fit (eps {EPS}, p inf) on one seeded half of the "
               f"record; the stream resamples the other half. {STATIONARY_BEFORE:,} stationary "
@@ -172,6 +188,8 @@ def run(quick: bool = False) -> list[Table]:
               f"after the switch over {len(seeds)} seeds (target: within 5,000). The Err_p "
               f"trigger (the previous drift rule, shipped settings: lower bound above eps for "
               f"{SUSTAIN:.0f} s at {RATE:.0f} samples/s) gets {DRIFTED:,} drifted samples. "
+               f"'Without the confidence gap': the same test on the debiased top-label and "
+               f"classwise ECE and Err_p only. "
               f"Change test: shipped defaults ({_CHANGE_CONFIG}).")])
     fa = Table("False alarms of the change test in stationary streams",
                ["network", "k", "samples per seed", "seeds", "false alarms"],
@@ -191,11 +209,14 @@ def run(quick: bool = False) -> list[Table]:
             rb = median([r["err"][0] for r in runs])
             ra = median([r["err"][1] for r in runs])
             olds = [r["old"] for r in runs]
+            ece_only = [drift_run(pubs[s], s, scale, old=False, gap=False)["delay"]
+                        for s in seeds]
             det.add(name, k, f"logits x{scale:g}", f"{eb:.3f} -> {ea:.3f}",
                     f"{rb:.4f} -> {ra:.4f}",
                     _fmt([d for d in delays if d != -1]) + (f" ({pre} alarmed before)"
                                                             if pre else ""),
                     ", ".join(sorted({r["by"] for r in runs if r["by"]})) or "-",
+                    _fmt([d for d in ece_only if d != -1]),
                     f"fired {sum(o is not None for o in olds)}/{len(olds)}")
         alarms = sum(false_alarms(p, s, n_stat) for p, s in zip(pubs, fa_seeds))
         fa.add(name, k, f"{n_stat:,}", len(fa_seeds), alarms)
