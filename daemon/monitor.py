@@ -427,8 +427,9 @@ class WindowStats:
         return asdict(self)
 
     def statistics(self) -> dict[str, Estimate]:
-        """The change test's statistics (:data:`daemon.drift.STATISTICS`) as exported: the
-        ECEs as l2 errors, the Brier reliability term and Err_p, each with its standard error."""
+        """The statistics as exported (``lpcal_calibration_statistic``): the confidence gap,
+        the debiased ECEs as l2 errors (classwise only where kept), the Brier reliability term
+        and Err_p, each with its standard error."""
         out = {"confidence_gap": Estimate(self.confidence_gap, self.confidence_gap_se),
                "ece_top": Estimate(self.ece_debiased, self.ece_debiased_se),
                "ece_classwise": Estimate(self.ece_classwise, self.ece_classwise_se),
@@ -440,12 +441,13 @@ class WindowStats:
 
 
 def block_statistics(sums: CellSums, p: float) -> dict[str, Estimate]:
-    """The change test's statistics of merged sums (:mod:`daemon.drift`), on the scale it tests:
-    the confidence gap ``mean(1[argmax f = y] - max f)`` (accuracy minus mean confidence:
-    negative when over-confident) with its standard error, the debiased *squared* l2 top-label ECE (15 confidence bins), classwise ECE (15 bins per
-    class, averaged over classes) and Brier reliability term (level sets at lambda: ``sum_v
-    (n_v / n) ||mean_v (f - y)||^2``; bins seen once count 0), all by
-    :func:`lpcal.metrics.binned_sq_error`, and the plug-in Err_p with its standard error."""
+    """The calibration statistics of merged sums, each with its standard error, on the scale the
+    change test (:mod:`daemon.drift`) uses: the confidence gap ``mean(1[argmax f = y] - max f)``
+    (accuracy minus mean confidence: negative when over-confident); the debiased *squared* l2
+    top-label ECE (15 confidence bins), classwise ECE (15 bins per class, averaged over classes;
+    NaN when the classwise sums are not kept) and Brier reliability term (level sets at lambda:
+    ``sum_v (n_v / n) ||mean_v (f - y)||^2``; bins seen once count 0; exported, not tested), all
+    by :func:`lpcal.metrics.binned_sq_error`; and the plug-in Err_p."""
     n = sums.n
     top = binned_sq_error(sums.ece_n, sums.gap, sums.ece_q, int(sums.ece_n.sum()))
     if sums.cw is not None:

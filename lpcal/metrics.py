@@ -23,7 +23,9 @@ built from disjoint batches ``merge`` into the statistics of the union, so monit
 streamed and windowed.
 
 Other metrics (top-label / classwise ECE, Brier, NLL, accuracy) follow their usual definitions; see
-each function.
+each function. :func:`binned_sq_error` is the debiased squared l2 calibration error of binned
+residual sums (with its standard error), behind :func:`top_label_ece_debiased` and
+:func:`classwise_ece_debiased` and the daemon's windowed statistics.
 """
 
 from __future__ import annotations
