@@ -152,10 +152,7 @@ class _Rows:
         self.fy = x[idx, y]
         self.sq = np.einsum("ij,ij->i", x, x)
         self.ece_bin = np.searchsorted(_ECE_INNER, self.conf, side="left")
-        # classwise ECE cell (class j, equal-width bin of x_ij) of every entry: j * ECE_BINS + b
-        k = x.shape[1]
-        self.cw_cell = (np.searchsorted(_ECE_INNER, x, side="left")
-                        + np.arange(k) * ECE_BINS)
+        self.cw_cell: np.ndarray | None = None  # classwise cells, computed when first used
 
 
 _ECE_INNER = np.linspace(0.0, 1.0, ECE_BINS + 1)[1:-1]
@@ -185,8 +182,8 @@ def _cell_stats(r: _Rows, sel: slice | np.ndarray):
 class CellSums:
     """Additive per-(bin, class) sums ``N_v``, ``S_vj``, ``Q_vj`` plus the scalar metric sums."""
 
-    __slots__ = ("brier", "correct", "counts", "cw", "ece_n", "ece_q", "gap", "hashes", "k", "n",
-                 "q", "s")
+    __slots__ = ("brier", "correct", "counts", "ece_n", "ece_q", "gap", "hashes", "k", "n", "q",
+                 "s")
 
     def __init__(self, k: int):
         self.k = int(k)
@@ -199,10 +196,9 @@ class CellSums:
         self.correct = 0
         self.gap = np.zeros(ECE_BINS)
         # debiased ECE sums: per confidence bin the count and the sum of squared residuals
-        # (``gap`` is their sum); the classwise sums (None: not kept, see :class:`Classwise`)
+        # (``gap`` is their sum). The classwise sums are kept apart (:class:`Classwise`).
         self.ece_n = np.zeros(ECE_BINS, dtype=np.int64)
         self.ece_q = np.zeros(ECE_BINS)
-        self.cw: Classwise | None = None
 
     @classmethod
     def from_batch(cls, probs: np.ndarray, labels: np.ndarray, lam: int) -> CellSums:
@@ -254,23 +250,19 @@ class CellSums:
         out.gap = np.sum([p.gap for p in parts], axis=0)
         out.ece_n = np.sum([p.ece_n for p in parts], axis=0)
         out.ece_q = np.sum([p.ece_q for p in parts], axis=0)
-        cws = [p.cw for p in parts if p.cw is not None]
-        out.cw = Classwise.merge_all(cws) if cws else None
         return out
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the per-bin arrays (``16 k + 16`` per bin) and of the classwise sums when
-        attached (:attr:`Classwise.nbytes`; the fixed 15-bin arrays are not counted)."""
-        return (self.hashes.nbytes + self.counts.nbytes + self.s.nbytes + self.q.nbytes
-                + (self.cw.nbytes if self.cw is not None else 0))
+        """Bytes of the per-bin arrays (``16 k + 16`` per bin; the fixed 15-bin arrays are not
+        counted)."""
+        return self.hashes.nbytes + self.counts.nbytes + self.s.nbytes + self.q.nbytes
 
     def to_dict(self) -> dict[str, Any]:
         return {"k": self.k, "n": self.n, "brier": self.brier, "correct": self.correct,
                 "gap": _enc(self.gap), "hashes": _enc(self.hashes), "counts": _enc(self.counts),
                 "s": _enc(self.s), "q": _enc(self.q), "ece_n": _enc(self.ece_n),
-                "ece_q": _enc(self.ece_q),
-                "classwise": None if self.cw is None else self.cw.to_dict()}
+                "ece_q": _enc(self.ece_q)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "sums") -> CellSums:
@@ -297,9 +289,7 @@ class CellSums:
                 if a.shape != (ECE_BINS,):
                     raise InputError(f"{where}.{name}: shape {a.shape}, expected ({ECE_BINS},)")
                 setattr(out, name, a)
-        if d.get("classwise") is not None:
-            out.cw = Classwise.from_dict(d["classwise"], out.k, f"{where}.classwise")
-        if int(out.ece_n.sum()) > out.n or (out.cw is not None and out.cw.total > out.n):
+        if int(out.ece_n.sum()) > out.n:
             raise InputError(f"{where}: ECE bin counts exceed n={out.n}")
         return out
 
@@ -312,7 +302,7 @@ class CellSums:
                 and np.array_equal(self.counts, other.counts)
                 and np.array_equal(self.s, other.s) and np.array_equal(self.q, other.q)
                 and np.array_equal(self.ece_n, other.ece_n)
-                and np.array_equal(self.ece_q, other.ece_q) and self.cw == other.cw)
+                and np.array_equal(self.ece_q, other.ece_q))
 
 
 #: Largest k whose classwise ECE sums are kept: they take ``Classwise.nbytes`` = ``360 k``
@@ -334,6 +324,9 @@ class Classwise:
 
     def add(self, r: _Rows, sel: slice | np.ndarray) -> None:
         """Add the rows ``sel`` of a batch's :class:`_Rows`."""
+        if r.cw_cell is None:  # class j, equal-width bin b of x_ij: cell j * ECE_BINS + b
+            r.cw_cell = (np.searchsorted(_ECE_INNER, r.x, side="left")
+                         + np.arange(r.x.shape[1]) * ECE_BINS)
         x, y, cw = r.x[sel], r.y[sel], r.cw_cell[sel]
         m = self.n.size
         cells = cw.ravel()
@@ -345,6 +338,12 @@ class Classwise:
                    + np.bincount(on_y, weights=1.0 - 2.0 * r.fy[sel], minlength=m)
                    ).reshape(self.n.shape)
 
+    def iadd(self, other: Classwise) -> None:
+        """Add ``other``'s sums to these, in place."""
+        self.n += other.n
+        self.s += other.s
+        self.q += other.q
+
     @property
     def total(self) -> int:
         """Samples added (each counts once per class)."""
@@ -355,7 +354,11 @@ class Classwise:
         return self.n.nbytes + self.s.nbytes + self.q.nbytes
 
     @classmethod
-    def merge_all(cls, parts: list[Classwise]) -> Classwise:
+    def merge_all(cls, parts: list[Classwise | None]) -> Classwise | None:
+        """The sums of all ``parts`` (a new object; None when none is kept)."""
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return None
         out = cls(parts[0].n.shape[0])
         for p in parts:
             out.n += p.n
@@ -440,22 +443,25 @@ class WindowStats:
         return out
 
 
-def block_statistics(sums: CellSums, p: float) -> dict[str, Estimate]:
+def block_statistics(sums: CellSums, p: float, cw: Classwise | None = None, *,
+                     reliability: bool = True) -> dict[str, Estimate]:
     """The calibration statistics of merged sums, each with its standard error, on the scale the
     change test (:mod:`daemon.drift`) uses: the confidence gap ``mean(1[argmax f = y] - max f)``
     (accuracy minus mean confidence: negative when over-confident); the debiased *squared* l2
     top-label ECE (15 confidence bins), classwise ECE (15 bins per class, averaged over classes;
     NaN when the classwise sums are not kept) and Brier reliability term (level sets at lambda:
     ``sum_v (n_v / n) ||mean_v (f - y)||^2``; bins seen once count 0; exported, not tested), all
-    by :func:`lpcal.metrics.binned_sq_error`; and the plug-in Err_p."""
+    by :func:`lpcal.metrics.binned_sq_error`; and the plug-in Err_p. ``reliability=False``
+    leaves the Brier term out (the change test's blocks: it is not tested)."""
     n = sums.n
     top = binned_sq_error(sums.ece_n, sums.gap, sums.ece_q, int(sums.ece_n.sum()))
-    if sums.cw is not None:
-        cw = binned_sq_error(sums.cw.n, sums.cw.s, sums.cw.q, sums.cw.total)
-        cw = Estimate(cw.value / sums.k, cw.stderr / sums.k)
+    if cw is not None:
+        e = binned_sq_error(cw.n, cw.s, cw.q, cw.total)
+        classwise = Estimate(e.value / sums.k, e.stderr / sums.k)
     else:
-        cw = Estimate(math.nan, math.nan)
-    rel = binned_sq_error(sums.counts[:, None], sums.s, sums.q, n)
+        classwise = Estimate(math.nan, math.nan)
+    rel = (binned_sq_error(sums.counts[:, None], sums.s, sums.q, n) if reliability
+           else Estimate(math.nan, math.nan))
     err, stderr = _err_p(sums, p)
     m = int(sums.ece_n.sum())
     if m >= 2:
@@ -464,7 +470,7 @@ def block_statistics(sums: CellSums, p: float) -> dict[str, Estimate]:
         gap = Estimate(mean, math.sqrt(var / m))
     else:
         gap = Estimate(0.0, 0.0)
-    return {"confidence_gap": gap, "ece_top": top, "ece_classwise": cw,
+    return {"confidence_gap": gap, "ece_top": top, "ece_classwise": classwise,
             "brier_reliability": rel, "err_p": Estimate(err, stderr)}
 
 
@@ -485,12 +491,13 @@ def _err_p(sums: CellSums, p: float) -> tuple[float, float]:
     return float(err), float(math.sqrt(float(np.sum((w * se) ** 2))))
 
 
-def window_stats(sums: CellSums, p: float, z: float) -> WindowStats | None:
-    """Evaluate merged sums; None when the window is empty."""
+def window_stats(sums: CellSums, p: float, z: float,
+                 classwise: Classwise | None = None) -> WindowStats | None:
+    """Evaluate merged sums (and classwise sums, if kept); None when the window is empty."""
     n = sums.n
     if n == 0:
         return None
-    st = block_statistics(sums, p)
+    st = block_statistics(sums, p, classwise)
     top = l2_of_squared(st["ece_top"])
     cw = (l2_of_squared(st["ece_classwise"]) if math.isfinite(st["ece_classwise"].value)
           else Estimate(None, None))  # type: ignore[arg-type]
@@ -523,17 +530,16 @@ class _Bucket:
         # classwise sums of the bucket, accumulated in place (counted once in nbytes)
         self.cw: dict[str, Classwise | None] = {name: None for name in PREDICTORS}
 
-    def add(self, name: str, s: CellSums, k: int, rows: _Rows | None = None,
-            sel: slice | np.ndarray | None = None) -> None:
-        """Add the sums ``s`` of rows ``sel`` of ``rows``; with ``rows``, their classwise sums
-        too."""
+    def add(self, name: str, s: CellSums, k: int, cw: Classwise | None = None) -> None:
+        """Add the sums ``s`` of some samples (never modified: the change test's block may hold
+        them too) and, if given, their classwise sums ``cw`` (added into the bucket's own)."""
         self.parts[name].append(s)
         self.nbytes += s.nbytes
-        if rows is not None:
+        if cw is not None:
             if self.cw[name] is None:
                 self.cw[name] = Classwise(k)
                 self.nbytes += self.cw[name].nbytes
-            self.cw[name].add(rows, sel)  # type: ignore[union-attr, arg-type]
+            self.cw[name].iadd(cw)  # type: ignore[union-attr]
         if len(self.parts[name]) >= _COMPACT_PARTS:
             self.sums(name, k)
 
@@ -542,22 +548,16 @@ class _Bucket:
         if parts or self.merged[name] is None:
             old = self.merged[name]
             base = [old] if old is not None else []
-            if old is not None:
-                old.cw = None
             self.nbytes -= sum(p.nbytes for p in base + parts)
             merged = CellSums.merge_all(base + parts, k)
             self.nbytes += merged.nbytes
             self.merged[name] = merged
             self.parts[name] = []
-        merged = self.merged[name]
-        merged.cw = self.cw[name]  # type: ignore[union-attr]
-        return merged  # type: ignore[return-value]
+        return self.merged[name]  # type: ignore[return-value]
 
     def drop(self, name: str) -> None:
         """Forget the sums of one predictor."""
         m, cw = self.merged[name], self.cw[name]
-        if m is not None:
-            m.cw = None
         self.nbytes -= (sum(p.nbytes for p in self.parts[name]) + (m.nbytes if m else 0)
                         + (cw.nbytes if cw else 0))
         self.parts[name], self.merged[name], self.cw[name] = [], None, None
@@ -627,9 +627,10 @@ class WindowMonitor:
         rows = (_Rows(x, y, self.lam, hashes),
                 None if calibrated is None else
                 _Rows(np.asarray(calibrated, dtype=np.float64), y, self.lam))
-        if rows[1] is not None and self.change is not None:
-            self._feed_change(rows[1])
+        feed = rows[1] is not None and self.change is not None
         if self.by_time:
+            if feed:  # blocks follow arrival order, buckets event time: computed apart
+                self._feed_change(rows[1])  # type: ignore[arg-type]
             if ts is None:
                 raise InputError("monitor: a time window needs ts")
             t = np.asarray(ts, dtype=np.float64)
@@ -666,7 +667,9 @@ class WindowMonitor:
             bid_last = next(reversed(self.buckets))
             cur = self.buckets[bid_last]
             take = min(n - a, int(self.width) - cur.n, step)
-            self._add(cur, rows, slice(a, a + take))
+            if feed:  # cut at the change test's blocks too: one piece serves both
+                take = min(take, self.change.block_samples - self._block_n)  # type: ignore
+            self._add(cur, rows, slice(a, a + take), feed)
             a += take
         self.total_samples += n
         self._trim()
@@ -677,37 +680,40 @@ class WindowMonitor:
         self.change = change
         self._block, self._block_n, self._block_cw = [], 0, None
 
-    def _block_sums(self) -> CellSums:
-        """The current (incomplete) block's sums, merged, with its classwise sums."""
-        self._block = [CellSums.merge_all(self._block, self.k)]
-        merged = CellSums(self.k)
-        for name in ("hashes", "counts", "s", "q", "n", "brier", "correct", "gap", "ece_n",
-                     "ece_q"):
-            setattr(merged, name, getattr(self._block[0], name))
-        merged.cw = self._block_cw
-        return merged
+    def _classwise(self, cal: _Rows, sel: slice | np.ndarray) -> Classwise | None:
+        if self.k > CLASSWISE_MAX_K:
+            return None
+        cw = Classwise(self.k)
+        cw.add(cal, sel)
+        return cw
 
     def _feed_change(self, cal: _Rows) -> None:
-        """Add calibrated rows to the change test's blocks, in arrival order: every completed
-        block of ``change.block_samples`` samples is one observation of the test."""
-        det, n, a = self.change, cal.y.shape[0], 0
-        size = det.block_samples  # type: ignore[union-attr]
+        """Add calibrated rows to the change test's blocks (time windows; a sample window
+        shares its pieces with the buckets, see :meth:`update`)."""
+        n, a = cal.y.shape[0], 0
         while a < n:
-            take = min(n - a, size - self._block_n)
-            self._block.append(CellSums.from_rows(cal, slice(a, a + take)))
-            if self.k <= CLASSWISE_MAX_K:
-                if self._block_cw is None:
-                    self._block_cw = Classwise(self.k)
-                self._block_cw.add(cal, slice(a, a + take))
-            self._block_n += take
-            a += take
-            if self._block_n >= size:
-                merged = CellSums.merge_all(self._block, self.k)
-                merged.cw = self._block_cw
-                self._block, self._block_n, self._block_cw = [], 0, None
-                det.observe_block(_pairs(block_statistics(merged, self.p)))  # type: ignore
-            elif len(self._block) >= _COMPACT_PARTS:
-                self._block = [CellSums.merge_all(self._block, self.k)]
+            sl = slice(a, a + min(n - a, self.change.block_samples - self._block_n))  # type: ignore
+            self._block_add(CellSums.from_rows(cal, sl), self._classwise(cal, sl))
+            a = sl.stop
+
+    def _block_add(self, part: CellSums, cw: Classwise | None) -> None:
+        """Add the sums of the next calibrated samples (within the current block) to the change
+        test's block; a completed block of ``change.block_samples`` samples is one observation
+        of the test."""
+        det = self.change
+        self._block.append(part)
+        if cw is not None:
+            if self._block_cw is None:
+                self._block_cw = Classwise(self.k)
+            self._block_cw.iadd(cw)
+        self._block_n += part.n
+        if self._block_n >= det.block_samples:  # type: ignore[union-attr]
+            merged = CellSums.merge_all(self._block, self.k)
+            stats = block_statistics(merged, self.p, self._block_cw, reliability=False)
+            self._block, self._block_n, self._block_cw = [], 0, None
+            det.observe_block(_pairs(stats))  # type: ignore[union-attr]
+        elif len(self._block) >= _COMPACT_PARTS:
+            self._block = [CellSums.merge_all(self._block, self.k)]
 
     # ---------------------------------------------------------------- byte budget
     @property
@@ -759,15 +765,18 @@ class WindowMonitor:
             self.buckets.popitem(last=False)
             self._cache.clear()
 
-    def _add(self, bk: _Bucket, rows: tuple[_Rows, _Rows | None], sel: slice | np.ndarray
-             ) -> None:
-        """Add the samples ``sel`` (non-empty) of a batch to bucket ``bk``."""
+    def _add(self, bk: _Bucket, rows: tuple[_Rows, _Rows | None], sel: slice | np.ndarray,
+             feed: bool = False) -> None:
+        """Add the samples ``sel`` (non-empty) of a batch to bucket ``bk``; ``feed``: to the
+        change test's current block too (``sel`` then lies within it)."""
         raw, cal = rows
         bk.n += raw.y[sel].shape[0]
-        cw = self.k <= CLASSWISE_MAX_K  # of the calibrated predictor only (the live map)
         bk.add("raw", CellSums.from_rows(raw, sel), self.k)
-        if cal is not None:
-            bk.add("calibrated", CellSums.from_rows(cal, sel), self.k, cal if cw else None, sel)
+        if cal is not None:  # classwise sums of the calibrated predictor only (the live map)
+            part, cw = CellSums.from_rows(cal, sel), self._classwise(cal, sel)
+            bk.add("calibrated", part, self.k, cw)
+            if feed:
+                self._block_add(part, cw)
 
     def advance(self, now: float) -> None:
         """Time windows: move the clock to ``now`` and drop buckets that left the window."""
@@ -812,6 +821,10 @@ class WindowMonitor:
         return CellSums.merge_all([bk.sums(predictor, self.k) for bk in self.buckets.values()],
                                   self.k)
 
+    def classwise(self, predictor: str = "calibrated") -> Classwise | None:
+        """Merged classwise sums of ``predictor`` over the window (None: not kept)."""
+        return Classwise.merge_all([bk.cw[predictor] for bk in self.buckets.values()])
+
     def window_size(self, predictor: str = "raw") -> int:
         return sum(bk.sums(predictor, self.k).n for bk in self.buckets.values())
 
@@ -821,7 +834,8 @@ class WindowMonitor:
         Cached until the window changes, so repeated calls between updates are free."""
         out = self._cache.get(z)
         if out is None:
-            out = {name: window_stats(self.sums(name), self.p, z) for name in PREDICTORS}
+            out = {name: window_stats(self.sums(name), self.p, z, self.classwise(name))
+                   for name in PREDICTORS}
             self._cache[z] = out
         return dict(out)
 
@@ -835,12 +849,17 @@ class WindowMonitor:
             "total_samples": self.total_samples,
             "buckets": [
                 {"id": b, "n": bk.n,
-                 **{name: bk.sums(name, self.k).to_dict() for name in PREDICTORS}}
+                 **{name: bk.sums(name, self.k).to_dict() for name in PREDICTORS},
+                 "classwise": {name: None if bk.cw[name] is None else bk.cw[name].to_dict()
+                               for name in PREDICTORS}}
                 for b, bk in self.buckets.items()
             ],
             "change": None if self.change is None else {
                 "test": self.change.to_dict(), "block_n": self._block_n,
-                "block": self._block_sums().to_dict() if self._block else None},
+                "block": (CellSums.merge_all(self._block, self.k).to_dict() if self._block
+                          else None),
+                "block_classwise": (None if self._block_cw is None
+                                    else self._block_cw.to_dict())},
         }
 
     @classmethod
@@ -863,8 +882,17 @@ class WindowMonitor:
                     s = CellSums.from_dict(bd[name], f"{where}.buckets[{i}].{name}")
                     if s.k != mon.k:
                         raise ValueError(f"bucket {i} {name} has k={s.k}")
-                    bk.merged[name], bk.cw[name] = s, s.cw
+                    bk.merged[name] = s
                     bk.nbytes += s.nbytes
+                    cwd = (bd.get("classwise") or {}).get(name)  # absent: older snapshots
+                    if cwd is not None:
+                        cw = Classwise.from_dict(cwd, mon.k,
+                                                 f"{where}.buckets[{i}].classwise.{name}")
+                        if cw.total != s.n:
+                            raise ValueError(f"bucket {i} {name}: classwise sums hold "
+                                             f"{cw.total} samples, not {s.n}")
+                        bk.cw[name] = cw
+                        bk.nbytes += cw.nbytes
                 if bk.merged["raw"].n != bk.n:  # type: ignore[union-attr]
                     raise ValueError(f"bucket {i}: n={bk.n} but raw sums hold "
                                      f"{bk.merged['raw'].n}")  # type: ignore[union-attr]
@@ -876,8 +904,10 @@ class WindowMonitor:
                     blk = CellSums.from_dict(ch["block"], f"{where}.change.block")
                     if blk.k != mon.k or blk.n != int(ch["block_n"]):
                         raise ValueError("change block does not match its count or k")
-                    mon._block, mon._block_cw = [blk], blk.cw
-                    blk.cw = None
+                    mon._block = [blk]
+                if ch.get("block_classwise") is not None:
+                    mon._block_cw = Classwise.from_dict(ch["block_classwise"], mon.k,
+                                                        f"{where}.change.block_classwise")
                 mon._block_n = int(ch["block_n"])
                 if not 0 <= mon._block_n < mon.change.block_samples:
                     raise ValueError(f"change block_n={mon._block_n} out of range")
