@@ -69,7 +69,7 @@ __all__ = [
     "cusum_threshold",
 ]
 
-#: Statistics of the change test, in a fixed order (the ``statistic`` label of the gauges).
+#: Statistics of the change test, in a fixed order (values of the gauges' ``statistic`` label).
 STATISTICS = ("confidence_gap", "ece_top", "ece_classwise", "err_p")
 #: Statistics estimated on the squared scale (their minimum shift applies to the square root).
 SQUARED = frozenset(("ece_top", "ece_classwise"))
