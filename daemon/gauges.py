@@ -55,6 +55,14 @@ class Gauges:
                                   w.accuracy)
         raw = stats.get("raw")
         m.set_window_samples(model, raw.n if raw is not None else 0)
+        # calibration statistics with their standard errors, and the change test's score
+        for pred in ("raw", "calibrated"):
+            w = stats.get(pred)
+            if w is not None:
+                m.set_statistics(model, pred, {s: (e.value, e.stderr)
+                                               for s, e in w.statistics().items()})
+        change = st.monitor.change
+        m.set_drift_change_score(model, change.score if change is not None else 0.0)
 
     def _export_certificate(self, model: str, certificate: Any) -> None:
         """Export a bin map's held-out certificate (a dict, or the map's JSON bytes); a map

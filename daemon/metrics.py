@@ -25,8 +25,15 @@ Quality gauges (labels ``{model, predictor}``, predictor = raw | calibrated):
 ``Err_p(f) = (E_x ||E[y | f(x)] - f(x)||_p^p)^(1/p)`` over the recent evaluation window (binned
 by level sets, as in the paper), ``lpcal_top_label_ece`` the top-label expected calibration
 error, ``lpcal_brier_score`` the mean ``||f(x) - e_y||_2^2`` (in [0, 2]) and
-``lpcal_accuracy_ratio`` the top-1 accuracy (in [0, 1]). Drift means the calibrated
-``lpcal_calibration_error`` exceeds ``lpcal_drift_threshold``.
+``lpcal_accuracy_ratio`` the top-1 accuracy (in [0, 1]).
+
+Calibration statistics (labels ``{model, predictor, statistic}``, statistic a
+:class:`Statistic`): ``lpcal_calibration_statistic`` is a windowed debiased estimate (top-label
+and classwise l2 ECE, the Brier reliability term, the confidence gap accuracy - confidence, and
+Err_p) and ``lpcal_calibration_statistic_stderr`` its standard error. ``lpcal_drift_change_score``
+``{model}`` is the change test of the live bin map (:mod:`daemon.drift`): its largest CUSUM over
+its threshold, so drift is declared at 1 (latched until a new map). The absolute rule, calibrated
+``lpcal_calibration_error`` above ``lpcal_drift_threshold``, is a backstop.
 
 Certificate gauges (set after each fit whose bin map carries a held-out certificate, see
 :mod:`lpcal.certificate`; removed when a map has none, e.g. ``mode = "paper"`` without a held-out
@@ -86,6 +93,7 @@ __all__ = [
     "Predictor",
     "RejectReason",
     "RestoreOutcome",
+    "Statistic",
     "Topic",
     "Trigger",
     "UnmatchedKind",
@@ -148,6 +156,16 @@ class Predictor(StrEnum):
 
     RAW = "raw"
     CALIBRATED = "calibrated"
+
+
+class Statistic(StrEnum):
+    """A calibration statistic of the monitor (:func:`daemon.monitor.block_statistics`)."""
+
+    CONFIDENCE_GAP = "confidence_gap"
+    ECE_TOP = "ece_top"
+    ECE_CLASSWISE = "ece_classwise"
+    BRIER_RELIABILITY = "brier_reliability"
+    ERR_P = "err_p"
 
 
 class Candidate(StrEnum):
@@ -303,6 +321,17 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
         "gauge", ("model",), "Calibrated Err_p above which a drift recalibration is triggered."),
     "lpcal_window_samples": (
         "gauge", ("model",), "Labelled samples in the quality evaluation window."),
+    "lpcal_calibration_statistic": (
+        "gauge", ("model", "predictor", "statistic"),
+        ("Windowed debiased calibration statistic: l2 top-label / classwise ECE, Brier "
+         "reliability term, confidence gap (accuracy - confidence), Err_p.")),
+    "lpcal_calibration_statistic_stderr": (
+        "gauge", ("model", "predictor", "statistic"),
+        "Standard error of lpcal_calibration_statistic."),
+    "lpcal_drift_change_score": (
+        "gauge", ("model",),
+        ("Change test of the live bin map against its baseline: largest CUSUM over its "
+         "threshold (drift declared at 1; latched until a new map).")),
     "lpcal_consumer_lag_messages": (
         "gauge", ("topic",), "Messages between the committed offset and the log end."),
     "lpcal_last_poll_timestamp_seconds": (
@@ -459,6 +488,9 @@ class DaemonMetrics:
         self.accuracy_ratio = make("lpcal_accuracy_ratio")
         self.drift_threshold = make("lpcal_drift_threshold")
         self.window_samples = make("lpcal_window_samples")
+        self.calibration_statistic = make("lpcal_calibration_statistic")
+        self.calibration_statistic_se = make("lpcal_calibration_statistic_stderr")
+        self.drift_change_score = make("lpcal_drift_change_score")
         self.consumer_lag = make("lpcal_consumer_lag_messages")
         self.last_poll = make("lpcal_last_poll_timestamp_seconds")
         self.checkpoints = make("lpcal_checkpoints_total")
@@ -531,6 +563,11 @@ class DaemonMetrics:
             (self.high_probability_bins, only), (self.binmap_version, only),
             (self.binmap_published, only), (self.drift_threshold, only),
             (self.window_samples, only), (self.certificate_bound, only),
+            (self.drift_change_score, only),
+            (self.calibration_statistic, tuple((p.value, s.value) for p in Predictor
+                                               for s in Statistic)),
+            (self.calibration_statistic_se, tuple((p.value, s.value) for p in Predictor
+                                                  for s in Statistic)),
             (self.certificate_target, only), (self.certificate_vacuous, only),
             (self.certificate_estimate, tuple((c.value,) for c in Candidate)),
             (self.join_evictions, tuple((r.value,) for r in EvictionReason)),
@@ -774,6 +811,31 @@ class DaemonMetrics:
     def set_window_samples(self, model: str, n: int) -> None:
         """Set the number of labelled samples in ``model``'s evaluation window."""
         self.window_samples.labels(model=self._model(model)).set(_count(n, "window samples"))
+
+    def set_statistics(self, model: str, predictor: str,
+                       stats: Mapping[str, tuple[float, float]]) -> None:
+        """Set ``{statistic: (value, stderr)}`` of ``model``'s ``predictor`` (statistics are
+        :class:`Statistic` values; a non-finite value removes that series)."""
+        pred = _check(predictor, Predictor, "predictor")
+        rows = [(_check(name, Statistic, "statistic"), float(v), float(se))
+                for name, (v, se) in stats.items()]
+        self._model(model)
+        for name, v, se in rows:
+            if math.isfinite(v) and math.isfinite(se) and se >= 0:
+                self.calibration_statistic.labels(model=model, predictor=pred, statistic=name
+                                                  ).set(v)
+                self.calibration_statistic_se.labels(model=model, predictor=pred,
+                                                     statistic=name).set(se)
+            else:
+                for gauge in (self.calibration_statistic, self.calibration_statistic_se):
+                    try:
+                        gauge.remove(model, pred, name)
+                    except KeyError:
+                        pass
+
+    def set_drift_change_score(self, model: str, score: float) -> None:
+        """Set the change test's score of ``model`` (>= 1: drift declared)."""
+        self.drift_change_score.labels(model=self._model(model)).set(_finite(score, "score"))
 
     # ------------------------------------------------------------------ consumer / process
 

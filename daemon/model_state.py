@@ -12,7 +12,9 @@ A :class:`ModelState` holds, for one model:
   else the filling one; ``start_new_epoch()`` hands ``pools`` off (pops the sealed epoch, or
   discards the filling pools for a drift refill / manual fit);
 * the windowed monitor (:class:`daemon.monitor.WindowMonitor`) of the raw and calibrated
-  predictor, and the triggers (:class:`daemon.trigger.Triggers`);
+  predictor, with the change test of the live map (:class:`daemon.drift.ChangeDetector`, reset
+  with the calibrated window when a map is installed), and the triggers
+  (:class:`daemon.trigger.Triggers`);
 * the join buffer (:class:`daemon.join.JoinStore`) of half-joined events;
 * the ``sample_rate`` (the model setting; not checkpointed, the settings decide it at every
   start): :meth:`ModelState.offer` keeps an event only when ``u = route_uniform(id) <
@@ -70,6 +72,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from daemon.drift import ChangeDetector
 from daemon.join import JoinResult, JoinStore
 from daemon.monitor import WindowMonitor, WindowStats
 from daemon.native import route_uniform_fast
@@ -100,13 +103,18 @@ CalibratorFactory = Callable[[bytes], Calibrator]
 
 _CONFIG_KEYS = ("eps", "p", "delta", "sizing", "mu_pool", "pool", "variant", "mode", "prescale",
                 "outside", "holdout", "warmup", "drift_threshold", "window_samples",
-                "window_seconds", "drift_sustain_seconds", "drift_confidence", "drift_min_samples")
+                "window_seconds", "drift_sustain_seconds", "drift_confidence", "drift_min_samples",
+                "drift_false_alarm_rate", "drift_baseline_samples", "drift_min_shift")
 #: Config keys that shape an epoch's pools and fits: a change on restore starts a new epoch
 #: (:meth:`ModelState.reconcile`); the other keys configure the monitor and the drift trigger.
 EPOCH_CONFIG_KEYS = ("eps", "p", "delta", "sizing", "mu_pool", "pool", "variant", "mode",
                      "prescale", "outside", "holdout", "warmup")
 _DRIFT_CONFIG_KEYS = ("drift_threshold", "drift_sustain_seconds", "drift_confidence",
-                      "drift_min_samples")
+                      "drift_min_samples", "drift_false_alarm_rate", "drift_baseline_samples",
+                      "drift_min_shift")
+#: The change test's settings and the defaults a checkpoint written before them restores with.
+_CHANGE_CONFIG = {"drift_false_alarm_rate": 1e-7, "drift_baseline_samples": 5_000,
+                  "drift_min_shift": 0.01}
 #: Config keys added with the certified mode, and the values a checkpoint written before them
 #: effectively ran with (the paper's mode: no pre-calibration, no held-out share, no warm-up).
 _LEGACY_CONFIG = {"mode": "paper", "prescale": "none", "holdout": 0, "warmup": 0}
@@ -132,6 +140,13 @@ def _config_of(ms: Any) -> dict[str, Any]:
             cfg[key] = value
     cfg["p"] = float(cfg["p"])
     return cfg
+
+
+def change_detector(cfg: Mapping[str, Any]) -> ChangeDetector:
+    """A fresh change test (:mod:`daemon.drift`) with the settings of ``cfg``."""
+    return ChangeDetector(false_alarm_rate=float(cfg["drift_false_alarm_rate"]),
+                          baseline_samples=int(cfg["drift_baseline_samples"]),
+                          min_shift=float(cfg["drift_min_shift"]))
 
 
 def fit_spec(cfg: Mapping[str, Any]) -> FitSpec:
@@ -213,6 +228,11 @@ class ModelState:
         self.monitor = monitor or WindowMonitor(
             kk, self.lam, self.config["p"], window_samples=self.config["window_samples"],
             window_seconds=self.config["window_seconds"])
+        if self.monitor.change is None or (self.monitor.change.settings()[:3]
+                                           != change_detector(self.config).settings()[:3]):
+            # a new monitor, one restored from before the change test, or new test settings:
+            # the test starts its baseline with the next calibrated samples
+            self.monitor.set_change(change_detector(self.config))
         self.triggers = triggers or Triggers(DriftTrigger(
             self.config["drift_threshold"], self.config["drift_sustain_seconds"],
             min_samples=self.config["drift_min_samples"]))
@@ -298,7 +318,8 @@ class ModelState:
         self.sealed = []
         self.monitor = WindowMonitor(
             self.k, self.lam, self.config["p"], window_samples=self.config["window_samples"],
-            window_seconds=self.config["window_seconds"], max_bytes=self._monitor_budget())
+            window_seconds=self.config["window_seconds"], max_bytes=self._monitor_budget(),
+            change=change_detector(self.config))
         self._last_eval = None
 
     def bound_clocks(self, limit: float) -> bool:
@@ -402,7 +423,13 @@ class ModelState:
                 self._last_eval = (now, stats)
         return self.triggers.check(now=now, pools_full=bool(self.sealed),
                                    manual_ready=bool(self.sealed) or not self.filling.warming,
-                                   stats=stats.get("calibrated"), busy=busy)
+                                   stats=stats.get("calibrated"), busy=busy,
+                                   change=self.change_alarm)
+
+    @property
+    def change_alarm(self) -> bool:
+        """The change test's alarm on the live bin map (latched until the next map)."""
+        return self.monitor.change is not None and self.monitor.change.alarm
 
     @property
     def pools(self) -> PoolSet:
@@ -555,6 +582,8 @@ class ModelState:
             if "mode" not in cfg:  # written before the certified mode: it ran the paper's
                 for key, value in _LEGACY_CONFIG.items():
                     cfg.setdefault(key, value)
+            for key, value in _CHANGE_CONFIG.items():  # written before the change test
+                cfg.setdefault(key, value)
             missing = [key for key in _CONFIG_KEYS if key not in cfg]
             if missing:
                 raise ValueError(f"config lacks {missing}")

@@ -9,7 +9,16 @@ bin map) the monitor keeps additive sums over a sliding window of recent joined 
   ``Err_p = ( sum_vj |S_vj / n|^p )^(1/p)`` (max for ``p = inf``);
 * top-label ECE (15 equal-width confidence bins, as :func:`lpcal.metrics.top_label_ece`):
   per bin ``sum (1[argmax f = y] - max f)``; ECE ``= sum_b |gap_b| / n``;
-* Brier ``sum ||f - e_y||^2 / n`` and accuracy ``sum 1[argmax f = y] / n``.
+* Brier ``sum ||f - e_y||^2 / n`` and accuracy ``sum 1[argmax f = y] / n``;
+* for the debiased statistics (:func:`block_statistics`): per confidence bin the count and sum of
+  squared residuals, and, for the calibrated predictor, the classwise sums per (class, bin of
+  ``f_j``) (:class:`Classwise`, ``360 k`` bytes per bucket, up to ``k =``
+  :data:`CLASSWISE_MAX_K`).
+
+**Change test.** With a :class:`daemon.drift.ChangeDetector` (``change``), the calibrated
+samples are also cut into blocks of its ``block_samples``, counted from the last
+``reset("calibrated")`` (a new bin map): each completed block's statistics are one observation
+of the test. The current block's sums and the test's state are part of the snapshot.
 
 **Noise and the confidence margin** (used by the drift trigger). Each cell mean
 ``Zbar_vj = S_vj / n`` has standard error ``se_vj = sqrt(s^2_vj / n)`` with the unbiased sample
@@ -51,6 +60,8 @@ Usage::
     mon.update(probs, labels, ts, calibrated=binmap.apply(probs))
     stats = mon.evaluate(z=3.0)      # {"raw": WindowStats, "calibrated": WindowStats | None}
     stats["calibrated"].err_p, stats["calibrated"].lower, stats["raw"].ece
+    stats["calibrated"].statistics()   # debiased ECEs, ..., each with its standard error
+    mon.change.alarm                 # the change test (if one was given)
     mon.reset("calibrated")          # after a new bin map: measure it from scratch
 """
 
@@ -65,12 +76,14 @@ from typing import Any
 
 import numpy as np
 
+from daemon.drift import ChangeDetector
 from lpcal.errors import InputError
 from lpcal.levels import bin_rows, group_hashed
+from lpcal.metrics import Estimate, binned_sq_error, l2_of_squared
 from lpcal.metrics import lp_norm as _lp_norm
 
-__all__ = ["PREDICTORS", "CellSums", "WindowMonitor", "WindowStats", "cell_bounds",
-           "sample_bytes"]
+__all__ = ["CLASSWISE_MAX_K", "PREDICTORS", "CellSums", "Classwise", "WindowMonitor",
+           "WindowStats", "block_statistics", "cell_bounds", "fixed_bytes", "sample_bytes"]
 
 PREDICTORS = ("raw", "calibrated")
 ECE_BINS = 15
@@ -102,6 +115,13 @@ def _dec(d: Mapping[str, Any], where: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.dtype(d["dtype"])).astype(dt).reshape(shape)
 
 
+def fixed_bytes(k: int, n_buckets: int) -> int:
+    """Bytes of a window's sums that do not grow with its samples: the calibrated predictor's
+    classwise ECE sums (:class:`Classwise`, ``360 k`` bytes) in each bucket and in the change
+    test's current block; 0 above :data:`CLASSWISE_MAX_K`."""
+    return 0 if k > CLASSWISE_MAX_K else (n_buckets + 1) * 3 * 8 * ECE_BINS * int(k)
+
+
 def sample_bytes(k: int) -> int:
     """Upper bound of the bytes one sample adds to a window's sums: ``16 k + 16`` for its bin
     (``S`` and ``Q`` rows, hash and count) in each of the two predictors' sums."""
@@ -118,7 +138,7 @@ class _Rows:
     the top label's confidence and hit, ``x_iy``, ``||x_i||^2`` and the ECE bin of the top
     confidence."""
 
-    __slots__ = ("conf", "ece_bin", "fy", "h", "hit", "pair", "sq", "x", "y")
+    __slots__ = ("conf", "cw_cell", "ece_bin", "fy", "h", "hit", "pair", "sq", "x", "y")
 
     def __init__(self, x: np.ndarray, y: np.ndarray, lam: int,
                  hashes: tuple[np.ndarray, np.ndarray] | None = None):
@@ -132,6 +152,7 @@ class _Rows:
         self.fy = x[idx, y]
         self.sq = np.einsum("ij,ij->i", x, x)
         self.ece_bin = np.searchsorted(_ECE_INNER, self.conf, side="left")
+        self.cw_cell: np.ndarray | None = None  # classwise cells, computed when first used
 
 
 _ECE_INNER = np.linspace(0.0, 1.0, ECE_BINS + 1)[1:-1]
@@ -161,7 +182,8 @@ def _cell_stats(r: _Rows, sel: slice | np.ndarray):
 class CellSums:
     """Additive per-(bin, class) sums ``N_v``, ``S_vj``, ``Q_vj`` plus the scalar metric sums."""
 
-    __slots__ = ("brier", "correct", "counts", "gap", "hashes", "k", "n", "q", "s")
+    __slots__ = ("brier", "correct", "counts", "ece_n", "ece_q", "gap", "hashes", "k", "n", "q",
+                 "s")
 
     def __init__(self, k: int):
         self.k = int(k)
@@ -173,6 +195,10 @@ class CellSums:
         self.brier = 0.0
         self.correct = 0
         self.gap = np.zeros(ECE_BINS)
+        # debiased ECE sums: per confidence bin the count and the sum of squared residuals
+        # (``gap`` is their sum). The classwise sums are kept apart (:class:`Classwise`).
+        self.ece_n = np.zeros(ECE_BINS, dtype=np.int64)
+        self.ece_q = np.zeros(ECE_BINS)
 
     @classmethod
     def from_batch(cls, probs: np.ndarray, labels: np.ndarray, lam: int) -> CellSums:
@@ -193,8 +219,10 @@ class CellSums:
         out.n = hit.shape[0]
         out.brier = float(np.sum(r.sq[sel] - 2.0 * r.fy[sel] + 1.0))
         out.correct = int(hit.sum())
-        out.gap = np.bincount(r.ece_bin[sel], weights=hit - conf,
-                              minlength=ECE_BINS).astype(np.float64)
+        eb, res = r.ece_bin[sel], hit - conf
+        out.gap = np.bincount(eb, weights=res, minlength=ECE_BINS).astype(np.float64)
+        out.ece_n = np.bincount(eb, minlength=ECE_BINS).astype(np.int64)
+        out.ece_q = np.bincount(eb, weights=res * res, minlength=ECE_BINS).astype(np.float64)
         return out
 
     @classmethod
@@ -220,17 +248,21 @@ class CellSums:
         out.brier = float(sum(p.brier for p in parts))
         out.correct = sum(p.correct for p in parts)
         out.gap = np.sum([p.gap for p in parts], axis=0)
+        out.ece_n = np.sum([p.ece_n for p in parts], axis=0)
+        out.ece_q = np.sum([p.ece_q for p in parts], axis=0)
         return out
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the per-bin arrays (``16 k + 16`` per bin)."""
+        """Bytes of the per-bin arrays (``16 k + 16`` per bin; the fixed 15-bin arrays are not
+        counted)."""
         return self.hashes.nbytes + self.counts.nbytes + self.s.nbytes + self.q.nbytes
 
     def to_dict(self) -> dict[str, Any]:
         return {"k": self.k, "n": self.n, "brier": self.brier, "correct": self.correct,
                 "gap": _enc(self.gap), "hashes": _enc(self.hashes), "counts": _enc(self.counts),
-                "s": _enc(self.s), "q": _enc(self.q)}
+                "s": _enc(self.s), "q": _enc(self.q), "ece_n": _enc(self.ece_n),
+                "ece_q": _enc(self.ece_q)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "sums") -> CellSums:
@@ -249,6 +281,16 @@ class CellSums:
             raise InputError(f"{where}: bin counts do not add up to n={out.n}")
         for name, a in arrays.items():
             setattr(out, name, a)
+        # the ECE sums: absent from snapshots written before the debiased statistics (their
+        # samples then count in no ECE bin: the debiased statistics cover the newer samples)
+        for name in ("ece_n", "ece_q"):
+            if name in d:
+                a = _dec(d[name], f"{where}.{name}")
+                if a.shape != (ECE_BINS,):
+                    raise InputError(f"{where}.{name}: shape {a.shape}, expected ({ECE_BINS},)")
+                setattr(out, name, a)
+        if int(out.ece_n.sum()) > out.n:
+            raise InputError(f"{where}: ECE bin counts exceed n={out.n}")
         return out
 
     def __eq__(self, other: object) -> bool:
@@ -258,7 +300,96 @@ class CellSums:
                 and self.correct == other.correct and np.array_equal(self.gap, other.gap)
                 and np.array_equal(self.hashes, other.hashes)
                 and np.array_equal(self.counts, other.counts)
-                and np.array_equal(self.s, other.s) and np.array_equal(self.q, other.q))
+                and np.array_equal(self.s, other.s) and np.array_equal(self.q, other.q)
+                and np.array_equal(self.ece_n, other.ece_n)
+                and np.array_equal(self.ece_q, other.ece_q))
+
+
+#: Largest k whose classwise ECE sums are kept: they take ``Classwise.nbytes`` = ``360 k``
+#: bytes per window bucket and predictor, whatever the samples.
+CLASSWISE_MAX_K = 1_000
+
+
+class Classwise:
+    """Classwise ECE sums: per class ``j`` and equal-width bin ``b`` of ``x_j`` (15 bins) the
+    count, sum and sum of squares of ``1[y = j] - x_j``; dense (k, 15) arrays, accumulated in
+    place (one per window bucket and predictor, not one per batch)."""
+
+    __slots__ = ("n", "q", "s")
+
+    def __init__(self, k: int):
+        self.n = np.zeros((k, ECE_BINS), dtype=np.int64)
+        self.s = np.zeros((k, ECE_BINS))
+        self.q = np.zeros((k, ECE_BINS))
+
+    def add(self, r: _Rows, sel: slice | np.ndarray) -> None:
+        """Add the rows ``sel`` of a batch's :class:`_Rows`."""
+        if r.cw_cell is None:  # class j, equal-width bin b of x_ij: cell j * ECE_BINS + b
+            r.cw_cell = (np.searchsorted(_ECE_INNER, r.x, side="left")
+                         + np.arange(r.x.shape[1]) * ECE_BINS)
+        x, y, cw = r.x[sel], r.y[sel], r.cw_cell[sel]
+        m = self.n.size
+        cells = cw.ravel()
+        on_y = cw[np.arange(y.shape[0]), y]
+        self.n += np.bincount(cells, minlength=m).reshape(self.n.shape)
+        self.s += (np.bincount(on_y, minlength=m)
+                   - np.bincount(cells, weights=x.ravel(), minlength=m)).reshape(self.n.shape)
+        self.q += (np.bincount(cells, weights=(x * x).ravel(), minlength=m)
+                   + np.bincount(on_y, weights=1.0 - 2.0 * r.fy[sel], minlength=m)
+                   ).reshape(self.n.shape)
+
+    def iadd(self, other: Classwise) -> None:
+        """Add ``other``'s sums to these, in place."""
+        self.n += other.n
+        self.s += other.s
+        self.q += other.q
+
+    @property
+    def total(self) -> int:
+        """Samples added (each counts once per class)."""
+        return int(self.n[0].sum())
+
+    @property
+    def nbytes(self) -> int:
+        return self.n.nbytes + self.s.nbytes + self.q.nbytes
+
+    @classmethod
+    def merge_all(cls, parts: list[Classwise | None]) -> Classwise | None:
+        """The sums of all ``parts`` (a new object; None when none is kept)."""
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return None
+        out = cls(parts[0].n.shape[0])
+        for p in parts:
+            out.n += p.n
+            out.s += p.s
+            out.q += p.q
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"n": _enc(self.n), "s": _enc(self.s), "q": _enc(self.q)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], k: int, where: str) -> Classwise:
+        out = cls(k)
+        try:
+            for name in ("n", "s", "q"):
+                a = _dec(d[name], f"{where}.{name}")
+                if a.shape != (k, ECE_BINS):
+                    raise InputError(f"{where}.{name}: shape {a.shape}, expected ({k}, "
+                                     f"{ECE_BINS})")
+                setattr(out, name, a)
+        except (KeyError, TypeError) as e:
+            raise InputError(f"{where}: malformed ({type(e).__name__}: {e})") from None
+        if (out.n.sum(axis=1) != out.n[0].sum()).any():
+            raise InputError(f"{where}: classes hold different sample counts")
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Classwise):
+            return NotImplemented
+        return (np.array_equal(self.n, other.n) and np.array_equal(self.s, other.s)
+                and np.array_equal(self.q, other.q))
 
 
 def cell_bounds(sums: CellSums) -> tuple[np.ndarray, np.ndarray]:
@@ -285,48 +416,130 @@ class WindowStats:
     brier: float
     accuracy: float
     n_bins: int         # distinct bins seen in the window
+    # debiased statistics (see :func:`block_statistics`), each with its standard error
+    confidence_gap: float = 0.0      # accuracy - mean confidence
+    confidence_gap_se: float = 0.0
+    ece_debiased: float = 0.0        # l2 top-label ECE
+    ece_debiased_se: float = 0.0
+    ece_classwise: float | None = None     # l2 classwise ECE (None: not kept, raw predictor)
+    ece_classwise_se: float | None = None
+    brier_reliability: float = 0.0   # reliability term of Brier on the level sets
+    brier_reliability_se: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
 
+    def statistics(self) -> dict[str, Estimate]:
+        """The statistics as exported (``lpcal_calibration_statistic``): the confidence gap,
+        the debiased ECEs as l2 errors (classwise only where kept), the Brier reliability term
+        and Err_p, each with its standard error."""
+        out = {"confidence_gap": Estimate(self.confidence_gap, self.confidence_gap_se),
+               "ece_top": Estimate(self.ece_debiased, self.ece_debiased_se),
+               "ece_classwise": Estimate(self.ece_classwise, self.ece_classwise_se),
+               "brier_reliability": Estimate(self.brier_reliability, self.brier_reliability_se),
+               "err_p": Estimate(self.err_p, self.stderr)}
+        if self.ece_classwise is None:
+            del out["ece_classwise"]
+        return out
 
-def window_stats(sums: CellSums, p: float, z: float) -> WindowStats | None:
-    """Evaluate merged sums; None when the window is empty."""
+
+def block_statistics(sums: CellSums, p: float, cw: Classwise | None = None, *,
+                     reliability: bool = True) -> dict[str, Estimate]:
+    """The calibration statistics of merged sums, each with its standard error, on the scale the
+    change test (:mod:`daemon.drift`) uses: the confidence gap ``mean(1[argmax f = y] - max f)``
+    (accuracy minus mean confidence: negative when over-confident); the debiased *squared* l2
+    top-label ECE (15 confidence bins), classwise ECE (15 bins per class, averaged over classes;
+    NaN when the classwise sums are not kept) and Brier reliability term (level sets at lambda:
+    ``sum_v (n_v / n) ||mean_v (f - y)||^2``; bins seen once count 0; exported, not tested), all
+    by :func:`lpcal.metrics.binned_sq_error`; and the plug-in Err_p. ``reliability=False``
+    leaves the Brier term out (the change test's blocks: it is not tested)."""
+    n = sums.n
+    top = binned_sq_error(sums.ece_n, sums.gap, sums.ece_q, int(sums.ece_n.sum()))
+    if cw is not None:
+        e = binned_sq_error(cw.n, cw.s, cw.q, cw.total)
+        classwise = Estimate(e.value / sums.k, e.stderr / sums.k)
+    else:
+        classwise = Estimate(math.nan, math.nan)
+    rel = (binned_sq_error(sums.counts[:, None], sums.s, sums.q, n) if reliability
+           else Estimate(math.nan, math.nan))
+    err, stderr = _err_p(sums, p)
+    m = int(sums.ece_n.sum())
+    if m >= 2:
+        mean = float(sums.gap.sum()) / m
+        var = max(float(sums.ece_q.sum()) / m - mean * mean, 0.0) * m / (m - 1)
+        gap = Estimate(mean, math.sqrt(var / m))
+    else:
+        gap = Estimate(0.0, 0.0)
+    return {"confidence_gap": gap, "ece_top": top, "ece_classwise": classwise,
+            "brier_reliability": rel, "err_p": Estimate(err, stderr)}
+
+
+def _pairs(stats: Mapping[str, Estimate]) -> dict[str, tuple[float, float]]:
+    return {s: (e.value, e.stderr) for s, e in stats.items()}
+
+
+def _err_p(sums: CellSums, p: float) -> tuple[float, float]:
+    """Plug-in Err_p of merged sums and its delta-method standard error."""
+    a, se = cell_bounds(sums)
+    err = _lp_norm(a, p)
+    if err == 0.0:
+        return 0.0, 0.0
+    if math.isinf(p):
+        g, j = np.unravel_index(int(np.argmax(a)), a.shape)
+        return float(err), float(se[g, j])
+    w = (a / err) ** (p - 1.0)  # d Err_p / d |Zbar_vj|
+    return float(err), float(math.sqrt(float(np.sum((w * se) ** 2))))
+
+
+def window_stats(sums: CellSums, p: float, z: float,
+                 classwise: Classwise | None = None) -> WindowStats | None:
+    """Evaluate merged sums (and classwise sums, if kept); None when the window is empty."""
     n = sums.n
     if n == 0:
         return None
+    st = block_statistics(sums, p, classwise)
+    top = l2_of_squared(st["ece_top"])
+    cw = (l2_of_squared(st["ece_classwise"]) if math.isfinite(st["ece_classwise"].value)
+          else Estimate(None, None))  # type: ignore[arg-type]
     a, se = cell_bounds(sums)
     err = _lp_norm(a, p)
     lower = _lp_norm(np.maximum(a - z * se, 0.0), p)
-    if err == 0.0:
-        stderr = 0.0
-    elif math.isinf(p):
-        g, j = np.unravel_index(int(np.argmax(a)), a.shape)
-        stderr = float(se[g, j])
-    else:
-        w = (a / err) ** (p - 1.0)  # d Err_p / d |Zbar_vj|
-        stderr = float(math.sqrt(float(np.sum((w * se) ** 2))))
+    stderr = st["err_p"].stderr
     return WindowStats(n=n, err_p=float(err), lower=float(lower), margin=float(err - lower),
                        stderr=stderr, z=float(z), ece=float(np.abs(sums.gap).sum() / n),
                        brier=sums.brier / n, accuracy=sums.correct / n,
-                       n_bins=int(sums.hashes.size))
+                       n_bins=int(sums.hashes.size), confidence_gap=st["confidence_gap"].value,
+                       confidence_gap_se=st["confidence_gap"].stderr, ece_debiased=top.value,
+                       ece_debiased_se=top.stderr, ece_classwise=cw.value,
+                       ece_classwise_se=cw.stderr,
+                       brier_reliability=st["brier_reliability"].value,
+                       brier_reliability_se=st["brier_reliability"].stderr)
 
 
 # --------------------------------------------------------------------------- window
 
 
 class _Bucket:
-    __slots__ = ("merged", "n", "nbytes", "parts")
+    __slots__ = ("cw", "merged", "n", "nbytes", "parts")
 
     def __init__(self):
         self.n = 0                                   # samples (raw predictor) in this bucket
         self.nbytes = 0                              # bytes of all the sums held
         self.parts: dict[str, list[CellSums]] = {name: [] for name in PREDICTORS}
         self.merged: dict[str, CellSums | None] = {name: None for name in PREDICTORS}
+        # classwise sums of the bucket, accumulated in place (counted once in nbytes)
+        self.cw: dict[str, Classwise | None] = {name: None for name in PREDICTORS}
 
-    def add(self, name: str, s: CellSums, k: int) -> None:
+    def add(self, name: str, s: CellSums, k: int, cw: Classwise | None = None) -> None:
+        """Add the sums ``s`` of some samples (never modified: the change test's block may hold
+        them too) and, if given, their classwise sums ``cw`` (added into the bucket's own)."""
         self.parts[name].append(s)
         self.nbytes += s.nbytes
+        if cw is not None:
+            if self.cw[name] is None:
+                self.cw[name] = Classwise(k)
+                self.nbytes += self.cw[name].nbytes
+            self.cw[name].iadd(cw)  # type: ignore[union-attr]
         if len(self.parts[name]) >= _COMPACT_PARTS:
             self.sums(name, k)
 
@@ -336,16 +549,18 @@ class _Bucket:
             old = self.merged[name]
             base = [old] if old is not None else []
             self.nbytes -= sum(p.nbytes for p in base + parts)
-            self.merged[name] = CellSums.merge_all(base + parts, k)
-            self.nbytes += self.merged[name].nbytes
+            merged = CellSums.merge_all(base + parts, k)
+            self.nbytes += merged.nbytes
+            self.merged[name] = merged
             self.parts[name] = []
         return self.merged[name]  # type: ignore[return-value]
 
     def drop(self, name: str) -> None:
         """Forget the sums of one predictor."""
-        m = self.merged[name]
-        self.nbytes -= sum(p.nbytes for p in self.parts[name]) + (m.nbytes if m else 0)
-        self.parts[name], self.merged[name] = [], None
+        m, cw = self.merged[name], self.cw[name]
+        self.nbytes -= (sum(p.nbytes for p in self.parts[name]) + (m.nbytes if m else 0)
+                        + (cw.nbytes if cw else 0))
+        self.parts[name], self.merged[name], self.cw[name] = [], None, None
 
 
 class WindowMonitor:
@@ -353,7 +568,7 @@ class WindowMonitor:
 
     def __init__(self, k: int, lam: int, p: float, *, window_samples: int | None = 10_000,
                  window_seconds: float | None = None, n_buckets: int = 16,
-                 max_bytes: int | None = None):
+                 max_bytes: int | None = None, change: ChangeDetector | None = None):
         if k < 2 or lam < 1:
             raise InputError(f"WindowMonitor needs k >= 2 and lambda >= 1, got {k}, {lam}")
         if not p >= 1:
@@ -379,6 +594,12 @@ class WindowMonitor:
         #: samples dropped from the window, oldest first, to keep it within ``max_bytes``
         self.trimmed = 0
         self._cache: dict[float, dict[str, WindowStats | None]] = {}  # z -> stats, until changed
+        #: the change test of the calibrated predictor (None: none), fed in blocks of its
+        #: ``block_samples`` calibrated samples counted from the last :meth:`reset`
+        self.change = change
+        self._block: list[CellSums] = []   # the current block's sums, in parts
+        self._block_n = 0
+        self._block_cw: Classwise | None = None
 
     # ---------------------------------------------------------------- updating
     def update(self, probs: np.ndarray, labels: np.ndarray, ts: np.ndarray | None = None,
@@ -406,7 +627,10 @@ class WindowMonitor:
         rows = (_Rows(x, y, self.lam, hashes),
                 None if calibrated is None else
                 _Rows(np.asarray(calibrated, dtype=np.float64), y, self.lam))
+        feed = rows[1] is not None and self.change is not None
         if self.by_time:
+            if feed:  # blocks follow arrival order, buckets event time: computed apart
+                self._feed_change(rows[1])  # type: ignore[arg-type]
             if ts is None:
                 raise InputError("monitor: a time window needs ts")
             t = np.asarray(ts, dtype=np.float64)
@@ -443,18 +667,62 @@ class WindowMonitor:
             bid_last = next(reversed(self.buckets))
             cur = self.buckets[bid_last]
             take = min(n - a, int(self.width) - cur.n, step)
-            self._add(cur, rows, slice(a, a + take))
+            if feed:  # cut at the change test's blocks too: one piece serves both
+                take = min(take, self.change.block_samples - self._block_n)  # type: ignore
+            self._add(cur, rows, slice(a, a + take), feed)
             a += take
         self.total_samples += n
         self._trim()
         return n
+
+    def set_change(self, change: ChangeDetector | None) -> None:
+        """Use the change test ``change`` from the next calibrated sample on (a new baseline)."""
+        self.change = change
+        self._block, self._block_n, self._block_cw = [], 0, None
+
+    def _classwise(self, cal: _Rows, sel: slice | np.ndarray) -> Classwise | None:
+        if self.k > CLASSWISE_MAX_K:
+            return None
+        cw = Classwise(self.k)
+        cw.add(cal, sel)
+        return cw
+
+    def _feed_change(self, cal: _Rows) -> None:
+        """Add calibrated rows to the change test's blocks (time windows; a sample window
+        shares its pieces with the buckets, see :meth:`update`)."""
+        n, a = cal.y.shape[0], 0
+        while a < n:
+            sl = slice(a, a + min(n - a, self.change.block_samples - self._block_n))  # type: ignore
+            self._block_add(CellSums.from_rows(cal, sl), self._classwise(cal, sl))
+            a = sl.stop
+
+    def _block_add(self, part: CellSums, cw: Classwise | None) -> None:
+        """Add the sums of the next calibrated samples (within the current block) to the change
+        test's block; a completed block of ``change.block_samples`` samples is one observation
+        of the test."""
+        det = self.change
+        self._block.append(part)
+        if cw is not None:
+            if self._block_cw is None:
+                self._block_cw = Classwise(self.k)
+            self._block_cw.iadd(cw)
+        self._block_n += part.n
+        if self._block_n >= det.block_samples:  # type: ignore[union-attr]
+            merged = CellSums.merge_all(self._block, self.k)
+            stats = block_statistics(merged, self.p, self._block_cw, reliability=False)
+            self._block, self._block_n, self._block_cw = [], 0, None
+            det.observe_block(_pairs(stats))  # type: ignore[union-attr]
+        elif len(self._block) >= _COMPACT_PARTS:
+            self._block = [CellSums.merge_all(self._block, self.k)]
 
     # ---------------------------------------------------------------- byte budget
     @property
     def nbytes(self) -> int:
         """Bytes of the window's sums: ``16 k + 16`` per (bucket, predictor, bin), so at most
         :func:`sample_bytes` per sample in the window."""
-        return sum(bk.nbytes for bk in self.buckets.values())
+        return (sum(bk.nbytes for bk in self.buckets.values())
+                + sum(s.nbytes for s in self._block)
+                + (self._block_cw.nbytes if self._block_cw is not None else 0))
 
     def set_max_bytes(self, max_bytes: int | None) -> int:
         """Set the byte budget of the window's sums (None: none) and trim to it; returns the
@@ -497,14 +765,18 @@ class WindowMonitor:
             self.buckets.popitem(last=False)
             self._cache.clear()
 
-    def _add(self, bk: _Bucket, rows: tuple[_Rows, _Rows | None], sel: slice | np.ndarray
-             ) -> None:
-        """Add the samples ``sel`` (non-empty) of a batch to bucket ``bk``."""
+    def _add(self, bk: _Bucket, rows: tuple[_Rows, _Rows | None], sel: slice | np.ndarray,
+             feed: bool = False) -> None:
+        """Add the samples ``sel`` (non-empty) of a batch to bucket ``bk``; ``feed``: to the
+        change test's current block too (``sel`` then lies within it)."""
         raw, cal = rows
         bk.n += raw.y[sel].shape[0]
         bk.add("raw", CellSums.from_rows(raw, sel), self.k)
-        if cal is not None:
-            bk.add("calibrated", CellSums.from_rows(cal, sel), self.k)
+        if cal is not None:  # classwise sums of the calibrated predictor only (the live map)
+            part, cw = CellSums.from_rows(cal, sel), self._classwise(cal, sel)
+            bk.add("calibrated", part, self.k, cw)
+            if feed:
+                self._block_add(part, cw)
 
     def advance(self, now: float) -> None:
         """Time windows: move the clock to ``now`` and drop buckets that left the window."""
@@ -531,6 +803,10 @@ class WindowMonitor:
     def reset(self, predictor: str | None = None) -> None:
         """Forget the window of one predictor (e.g. ``"calibrated"`` after a new bin map) or all."""
         self._cache.clear()
+        if predictor in (None, "calibrated"):
+            self._block, self._block_n, self._block_cw = [], 0, None
+            if self.change is not None:
+                self.change.reset()
         if predictor is None:
             self.buckets.clear()
             return
@@ -545,6 +821,10 @@ class WindowMonitor:
         return CellSums.merge_all([bk.sums(predictor, self.k) for bk in self.buckets.values()],
                                   self.k)
 
+    def classwise(self, predictor: str = "calibrated") -> Classwise | None:
+        """Merged classwise sums of ``predictor`` over the window (None: not kept)."""
+        return Classwise.merge_all([bk.cw[predictor] for bk in self.buckets.values()])
+
     def window_size(self, predictor: str = "raw") -> int:
         return sum(bk.sums(predictor, self.k).n for bk in self.buckets.values())
 
@@ -554,7 +834,8 @@ class WindowMonitor:
         Cached until the window changes, so repeated calls between updates are free."""
         out = self._cache.get(z)
         if out is None:
-            out = {name: window_stats(self.sums(name), self.p, z) for name in PREDICTORS}
+            out = {name: window_stats(self.sums(name), self.p, z, self.classwise(name))
+                   for name in PREDICTORS}
             self._cache[z] = out
         return dict(out)
 
@@ -568,9 +849,17 @@ class WindowMonitor:
             "total_samples": self.total_samples,
             "buckets": [
                 {"id": b, "n": bk.n,
-                 **{name: bk.sums(name, self.k).to_dict() for name in PREDICTORS}}
+                 **{name: bk.sums(name, self.k).to_dict() for name in PREDICTORS},
+                 "classwise": {name: None if bk.cw[name] is None else bk.cw[name].to_dict()
+                               for name in PREDICTORS}}
                 for b, bk in self.buckets.items()
             ],
+            "change": None if self.change is None else {
+                "test": self.change.to_dict(), "block_n": self._block_n,
+                "block": (CellSums.merge_all(self._block, self.k).to_dict() if self._block
+                          else None),
+                "block_classwise": (None if self._block_cw is None
+                                    else self._block_cw.to_dict())},
         }
 
     @classmethod
@@ -595,10 +884,33 @@ class WindowMonitor:
                         raise ValueError(f"bucket {i} {name} has k={s.k}")
                     bk.merged[name] = s
                     bk.nbytes += s.nbytes
+                    cwd = (bd.get("classwise") or {}).get(name)  # absent: older snapshots
+                    if cwd is not None:
+                        cw = Classwise.from_dict(cwd, mon.k,
+                                                 f"{where}.buckets[{i}].classwise.{name}")
+                        if cw.total != s.n:
+                            raise ValueError(f"bucket {i} {name}: classwise sums hold "
+                                             f"{cw.total} samples, not {s.n}")
+                        bk.cw[name] = cw
+                        bk.nbytes += cw.nbytes
                 if bk.merged["raw"].n != bk.n:  # type: ignore[union-attr]
                     raise ValueError(f"bucket {i}: n={bk.n} but raw sums hold "
                                      f"{bk.merged['raw'].n}")  # type: ignore[union-attr]
                 mon.buckets[b] = bk
+            ch = d.get("change")  # absent: written before the change test
+            if ch is not None:
+                mon.change = ChangeDetector.from_dict(ch["test"], f"{where}.change")
+                if ch["block"] is not None:
+                    blk = CellSums.from_dict(ch["block"], f"{where}.change.block")
+                    if blk.k != mon.k or blk.n != int(ch["block_n"]):
+                        raise ValueError("change block does not match its count or k")
+                    mon._block = [blk]
+                if ch.get("block_classwise") is not None:
+                    mon._block_cw = Classwise.from_dict(ch["block_classwise"], mon.k,
+                                                        f"{where}.change.block_classwise")
+                mon._block_n = int(ch["block_n"])
+                if not 0 <= mon._block_n < mon.change.block_samples:
+                    raise ValueError(f"change block_n={mon._block_n} out of range")
         except InputError:
             raise
         except (KeyError, TypeError, ValueError) as e:

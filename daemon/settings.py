@@ -202,6 +202,14 @@ class ModelSettings(_Strict):
     """z of the confidence margin: drift needs ``Err_p - margin(z) > drift_threshold``."""
     drift_min_samples: PosInt = 1_000
     """Minimum samples in the monitoring window before drift can be declared."""
+    drift_false_alarm_rate: Annotated[float, Field(ge=0.0, lt=1.0)] = 1e-7
+    """Change test of the live bin map (daemon/drift.py): expected false alarms per joined
+    sample of a stationary stream (design value); 0 disables the test."""
+    drift_baseline_samples: PosInt = 5_000
+    """Change test: calibrated samples after a map's installation that form its baseline."""
+    drift_min_shift: NonNegFloat = 0.01
+    """Change test: the smallest increase, in a statistic's own units (l2 ECE, Err_p), it is
+    tuned to detect."""
 
     @model_validator(mode="after")
     def _window(self) -> ModelSettings:

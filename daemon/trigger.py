@@ -1,6 +1,16 @@
 """When to recalibrate: the drift, pools-full and manual triggers. Pure; the clock is passed in.
 
-**Drift** (:class:`DriftTrigger`). The monitor reports, for the calibrated predictor over its
+**Drift** (:class:`DriftTrigger`) fires on either of two conditions, and then disarms:
+
+* the **change test** (:mod:`daemon.drift`): the live bin map's calibration (debiased top-label
+  and classwise ECE, Brier reliability, Err_p) moved away from its own baseline, measured on the
+  samples right after the map's installation, by a sequential test with a stated false-alarm
+  rate. The monitor runs it; ``observe(..., change=True)`` passes its (latched) alarm. This is
+  what reacts to the miscalibration of real networks (a rescaled logit, a data shift).
+* the **absolute threshold** (below): the calibrated Err_p stays above ``drift_threshold``.
+  At real-network k the windowed Err_p rarely reaches a useful eps, so this is a backstop.
+
+**Absolute threshold.** The monitor reports, for the calibrated predictor over its
 window, the plug-in ``Err_p`` and its confidence-shrunk lower bound
 ``lower = Err_p - margin(z)`` (:mod:`daemon.monitor`: every cell shrunk by ``z`` standard
 errors). The drift condition at time ``t`` is::
@@ -33,7 +43,8 @@ observations do not break a drifting run).
 Usage::
 
     trig = Triggers(DriftTrigger(threshold=0.1, sustain_seconds=300, min_samples=1000))
-    f = trig.check(now=t, pools_full=state.pools.full, stats=mon.evaluate(3.0)["calibrated"])
+    f = trig.check(now=t, pools_full=state.pools.full, stats=mon.evaluate(3.0)["calibrated"],
+                   change=mon.change.alarm)
     if f and f.action == "refill": state.start_new_epoch()
     if f and f.action == "fit": submit_fit(...)  # then, when installed: trig.recalibrated()
     trig.request_manual()                        # from the HTTP handler
@@ -68,17 +79,25 @@ class DriftTrigger:
         self.armed = True
         self.last: float | None = None    # last observation time
         self.fired = 0
+        self.cause: str | None = None     # what fired last: "change" | "threshold"
 
     def condition(self, stats: Any) -> bool:
         """The instantaneous drift condition for :class:`daemon.monitor.WindowStats` ``stats``."""
         return (stats is not None and stats.n >= self.min_samples
                 and stats.lower > self.threshold)
 
-    def observe(self, stats: Any, now: float) -> bool:
-        """Record one observation at time ``now``; True exactly when the trigger fires."""
+    def observe(self, stats: Any, now: float, change: bool = False) -> bool:
+        """Record one observation at time ``now``; True exactly when the trigger fires.
+        ``change``: the change test's alarm (fires at once while armed)."""
         if self.last is not None and now < self.last:
             now = self.last  # the clock never goes back
         self.last = now
+        if change and self.armed:
+            self.armed = False
+            self.since = None
+            self.fired += 1
+            self.cause = "change"
+            return True
         if not self.condition(stats):
             self.since = None
             return False
@@ -88,6 +107,7 @@ class DriftTrigger:
             self.armed = False
             self.since = None
             self.fired += 1
+            self.cause = "threshold"
             return True
         return False
 
@@ -117,7 +137,7 @@ class DriftTrigger:
     def to_dict(self) -> dict[str, Any]:
         return {"threshold": self.threshold, "sustain": self.sustain,
                 "min_samples": self.min_samples, "since": self.since, "armed": self.armed,
-                "last": self.last, "fired": self.fired}
+                "last": self.last, "fired": self.fired, "cause": self.cause}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DriftTrigger:
@@ -127,6 +147,10 @@ class DriftTrigger:
             t.last = None if d["last"] is None else float(d["last"])
             t.armed = bool(d["armed"])
             t.fired = int(d["fired"])
+            cause = d.get("cause")  # absent: written before the change test
+            if cause not in (None, "change", "threshold"):
+                raise ValueError(f"unknown drift cause {cause!r}")
+            t.cause = cause
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"drift trigger: malformed snapshot ({type(e).__name__}: {e})") \
                 from None
@@ -156,9 +180,11 @@ class Triggers:
         self.manual_pending = True
 
     def check(self, *, now: float, pools_full: bool, stats: Any = None,
-              busy: bool = False, manual_ready: bool = True) -> Firing | None:
+              busy: bool = False, manual_ready: bool = True,
+              change: bool = False) -> Firing | None:
         """Decide what to do at time ``now``. ``stats``: calibrated-predictor WindowStats;
-        ``manual_ready``: the current pools can be fitted (a manual request waits otherwise)."""
+        ``manual_ready``: the current pools can be fitted (a manual request waits otherwise);
+        ``change``: the change test's alarm on the live map."""
         if busy:
             return None
         if self.manual_pending and manual_ready:
@@ -166,7 +192,7 @@ class Triggers:
             return Firing("manual", "fit")
         if pools_full:
             return Firing(self.refill_cause or "pools_full", "fit")
-        if self.drift.observe(stats, now):
+        if self.drift.observe(stats, now, change):
             self.refill_cause = "drift"
             return Firing("drift", "refill")
         return None

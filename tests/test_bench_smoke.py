@@ -223,3 +223,15 @@ def test_scale_quick_tables():
     assert fail.key == "failover" and "bench_scale" in run_all.BENCHMARKS["scale"].__name__
     assert any("SIGKILL" in fail.title for _ in (0,)) and len(fail.rows) >= 6
 
+
+
+def test_drift_quick_tables():
+    from tests.bench import bench_drift
+
+    det, fa = bench_drift.run(quick=True)
+    assert (det.key, fa.key) == ("drift_detection", "drift_false_alarms")
+    assert det.column("drift") == ["logits x0.5", "logits x2"]
+    assert all("missed" not in c and "before" not in c
+               for c in det.column("change test delay (median / max)"))
+    assert fa.column("false alarms") == ["0"]
+    assert "drift" in run_all.BENCHMARKS

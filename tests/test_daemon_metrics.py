@@ -79,6 +79,9 @@ EXPECTED = {
     "lpcal_accuracy_ratio": ("gauge", ("model", "predictor")),
     "lpcal_drift_threshold": ("gauge", ("model",)),
     "lpcal_window_samples": ("gauge", ("model",)),
+    "lpcal_calibration_statistic": ("gauge", ("model", "predictor", "statistic")),
+    "lpcal_calibration_statistic_stderr": ("gauge", ("model", "predictor", "statistic")),
+    "lpcal_drift_change_score": ("gauge", ("model",)),
     "lpcal_consumer_lag_messages": ("gauge", ("topic",)),
     "lpcal_last_poll_timestamp_seconds": ("gauge", ()),
     "lpcal_checkpoints_total": ("counter", ("outcome",)),
@@ -177,6 +180,9 @@ def exercise(dm: DaemonMetrics) -> None:
     dm.observe_quality("fraud-v3", "calibrated", 0.03, 0.02, 0.35, 0.81)
     dm.set_drift_threshold("fraud-v3", 0.05)
     dm.set_window_samples("fraud-v3", 5000)
+    dm.set_statistics("fraud-v3", "calibrated", {"ece_top": (0.02, 0.004),
+                                                 "ece_classwise": (float("nan"), 0.0)})
+    dm.set_drift_change_score("fraud-v3", 1.25)
     dm.set_consumer_lag("predictions", 12)
     dm.mark_poll(1_700_000_001.0)
     dm.inc_checkpoint("ok")
@@ -231,6 +237,14 @@ def test_helpers_set_the_right_samples(dm: DaemonMetrics, registry):
     assert g("lpcal_accuracy_ratio", model="fraud-v3", predictor="raw") == 0.81
     assert g("lpcal_drift_threshold", model="fraud-v3") == 0.05
     assert g("lpcal_window_samples", model="fraud-v3") == 5000
+    assert g("lpcal_calibration_statistic", model="fraud-v3", predictor="calibrated",
+             statistic="ece_top") == 0.02
+    assert g("lpcal_calibration_statistic_stderr", model="fraud-v3", predictor="calibrated",
+             statistic="ece_top") == 0.004
+    # a statistic that is not kept (NaN) has no series
+    assert g("lpcal_calibration_statistic", model="fraud-v3", predictor="calibrated",
+             statistic="ece_classwise") is None
+    assert g("lpcal_drift_change_score", model="fraud-v3") == 1.25
     assert g("lpcal_consumer_lag_messages", topic="predictions") == 12
     assert g("lpcal_last_poll_timestamp_seconds") == 1_700_000_001.0
     assert g("lpcal_checkpoints_total", outcome="ok") == 1

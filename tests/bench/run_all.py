@@ -7,10 +7,11 @@
 
 Benchmarks: ``fit`` (fit time from raw arrays and from pools), ``apply`` (apply throughput),
 ``quality`` (CIFAR records), ``variants`` (split vs shared pools, theory vs practical sizing),
-``directions`` (issue 10's directions b and d against the default), ``scale`` (1 replica
+``directions`` (the design directions b and d against the default), ``scale`` (1 replica
 against 2, failover with a 10,000-model state topic), ``certificate`` (coverage, tightness and
 certification rate of the held-out bound on truth-known families, the selection rule, its cost),
-``eps`` (Err_p against top-label ECE on the CIFAR records: what eps means, per k).
+``eps`` (Err_p against top-label ECE on the CIFAR records: what eps means, per k), ``drift`` (the
+change test's detection delay and false alarms on real networks, against the Err_p threshold).
 Every timing is a ratio against a baseline measured in the same process (see
 :mod:`tests.bench.common`).
 """
@@ -32,6 +33,7 @@ from tests.bench import (
     bench_apply,
     bench_certificate,
     bench_directions,
+    bench_drift,
     bench_eps,
     bench_fit,
     bench_ingest,
@@ -70,6 +72,7 @@ BENCHMARKS = {
     "scale": bench_scale,
     "certificate": bench_certificate,
     "eps": bench_eps,
+    "drift": bench_drift,
 }
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 

@@ -397,3 +397,47 @@ def test_manual_request_waits_for_the_warm_up_then_fits():
     assert not st.filling.warming
     f = st.check_triggers(1.0)
     assert (f.trigger, f.action) == ("manual", "fit") and not st.triggers.manual_pending
+
+
+def test_the_change_test_restarts_with_each_map_and_checkpoints_with_the_monitor():
+    st, p = new_state(drift_baseline_samples=1000), parser()
+    feed(st, p, traffic(6000, seed=11), fit=True)
+    feed(st, p, traffic(2500, seed=11, start=6000))  # no fit: the last map stays live
+    det = st.monitor.change
+    assert det is not None and (det.false_alarm_rate, det.baseline_samples, det.min_shift) == (
+        1e-7, 1000, 0.01)
+    blocks = det.blocks
+    assert 0 < blocks * det.block_samples <= st.evaluate()["calibrated"].n  # since the install
+    back = ModelState.from_checkpoint(st.to_checkpoint())
+    assert back.monitor.change == det and back.to_checkpoint() == st.to_checkpoint()
+    st.install_binmap(st.binmap, st.binmap_version + 1)
+    assert st.monitor.change.blocks == 0 and not st.change_alarm
+
+
+def test_checkpoints_without_the_change_test_restore_with_its_defaults():
+    """Checkpoints written before the change test lack its settings and state: they restore
+    with the defaults, and the test starts its baseline with the next samples."""
+    st = new_state()
+    feed(st, parser(), traffic(3000, seed=12), fit=True)
+    d = orjson.loads(st.to_checkpoint())
+    for key in ("drift_false_alarm_rate", "drift_baseline_samples", "drift_min_shift"):
+        del d["config"][key]
+    del d["monitor"]["change"]
+    del d["triggers"]["drift"]["cause"]
+    old = ModelState.from_checkpoint(orjson.dumps(d))
+    assert old.config["drift_baseline_samples"] == 5000 and old.monitor.change.blocks == 0
+    assert old.reconcile(settings(), JoinSettings(ttl_seconds=50,
+                                                  max_pending_per_model=5000))[1] == "restored"
+
+
+def test_a_changed_change_test_setting_keeps_the_window_and_restarts_the_test():
+    st, p = new_state(drift_baseline_samples=1000), parser()
+    feed(st, p, traffic(6000, seed=13), fit=True)
+    feed(st, p, traffic(2500, seed=13, start=6000))
+    assert st.monitor.change.blocks > 0
+    new, outcome, detail = st.reconcile(settings(drift_baseline_samples=1000,
+                                                 drift_min_shift=0.05),
+                                        JoinSettings(ttl_seconds=50, max_pending_per_model=5000))
+    assert outcome == "config_changed" and "drift_min_shift" in detail
+    assert new.monitor is st.monitor and new.monitor.change.min_shift == 0.05
+    assert new.monitor.change.blocks == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -37,7 +38,10 @@ def test_full_window_equals_batch_metrics(p):
     assert math.isclose(raw.accuracy, accuracy(x, y), rel_tol=1e-12)
     assert 0.0 <= raw.lower <= raw.err_p and math.isclose(raw.margin, raw.err_p - raw.lower)
     assert raw.stderr > 0
-    assert m.evaluate()["calibrated"] == raw  # same rows fed as "calibrated"
+    cal = m.evaluate()["calibrated"]  # same rows fed as "calibrated", which also has the
+    assert cal == dataclasses.replace(  # classwise ECE (kept for the calibrated predictor only)
+        raw, ece_classwise=cal.ece_classwise, ece_classwise_se=cal.ece_classwise_se)
+    assert cal.ece_classwise > 0 and raw.ece_classwise is None
 
 
 def test_count_window_keeps_the_last_samples():
@@ -178,3 +182,51 @@ def test_input_validation():
         m.update(np.ones((2, 4)) / 4, np.zeros(2, dtype=int))
     with pytest.raises(InputError):
         m.reset("bogus")
+
+
+def test_debiased_statistics_agree_with_lpcal_metrics():
+    """The window's debiased top-label and classwise ECE (calibrated predictor) are the library
+    estimators on the same samples, whatever the batching; the classwise sums are kept for the
+    calibrated predictor only."""
+    from lpcal.metrics import classwise_ece_debiased, top_label_ece_debiased
+
+    x, y = data(3000, k=5, seed=11)
+    m = WindowMonitor(5, 10, math.inf, window_samples=3000)
+    for a in range(0, 3000, 700):
+        m.update(x[a:a + 700], y[a:a + 700], calibrated=x[a:a + 700])
+    w = m.evaluate()["calibrated"]
+    top, cw = top_label_ece_debiased(x, y), classwise_ece_debiased(x, y)
+    assert w.ece_debiased == pytest.approx(top.value, rel=1e-9)
+    assert w.ece_debiased_se == pytest.approx(top.stderr, rel=1e-9)
+    assert w.ece_classwise == pytest.approx(cw.value, rel=1e-9)
+    assert w.ece_debiased > 0.05  # the sharpened labels: miscalibrated
+    raw = m.evaluate()["raw"]
+    assert raw.ece_debiased == pytest.approx(top.value, rel=1e-9)
+    assert raw.ece_classwise is None and "ece_classwise" not in raw.statistics()
+    assert set(w.statistics()) == {"confidence_gap", "ece_top", "ece_classwise",
+                                   "brier_reliability", "err_p"}
+    assert w.confidence_gap == pytest.approx(float(np.mean(
+        (x.argmax(axis=1) == y) - x.max(axis=1))), rel=1e-9)
+
+
+def test_snapshots_written_before_the_ece_sums_restore():
+    """Buckets without the ECE and classwise sums (older checkpoints) load; the debiased
+    statistics then cover the samples added since."""
+    x, y = data(1200, seed=12)
+    a = WindowMonitor(4, 10, math.inf, window_samples=1000)
+    a.update(x[:600], y[:600], calibrated=x[:600])
+    d = orjson.loads(orjson.dumps(a.to_dict()))
+    del d["change"]
+    for bd in d["buckets"]:
+        del bd["classwise"]
+        for name in ("raw", "calibrated"):
+            for key in ("ece_n", "ece_q"):
+                del bd[name][key]
+    b = WindowMonitor.from_dict(d)
+    assert b.change is None and b.evaluate()["calibrated"].ece_debiased == 0.0
+    b.update(x[600:], y[600:], calibrated=x[600:])
+    assert b.evaluate()["calibrated"].ece_debiased > 0.0
+    d = a.to_dict()
+    d["buckets"][0]["classwise"]["calibrated"]["n"]["b64"] = "AAAA"
+    with pytest.raises(InputError, match="bytes"):
+        WindowMonitor.from_dict(d)

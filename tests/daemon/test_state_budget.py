@@ -15,7 +15,7 @@ import pytest
 from daemon.events import EventParser
 from daemon.metrics import DaemonMetrics
 from daemon.model_state import ModelState
-from daemon.monitor import WindowMonitor
+from daemon.monitor import WindowMonitor, fixed_bytes
 from daemon.registry import ModelRegistry
 from daemon.settings import Settings
 from daemon.state_budget import (
@@ -59,7 +59,7 @@ def test_per_sample_bounds_hold_for_distinct_bins(k):
     assert h.nbytes * 2 <= n * holdout_sample_bytes(k)
     mon = WindowMonitor(k, LAM, float("inf"), window_samples=n)
     mon.update(x, y, calibrated=x)
-    assert 0 < mon.nbytes <= n * monitor_sample_bytes(k)
+    assert 0 < mon.nbytes <= n * monitor_sample_bytes(k) + fixed_bytes(k, mon.n_buckets)
 
 
 def test_buffered_rows_are_compacted_by_bytes():

@@ -58,9 +58,9 @@ def test_required_alerts_exist_with_severity_and_for():
         assert rule["labels"]["severity"] in {"warning", "critical"}, name
         assert re.fullmatch(r"\d+[mh]", rule.get("for", "")), f"{name}: needs a for: duration"
         assert {"summary", "description", "runbook_url"} <= set(rule["annotations"]), name
-    assert by_name["LpcalCalibrationDrift"]["for"] == "10m"
-    drift = by_name["LpcalCalibrationDrift"]["expr"]
-    assert 'predictor="calibrated"' in drift and "lpcal_drift_threshold" in drift
+    assert by_name["LpcalCalibrationDrift"]["for"] == "15m"
+    drift = by_name["LpcalCalibrationDrift"]["expr"]  # the change test, not Err_p vs eps
+    assert "lpcal_drift_change_score" in drift and "lpcal_drift_threshold" not in drift
     down = by_name["LpcalDaemonDown"]["expr"]
     assert "up{job=" in down and "absent(up{job=" in down
 
