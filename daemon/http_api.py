@@ -21,7 +21,7 @@
 
 Request bodies are capped at ``http.max_body_bytes``; no response carries settings secrets.
 
-Slow and idle clients (issue 11) cannot hold the server:
+Slow and idle clients cannot hold the server:
 
 * a connection that has not delivered a complete request head within
   ``http.idle_timeout_seconds`` of opening or of its previous response is closed (aiohttp's

@@ -188,7 +188,7 @@ class Ingest:
         if slot is not None:
             return slot.state if slot.partition == tp.partition else None
         # k = 0: outcomes before the first prediction of a model whose k is learned; they
-        # wait in its join buffer (issue 11, finding 6)
+        # wait in its join buffer
         k = mb.k or self.parser.k.get(model) or 0
         return self.registry.create(model, int(k), tp.partition)
 

@@ -191,7 +191,7 @@ class CheckpointOutcome(StrEnum):
 
 
 class RestoreOutcome(StrEnum):
-    """What restoring one state record on partition assignment did (issue 11). A record that
+    """What restoring one state record on partition assignment did. A record that
     cannot be used costs only its own model its restored state (the model starts fresh)."""
 
     RESTORED = "restored"              # restored as checkpointed

@@ -199,7 +199,7 @@ class IngestResult:
 
 
 #: ``k = 0``: a model whose ``k`` is learned from its first prediction, created by outcomes that
-#: arrived first (issue 11, finding 6). Its join buffer holds them; its (empty) pools and monitor
+#: arrived first. Its join buffer holds them; its (empty) pools and monitor
 #: are built for this placeholder until :meth:`ModelState.offer` learns ``k``.
 _PROVISIONAL_K = 2
 
@@ -327,7 +327,7 @@ class ModelState:
         timers) back to at most ``limit``. The parser rejects events more than the allowed skew
         after their record timestamp (``ts_out_of_range``), so beyond the largest record
         timestamp seen plus that skew a clock can only be poisoned: carried by a checkpoint
-        written before the bound (issue 11, finding 5). Repaired at the first batch after the
+        written before the bound. Repaired at the first batch after the
         restore; counted in ``clocks_repaired``. Returns whether anything was beyond."""
         hit = self.join.bound_clock(limit)
         hit = self.monitor.bound_clock(limit) or hit
@@ -616,7 +616,7 @@ class ModelState:
             st.samples_total = int(d["samples_total"])
             st.dropped_labels = int(d["dropped_labels"])
             # absent (older checkpoints): learnt from the first batch, which then repairs
-            # clocks poisoned by a far-future event (issue 11, finding 5)
+            # clocks poisoned by a far-future event
             tl = d.get("ts_limit")
             st.ts_limit = -math.inf if tl is None else float(tl)
             part = "offsets"
@@ -638,7 +638,7 @@ class ModelState:
 
     def reconcile(self, ms: Any, join: Any, k: int | None = None
                   ) -> tuple[ModelState, str, str]:
-        """Bring a restored state in line with the current settings (issue 11, finding 11):
+        """Bring a restored state in line with the current settings:
         ``(state, outcome, detail)`` with outcome ``restored`` (nothing changed: ``self``),
         ``k_changed`` or ``config_changed`` (a new state; the caller drops any fit in flight).
 

@@ -789,7 +789,7 @@ class WindowMonitor:
         """Pull the clock back to at most ``limit`` (a largest event time the input allows) and,
         for a time window, drop the buckets beyond it (they hold only samples of events from
         the future). Repairs a window poisoned by a far-future event, after which every genuine
-        sample fell outside the window (issue 11, finding 5). Returns whether it did."""
+        sample fell outside the window. Returns whether it did."""
         if not self.clock > limit:
             return False
         self.clock = float(limit)

@@ -216,7 +216,7 @@ class ModelRegistry:
             self.sampled.pop(p, None)
 
     def rebudget(self) -> None:
-        """Give every model its shares of the replica's byte budgets (issue 11, finding 9):
+        """Give every model its shares of the replica's byte budgets:
         of the join buffers, ``min(join.max_bytes_per_model, join.max_bytes_total / models)``,
         and of the pools and monitoring windows, ``min(state.max_bytes_per_model,
         state.max_bytes_total / models)`` (:mod:`daemon.state_budget`); call whenever models

@@ -120,7 +120,7 @@ class DriftTrigger:
 
     def bound_clock(self, limit: float) -> bool:
         """Pull ``last`` and ``since`` back to at most ``limit`` (the clock never goes back on
-        its own, so one observation far in the future would freeze it; issue 11, finding 5).
+        its own, so one observation far in the future would freeze it).
         Returns whether either was beyond."""
         hit = False
         if self.last is not None and self.last > limit:

@@ -1,4 +1,4 @@
-/* daemon._speedups, part 2: BLAKE2b-64 of event ids, the pool routing hash (reference:
+/* daemon._speedups: BLAKE2b-64 of event ids, the pool routing hash (reference:
  * lpcal.pools.route_uniform, i.e. hashlib.blake2b), one id at a time or several side by side in
  * vector lanes; and the sampling prefilter on raw message bytes (reference:
  * daemon.model_state.ModelState.sample). */

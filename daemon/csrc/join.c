@@ -1,4 +1,4 @@
-/* daemon._speedups, part 3: the per-event loop of daemon.join.JoinStore.offer, on the
+/* daemon._speedups: the per-event loop of daemon.join.JoinStore.offer, on the
  * model's own Python objects (the Python loop in daemon/join.py is the reference). Pending
  * entries are lists indexed by the E_* codes of speedups.h (daemon/codes.py documents them). */
 #include "speedups.h"

@@ -1,4 +1,4 @@
-/* daemon._speedups, part 1: the fields of a batch of events (see daemon/columns.py, whose
+/* daemon._speedups: the fields of a batch of events (see daemon/columns.py, whose
  * columns_python is the reference). */
 #include "speedups.h"
 

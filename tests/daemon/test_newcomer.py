@@ -1,4 +1,4 @@
-"""Issue 12, parts 4 and 6, without a broker: the ``lpcal`` console script and the layout
+"""The newcomer path without a broker: the ``lpcal`` console script and the layout
 (``daemon.cli`` dispatches, ``lpcal`` imports nothing from ``daemon``), the dev profile, unknown
 ``LPCAL_*`` variables, ``GET /v1/config``, the "invalid settings" header, and the simulator's run
 ids and default event count. The broker side (``lpcal broker``, the idempotence and missing-topic

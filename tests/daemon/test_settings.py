@@ -296,7 +296,7 @@ def test_impossible_fit_mode_combinations_fail_at_startup(isolated, toml, field,
 @pytest.mark.parametrize("value", ["", "   ", " s3cr3t", "s3cr3t\n ", "s3\x00cr3t"])
 def test_admin_token_that_can_never_authenticate_is_refused(isolated, monkeypatch, source,
                                                             value):
-    """Issue 11: an empty admin token was accepted but could never authenticate (nor one with
+    """An empty admin token was accepted but could never authenticate (nor one with
     surrounding blanks, which HTTP strips from header values, or control characters)."""
     if source == "secrets" and value != value.strip():
         pytest.skip("the secrets dir strips file contents (a valid token)")
