@@ -296,7 +296,7 @@ def _settings(tmp_path, secrets=None, **kw):
     from daemon.settings import load_settings
 
     cfg = tmp_path / "lpcal.toml"
-    cfg.write_text('[defaults]\npool = 40\nmu_pool = 80\ndrift_threshold = 100.0\n'
+    cfg.write_text('[defaults]\npool = 40\nmu_pool = 80\ndrift_threshold = 100.0\ndrift_false_alarm_rate = 0.0\n'
                    'mode = "paper"\n[models."bp-unit"]\nk = 3\n')
     return load_settings(cfg, secrets_dir=secrets or (tmp_path / "no-secrets"), **kw)
 

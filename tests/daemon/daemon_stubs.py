@@ -35,7 +35,7 @@ class RecordingConsumer:
 
 def small_settings() -> Settings:
     # the paper's mode: these tests are about fits and backpressure, not the fit mode
-    return Settings(defaults={"pool": 40, "mu_pool": 80, "drift_threshold": 100.0,
+    return Settings(defaults={"pool": 40, "mu_pool": 80, "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0,
                               "mode": "paper"},
                     models={MODEL: {"k": K}})
 

@@ -227,7 +227,7 @@ def certified_daemon(monkeypatch):
     """The certified default, with small epochs (warm-up 200, held out 300)."""
     from daemon.settings import Settings
 
-    s = Settings(defaults={"pool": 40, "mu_pool": 80, "drift_threshold": 100.0,
+    s = Settings(defaults={"pool": 40, "mu_pool": 80, "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0,
                            "holdout": 300, "warmup": 200}, models={MODEL: {"k": 3}})
     d = Daemon(s)
     d.consumer = RecordingConsumer()

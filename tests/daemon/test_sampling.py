@@ -27,7 +27,7 @@ RATE = 0.1
 
 
 def settings(rate: float = RATE, **defaults) -> Settings:
-    return Settings(defaults={"pool": 200, "mu_pool": 200, "drift_threshold": 100.0,
+    return Settings(defaults={"pool": 200, "mu_pool": 200, "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0,
                               "mode": "paper", **defaults},
                     models={MODEL: {"k": K, "sample_rate": rate}})
 

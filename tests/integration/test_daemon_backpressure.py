@@ -72,7 +72,7 @@ async def test_backlog_faster_than_fits_pauses_ingest_and_fits_every_epoch(
     names = TopicNames.for_prefix(topic_prefix)
     await create_topics(broker.bootstrap, names, partitions=1)
     cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=1,
-                        defaults={"pool": POOL, "mu_pool": 2 * POOL, "drift_threshold": 100.0,
+                        defaults={"pool": POOL, "mu_pool": 2 * POOL, "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0,
                                   "mode": "paper"},  # about backpressure, not the fit mode
                         models={MODEL: {"k": K}})
     settings = build_settings(cfg, tmp_path)

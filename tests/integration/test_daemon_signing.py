@@ -147,7 +147,7 @@ async def test_signed_daemon_publishes_verified_maps_and_ignores_forged_versions
     cfg = daemon_config(broker.bootstrap, names, http_port=free_port(),
                         group_id=f"{topic_prefix}-g",
                         defaults={"pool": 100, "mu_pool": 100, "mode": "paper",
-                                  "drift_threshold": 100.0},
+                                  "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
                         models={model: {"k": k}})
     settings = load_settings(write_config(cfg, tmp_path / "lpcal.toml"), secrets_dir=secrets)
     assert settings.signing.signer().key_id == key_id(pub)

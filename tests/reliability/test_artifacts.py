@@ -62,7 +62,7 @@ async def test_bad_binmaps_rejected_by_client_and_daemon_previous_map_stays(
     await create_topics(broker.bootstrap, names, partitions=2)
     cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
                         defaults={"pool": 100, "mu_pool": 100, "warmup": 100, "holdout": 50,
-                                  "drift_threshold": 100.0},
+                                  "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
                         models={m: {"k": k} for m, k in MODELS.items()})
     daemon = FastDaemon(cfg, tmp_path, name="art").start()
     try:

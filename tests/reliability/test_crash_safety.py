@@ -29,7 +29,7 @@ outcome: both final checkpoints hold exactly those pending. (This test absorbed 
 scenario of the former ``tests/integration/test_daemon_crash.py``.) Both daemons
 are stopped with SIGTERM and compared through what they wrote to Kafka (``model/<id>``
 envelopes of the state topics, all records of the bin-map topics).
-Drift refills are off (``drift_threshold`` 100): when a drift fires depends on batching.
+Drift refills are off (``drift_threshold`` 100, ``drift_false_alarm_rate`` 0): when a drift fires depends on batching.
 Short: 60,000 joined samples, 5 kills. Long (LPCAL_SOAK=1): 1,000,002 samples, 100 kills.
 
 The first bug this test found (``on_assigned`` processed new partitions before restoring their
@@ -83,7 +83,7 @@ def _cfg(broker, names, pool):
     return daemon_config(
         broker.bootstrap, names, http_port=free_port(), partitions=2,
         defaults={"pool": pool, "mu_pool": pool, "warmup": pool, "holdout": pool,
-                  "drift_threshold": 100.0},
+                  "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
         models={m: {"k": k} for m, k in MODELS},
         state={"checkpoint_interval_seconds": 0.5}, shutdown_grace_seconds=GRACE)
 
