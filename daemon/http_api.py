@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import re
 import resource
 import time
@@ -239,7 +240,8 @@ class HttpServer:
             await self.runner.cleanup()
             self.runner = None
             raise HttpListenError(
-                f"cannot listen for HTTP on {s.host}:{s.port} ({e.strerror or e}): set "
+                f"cannot listen for HTTP on {s.host}:{s.port} "
+                f"({os.strerror(e.errno) if e.errno else e}): set "
                 f"http.port (LPCAL_HTTP__PORT) to a free port, or http.host to an address of "
                 f"this host") from None
         self.port = self.runner.addresses[0][1] if self.runner.addresses else s.port

@@ -276,8 +276,10 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
         if self.stop_requested_at is not None:
             log.info("lpcal daemon stopped in %.1f s (from the stop signal; shutdown %.1f s)",
                      now - self.stop_requested_at, now - t0)
-        else:
+        elif self.started:
             log.info("lpcal daemon stopped in %.1f s", now - t0)
+        else:  # startup failed: its error is what the operator needs to read
+            log.debug("lpcal daemon stopped in %.1f s", now - t0)
 
     async def serve(self, install_signals: bool = True) -> None:
         """Run until SIGTERM/SIGINT (or ``stopping`` is set).
