@@ -18,6 +18,9 @@ is possibly hostile. A record that cannot be used is skipped, logged with its po
 * ``too_large``: more than ``max_record_bytes`` (``kafka.max_message_bytes``), not parsed;
 * ``no_key``: no model id as its key (tombstones are not counted: they delete nothing here,
   the last verified map stays served);
+* ``config``: a map that cannot apply to the model under this replica's settings (its k when
+  the settings pin one, or its lambda, differs): the check the daemon makes before installing
+  a map in a model's state, so that no replica serves a map its owner would refuse;
 * ``capacity``: a new model beyond ``max_models``, or a map that would take the view beyond
   ``max_bytes``.
 
@@ -36,6 +39,7 @@ from typing import Any
 
 from lpcal.binmap import BinMap
 from lpcal.client import BinMapFollower, BinMapRejected, BinMapStore, Rejection, verify_artifact
+from lpcal.levels import beta_for, lambda_for
 
 log = logging.getLogger("lpcal.daemon")
 
@@ -80,14 +84,17 @@ class ServedBinMaps(BinMapStore):
     installed map's bytes (:meth:`served`); see the module docstring.
 
     ``on_skip(reason, source, message)`` is called for every skipped record (counters),
-    ``on_served(model, served)`` after every installation (gauges)."""
+    ``on_served(model, served)`` after every installation (gauges); ``fits(model, bm)``, when
+    given, returns why a verified map cannot apply to the model (skipped as ``config``), or
+    None."""
 
     def __init__(self, *, public_keys: Any, max_models: int, max_bytes: int,
-                 max_record_bytes: int, on_skip=None, on_served=None):
+                 max_record_bytes: int, on_skip=None, on_served=None, fits=None):
         super().__init__(public_keys=public_keys, on_reject=self._rejected)
         self.max_models, self.max_bytes = int(max_models), int(max_bytes)
         self.max_record_bytes = int(max_record_bytes)
         self.on_skip, self.on_served = on_skip, on_served
+        self.fits = fits
         self.bytes = 0
         self._served: dict[str, Served] = {}
 
@@ -127,6 +134,10 @@ class ServedBinMaps(BinMapStore):
         except BinMapRejected as e:
             self._reject(Rejection(e.reason, model, source, str(e)))
             return False
+        why = None if self.fits is None or bm.model_id != model else self.fits(model, bm)
+        if why is not None:
+            self.skip("config", source, f"version {bm.version} of model {model!r}: {why}")
+            return False
         cur = self._served.get(model)
         cost = map_cost(raw, bm)
         if self.bytes - (cur.cost if cur else 0) + cost > self.max_bytes:
@@ -140,6 +151,24 @@ class ServedBinMaps(BinMapStore):
         if self.on_served is not None:
             self.on_served(model, self._served[model])
         return True
+
+
+def settings_fit(settings):
+    """``fits(model, bm)`` for :class:`ServedBinMaps` from the daemon's settings: why ``bm``
+    cannot apply to ``model`` (k pinned and different, or another lambda), else None."""
+    def fits(model: str, bm: BinMap) -> str | None:
+        ms = settings.model_settings(model)
+        if ms is None:
+            return None
+        k = getattr(ms, "k", None)
+        if k and bm.k != k:
+            return f"k = {bm.k}, but the settings pin k = {k}"
+        lam = lambda_for(beta_for(ms.eps, float(ms.p)))
+        if bm.lam != lam:
+            return f"lambda = {bm.lam}, but the settings (eps, p) give lambda = {lam}"
+        return None
+
+    return fits
 
 
 class _Follower(BinMapFollower):
@@ -167,10 +196,11 @@ class BinMapView:
     topic when it is called has been read; :meth:`stop` ends it."""
 
     def __init__(self, make_consumer, *, public_keys: Any, metrics=None, max_models: int,
-                 max_bytes: int = VIEW_MAX_BYTES, max_record_bytes: int):
+                 max_bytes: int = VIEW_MAX_BYTES, max_record_bytes: int, fits=None):
         self.metrics = metrics
         self.maps = ServedBinMaps(public_keys=public_keys, max_models=max_models,
                                   max_bytes=max_bytes, max_record_bytes=max_record_bytes,
+                                  fits=fits,
                                   on_skip=self._count_skip,
                                   on_served=lambda model, served: self._export())
         self._make_consumer = make_consumer

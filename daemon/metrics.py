@@ -155,6 +155,7 @@ class BinMapSkipReason(StrEnum):
     TOO_LARGE = "too_large"  # more than kafka.max_message_bytes
     NO_KEY = "no_key"  # no model id as its key
     CAPACITY = "capacity"  # beyond the view's bound on models or bytes
+    CONFIG = "config"  # its k (pinned) or lambda does not fit the model's settings
 
 
 class Predictor(StrEnum):

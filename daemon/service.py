@@ -35,7 +35,7 @@ import orjson
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 
 from daemon import heap, kafka_io, retry
-from daemon.binmap_view import BinMapView
+from daemon.binmap_view import BinMapView, settings_fit
 from daemon.checkpoint_store import CheckpointStore
 from daemon.checkpointing import (  # noqa: F401 - re-exported (tests write envelopes)
     CHECKPOINT_BATCH_BYTES,
@@ -168,7 +168,7 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
             consumer, public_keys=self.s.signing.keyring(), metrics=self.metrics,
             # the models of the whole group: input partitions x max_models
             max_models=self.s.max_models * max(1, getattr(self, "input_partitions", 1)),
-            max_record_bytes=k.max_message_bytes)
+            max_record_bytes=k.max_message_bytes, fits=settings_fit(self.s))
         self.registry.published = self.binmaps.get
         self.binmaps.start()
 

@@ -12,7 +12,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from daemon.binmap_view import ServedBinMaps, map_cost
+from daemon.binmap_view import ServedBinMaps, map_cost, settings_fit
 from daemon.metrics import DaemonMetrics
 from lpcal import fit
 from lpcal.binmap import BinMap
@@ -108,3 +108,22 @@ def test_models_and_bytes_are_bounded(keys, base):
     # replacing a model's map frees its old bytes first
     assert maps.offer(_map(base, "m0", 2, own), model="m0", source="c")
     assert maps.bytes <= maps.max_bytes and maps.served("m0").version == 2
+
+
+def test_maps_that_do_not_fit_the_settings_are_skipped_as_config(keys, base):
+    """The check the daemon makes before installing a map in a model's state (k when pinned,
+    lambda from eps and p), applied to every model served."""
+    own = Signer(keys.own.priv)
+    pinned = {"m0": SimpleNamespace(k=3, eps=0.3, p=2.0),   # the base map's k and lambda
+              "m1": SimpleNamespace(k=4, eps=0.3, p=2.0),   # another k
+              "m2": SimpleNamespace(k=None, eps=0.01, p=2.0)}  # another lambda
+    settings = SimpleNamespace(model_settings=pinned.get)
+    skipped: list[str] = []
+    maps = ServedBinMaps(public_keys=[keys.own.pub], max_models=8, max_bytes=1 << 30,
+                         max_record_bytes=1 << 20, fits=settings_fit(settings),
+                         on_skip=lambda reason, source, message: skipped.append(reason))
+    assert maps.offer(_map(base, "m0", 1, own), model="m0", source="a")
+    assert not maps.offer(_map(base, "m1", 1, own), model="m1", source="b")
+    assert not maps.offer(_map(base, "m2", 1, own), model="m2", source="c")
+    assert maps.offer(_map(base, "m3", 1, own), model="m3", source="d")  # no settings: served
+    assert skipped == ["config", "config"] and maps.models() == ["m0", "m3"]
