@@ -44,7 +44,7 @@ _ASSIGN_RETRY_FIRST, _ASSIGN_RETRY_MAX = 0.5, 10.0  # seconds between assignment
 _LOAD_RETRY_FIRST, _LOAD_RETRY_MAX, _LOAD_DEADLINE = 0.5, 5.0, 60.0  # reading checkpoints
 #: An assignment whose restore keeps failing this long makes /healthz fail (pod restarted)
 ASSIGN_UNHEALTHY_SECONDS = 120.0
-_VIEW_SYNC_SECONDS = 30.0  # restore: wait this long for the bin-map view to read the topic
+_VIEW_SYNC_SECONDS = 10.0  # restore: wait this long for the bin-map view to read the topic
 
 
 class Restore:

@@ -145,3 +145,20 @@ async def test_versions_adopted_from_before_the_checkpoint_are_not_fitted_epochs
         new = await _publish_until(rd, traffic, v + 1)  # the next epoch is published
         assert new == v + 1
     assert await _topic_versions(broker.bootstrap, names.binmaps) == list(range(1, v + 2))
+
+
+async def test_versions_published_after_the_checkpoint_are_fitted_epochs(
+        broker, topic_prefix, tmp_path):
+    """The positive control: a map published after the checkpoint was written (a crash between
+    a publish and the next checkpoint) stands for an epoch that was filling at the checkpoint;
+    the replay seals it again and it is not fitted a second time."""
+    names, settings, _, v = await _first_run(broker, topic_prefix, tmp_path)
+    last = [r for r in await read_records(broker.bootstrap, names.binmaps)
+            if r.key == MODEL.encode()][-1]
+    async with EventProducer(broker.bootstrap) as prod:  # after the final checkpoint
+        await prod.raw(names.binmaps, BinMap.from_json(last.value).with_version(v + 1)
+                       .to_json(), MODEL)
+        await prod.flush()
+    async with running_daemon(settings) as rd:
+        assert rd.daemon.models[MODEL].binmap_version == v + 1
+        assert rd.daemon.prefitted[MODEL] == 1
