@@ -192,8 +192,10 @@ class BinMapView:
     """Follow the bin-map topic into a :class:`ServedBinMaps` (see the module docstring).
 
     ``make_consumer()`` builds the (unstarted) consumer of the topic, without a group.
-    :meth:`start` runs the follower as a task; :meth:`sync` waits until everything on the
-    topic when it is called has been read; :meth:`stop` ends it."""
+    :meth:`start` runs the follower as a task (a follower that fails, e.g. its consumer cannot
+    start, is replaced by a new one after a backoff of 0.5 s doubling to 10 s; it reads the
+    topic again from the beginning); :meth:`sync` waits until everything on the topic when it
+    is called has been read; :meth:`stop` ends it."""
 
     def __init__(self, make_consumer, *, public_keys: Any, metrics=None, max_models: int,
                  max_bytes: int = VIEW_MAX_BYTES, max_record_bytes: int, fits=None):
@@ -206,22 +208,38 @@ class BinMapView:
         self._make_consumer = make_consumer
         self.follower: BinMapFollower | None = None
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        if self.follower is None:
-            self.follower = _Follower(self.maps, self._make_consumer())
-            self._task = self.follower.start()
-            self._task.add_done_callback(self._ended)
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
 
-    def _ended(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("bin-map view: the follower of the bin-map topic stopped: %s: %s",
-                      type(task.exception()).__name__, task.exception())
+    async def _run(self) -> None:
+        delay = 0.5
+        while not self._stopping:
+            self.follower = _Follower(self.maps, self._make_consumer())
+            try:
+                await self.follower.run()
+                return  # stopped
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the view outlives broker trouble
+                log.warning("bin-map view: following the bin-map topic failed (%s: %s); "
+                            "again in %.1f s", type(e).__name__, e, delay)
+            await asyncio.sleep(delay)
+            delay = min(10.0, delay * 2)
 
     async def stop(self, timeout: float = 2.0) -> None:
-        if self.follower is not None:
+        self._stopping = True
+        task = self._task
+        if task is None or task.done():
+            return
+        if self.follower is not None:  # its run() is this task's: stop() waits, then cancels
             await self.follower.stop(timeout=timeout)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     @property
     def ready(self) -> bool:
