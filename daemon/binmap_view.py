@@ -249,14 +249,14 @@ class BinMapView:
     async def sync(self, timeout: float) -> bool:
         """Wait until the records on the topic now have been read (its end offsets, taken
         now); False when that took longer than ``timeout`` s or the view is not running."""
-        f = self.follower
-        if f is None or self._task is None or self._task.done():
+        if self._task is None or self._task.done():
             return False
         deadline = time.monotonic() + timeout
         try:
             async with asyncio.timeout(timeout):
-                await f.ready.wait()
-                c = f.consumer
+                while not self.ready:  # the current follower (one that failed is replaced)
+                    await asyncio.sleep(0.02)
+                c = self.follower.consumer
                 tps = sorted(c.assignment(), key=lambda tp: (tp.topic, tp.partition))
                 ends = await c.end_offsets(tps) if tps else {}
                 while True:

@@ -5,14 +5,16 @@ two replicas, is tested in ``tests/integration/test_daemon_serving.py``.)"""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from aiokafka import TopicPartition
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from daemon.binmap_view import ServedBinMaps, map_cost, settings_fit
+from daemon.binmap_view import BinMapView, ServedBinMaps, map_cost, settings_fit
 from daemon.metrics import DaemonMetrics
 from lpcal import fit
 from lpcal.binmap import BinMap
@@ -127,3 +129,68 @@ def test_maps_that_do_not_fit_the_settings_are_skipped_as_config(keys, base):
     assert not maps.offer(_map(base, "m2", 1, own), model="m2", source="c")
     assert maps.offer(_map(base, "m3", 1, own), model="m3", source="d")  # no settings: served
     assert skipped == ["config", "config"] and maps.models() == ["m0", "m3"]
+
+
+class _Consumer:
+    """A consumer of one partition holding ``records`` (duck-typed like aiokafka's, as
+    :class:`lpcal.client.BinMapFollower` uses it); ``fail`` makes ``start`` raise."""
+
+    tp = TopicPartition("binmaps", 0)
+
+    def __init__(self, records: list[tuple[bytes, bytes]], fail: bool = False):
+        self.records, self.fail, self.pos, self.stopped = records, fail, 0, False
+
+    async def start(self):
+        if self.fail:
+            raise ConnectionError("broker unreachable")
+
+    async def stop(self):
+        self.stopped = True
+
+    def assignment(self):
+        return {self.tp}
+
+    async def seek_to_beginning(self, *tps):
+        self.pos = 0
+
+    async def end_offsets(self, tps):
+        return {self.tp: len(self.records)}
+
+    async def position(self, tp):
+        return self.pos
+
+    async def getmany(self, timeout_ms=0):
+        if self.pos >= len(self.records):
+            await asyncio.sleep(timeout_ms / 1000)
+            return {}
+        recs = [SimpleNamespace(key=k, value=v, offset=i, topic="binmaps", partition=0)
+                for i, (k, v) in enumerate(self.records) if i >= self.pos]
+        self.pos = len(self.records)
+        return {self.tp: recs}
+
+
+async def test_a_failed_follower_is_replaced_and_the_view_catches_up(keys, base):
+    own = Signer(keys.own.priv)
+    records = [(b"m0", _map(base, "m0", 1, own)), (b"m0", b"garbage"),
+               (b"m1", _map(base, "m1", 2, own))]
+    made: list[_Consumer] = []
+
+    def make_consumer():
+        made.append(_Consumer(records, fail=not made))  # the first one cannot start
+        return made[-1]
+
+    dm = DaemonMetrics(max_models=4)
+    view = BinMapView(make_consumer, public_keys=[keys.own.pub], metrics=dm, max_models=4,
+                      max_record_bytes=1 << 20)
+    view.start()
+    try:
+        assert await view.sync(10.0)
+        assert view.ready and len(made) == 2
+        assert (view.version("m0"), view.version("m1"), view.version("m2")) == (1, 2, 0)
+        assert view.get("m0").raw == records[0][1]
+        assert dm.registry.get_sample_value("lpcal_binmap_records_skipped_total",
+                                            {"reason": "parse"}) == 1
+        assert dm.registry.get_sample_value("lpcal_binmaps_served") == 2
+    finally:
+        await view.stop()
+    assert made[-1].stopped
