@@ -23,8 +23,9 @@ def test_serve_with_the_http_port_in_use_names_the_setting_and_exits_2(tmp_path)
         held.bind(("127.0.0.1", port))
         held.listen()
         p = subprocess.run([sys.executable, "-m", "daemon.cli", "serve", "--config",
-                            str(config)], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+                            str(config)], check=False, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60,
+                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     errors = [line for line in p.stderr.splitlines() if line.startswith("lpcal serve:")]
