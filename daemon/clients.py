@@ -52,6 +52,7 @@ class KafkaClients:
         kafka_io.require_topics(counts, [self.t_pred, self.t_out], k.bootstrap_servers,
                                 optional=list(k.topics.model_dump().values()))
         kafka_io.check_copartitioned(counts, self.t_pred, self.t_out)
+        self.input_partitions = int(counts.get(self.t_pred) or 1)
 
     def consumer_options(self) -> dict:
         """Options of the input consumer, from ``kafka.*`` settings (then ``consumer_options``

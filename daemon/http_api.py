@@ -10,7 +10,17 @@
 * ``GET /v1/models``: the models this replica owns, with pool fill, fit mode, bin-map version
   and the current bin map's held-out certificate (``{"selected", "certified", "bound", "eps",
   "n_holdout"}``, or null);
-* ``GET /v1/models/{model}/binmap``: the current bin map JSON (404 if none yet);
+* ``GET /v1/models/{model}/binmap``: the latest verified bin map of ANY model, on every replica:
+  the bytes published, from the replica's view of the bin-map topic
+  (:mod:`daemon.binmap_view`), or the map this replica installed when that one is newer.
+  ``ETag`` is the map's checksum (quoted) and ``X-Lpcal-Version`` its version; a request whose
+  ``If-None-Match`` names the current checksum gets 304 without a body. 404 only when no map
+  exists for the model; 503 (``Retry-After``) while the replica has not yet read the topic to
+  its end once;
+* ``GET /v1/models/{model}``: the model's summary: latest version, checksum, created_at, mode,
+  k, certified (or null without a certificate) and the certificate, and ``owner``: this
+  replica's state of the model when it owns it (as in ``/v1/models``), else null; the version
+  also in ``X-Lpcal-Version``. 404 when the model has no map and is not owned here;
 * ``GET /v1/config``: the effective settings (:meth:`daemon.settings.Settings.redacted`: every
   source applied, per-model settings merged), secrets masked as ``**********`` (the SASL
   password, the admin token, the signing key, and any other ``password``, ``token``,
@@ -39,19 +49,69 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import re
 import resource
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from aiohttp import web
+
+from daemon.registry import ModelInfo
+from lpcal.errors import LpcalError
 
 log = logging.getLogger("lpcal.daemon")
 
 STALL_SECONDS = 30.0
 _EVICT_LOG_EVERY = 60.0  # seconds between warnings about connections closed at the limit
 _FD_RESERVE = 64         # descriptors left for Kafka clients, files and the listener
+
+
+class HttpListenError(LpcalError):
+    """The HTTP listener cannot be opened (port in use, address not available); ``lpcal serve``
+    prints the message, which names ``http.port``/``http.host``, and exits 2."""
+
+
+class _MapAnswer(NamedTuple):
+    """What the bin-map routes answer for one model (see :meth:`HttpServer._latest`)."""
+
+    raw: bytes
+    version: int
+    checksum: str
+    created_at: str | None
+    mode: str | None
+    k: int | None
+    certificate: dict | None
+
+    @property
+    def etag(self) -> str:
+        return f'"{self.checksum}"'
+
+
+def certificate_summary(cert: Any) -> dict | None:
+    """``{"selected", "certified", "bound", "eps", "n_holdout"}`` of a bin map's certificate
+    (a dict), or None (none, or malformed)."""
+    try:
+        if not cert:
+            return None
+        return {"selected": cert["selected"], "certified": cert["certified"],
+                "bound": cert["estimates"][cert["selected"]]["bound"],
+                "eps": cert["eps"], "n_holdout": cert["n_holdout"]}
+    except (AttributeError, KeyError, TypeError):
+        return None
+
+
+def _not_modified(request: web.Request, etag: str) -> bool:
+    """True when ``If-None-Match`` names ``etag`` (or is ``*``; weak tags compare equal)."""
+    header = request.headers.get("If-None-Match")
+    if not header:
+        return False
+    for tag in header.split(","):
+        tag = tag.strip()
+        if tag == "*" or tag.removeprefix("W/") == etag:
+            return True
+    return False
 
 
 class _LimitedSite(web.BaseSite):
@@ -88,12 +148,14 @@ class HttpServer:
             web.get("/readyz", self.readyz),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model}/binmap", self.binmap),
+            web.get("/v1/models/{model}", self.model),
             web.get("/v1/config", self.config),
             web.post("/v1/models/{model}/recalibrate", self.recalibrate),
         ])
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
         self._certs: dict[str, tuple[bytes, dict | None]] = {}  # model -> (bin map, summary)
+        self._own: dict[str, tuple[bytes, _MapAnswer | None]] = {}  # owned maps, parsed once
         self._busy: set = set()  # connections (request handlers) inside a route handler
         # connection -> True once connected, else the time it was created (see _accept)
         self._conns: dict = {}
@@ -172,7 +234,16 @@ class HttpServer:
         # reserved beyond the limit
         site = _LimitedSite(self.runner, s.host, s.port, self._accept,
                             backlog=_FD_RESERVE // 2)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            await self.runner.cleanup()
+            self.runner = None
+            raise HttpListenError(
+                f"cannot listen for HTTP on {s.host}:{s.port} "
+                f"({os.strerror(e.errno) if e.errno else e}): set "
+                f"http.port (LPCAL_HTTP__PORT) to a free port, or http.host to an address of "
+                f"this host") from None
         self.port = self.runner.addresses[0][1] if self.runner.addresses else s.port
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != resource.RLIM_INFINITY and s.max_connections + _FD_RESERVE > soft:
@@ -206,21 +277,22 @@ class HttpServer:
         return web.json_response(body, status=200 if self.d.ready else 503)
 
     async def models(self, request: web.Request) -> web.Response:
-        out = []
-        for m in self.d.registry.snapshot():
-            st = m.state
-            out.append({
-                "model": m.model, "k": st.k, "partition": m.partition,
-                "epoch": st.epoch, "binmap_version": st.binmap_version,
-                "fit_in_flight": m.fit_in_flight,
-                "epochs_waiting": len(st.sealed),
-                "paused": m.partition in self.d.throttled,
-                "pool_fill": {n: {"count": c, "target": t} for n, (c, t) in st.pools.fill().items()},
-                "samples_total": st.samples_total,
-                "mode": st.config.get("mode"),
-                "certificate": self._certificate(m.model, st.binmap),
-            })
-        return web.json_response({"models": out})
+        return web.json_response({"models": [self._row(m) for m in self.d.registry.snapshot()]})
+
+    def _row(self, m) -> dict:
+        """An owned model's state (a :class:`daemon.registry.ModelInfo`), as listed."""
+        st = m.state
+        return {
+            "model": m.model, "k": st.k, "partition": m.partition,
+            "epoch": st.epoch, "binmap_version": st.binmap_version,
+            "fit_in_flight": m.fit_in_flight,
+            "epochs_waiting": len(st.sealed),
+            "paused": m.partition in self.d.throttled,
+            "pool_fill": {n: {"count": c, "target": t} for n, (c, t) in st.pools.fill().items()},
+            "samples_total": st.samples_total,
+            "mode": st.config.get("mode"),
+            "certificate": self._certificate(m.model, st.binmap),
+        }
 
     def _certificate(self, model: str, binmap: bytes | None) -> dict | None:
         """Summary of the bin map's certificate (parsed once per installed map)."""
@@ -229,24 +301,89 @@ class HttpServer:
         cached = self._certs.get(model)
         if cached is not None and cached[0] is binmap:
             return cached[1]
-        summary = None
         try:
-            cert = orjson.loads(binmap).get("certificate")
-            if cert:
-                summary = {"selected": cert["selected"], "certified": cert["certified"],
-                           "bound": cert["estimates"][cert["selected"]]["bound"],
-                           "eps": cert["eps"], "n_holdout": cert["n_holdout"]}
-        except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError):
+            summary = certificate_summary(orjson.loads(binmap).get("certificate"))
+        except (orjson.JSONDecodeError, AttributeError):
             summary = None
         self._certs[model] = (binmap, summary)
         return summary
 
-    async def binmap(self, request: web.Request) -> web.Response:
-        slot = self.d.registry.get(request.match_info["model"])
+    def _owned_map(self, model: str) -> _MapAnswer | None:
+        """The map this replica installed for ``model`` (its own fit, checkpoint or adoption;
+        parsed once per installed map), or None."""
+        slot = self.d.registry.get(model)
         if slot is None or slot.state.binmap is None:
-            return web.json_response({"error": "no bin map for this model on this replica"},
-                                     status=404)
-        return web.Response(body=slot.state.binmap, content_type="application/json")
+            self._own.pop(model, None)
+            return None
+        raw = slot.state.binmap
+        cached = self._own.get(model)
+        if cached is not None and cached[0] is raw:
+            return cached[1]
+        answer = None
+        try:
+            obj = orjson.loads(raw)
+            answer = _MapAnswer(raw, int(obj["version"]), str(obj["checksum"]),
+                                obj.get("created_at"), obj.get("mode"), obj.get("k"),
+                                obj.get("certificate"))
+        except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
+            answer = None
+        self._own[model] = (raw, answer)
+        return answer
+
+    def _latest(self, model: str) -> _MapAnswer | None:
+        """The newest map of ``model`` known here: the replica's view of the bin-map topic,
+        or the map this replica installed when it is newer (published, not read back yet)."""
+        view = self.d.binmaps
+        served = None if view is None else view.get(model)
+        own = self._owned_map(model)
+        if served is None or (own is not None and own.version > served.version):
+            return own
+        bm = served.bm
+        return _MapAnswer(served.raw, bm.version, bm.checksum, bm.created_at, bm.mode, bm.k,
+                          bm.certificate)
+
+    def _unknown(self, model: str) -> web.Response:
+        """404 (no map exists) once the view has read the topic, else 503."""
+        view = self.d.binmaps
+        if view is not None and not view.ready:
+            return web.json_response(
+                {"error": "this replica has not read the bin-map topic to its end yet"},
+                status=503, headers={"Retry-After": "1"})
+        return web.json_response({"error": f"no bin map for model {model!r}"}, status=404)
+
+    async def binmap(self, request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        answer = self._latest(model)
+        if answer is None:
+            return self._unknown(model)
+        headers = {"ETag": answer.etag, "X-Lpcal-Version": str(answer.version),
+                   "Cache-Control": "no-cache"}
+        if _not_modified(request, answer.etag):
+            return web.Response(status=304, headers=headers)
+        return web.Response(body=answer.raw, content_type="application/json", headers=headers)
+
+    async def model(self, request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        answer = self._latest(model)
+        slot = self.d.registry.get(model)
+        owned = None if slot is None else ModelInfo(model, slot.state, slot.partition,
+                                                    slot.inflight is not None)
+        if answer is None and owned is None:
+            return self._unknown(model)
+        cert = None if answer is None else certificate_summary(answer.certificate)
+        body = {
+            "model": model,
+            "version": None if answer is None else answer.version,
+            "checksum": None if answer is None else answer.checksum,
+            "created_at": None if answer is None else answer.created_at,
+            "mode": None if answer is None else answer.mode,
+            "k": None if answer is None else answer.k,
+            "certified": None if cert is None else bool(cert["certified"]),
+            "certificate": cert,
+            "owner": None if owned is None else {"replica": "this", **self._row(owned)},
+        }
+        headers = {} if answer is None else {"X-Lpcal-Version": str(answer.version)}
+        return web.json_response(body, headers=headers)
 
     async def config(self, request: web.Request) -> web.Response:
         return web.json_response(redact(self.d.s.redacted()),

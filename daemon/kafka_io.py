@@ -121,6 +121,7 @@ __all__ = [
     "partition_lags",
     "publish_deadletter",
     "read_compacted_latest",
+    "record_timestamp",
     "require_topics",
     "start_producer",
 ]
@@ -702,6 +703,7 @@ def deadletter_info(headers: Iterable[tuple[str, bytes]]) -> dict[str, Any]:
 async def read_compacted_latest(bootstrap: str, topic: str, timeout: float = 30.0, *,
                                 security: Any = None, decode_keys: bool = True,
                                 missing_ok: bool = False, where: dict[Any, str] | None = None,
+                                timestamps: dict[Any, float] | None = None,
                                 client_id: str = "lpcal-compacted-reader") -> dict[Any, bytes]:
     """Read ``topic`` from the beginning at least up to its end offsets (taken at the start)
     and return the last value per key; a tombstone (value ``None``) deletes its key. Records
@@ -712,7 +714,8 @@ async def read_compacted_latest(bootstrap: str, topic: str, timeout: float = 30.
     skipped with a warning), else ``bytes``. Values are returned as read (nothing is decoded),
     and a value replaced by a later one is dropped as soon as the later one is read. ``where``
     (a dict), if given, is filled with the position each returned value was read at,
-    ``topic[partition]@offset``. Raises :class:`TopicMissingError` when the topic does not
+    ``topic[partition]@offset``, and ``timestamps`` with its record timestamp (Unix seconds).
+    Raises :class:`TopicMissingError` when the topic does not
     exist (unless ``missing_ok``: then ``{}``), ``TimeoutError`` when the end is not reached
     within ``timeout`` seconds.
     """
@@ -753,10 +756,14 @@ async def read_compacted_latest(bootstrap: str, topic: str, timeout: float = 30.
                             latest.pop(key, None)
                             if where is not None:
                                 where.pop(key, None)
+                            if timestamps is not None:
+                                timestamps.pop(key, None)
                         else:
                             latest[key] = m.value
                             if where is not None:
                                 where[key] = f"{topic}[{tp.partition}]@{m.offset}"
+                            if timestamps is not None:
+                                timestamps[key] = m.timestamp / 1000.0
                 for tp in list(pending):
                     if await consumer.position(tp) >= ends[tp]:
                         pending.discard(tp)
@@ -766,6 +773,40 @@ async def read_compacted_latest(bootstrap: str, topic: str, timeout: float = 30.
         log.warning("read_compacted_latest %s: skipped %d records without a usable key",
                     topic, skipped)
     return latest
+
+
+_POSITION = re.compile(r"^(?P<topic>.+)\[(?P<partition>\d+)\]@(?P<offset>\d+)$")
+
+
+async def record_timestamp(bootstrap: str, position: str, *, security: Any = None,
+                           timeout: float = 10.0, fetch_bytes: int = 1 << 20) -> float | None:
+    """The timestamp (Unix seconds) of the record at ``position``, ``topic[partition]@offset``
+    (as :func:`read_compacted_latest` reports positions), or None when there is no such
+    record or ``position`` is not of that form."""
+    m = _POSITION.match(position)
+    if m is None:
+        return None
+    tp = TopicPartition(m["topic"], int(m["partition"]))
+    offset = int(m["offset"])
+    consumer = make_consumer(bootstrap, group_id=None, security=security,
+                             client_id="lpcal-timestamp-reader",
+                             max_partition_fetch_bytes=max(fetch_bytes, 1 << 20) + (64 << 10))
+    async with asyncio.timeout(timeout):
+        await consumer.start()
+        try:
+            consumer.assign([tp])
+            end = (await consumer.end_offsets([tp]))[tp]
+            if offset >= end + 1:  # Tansu reports the last batch's base offset + 1
+                return None
+            consumer.seek(tp, offset)
+            while True:
+                for rec in (await consumer.getmany(tp, timeout_ms=200)).get(tp, []):
+                    if rec.offset == offset:
+                        return rec.timestamp / 1000.0
+                    if rec.offset > offset:
+                        return None
+        finally:
+            await consumer.stop()
 
 
 async def partition_lags(consumer: AIOKafkaConsumer,

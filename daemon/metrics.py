@@ -84,6 +84,7 @@ __all__ = [
     "METRIC_NAMES",
     "METRIC_TYPES",
     "POOL_NAME_RE",
+    "BinMapSkipReason",
     "Candidate",
     "CheckpointOutcome",
     "DaemonMetrics",
@@ -149,6 +150,22 @@ class RejectReason(StrEnum):
     MODEL = "model"  # the map's model_id is not its record key
     SIGNATURE = "signature"  # signing configured: unsigned, or not signed by the daemon's key(s)
     CONFIG = "config"  # its k or lambda differs from the model's state (it could not be applied)
+
+
+class BinMapSkipReason(StrEnum):
+    """Why a record of the bin-map topic was skipped by the replica's view of every model's map
+    (:mod:`daemon.binmap_view`)."""
+
+    CHECKSUM = "checksum"
+    TRUNCATED = "truncated"
+    SCHEMA = "schema"
+    PARSE = "parse"
+    MODEL = "model"  # the map's model_id is not its record key
+    SIGNATURE = "signature"  # unsigned, or not signed by one of the daemon's keys
+    TOO_LARGE = "too_large"  # more than kafka.max_message_bytes
+    NO_KEY = "no_key"  # no model id as its key
+    CAPACITY = "capacity"  # beyond the view's bound on models or bytes
+    CONFIG = "config"  # its k (pinned) or lambda does not fit the model's settings
 
 
 class Predictor(StrEnum):
@@ -294,6 +311,15 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
         "gauge", ("model",), "Unix time the latest bin map was published."),
     "lpcal_binmaps_rejected_total": (
         "counter", ("reason",), "Bin maps read back from the bin-map topic and rejected."),
+    "lpcal_binmap_records_skipped_total": (
+        "counter", ("reason",),
+        ("Records of the bin-map topic the replica's view of every model's map skipped "
+         "(hostile, unverifiable, or beyond its bounds), by reason.")),
+    "lpcal_binmaps_served": (
+        "gauge", (), "Models whose latest verified bin map this replica serves over HTTP."),
+    "lpcal_binmaps_served_bytes": (
+        "gauge", (),
+        "Estimated bytes of the bin maps this replica serves (bounded, see daemon/binmap_view.py)."),
     "lpcal_certificate_bound": (
         "gauge", ("model",),
         ("Upper confidence bound (level 1 - delta) on the published bin map's Err_p, from the "
@@ -478,6 +504,9 @@ class DaemonMetrics:
         self.binmap_version = make("lpcal_binmap_version")
         self.binmap_published = make("lpcal_binmap_published_timestamp_seconds")
         self.binmaps_rejected = make("lpcal_binmaps_rejected_total")
+        self.binmap_records_skipped = make("lpcal_binmap_records_skipped_total")
+        self.binmaps_served = make("lpcal_binmaps_served")
+        self.binmaps_served_bytes = make("lpcal_binmaps_served_bytes")
         self.certificate_bound = make("lpcal_certificate_bound")
         self.certificate_estimate = make("lpcal_certificate_estimate")
         self.certificate_target = make("lpcal_certificate_target")
@@ -512,6 +541,8 @@ class DaemonMetrics:
             self.events_invalid.labels(reason=reason.value)
         for reason in RejectReason:
             self.binmaps_rejected.labels(reason=reason.value)
+        for reason in BinMapSkipReason:
+            self.binmap_records_skipped.labels(reason=reason.value)
         for outcome in CheckpointOutcome:
             self.checkpoints.labels(outcome=outcome.value)
         for outcome in RestoreOutcome:
@@ -776,6 +807,16 @@ class DaemonMetrics:
     def inc_binmap_rejected(self, reason: str) -> None:
         """Count a bin map rejected on read (a :class:`RejectReason`)."""
         self.binmaps_rejected.labels(reason=_check(reason, RejectReason, "reason")).inc()
+
+    def inc_binmap_record_skipped(self, reason: str) -> None:
+        """Count a record of the bin-map topic skipped by the view (a :class:`BinMapSkipReason`)."""
+        self.binmap_records_skipped.labels(
+            reason=_check(reason, BinMapSkipReason, "reason")).inc()
+
+    def set_binmaps_served(self, models: int, nbytes: int) -> None:
+        """Set how many models' bin maps the view serves, and their estimated bytes."""
+        self.binmaps_served.set(_count(models, "models"))
+        self.binmaps_served_bytes.set(_count(nbytes, "bytes"))
 
     # ------------------------------------------------------------------ quality
 

@@ -11,7 +11,10 @@ Models come and go only through the registry's operations, which keep the join b
 parser and the per-model metrics in step (after aiokafka's ``TopicPartitionState``: the state
 of one unit of assignment in one object, its operations next to it):
 
-* :meth:`ModelRegistry.create`: a model seen for the first time (its first event);
+* :meth:`ModelRegistry.create`: a model seen for the first time (its first event), or whose
+  state record could not be used: its versions start at the latest verified version on the
+  bin-map topic (``published``, the replica's :class:`daemon.binmap_view.BinMapView`), whose
+  map it installs when its k and lambda fit, so a lost state never makes versions go back;
 * :meth:`ModelRegistry.restore`: a model restored from its checkpoint record;
 * :meth:`ModelRegistry.release`: the models of revoked partitions, dropped, or parked in memory
   when their checkpoint failed; :meth:`ModelRegistry.unpark` reinstates them if their
@@ -134,6 +137,9 @@ class ModelRegistry:
         self.partition_of = _PlacingView(self.slots, "partition")
         self.inflight = _View(self.slots, "inflight", skip_none=True)
         self.prefitted = _View(self.slots, "prefitted")
+        #: ``published(model)``: the latest verified bin map of ``model`` on the bin-map topic
+        #: (a :class:`daemon.binmap_view.Served`) or None; set by the daemon
+        self.published = None
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -155,11 +161,24 @@ class ModelRegistry:
 
     # ------------------------------------------------------------------ operations
     def create(self, model: str, k: int, partition: int) -> ModelState:
-        """A model seen for the first time, on input ``partition``."""
+        """A model seen for the first time, or whose state was lost, on input ``partition``:
+        its first version follows the latest verified one published (see the module
+        docstring)."""
         st = ModelState.create(model, int(k), self.s.model_settings(model), self.s.join)
         self.slots[model] = ModelSlot(st, partition)
         self.metrics.register_model(model)
         self.metrics.set_drift_threshold(model, st.config["drift_threshold"])
+        served = None if self.published is None else self.published(model)
+        if served is not None and served.version > st.binmap_version:
+            if (served.bm.k, served.bm.lam) == (st.k, st.lam):
+                st.install_binmap(served.raw, served.version)
+            else:  # not applicable to this model (or k still to be learned): its version only
+                st.binmap_version = served.version
+            self.dirty.add(model)
+            self.metrics.set_binmap_published(model, served.version)
+            log.info("model %s: no state; versions continue after version %d, the latest "
+                     "verified bin map on the topic%s", model, served.version,
+                     "" if st.binmap is not None else " (not applied: its k or lambda differs)")
         self.rebudget()
         return st
 

@@ -11,7 +11,9 @@ Steps of :meth:`Restore._restore_assignment`, for the newly assigned partitions:
    that cannot be used is counted, logged with its location and skipped, never the partition;
 4. reinstate parked models further along than their checkpoints
    (:meth:`daemon.registry.ModelRegistry.unpark`), then rebalance the join budgets;
-5. adopt bin maps published after the checkpoint (:meth:`Restore._adopt_published_binmaps`);
+5. adopt bin maps newer than the checkpoint (:meth:`Restore._adopt_published_binmaps`): the
+   model's versions continue after the latest verified one, and only epochs the checkpoint
+   shows, or that were fitted after it was written, are not fitted again;
 6. seek each partition to its manifest's offset, else the smallest offset of its models'
    records, else the beginning;
 7. relaunch the fits that were in flight;
@@ -22,6 +24,7 @@ then resume every assigned partition that is not backlogged, and report ready.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import orjson
@@ -41,6 +44,7 @@ _ASSIGN_RETRY_FIRST, _ASSIGN_RETRY_MAX = 0.5, 10.0  # seconds between assignment
 _LOAD_RETRY_FIRST, _LOAD_RETRY_MAX, _LOAD_DEADLINE = 0.5, 5.0, 60.0  # reading checkpoints
 #: An assignment whose restore keeps failing this long makes /healthz fail (pod restarted)
 ASSIGN_UNHEALTHY_SECONDS = 120.0
+_VIEW_SYNC_SECONDS = 10.0  # restore: wait this long for the bin-map view to read the topic
 
 
 class Restore:
@@ -106,12 +110,16 @@ class Restore:
                 part, offsets = self._read_manifest(key, records.pop(key), parts, where)
                 if offsets is not None:
                     manifests[part] = offsets
+            self._restored_from = {}
             for key in sorted(k for k in records if k.startswith("model/")):  # 3.
                 self._restore_model(key[6:], records.pop(key), parts, where=where(key))
             records.clear()
             reg.unpark(parts)  # 4.
             reg.rebudget()
-            await self._adopt_published_binmaps(parts)  # 5.
+            try:
+                await self._adopt_published_binmaps(parts)  # 5.
+            finally:
+                self._restored_from = {}
             for tp in new:  # 6.
                 off = manifests.get(tp.partition, {}).get(tp.topic)
                 if off is None:
@@ -245,6 +253,7 @@ class Restore:
             log.warning("model %s: settings changed since its checkpoint (%s): %s", model,
                         outcome, detail)
         self.metrics.inc_restore(outcome)
+        self._restored_from[model] = where
         self.registry.restore(  # the settings decide the sample rate
             model, st, part, sample_rate=ms.sample_rate if ms is not None else 1.0,
             inflight=inflight, prefitted=prefitted, dirty=outcome != "restored")
@@ -253,24 +262,48 @@ class Restore:
             self._export_certificate(model, st.binmap)
 
     async def _adopt_published_binmaps(self, parts: set[int]) -> None:
-        """Install bin maps published after the last checkpoint (a crash between publishing and
-        checkpointing). Every record is verified (:meth:`verify_binmap`); a corrupt, truncated
-        or incompatible one, one not signed by this daemon's key(s) when signing is configured,
-        and one whose k or lambda does not fit the model's state are rejected and counted, and
-        the model keeps its previous good map: only maps this deployment signed set a version."""
+        """Install the latest verified bin map of each restored model when it is newer than
+        its checkpoint's, so that its versions continue after it (a crash between publishing
+        and checkpointing; a state record lost, or written by a release whose versions went
+        back).
+
+        Two sources: the topic read now (latest record per model) and the replica's view of
+        it (:mod:`daemon.binmap_view`, the highest verified version), first brought up to date.
+        Every record is verified (:meth:`verify_binmap`); a corrupt, truncated or incompatible
+        one, one not signed by this daemon's key(s) when signing is configured, and one whose
+        k or lambda does not fit the model's state are rejected and counted, and the model
+        keeps its previous good map: only maps this deployment signed set a version.
+
+        Epochs not fitted again: the fit in flight and the sealed epochs of the checkpoint,
+        which are fitted first and in order; then, as many as the versions still missing, the
+        epochs that were filling at the checkpoint, but only when the map was published after
+        the checkpoint was written (record timestamps, :meth:`_published_after_checkpoint`):
+        a map older than the checkpoint came from a state this one does not continue, and its
+        version is a floor, not a count of fitted epochs."""
+        view = getattr(self, "binmaps", None)
+        if view is not None:
+            await view.sync(_VIEW_SYNC_SECONDS)
+        stamps: dict[str, float] = {}
         try:
             latest = await kafka_io.read_compacted_latest(
                 self.s.kafka.bootstrap_servers, self.s.kafka.topics.binmaps, timeout=30.0,
-                security=self.s.kafka, missing_ok=True)
+                security=self.s.kafka, missing_ok=True, timestamps=stamps)
         except Exception as e:  # noqa: BLE001 - the checkpointed maps stay in force
             log.warning("cannot read %s: %s", self.s.kafka.topics.binmaps, e)
-            return
-        for model, data in latest.items():
-            slot = self.registry.get(model)
-            if slot is None or slot.partition not in parts or data is None:
+            latest = {}
+        for model, slot in list(self.registry.slots.items()):
+            if slot.partition not in parts:
                 continue
             st = slot.state
-            bm = self.verify_binmap(data, model)
+            data, bm = latest.get(model), None
+            if data is not None:
+                bm = self.verify_binmap(data, model)
+            served = None if view is None else view.get(model)
+            if served is not None and (bm is None or served.version > bm.version) \
+                    and (served.bm.k, served.bm.lam) == (st.k, st.lam):
+                data, bm, published_at = served.raw, served.bm, served.source
+            else:
+                published_at = stamps.get(model)
             if bm is None or bm.version <= st.binmap_version:
                 continue
             # versions after the checkpoint's were fitted from the fit in flight, then from the
@@ -283,10 +316,16 @@ class Restore:
             while steps > 0 and st.pools.full:
                 st.start_new_epoch()
                 steps -= 1
-            # epochs still filling at the checkpoint: the replay seals them again; they were
-            # fitted already (as the adopted versions), so they are consumed without a refit
+            # epochs still filling at the checkpoint: if the map came after the checkpoint, the
+            # replay seals them again and they were fitted already (as the adopted versions)
             if steps > 0:
-                slot.prefitted += steps
+                if await self._published_after_checkpoint(model, published_at):
+                    slot.prefitted += steps
+                else:
+                    log.warning("model %s: version %d on the topic is %d versions beyond its "
+                                "checkpoint (version %d) but was not published after it: its "
+                                "versions continue after %d, no epoch is skipped", model,
+                                bm.version, steps, st.binmap_version, bm.version)
             log.info("model %s: adopting version %d over checkpointed %d (in flight: %s, "
                      "prefitted now %d)", model, bm.version, st.binmap_version,
                      None if inf is None else inf.version, slot.prefitted)
@@ -295,6 +334,34 @@ class Restore:
             self.metrics.set_binmap_published(model, bm.version)
             self._export_certificate(model, bm.certificate)
             log.info("model %s: adopted published bin map version %d", model, bm.version)
+
+    async def _published_after_checkpoint(self, model: str, published: float | str | None
+                                          ) -> bool:
+        """True when the bin map published at ``published`` (Unix seconds, or its position
+        ``topic[partition]@offset`` on the bin-map topic) came after ``model``'s checkpoint
+        record was written (its record timestamp, or its file's modification time with the
+        local backend). False when either time is unknown: then no epoch is skipped (one may
+        be fitted twice, under two versions; none is lost)."""
+        where = self._restored_from.get(model)
+        if where is None or published is None:
+            return False
+        k = self.s.kafka
+        try:
+            if isinstance(published, str):
+                published = await kafka_io.record_timestamp(
+                    k.bootstrap_servers, published, security=k,
+                    fetch_bytes=k.max_message_bytes)
+            if os.path.isfile(where):
+                written = os.stat(where).st_mtime
+            else:
+                written = await kafka_io.record_timestamp(
+                    k.bootstrap_servers, where, security=k,
+                    fetch_bytes=self.s.state.max_record_bytes)
+        except Exception as e:  # noqa: BLE001 - unknown: skip nothing
+            log.warning("model %s: cannot read when its checkpoint or bin map was written "
+                        "(%s: %s)", model, type(e).__name__, e)
+            return False
+        return published is not None and written is not None and published >= written
 
     def verify_binmap(self, data: bytes, model: str):
         """``BinMap`` of ``data`` if it verifies, is signed by one of the daemon's keys (when

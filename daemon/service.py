@@ -35,6 +35,7 @@ import orjson
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 
 from daemon import heap, kafka_io, retry
+from daemon.binmap_view import BinMapView, settings_fit
 from daemon.checkpoint_store import CheckpointStore
 from daemon.checkpointing import (  # noqa: F401 - re-exported (tests write envelopes)
     CHECKPOINT_BATCH_BYTES,
@@ -56,6 +57,9 @@ log = logging.getLogger("lpcal.daemon")
 
 _PUBLISH_RETRY_FIRST, _PUBLISH_RETRY_MAX = 0.5, 30.0  # seconds between bin-map publish attempts
 RESTORE_ABANDON_SECONDS = 2.0  # shutdown: how long a restore still running may hold the close
+#: shutdown: how long a consumer-group join in progress may hold the consumer's close (aiokafka
+#: waits for the join to finish, seconds on a slow coordinator); nothing is assigned to save
+JOIN_ABANDON_SECONDS = 1.0
 
 
 #: a stop signal arrived while startup was still retrying (``Daemon._retry``, daemon.clients)
@@ -88,6 +92,10 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
         self._consumer_options = consumer_options or {}
         self.producer = self.consumer = self.http = None
         self.stopping = asyncio.Event()
+        self.stop_requested_at: float | None = None  # time.monotonic() of the stop signal
+        self._stop_waiter: asyncio.Future | None = None  # stopping.wait(), in main_loop
+        #: every model's latest verified bin map, from the bin-map topic (see startup)
+        self.binmaps: BinMapView | None = None
         self.restored = self.broker_ok = self.started = False
         self.last_poll = time.monotonic()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpcal-fit")
@@ -101,6 +109,7 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
         self._assign_task: asyncio.Task | None = None
         self.assign_failing_since: float | None = None
         self.assign_unhealthy_after = ASSIGN_UNHEALTHY_SECONDS
+        self._restored_from: dict[str, str] = {}  # restore: model -> where its record was
         self._init_ingest(settings)
 
     # the registry's views, under the names the daemon always had (read-only)
@@ -123,6 +132,7 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
                      orjson.dumps(self.s.redacted(), option=orjson.OPT_SORT_KEYS).decode())
         k = self.s.kafka
         await self._start_producer()  # and the topics: created (if configured) and checked
+        self._start_binmap_view()
         await self._open_store()
         self.consumer = kafka_io.make_consumer(
             k.bootstrap_servers, group_id=k.group_id, security=k, client_id=k.client_id,
@@ -143,10 +153,51 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
         log.info("lpcal daemon started: group %s, topics %s/%s", k.group_id, self.t_pred,
                  self.t_out)
 
+    def _start_binmap_view(self) -> None:
+        """Follow the bin-map topic: every model's latest verified map, served over HTTP and
+        the version floor of models without state (:mod:`daemon.binmap_view`)."""
+        k = self.s.kafka
+
+        def consumer():
+            return kafka_io.make_consumer(
+                k.bootstrap_servers, k.topics.binmaps, group_id=None, security=k,
+                client_id=f"{k.client_id}-binmaps",
+                max_partition_fetch_bytes=max(k.max_message_bytes, 1 << 20))
+
+        self.binmaps = BinMapView(
+            consumer, public_keys=self.s.signing.keyring(), metrics=self.metrics,
+            # the models of the whole group: input partitions x max_models
+            max_models=self.s.max_models * max(1, getattr(self, "input_partitions", 1)),
+            max_record_bytes=k.max_message_bytes, fits=settings_fit(self.s))
+        self.registry.published = self.binmaps.get
+        self.binmaps.start()
+
+    async def _fetch(self) -> dict:
+        """One ``getmany``, cut short by a stop request: aiokafka's fetch waits while the
+        consumer group is (re)joining, seconds on a slow coordinator, and a stop must not
+        (two futures per poll: microseconds, against a batch of up to 5000 records)."""
+        fetch = asyncio.ensure_future(self.consumer.getmany(timeout_ms=250, max_records=5000))
+        if self._stop_waiter is None:
+            self._stop_waiter = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait((fetch, self._stop_waiter), return_when=asyncio.FIRST_COMPLETED)
+        if not fetch.done():
+            fetch.cancel()
+            await asyncio.gather(fetch, return_exceptions=True)
+            return {}
+        return fetch.result()
+
     async def main_loop(self) -> None:
+        self._stop_waiter = None
+        try:
+            await self._main_loop()
+        finally:
+            if self._stop_waiter is not None:
+                self._stop_waiter.cancel()
+
+    async def _main_loop(self) -> None:
         while not self.stopping.is_set():
             try:
-                batch = await self.consumer.getmany(timeout_ms=250, max_records=5000)
+                batch = await self._fetch()
             except Exception as e:  # noqa: BLE001 - a broker fault must not kill the loop
                 log.warning("fetch failed: %s: %s", type(e).__name__, e)
                 await asyncio.sleep(0.5)
@@ -175,6 +226,9 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
         """Stop fetching, finish or checkpoint in-flight work, commit and close (bounded)."""
         grace = float(self.s.shutdown_grace_seconds)
         t0 = time.monotonic()
+        # the close ends the group membership: a join still in progress (nothing assigned
+        # yet, or since a revocation) is abandoned after JOIN_ABANDON_SECONDS
+        joining = not self.assigned
         # fits in flight get half the grace period to finish and publish; the rest stay in
         # flight in the final checkpoint
         pending = [i.task for i in self.inflight.values() if i.task is not None]
@@ -202,18 +256,31 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
                 left = max(0.5, grace - (time.monotonic() - t0))
                 if name == "consumer" and restoring:
                     left = min(left, RESTORE_ABANDON_SECONDS)
+                elif name == "consumer" and joining:
+                    left = min(left, JOIN_ABANDON_SECONDS)
                 try:
                     await asyncio.wait_for(closer.stop(), timeout=left)
                 except TimeoutError:
-                    log.warning("%s close did not finish within %.1f s%s", name, left,
-                                ": restore in progress abandoned" if name == "consumer"
-                                and restoring else "")
+                    why = ""
+                    if name == "consumer":
+                        why = (": restore in progress abandoned" if restoring else
+                               ": group join in progress abandoned" if joining else "")
+                    log.warning("%s close did not finish within %.1f s%s", name, left, why)
                 except Exception as e:  # noqa: BLE001
                     log.warning("%s close: %s", name, e)
+        if self.binmaps is not None:
+            await self.binmaps.stop(timeout=1.0)
         if self.http is not None:
             await self.http.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
-        log.info("lpcal daemon stopped in %.1f s", time.monotonic() - t0)
+        now = time.monotonic()
+        if self.stop_requested_at is not None:
+            log.info("lpcal daemon stopped in %.1f s (from the stop signal; shutdown %.1f s)",
+                     now - self.stop_requested_at, now - t0)
+        elif self.started:
+            log.info("lpcal daemon stopped in %.1f s", now - t0)
+        else:  # startup failed: its error is what the operator needs to read
+            log.debug("lpcal daemon stopped in %.1f s", now - t0)
 
     async def serve(self, install_signals: bool = True) -> None:
         """Run until SIGTERM/SIGINT (or ``stopping`` is set).
@@ -259,6 +326,7 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
         if self.stopping.is_set():
             log.error("second signal: exiting now")
             os._exit(1)
+        self.stop_requested_at = time.monotonic()
         log.info("received %s: shutting down", signal.Signals(sig).name)
         self.stopping.set()
 
@@ -274,6 +342,10 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
         a backoff (:meth:`_retry_assignment`); the partitions stay paused until it succeeds,
         and ``/healthz`` fails once it has kept failing for ``assign_unhealthy_after`` s."""
         self._cancel_assignment_retry()
+        if self.stopping.is_set():  # a join that finished during shutdown: nothing to restore
+            if tps:
+                self.consumer.pause(*tps)
+            return
         self.restored = False
         new = {tp for tp in tps if tp not in self.assigned}
         kept = set(tps) - new

@@ -8,7 +8,11 @@
   ``serve`` within 3 s without an exception;
 * the assignment phase, on the embedded broker: partitions assigned and the restore's
   checkpoint read hanging; the stop must end ``serve`` within 5 s (aiokafka's close waits for
-  the rebalance listener: shutdown abandons a restore in progress after 2 s).
+  the rebalance listener: shutdown abandons a restore in progress after 2 s);
+* a real ``lpcal serve`` gets SIGTERM while it joins its consumer group (a join takes about
+  half the 10 s session timeout on the embedded broker): it used to wait for the join, then
+  restore its partitions, and exit after 5-6 s while logging "stopped in 0.8 s". It must exit
+  within 4 s, and the duration it logs must be the one measured from the signal.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from daemon.settings import load_settings
 from tests.reliability.harness import FastDaemon
 from tests.support.daemon_harness import (
     TopicNames,
+    create_topics,
     daemon_config,
     free_port,
     http_get,
@@ -156,3 +161,31 @@ async def test_stop_during_assignment_restore_ends_serve_promptly(broker, topic_
     figures("hardening: stop during the assignment restore",
             {"seconds from the stop signal to serve() returning": round(took, 2)})
     assert task.exception() is None, task.exception()
+
+
+@pytest.mark.integration
+async def test_sigterm_during_a_group_join_exits_promptly_and_logs_the_true_duration(
+        broker, topic_prefix, tmp_path, figures):
+    names = TopicNames.for_prefix(topic_prefix)
+    await create_topics(broker.bootstrap, names, 2)
+    # the default session timeout (10 s): the join takes seconds on the embedded broker
+    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
+                        fast_consumer=False)
+    d = FastDaemon(cfg, tmp_path, name="join").start()
+    try:
+        await wait_until(lambda: "joining group" in d.all_logs(), 60, "the group join",
+                         interval=0.05, diag=lambda: d.all_logs()[-2000:])
+        rc, took = d.terminate(30)
+    finally:
+        d.stop_quietly()
+    logs = d.all_logs()
+    logged = [float(x) for x in re.findall(r"lpcal daemon stopped in ([0-9.]+) s", logs)]
+    figures("hardening: SIGTERM during the consumer-group join",
+            {"exit code": rc, "seconds to exit (measured)": round(took, 2),
+             "seconds logged": logged, "traceback in the log": "Traceback" in logs})
+    assert rc == 0 and "Traceback" not in logs, logs[-3000:]
+    assert len(logged) == 1, logs[-3000:]
+    # measured from the signal's delivery to the process's exit; the log line comes just
+    # before the exit (rounded to 0.1 s)
+    assert logged[0] <= took + 0.1 and took - logged[0] < 1.0, (took, logged, logs[-3000:])
+    assert took < 4.0, (took, logs[-3000:])
