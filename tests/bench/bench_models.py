@@ -68,12 +68,17 @@ from tests.bench.common import Table, yes_no
 
 MODEL_COUNTS = (1, 100, 1_000, 10_000)
 QUICK_MODEL_COUNTS = (1, 20)
-EVENTS = 100_000
-EVENTS_10K = 100_000  # events of the 10,000-model stream (the same as the others unless lowered)
+EVENTS = 50_000
+# at 10,000 models today's daemon ingests a few hundred messages per second: fewer events and
+# one repetition keep the run within minutes (the table states both)
+EVENTS_10K = 20_000
 QUICK_EVENTS = 2_000
 REPEATS = 3
+REPEATS_10K = 1
 RAW_PAIRS = 10  # interleaved raw / 1-model pairs for the 1-model target
 QUICK_REPEATS, QUICK_RAW_PAIRS = 1, 1
+IDLE_MODELS, IDLE_RSS_MODELS = 200, 2000  # models measured per idle figure (heap, resident)
+QUICK_IDLE = (50, 200)
 TARGETS = {1_000: 0.7, 10_000: 0.5}  # ratio to the 1-model rate
 TARGET_RAW = 0.75  # 1 model, ratio to raw aiokafka (median of RAW_PAIRS pairs)
 TARGET_IDLE_BYTES = 64 * 1024  # an idle k = 10 model, outside its pools and windows
@@ -255,8 +260,13 @@ def idle_model_bytes(k: int, n: int = 200) -> dict[str, float]:
 # --------------------------------------------------------------------------- the benchmark
 
 
-async def measure(counts: tuple[int, ...], events: dict[int, int], repeats: int, raw_pairs: int,
-                  log=print, profile_models: int | None = None) -> dict:
+async def measure(counts: tuple[int, ...], events: dict[int, int], repeats: dict[int, int],
+                  raw_pairs: int,
+                  log=print, profile_models: int | None = None,
+                  idle: tuple[int, int] = (IDLE_MODELS, IDLE_RSS_MODELS)) -> dict:
+    """Every run of the benchmark: ``events`` and ``repeats`` per model count (``counts[0]``
+    is the 1-model baseline, read ``max(its repeats, raw_pairs)`` times); ``idle``: the models
+    measured by :func:`idle_model_bytes` and :func:`idle_model_rss`."""
     from daemon.tools.embedded_broker import EmbeddedBroker
 
     with EmbeddedBroker() as broker:
@@ -275,16 +285,16 @@ async def measure(counts: tuple[int, ...], events: dict[int, int], repeats: int,
         pair = [topics[one]["predictions"], topics[one]["outcomes"]]
         raws: list[Run] = []
         runs: dict[int, list[tuple[Run, float | None, float | None]]] = {m: [] for m in counts}
-        for r in range(max(repeats, raw_pairs)):
+        for r in range(max(*repeats.values(), raw_pairs)):
             raws.append(await raw_read(broker.bootstrap, pair, total[one]))
-            line = f"[models] rep {r}: raw {raws[-1].rate:,.0f} msg/s"
-            for m in (counts if r < repeats else counts[:1]):
+            log(f"[models] rep {r}: raw {raws[-1].rate:,.0f} msg/s")
+            for m in [c for c in counts if r < repeats[c] or c == one]:
                 runs[m].append(await measured_daemon_read(broker.bootstrap, topics[m],
                                                           total[m], m))
                 run = runs[m][-1][0]
-                line += (f"; {m} models {run.rate:,.0f} msg/s "
-                         f"({run.proc_cpu / run.messages * 1e6:.1f} us CPU/msg)")
-            log(line)
+                log(f"[models] rep {r}: {m} models {run.rate:,.0f} msg/s "
+                    f"({run.proc_cpu / run.messages * 1e6:.1f} us CPU/msg, peak RSS "
+                    f"{_mib(runs[m][-1][1])} MiB)")
         profile_text = None
         if profile_models is not None:
             m = profile_models
@@ -302,7 +312,9 @@ async def measure(counts: tuple[int, ...], events: dict[int, int], repeats: int,
                             f"{run.rate:,.0f} msg/s under the profiler)\n{buf.getvalue()}")
     return {"counts": counts, "events": events, "messages": total, "raw": raws, "runs": runs,
             "profile": profile_text,
-            "idle": {k: {**idle_model_bytes(k), "rss": idle_model_rss(k)} for k in (10, 100)}}
+            "idle_n": idle,
+            "idle": {k: {**idle_model_bytes(k, idle[0]), "rss": idle_model_rss(k, idle[1])}
+                     for k in (10, 100)}}
 
 
 def _us(x: float) -> str:
@@ -316,7 +328,6 @@ def _mib(x: float | None) -> str:
 def render(res: dict) -> list[Table]:
     counts, raws, runs = res["counts"], res["raw"], res["runs"]
     one = counts[0]
-    n_rep = len(runs[counts[-1]])
     base = [r for r, _, _ in runs[one]]
     tab = Table(
         f"Ingest from 1 to {counts[-1]:,} models (k = 10 JSON events, real broker)",
@@ -353,10 +364,12 @@ def render(res: dict) -> list[Table]:
                 _us(statistics.median(r.cpu / r.messages for r in rs)), rss, target,
                 "" if ok is None else yes_no(ok))
     tab.notes += [
-        (f"{n_rep} repetitions of raw, then the daemon at every model count, in that order; "
-         f"{len(base) - n_rep} more raw / 1-model pairs after them for the 1-model target "
-         "(its ratio to raw is the median of all its pairs). Ratios are medians of the "
-         "per-repetition ratios (the 1-model and raw runs of the same repetition)."),
+        ("Each repetition reads raw, then the daemon at each model count in that order; "
+         "repetitions per model count: "
+         + ", ".join(f"{m:,} models {len(runs[m])}" for m in counts)
+         + " (the 1-model target is the median of all its raw / 1-model pairs). Ratios are "
+         "medians of the per-repetition ratios (to the 1-model and raw runs of the same "
+         "repetition)."),
         ("Each daemon has `max_models` raised to its model count and byte budgets raised so every model "
          f"keeps one model's share ({JOIN_PER_MODEL // MIB} MiB of join buffer, "
          f"{STATE_PER_MODEL // MIB} MiB of state): with the default totals (384 and 320 MiB) "
@@ -382,11 +395,11 @@ def render(res: dict) -> list[Table]:
                 f"<= {TARGET_IDLE_BYTES // 1024} KiB" if k == 10 else "",
                 yes_no(a <= TARGET_IDLE_BYTES) if k == 10 else "")
     mem.notes += [
-        ("Heap bytes: tracemalloc over 200 models created after a first one "
-         "(`tests.bench.bench_models.idle_model_bytes`, asserted by "
+        (f"Heap bytes: tracemalloc over {res['idle_n'][0]:,} models created after a first "
+         "one (`tests.bench.bench_models.idle_model_bytes`, asserted by "
          "`tests/daemon/test_idle_model_memory.py`); the target applies to the admitted model. "
-         "Resident bytes: growth of `VmRSS` over 2,000 admitted models (allocator overhead "
-         "included; indicative)."),
+         f"Resident bytes: growth of `VmRSS` over {res['idle_n'][1]:,} admitted models "
+         "(allocator overhead included; indicative)."),
     ]
     if 10 in idle and 100 in idle and abs(idle[100]["state"] / idle[10]["state"] - 1) < 0.1:
         mem.notes.append("An idle model allocates nothing k-wide (its sums, tables and window "
@@ -405,8 +418,12 @@ def run(quick: bool = False, events: int | None = None, repeats: int | None = No
     ev = {m: n for m in counts}
     if not quick and events is None:
         ev[10_000] = EVENTS_10K
-    res = asyncio.run(measure(counts, ev, repeats or (QUICK_REPEATS if quick else REPEATS),
-                              QUICK_RAW_PAIRS if quick else RAW_PAIRS, log, profile_models))
+    reps = {m: repeats or (QUICK_REPEATS if quick else REPEATS) for m in counts}
+    if not quick and repeats is None:
+        reps[10_000] = REPEATS_10K
+    res = asyncio.run(measure(counts, ev, reps,
+                              QUICK_RAW_PAIRS if quick else RAW_PAIRS, log, profile_models,
+                              QUICK_IDLE if quick else (IDLE_MODELS, IDLE_RSS_MODELS)))
     if res["profile"]:
         log(res["profile"])
     return render(res)

@@ -31,6 +31,7 @@ from tests.bench import (
     bench_directions,
     bench_fit,
     bench_ingest,
+    bench_models,
     bench_quality,
     bench_scale,
     bench_variants,
@@ -64,6 +65,7 @@ BENCHMARKS = {
     "ingest": _MarkdownBench(bench_ingest, "ingest"),
     "directions": bench_directions,
     "scale": bench_scale,
+    "models": bench_models,
 }
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
