@@ -235,3 +235,21 @@ def test_drift_quick_tables():
                for c in det.column("change test delay (median / max)"))
     assert fa.column("false alarms") == ["0"]
     assert "drift" in run_all.BENCHMARKS
+
+
+def test_models_quick_tables():
+    """bench_models --quick: the daemon at 1 and 20 models against a raw reader on the
+    embedded broker, and the bytes per idle model (timings not asserted)."""
+    from tests.bench import bench_models
+
+    ingest, idle = bench_models.run(quick=True, log=lambda m: None)
+    assert run_all.BENCHMARKS["models"] is bench_models
+    assert ingest.key == "models" and idle.key == "models_idle"
+    assert ingest.column("models")[1:] == [f"{m:,}" for m in bench_models.QUICK_MODEL_COUNTS]
+    assert ingest.column("of 1-model rate")[1] == "1.00"
+    assert all(float(c.replace(",", "")) > 0 for c in ingest.column("msgs/s (median)"))
+    assert all(float(c) > 0 for c in ingest.column("CPU us / msg, process"))
+    assert set(ingest.column("met")) <= {"", "yes", "**NO**"}
+    assert idle.column("k") == ["10", "100"]
+    heap = [float(c.split()[0].replace(",", "")) for c in idle.column(idle.headers[2])]
+    assert all(0 < b < 1 << 20 for b in heap)

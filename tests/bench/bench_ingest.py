@@ -96,6 +96,7 @@ class Run:
     fits: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each fit
     busy: float = 0.0  # seconds inside Daemon._process (the daemon's own ingest path)
     cpu: float = 0.0   # CPU seconds of the event-loop thread inside Daemon._process
+    proc_cpu: float = 0.0  # CPU seconds of the whole process over ``seconds`` (all threads)
 
     @property
     def rate(self) -> float:
@@ -205,7 +206,7 @@ async def _raw_read(bootstrap: str, topics: list[str], expected: int) -> Run:
         consumer.subscribe(topics)
         loads = orjson.loads
         n = 0
-        t0 = None
+        t0 = c0 = None
         deadline = time.monotonic() + 600
         while n < expected:
             if time.monotonic() > deadline:
@@ -213,21 +214,23 @@ async def _raw_read(bootstrap: str, topics: list[str], expected: int) -> Run:
             batch = await consumer.getmany(timeout_ms=250, max_records=5000)
             for msgs in batch.values():
                 if msgs and t0 is None:
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                 for m in msgs:
                     loads(m.value)
                 n += len(msgs)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
     finally:
         await consumer.stop()
-    return Run(n, t1 - t0)
+    return Run(n, t1 - t0, proc_cpu=c1 - c0)
 
 
 # --------------------------------------------------------------------------- daemon run
 
 
 def _settings(bootstrap: str, topics: dict[str, str], pool: int, state_topic: str, http_port: int,
-              sample_rate: float = 1.0):
+              sample_rate: float = 1.0, extra: dict | None = None):
+    """The benchmark daemon's settings; ``extra``: more top-level settings (``max_models``,
+    ``join``, ``state``: the many-models benchmark)."""
     from daemon.settings import load_settings
 
     return load_settings(
@@ -244,6 +247,7 @@ def _settings(bootstrap: str, topics: dict[str, str], pool: int, state_topic: st
         # [defaults] applies once the model's state exists: its first batch is parsed in full)
         models={MODEL: {"sample_rate": sample_rate}},
         shutdown_grace_seconds=20,
+        **(extra or {}),
     )
 
 
@@ -256,22 +260,24 @@ def _free_port() -> int:
 
 
 async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, pool: int,
-                      profile: object | None = None, sample_rate: float = 1.0) -> Run:
-    """A real in-process daemon (fresh group and state topic) consumes the whole stream."""
+                      profile: object | None = None, sample_rate: float = 1.0,
+                      extra: dict | None = None) -> Run:
+    """A real in-process daemon (fresh group and state topic) consumes the whole stream
+    (``extra``: more settings, see :func:`_settings`)."""
     from daemon.service import Daemon
 
     settings = _settings(bootstrap, topics, pool, f"bench.state.{uuid.uuid4().hex[:8]}",
-                         _free_port(), sample_rate)
+                         _free_port(), sample_rate, extra)
     d = Daemon(settings, consumer_options=dict(FAST_CONSUMER))
     done = asyncio.Event()
-    state = {"n": 0, "t0": None, "t1": None, "busy": 0.0, "cpu": 0.0}
+    state = {"n": 0, "t0": None, "t1": None, "busy": 0.0, "cpu": 0.0, "c0": 0.0, "c1": 0.0}
     polls: list[float] = []
     fits: list[list[float]] = []
     process, mark_poll, launch = d._process, d.metrics.mark_poll, d._launch_fit
 
     def timed_process(tp, msgs):
         if state["t0"] is None:
-            state["t0"] = time.perf_counter()
+            state["t0"], state["c0"] = time.perf_counter(), time.process_time()
             if profile is not None:
                 profile.enable()
         c0, u0 = time.perf_counter(), time.thread_time()
@@ -280,7 +286,7 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
         state["cpu"] += time.thread_time() - u0
         state["n"] += len(msgs)
         if state["n"] >= expected and state["t1"] is None:
-            state["t1"] = time.perf_counter()
+            state["t1"], state["c1"] = time.perf_counter(), time.process_time()
             if profile is not None:
                 profile.disable()
             done.set()
@@ -312,7 +318,8 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
             await asyncio.wait_for(task, 60)
     t0, t1 = state["t0"], state["t1"]
     return Run(state["n"], t1 - t0, [p for p in polls if t0 - 1 <= p <= t1],
-               [(s, e) for s, e in fits if s <= t1], state["busy"], state["cpu"])
+               [(s, e) for s, e in fits if s <= t1], state["busy"], state["cpu"],
+               state["c1"] - state["c0"])
 
 
 # --------------------------------------------------------------------------- stage costs

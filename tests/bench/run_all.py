@@ -11,7 +11,8 @@ Benchmarks: ``fit`` (fit time from raw arrays and from pools), ``apply`` (apply 
 against 2, failover with a 10,000-model state topic), ``certificate`` (coverage, tightness and
 certification rate of the held-out bound on truth-known families, the selection rule, its cost),
 ``eps`` (Err_p against top-label ECE on the CIFAR records: what eps means, per k), ``drift`` (the
-change test's detection delay and false alarms on real networks, against the Err_p threshold).
+change test's detection delay and false alarms on real networks, against the Err_p threshold),
+``models`` (ingest from 1 to 10,000 models against a raw reader, bytes per idle model).
 Every timing is a ratio against a baseline measured in the same process (see
 :mod:`tests.bench.common`).
 """
@@ -37,6 +38,7 @@ from tests.bench import (
     bench_eps,
     bench_fit,
     bench_ingest,
+    bench_models,
     bench_quality,
     bench_scale,
     bench_variants,
@@ -73,6 +75,7 @@ BENCHMARKS = {
     "certificate": bench_certificate,
     "eps": bench_eps,
     "drift": bench_drift,
+    "models": bench_models,
 }
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 

@@ -1,0 +1,458 @@
+"""Benchmark: ingest cost per message from 1 to 10,000 models, and memory per idle model.
+
+Targets: the same stream of ``k = 10`` events spread over 1,000 models ingests at >= 0.7 of the
+1-model rate, over 10,000 models at >= 0.5; at 1 model the daemon ingests at >= 0.75 of a raw
+aiokafka reader (median of 10 interleaved pairs); an idle ``k = 10`` model takes at most 64 KiB
+outside its configured pools and windows.
+
+Setup (one process, one embedded Tansu broker, the readers of :mod:`tests.bench.bench_ingest`):
+for each model count ``M`` a :class:`daemon.tools.simulate.TrafficGenerator` stream of ``N``
+events is produced once into its own predictions/outcomes topic pair (1 partition each): event
+``i`` belongs to model ``i mod M`` (``M`` seeded ``k = 10`` :class:`SyntheticModel` s), its
+outcome follows 5 s of event time later. Every stream has the same event count, event rate and
+delay, so only the number of models differs (the count at 10,000 models may be lower to keep the
+run short; the table states it).
+
+Each repetition reads, with fresh consumer groups: the 1-model stream with the raw reader
+(``getmany(5000)`` + ``orjson.loads``, :func:`tests.bench.bench_ingest.raw_read`), then every
+stream with a real in-process :class:`daemon.service.Daemon`
+(:func:`tests.bench.bench_ingest.daemon_read`: parsing, join, pools, monitor, triggers, gauges,
+Kafka checkpoints at the default 10 s interval; pools too large to fill, so no fit runs). Each
+daemon runs with ``max_models`` raised to ``M`` and byte budgets raised so that every model
+keeps the share one model has (``join.max_bytes_total = M x join.max_bytes_per_model``,
+likewise ``state``): the runs differ in the number of models only, never in evictions, trimmed
+windows or epochs sealed early. More raw/1-model pairs follow until the 1-model target has its
+10 pairs. Fewer repetitions run at 10,000 models (the table states how many).
+
+Reported per model count: messages/s (median; a run is timed from the first message handed to
+the reader's code to the last one processed, as in the ingest benchmark), the median of the
+per-repetition ratios to the 1-model run and to the raw run of the same repetition, CPU time of
+the whole process per message over the same span (all threads: aiokafka's fetch and decode,
+the daemon's poll loop and its per-batch work; the raw reader's for comparison), CPU time of the
+event-loop thread inside ``Daemon._process`` per message, and the peak resident set size
+during the run (``VmHWM``, reset before each run through ``/proc/self/clear_refs``) with its
+growth over the resident size before the run (freed heap released first); one process runs
+every reader, so RSS is indicative: the broker is another process and is not counted.
+
+**Bytes per idle model** (:func:`idle_model_bytes`, also asserted by
+``tests/daemon/test_idle_model_memory.py``): ``tracemalloc`` (which traces numpy's buffers
+too) measures what creating ``n`` models adds to the heap, divided by ``n``, after one model
+was created first (module-level caches and interned strings are not per model). Two levels:
+the :class:`daemon.model_state.ModelState` alone (``ModelState.create``: empty pools, monitor,
+join buffer, triggers), and the daemon's whole footprint of an admitted model
+(``ModelRegistry.create``: the state, its registry slot, its counter series, plus its gauge
+series exported once, as the daemon does after the model's first batch). No model holds a
+sample, so nothing of this is in its configured pools or windows. A cross-check,
+:func:`idle_model_rss`, takes the growth of the resident set over 2,000 admitted models
+(allocator overhead included), measured before any daemon runs.
+
+Run alone: ``python -m tests.bench.bench_models [--quick] [--events N] [--repeats R]
+[--profile M]`` (``--profile M``: one more daemon run at ``M`` models under cProfile; prints its
+top cumulative entries to stderr, not into the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import gc
+import io
+import logging
+import pstats
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from tests.bench.bench_ingest import HUGE_POOL, K, Run, daemon_read, raw_read
+from tests.bench.common import Table, yes_no
+
+MODEL_COUNTS = (1, 100, 1_000, 10_000)
+QUICK_MODEL_COUNTS = (1, 20)
+EVENTS = 50_000
+# at 10,000 models today's daemon ingests a few hundred messages per second: fewer events and
+# one repetition keep the run within minutes (the table states both)
+EVENTS_10K = 20_000
+QUICK_EVENTS = 2_000
+REPEATS = 3
+REPEATS_10K = 1
+RAW_PAIRS = 10  # interleaved raw / 1-model pairs for the 1-model target
+QUICK_REPEATS, QUICK_RAW_PAIRS = 1, 1
+IDLE_MODELS, IDLE_RSS_MODELS = 200, 2000  # models measured per idle figure (heap, resident)
+QUICK_IDLE = (50, 200)
+TARGETS = {1_000: 0.7, 10_000: 0.5}  # ratio to the 1-model rate
+TARGET_RAW = 0.75  # 1 model, ratio to raw aiokafka (median of RAW_PAIRS pairs)
+TARGET_IDLE_BYTES = 64 * 1024  # an idle k = 10 model, outside its pools and windows
+MIB = 1 << 20
+# per-model shares one model has under the defaults (daemon.settings: JoinSettings,
+# StateSettings max_bytes_per_model)
+JOIN_PER_MODEL, STATE_PER_MODEL = 64 * MIB, 128 * MIB
+
+
+def model_id(i: int) -> str:
+    return f"bench-m{i:05d}"
+
+
+def extra_settings(models: int) -> dict:
+    """``max_models`` and budgets for ``models`` models, each keeping one model's share
+    (``max_models`` counts the configured models too: the ingest benchmark's own and the
+    example of ``config/lpcal.toml``, which the daemon's settings read from the working
+    directory; neither sends events)."""
+    return {"max_models": models + 2,
+            "join": {"max_bytes_per_model": JOIN_PER_MODEL,
+                     "max_bytes_total": max(models, 6) * JOIN_PER_MODEL},
+            "state": {"max_bytes_per_model": STATE_PER_MODEL,
+                      "max_bytes_total": max(models, 3) * STATE_PER_MODEL}}
+
+
+def generator(models: int, events: int):
+    """The stream of ``events`` k = 10 events over ``models`` models (seeded)."""
+    from daemon.tools.simulate import SyntheticModel, TrafficGenerator
+
+    ms = [SyntheticModel(model_id(i), k=K, T=0.5, scale=3.0, seed=(1, i)) for i in range(models)]
+    # large chunks: the generator loops over the models once per chunk
+    return TrafficGenerator(ms, events=events, delay=5.0, seed=7, chunk=max(1000, events // 4))
+
+
+async def produce(bootstrap: str, topics: dict[str, str], models: int, events: int) -> int:
+    """Write the ``models``-model stream; return its message count."""
+    from daemon.tools.simulate import simulate
+
+    rep = await simulate(bootstrap, topics, generator(models, events), idempotence=False,
+                         partitions=1, create_topics=True, max_batch_size=1 << 20)
+    return sum(rep.messages.values())
+
+
+# --------------------------------------------------------------------------- resident memory
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak() -> bool:
+    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0); False when not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+async def measured_daemon_read(bootstrap: str, topics: dict[str, str], expected: int,
+                               models: int, profile: object | None = None
+                               ) -> tuple[Run, float | None, float | None]:
+    """:func:`daemon_read` with ``models``' settings; returns the run, the peak RSS during it
+    and its growth over the RSS before it (MiB; None where ``/proc`` does not tell)."""
+    from daemon import heap
+
+    gc.unfreeze()  # the previous daemon froze its objects: let them be collected
+    gc.collect()
+    heap.release_free_heap()
+    before = _status_kib("VmRSS")
+    reset = _reset_peak()
+    run = await daemon_read(bootstrap, topics, expected, HUGE_POOL, profile=profile,
+                            extra=extra_settings(models))
+    peak = _status_kib("VmHWM") if reset else None
+    if peak is None or before is None:
+        return run, None, None
+    return run, peak / 1024, (peak - before) / 1024
+
+
+# --------------------------------------------------------------------------- idle models
+
+
+def idle_settings(models: int):
+    """Settings with default model settings, ``max_models`` and budgets for ``models``."""
+    from daemon.settings import load_settings
+
+    return load_settings(None, **extra_settings(models))
+
+
+def admit(registry, model: str, k: int):
+    """``registry.create`` a model, then export its gauges once as the daemon does after the
+    model's first batch (the gauges of :meth:`daemon.gauges.Gauges._export_gauges` an idle
+    model has: no window statistics yet)."""
+    metrics = registry.metrics
+    st = registry.create(model, k, 0)
+    metrics.set_pool_fill(model, st.pools.fill())
+    metrics.set_join_pending(model, st.join.pending(model))
+    metrics.set_join_buffer(model, st.join.memory_bytes(model), st.join.max_bytes)
+    metrics.set_epochs_waiting(model, len(st.sealed))
+    metrics.set_model_state(model, st.nbytes, st.budget)
+    metrics.set_window_samples(model, 0)
+    return st
+
+
+def idle_model_rss(k: int, n: int = 2000) -> float:
+    """Resident bytes per idle admitted ``k``-class model (as :func:`admit`): the growth of
+    ``VmRSS`` over ``n`` models, freed heap released before (a cross-check of
+    :func:`idle_model_bytes` that includes the allocator's overhead); NaN without ``/proc``."""
+    from daemon import heap
+    from daemon.events import EventParser
+    from daemon.metrics import DaemonMetrics
+    from daemon.registry import ModelRegistry
+
+    s = idle_settings(n + 1)
+    registry = ModelRegistry(s, DaemonMetrics(max_models=n + 1), EventParser.from_settings(s))
+    admit(registry, f"rss-{k}-first", k)
+    gc.collect()
+    heap.release_free_heap()
+    before = _status_kib("VmRSS")
+    for i in range(n):
+        admit(registry, f"rss-{k}-{i:06d}", k)
+    gc.collect()
+    after = _status_kib("VmRSS")
+    if before is None or after is None:
+        return float("nan")
+    return (after - before) * 1024 / n
+
+
+def idle_model_bytes(k: int, n: int = 200) -> dict[str, float]:
+    """Heap bytes per idle ``k``-class model (module docstring), measured with tracemalloc
+    over ``n`` models: ``{"state": ModelState.create alone, "admitted": ModelRegistry.create
+    with its gauge series exported once}``. Default model settings (pools and windows empty)."""
+    import tracemalloc
+
+    from daemon.events import EventParser
+    from daemon.metrics import DaemonMetrics
+    from daemon.model_state import ModelState
+    from daemon.registry import ModelRegistry
+
+    s = idle_settings(2 * n + 2)
+    metrics = DaemonMetrics(max_models=2 * n + 2)
+    registry = ModelRegistry(s, metrics, EventParser.from_settings(s))
+
+    def state(i: int) -> ModelState:
+        m = f"idle-{k}-{i:06d}"
+        return ModelState.create(m, k, s.model_settings(m), s.join)
+
+    def admitted(i: int):
+        return admit(registry, f"idle-{k}-{i:06d}", k)
+
+    out: dict[str, float] = {}
+    gc.collect()
+    was = tracemalloc.is_tracing()
+    if not was:
+        tracemalloc.start()
+    try:
+        for name, make, base in (("state", state, 0), ("admitted", admitted, n + 1)):
+            keep = [make(base)]  # the first one allocates shared, lazily built objects
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            keep += [make(base + 1 + i) for i in range(n)]
+            gc.collect()
+            out[name] = (tracemalloc.get_traced_memory()[0] - before) / n
+            del keep
+    finally:
+        if not was:
+            tracemalloc.stop()
+    return out
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+async def measure(counts: tuple[int, ...], events: dict[int, int], repeats: dict[int, int],
+                  raw_pairs: int,
+                  log=print, profile_models: int | None = None,
+                  idle: tuple[int, int] = (IDLE_MODELS, IDLE_RSS_MODELS)) -> dict:
+    """Every run of the benchmark: ``events`` and ``repeats`` per model count (``counts[0]``
+    is the 1-model baseline, read ``max(its repeats, raw_pairs)`` times); ``idle``: the models
+    measured by :func:`idle_model_bytes` and :func:`idle_model_rss`."""
+    from daemon.tools.embedded_broker import EmbeddedBroker
+
+    # first, while the heap has no free chunks of earlier runs to reuse (resident growth)
+    idle_bytes = {k: {**idle_model_bytes(k, idle[0]), "rss": idle_model_rss(k, idle[1])}
+                  for k in (10, 100)}
+    with EmbeddedBroker() as broker:
+        prefix = f"bench.models.{uuid.uuid4().hex[:6]}"
+        topics: dict[int, dict[str, str]] = {}
+        total: dict[int, int] = {}
+        for m in counts:
+            p = f"{prefix}.m{m}"
+            topics[m] = {"predictions": f"{p}.preds", "outcomes": f"{p}.outs",
+                         "binmaps": f"{p}.binmaps", "deadletter": f"{p}.dlq"}
+            t = time.perf_counter()
+            total[m] = await produce(broker.bootstrap, topics[m], m, events[m])
+            log(f"[models] {m} models: produced {total[m]:,} messages in "
+                f"{time.perf_counter() - t:.1f} s")
+        one = counts[0]
+        pair = [topics[one]["predictions"], topics[one]["outcomes"]]
+        raws: list[Run] = []
+        runs: dict[int, list[tuple[Run, float | None, float | None]]] = {m: [] for m in counts}
+        for r in range(max(*repeats.values(), raw_pairs)):
+            gc.unfreeze()  # the last daemon froze its objects: collect them before timing
+            gc.collect()
+            raws.append(await raw_read(broker.bootstrap, pair, total[one]))
+            log(f"[models] rep {r}: raw {raws[-1].rate:,.0f} msg/s")
+            for m in [c for c in counts if r < repeats[c] or c == one]:
+                runs[m].append(await measured_daemon_read(broker.bootstrap, topics[m],
+                                                          total[m], m))
+                run = runs[m][-1][0]
+                log(f"[models] rep {r}: {m} models {run.rate:,.0f} msg/s "
+                    f"({run.proc_cpu / run.messages * 1e6:.1f} us CPU/msg, peak RSS "
+                    f"{_mib(runs[m][-1][1])} MiB)")
+        profile_text = None
+        if profile_models is not None:
+            m = profile_models
+            if m not in topics:
+                p = f"{prefix}.prof{m}"
+                topics[m] = {"predictions": f"{p}.preds", "outcomes": f"{p}.outs",
+                             "binmaps": f"{p}.binmaps", "deadletter": f"{p}.dlq"}
+                total[m] = await produce(broker.bootstrap, topics[m], m, events.get(m, EVENTS))
+            prof = cProfile.Profile()
+            run, _, _ = await measured_daemon_read(broker.bootstrap, topics[m], total[m], m,
+                                                   profile=prof)
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
+            profile_text = (f"cProfile of the daemon at {m} models ({total[m]:,} messages, "
+                            f"{run.rate:,.0f} msg/s under the profiler)\n{buf.getvalue()}")
+    return {"counts": counts, "events": events, "messages": total, "raw": raws, "runs": runs,
+            "profile": profile_text,
+            "idle_n": idle,
+            "idle": idle_bytes}
+
+
+def _us(x: float) -> str:
+    return f"{x * 1e6:.2f}"
+
+
+def _mib(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:,.0f}"
+
+
+def render(res: dict) -> list[Table]:
+    counts, raws, runs = res["counts"], res["raw"], res["runs"]
+    one = counts[0]
+    base = [r for r, _, _ in runs[one]]
+    tab = Table(
+        f"Ingest from 1 to {counts[-1]:,} models (k = 10 JSON events, real broker)",
+        ["models", "events (messages)", "msgs/s (median)", "per repetition",
+         "of 1-model rate", "of raw aiokafka", "CPU us / msg, process",
+         "CPU us / msg, `_process`", "peak RSS MiB (growth)", "target", "met"],
+        key="models")
+    tab.add("raw aiokafka reader (1-model stream)",
+            f"{res['events'][one]:,} ({res['messages'][one]:,})",
+            f"{statistics.median(r.rate for r in raws):,.0f}",
+            ", ".join(f"{r.rate:,.0f}" for r in raws), "", "1.00",
+            _us(statistics.median(r.proc_cpu / r.messages for r in raws)), "", "", "", "")
+    for m in counts:
+        rs = [r for r, _, _ in runs[m]]
+        to_one = [a.rate / b.rate for a, b in zip(rs, base)]
+        to_raw = [a.rate / b.rate for a, b in zip(rs, raws)]
+        peaks = [(p, g) for _, p, g in runs[m] if p is not None]
+        rss = (f"{_mib(statistics.median(p for p, _ in peaks))} "
+               f"({_mib(statistics.median(g for _, g in peaks))})" if peaks else "n/a")
+        if m == one:
+            target = f"of raw >= {TARGET_RAW} (median of {len(rs)} pairs)"
+            ok = statistics.median(to_raw) >= TARGET_RAW
+        elif m in TARGETS:
+            target = f"of 1-model rate >= {TARGETS[m]}"
+            ok = statistics.median(to_one) >= TARGETS[m]
+        else:
+            target, ok = "", None
+        tab.add(f"{m:,}", f"{res['events'][m]:,} ({res['messages'][m]:,})",
+                f"{statistics.median(r.rate for r in rs):,.0f}",
+                ", ".join(f"{r.rate:,.0f}" for r in rs),
+                f"**{statistics.median(to_one):.2f}**" if m != one else "1.00",
+                f"{statistics.median(to_raw):.2f} ({min(to_raw):.2f} to {max(to_raw):.2f})",
+                _us(statistics.median(r.proc_cpu / r.messages for r in rs)),
+                _us(statistics.median(r.cpu / r.messages for r in rs)), rss, target,
+                "" if ok is None else yes_no(ok))
+    tab.notes += [
+        ("Each repetition reads raw, then the daemon at each model count in that order; "
+         "repetitions per model count: "
+         + ", ".join(f"{m:,} model{'s' if m != 1 else ''}: {len(runs[m])}" for m in counts)
+         + " (the 1-model target is the median of all its raw / 1-model pairs). Ratios are "
+         "medians of the per-repetition ratios (to the 1-model and raw runs of the same "
+         "repetition)."),
+        ("Each daemon has `max_models` raised to its model count and byte budgets raised so every model "
+         f"keeps one model's share ({JOIN_PER_MODEL // MIB} MiB of join buffer, "
+         f"{STATE_PER_MODEL // MIB} MiB of state): with the default totals (384 and 320 MiB) "
+         "the share of each model shrinks at every admission, and every admission re-sets "
+         "every model's budgets."),
+        ("CPU per message: CPU time of the whole process (all threads) from the first message "
+         "to the last, over the messages; `_process`: the event-loop thread inside "
+         "`Daemon._process` only (parse, join, pools, monitor), without the per-batch work "
+         "after it (triggers, fills, gauges) and the checkpoints."),
+        ("Peak RSS: `VmHWM` of the benchmark process during the run (reset before it), and its "
+         "growth over the resident size before it; the broker runs in another process."),
+    ]
+    idle = res["idle"]
+    mem = Table("Memory per idle model (no samples; default model settings)",
+                ["k", "bytes per idle model: `ModelState.create`",
+                 "bytes per idle model: admitted (registry slot, counter and gauge series)",
+                 "resident bytes per admitted model (RSS growth)",
+                 "target (k = 10)", "met"], key="models_idle")
+    for k in sorted(idle):
+        a = idle[k]["admitted"]
+        mem.add(k, f"{idle[k]['state']:,.0f}", f"{a:,.0f} ({a / 1024:.1f} KiB)",
+                f"{idle[k]['rss']:,.0f}",
+                f"<= {TARGET_IDLE_BYTES // 1024} KiB" if k == 10 else "",
+                yes_no(a <= TARGET_IDLE_BYTES) if k == 10 else "")
+    mem.notes += [
+        (f"Heap bytes: tracemalloc over {res['idle_n'][0]:,} models created after a first "
+         "one (`tests.bench.bench_models.idle_model_bytes`, asserted by "
+         "`tests/daemon/test_idle_model_memory.py`); the target applies to the admitted model. "
+         f"Resident bytes: growth of `VmRSS` over {res['idle_n'][1]:,} admitted models "
+         "(allocator overhead included; measured first, in a fresh process; indicative)."),
+    ]
+    if 10 in idle and 100 in idle and abs(idle[100]["state"] / idle[10]["state"] - 1) < 0.1:
+        mem.notes.append("An idle model allocates nothing k-wide (its sums, tables and window "
+                         "come with its first samples): k = 100 takes about what k = 10 takes.")
+    return [tab, mem]
+
+
+def run(quick: bool = False, events: int | None = None, repeats: int | None = None,
+        log=None, profile_models: int | None = None) -> list[Table]:
+    """Run the benchmark; return its tables (quick: two tiny model counts, one repetition)."""
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    logging.getLogger("lpcal.daemon").setLevel(logging.WARNING)
+    logging.getLogger("aiokafka").setLevel(logging.ERROR)
+    counts = QUICK_MODEL_COUNTS if quick else MODEL_COUNTS
+    n = events or (QUICK_EVENTS if quick else EVENTS)
+    ev = {m: n for m in counts}
+    if not quick and events is None:
+        ev[10_000] = EVENTS_10K
+    reps = {m: repeats or (QUICK_REPEATS if quick else REPEATS) for m in counts}
+    if not quick and repeats is None:
+        reps[10_000] = REPEATS_10K
+    res = asyncio.run(measure(counts, ev, reps,
+                              QUICK_RAW_PAIRS if quick else RAW_PAIRS, log, profile_models,
+                              QUICK_IDLE if quick else (IDLE_MODELS, IDLE_RSS_MODELS)))
+    if res["profile"]:
+        log(res["profile"])
+    return render(res)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.bench.bench_models", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--events", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--profile", type=int, default=None, metavar="M",
+                    help="one more daemon run at M models under cProfile (stderr)")
+    ap.add_argument("--out", default=None, help="also write the tables to this file")
+    a = ap.parse_args(argv)
+    text = "\n".join(t.to_markdown() for t in run(a.quick, a.events, a.repeats,
+                                                   profile_models=a.profile))
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
