@@ -17,6 +17,8 @@ SECRET_ENV = {"LPCAL_KAFKA__SASL_USERNAME", "LPCAL_KAFKA__SASL_PASSWORD",
               "LPCAL_HTTP__ADMIN_TOKEN"}
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 30
 
+PROJECT_VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
 
 def by_kind(objs: list[dict]) -> dict[str, dict]:
     out = {}
@@ -142,7 +144,7 @@ def test_example_overlay(rendered):
     assert dep["spec"]["replicas"] == 2
     assert {o["metadata"]["namespace"] for o in objs} == {"lpcal-example"}
     _, c = pod(objs)
-    assert c["image"] == "ghcr.io/example/lpcal:0.3.0"
+    assert c["image"] == f"ghcr.io/example/lpcal:{PROJECT_VERSION}"
     env = {e["name"]: e for e in c["env"]}
     assert env["LPCAL_KAFKA__BOOTSTRAP_SERVERS"]["value"]
     assert SECRET_ENV <= set(env)  # the patch merged env, it did not replace it
