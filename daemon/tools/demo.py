@@ -139,7 +139,7 @@ def _report(base: str, synth: dict, keys: KeyRing) -> None:
         pname = "inf" if math.isinf(p) else f"{p:g}"
         cols = [evaluate(f, y, bm.lam), evaluate(ts, y, bm.lam), evaluate(h, y, bm.lam)]
         pre = "none" if bm.temperature is None else f"T={bm.temperature:.3f}"
-        print(f"{m} (k={k}, p={pname}, eps={eps}): bin map v{bm.version} ({bm.mode}, "
+        print(f"{m} (k={k}, p={pname}, eps={eps}): bin map v{bm.version} (mode={bm.mode}, "
               f"pre-calibrator {pre}), |B|={bm.n_bins}, |G|={bm.n_groups}, {bm.iterations} "
               f"iterations ({bm.stop_reason}), lambda={bm.lam}, sha {bm.checksum[7:19]}")
         rows = [(f"TRUE Err_{pname} (known q)",
