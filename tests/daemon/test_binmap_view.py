@@ -11,22 +11,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from aiokafka import TopicPartition
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from daemon.binmap_view import BinMapView, ServedBinMaps, map_cost, settings_fit
 from daemon.metrics import DaemonMetrics
 from lpcal import fit
 from lpcal.binmap import BinMap
-from lpcal.signing import Signer
+from lpcal.signing import Signer, generate_keypair
 
 
 def _keypair():
-    sk = Ed25519PrivateKey.generate()
-    priv = sk.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
-    pub = sk.public_key().public_bytes(serialization.Encoding.PEM,
-                                       serialization.PublicFormat.SubjectPublicKeyInfo)
+    priv, pub = generate_keypair()
     return SimpleNamespace(priv=priv, pub=pub)
 
 
