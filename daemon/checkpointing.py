@@ -58,8 +58,10 @@ class Checkpointing:
                 max_record_bytes=state.max_record_bytes)
 
     def _envelope(self, model: str) -> bytes:
-        """The checkpoint record of ``model``: its state, partition, fit in flight and
-        prefitted count (:data:`ENVELOPE_FORMAT`)."""
+        """The checkpoint record of ``model``: its state, partition, fit in flight, prefitted
+        count and ``saved_at``, the wall-clock time of this snapshot (:data:`ENVELOPE_FORMAT`).
+        The restore compares bin maps on the topic with ``saved_at``, not with the record's
+        time: a map published while the snapshot was being written came after it."""
         slot = self.registry.slots[model]
         inf = slot.inflight
         return orjson.dumps({
@@ -70,6 +72,7 @@ class Checkpointing:
             "inflight": None if inf is None else {
                 "pools": inf.pools.to_dict(), "trigger": inf.trigger, "version": inf.version},
             "prefitted": slot.prefitted,
+            "saved_at": time.time(),
         })
 
     async def checkpoint(self, parts: set[int] | None = None, commit: bool = True) -> None:

@@ -24,6 +24,7 @@ then resume every assigned partition that is not backlogged, and report ready.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 
@@ -231,6 +232,9 @@ class Restore:
                           "model %r; model %r starts fresh", model, where,
                           st.model if st.model != model else owner, model)
                 return
+            saved_at = env.get("saved_at")  # absent in envelopes of earlier versions
+            if not (type(saved_at) in (int, float) and math.isfinite(saved_at)):
+                saved_at = None  # unknown: the record's timestamp stands in for it
             prefitted = env.get("prefitted") or 0
             if type(prefitted) is not int or not 0 <= prefitted <= 1_000_000:
                 raise ArtifactError(f"prefitted {prefitted!r}")
@@ -253,7 +257,7 @@ class Restore:
             log.warning("model %s: settings changed since its checkpoint (%s): %s", model,
                         outcome, detail)
         self.metrics.inc_restore(outcome)
-        self._restored_from[model] = where
+        self._restored_from[model] = (where, saved_at)
         self.registry.restore(  # the settings decide the sample rate
             model, st, part, sample_rate=ms.sample_rate if ms is not None else 1.0,
             inflight=inflight, prefitted=prefitted, dirty=outcome != "restored")
@@ -339,10 +343,13 @@ class Restore:
                                           ) -> bool:
         """True when the bin map published at ``published`` (Unix seconds, or its position
         ``topic[partition]@offset`` on the bin-map topic) came after ``model``'s checkpoint
-        record was written (its record timestamp, or its file's modification time with the
-        local backend). False when either time is unknown: then no epoch is skipped (one may
-        be fitted twice, under two versions; none is lost)."""
-        where = self._restored_from.get(model)
+        snapshot was taken (its envelope's ``saved_at``; for envelopes without it, its record
+        timestamp, or its file's modification time with the local backend). The record is
+        written after the snapshot, and a map published in between came after the snapshot:
+        comparing with the record's time would fit that map's epoch again. False when either
+        time is unknown: then no epoch is skipped (one may be fitted twice, under two versions;
+        none is lost)."""
+        where, saved_at = self._restored_from.get(model, (None, None))
         if where is None or published is None:
             return False
         k = self.s.kafka
@@ -351,7 +358,9 @@ class Restore:
                 published = await kafka_io.record_timestamp(
                     k.bootstrap_servers, published, security=k,
                     fetch_bytes=k.max_message_bytes)
-            if os.path.isfile(where):
+            if saved_at is not None:
+                written = saved_at
+            elif os.path.isfile(where):
                 written = os.stat(where).st_mtime
             else:
                 written = await kafka_io.record_timestamp(

@@ -109,7 +109,8 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
         self._assign_task: asyncio.Task | None = None
         self.assign_failing_since: float | None = None
         self.assign_unhealthy_after = ASSIGN_UNHEALTHY_SECONDS
-        self._restored_from: dict[str, str] = {}  # restore: model -> where its record was
+        # restore: model -> (where its record was, its snapshot's saved_at or None)
+        self._restored_from: dict[str, tuple[str, float | None]] = {}
         self._init_ingest(settings)
 
     # the registry's views, under the names the daemon always had (read-only)
