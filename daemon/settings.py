@@ -120,12 +120,9 @@ def _upper(v: Any) -> Any:
 
 
 Prob = Annotated[float, Field(gt=0.0, lt=1.0)]
-def _p_norm(v: Any) -> float:
-    """The ``p`` of ``Err_p``: :func:`lpcal.spec.parse_p`, the domain the library and CLI use."""
-    return parse_p(v)
-
-
-PNorm = Annotated[float, BeforeValidator(_p_norm)]
+#: The ``p`` of ``Err_p``: :func:`lpcal.spec.parse_p` (its ``InputError`` is a ``ValueError``),
+#: the domain the library and CLI use.
+PNorm = Annotated[float, BeforeValidator(parse_p)]
 PosInt = Annotated[int, Field(gt=0)]
 PosFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
