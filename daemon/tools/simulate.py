@@ -542,13 +542,14 @@ async def simulate(bootstrap: str, topics: Mapping[str, str], generator: Traffic
     ``topics`` maps ``"predictions"`` and ``"outcomes"`` to topic names (they may be equal).
     ``rate``: events (not messages) per second of wall time; 0 = as fast as possible. With
     ``create_topics`` the topics are created with ``partitions`` partitions when missing
-    (:func:`daemon.kafka_io.ensure_topics`; existing topics are kept). Messages are sent
+    (:func:`daemon.kafka.topics.ensure_topics`; existing topics are kept). Messages are sent
     asynchronously (``send``) and every ``flush_every`` messages the delivery futures are
     awaited, so a delivery error stops the run. ``idempotence`` must be False against the
     embedded Tansu broker. ``progress`` (e.g. ``print``) receives a line every
     ``progress_interval`` seconds.
     """
-    from daemon.kafka_io import TopicSpec, ensure_topics, make_producer, start_producer
+    from daemon.kafka.clients import make_producer, start_producer
+    from daemon.kafka.topics import TopicSpec, ensure_topics
 
     if not (math.isfinite(rate) and rate >= 0):
         raise InputError(f"rate must be >= 0 events per second (0 = as fast as possible), "
@@ -842,7 +843,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{kw['topics'][OUTCOMES]}")
     from aiokafka.errors import KafkaError
 
-    from daemon.kafka_io import BrokerSettingsError, TopicLayoutError
+    from daemon.kafka.clients import BrokerSettingsError
+    from daemon.kafka.topics import TopicLayoutError
 
     try:
         report = asyncio.run(simulate(

@@ -140,7 +140,8 @@ async def produce_mixed(bootstrap: str, topics: dict[str, str], events: int, *,
     added on the predictions topic: one after every ``every - 1`` messages (``every = 10``: 10%
     of the messages malformed), and/or ``burst`` of them in one run in the middle of the stream.
     Returns messages per topic (malformed ones included)."""
-    from daemon import kafka_io
+    from daemon.kafka.clients import make_producer
+    from daemon.kafka.topics import TopicSpec, ensure_topics
     from daemon.tools.simulate import SyntheticModel, TrafficGenerator
 
     gen = TrafficGenerator([SyntheticModel(MODEL, k=K, T=0.5, scale=3.0, seed=1)],
@@ -157,10 +158,10 @@ async def produce_mixed(bootstrap: str, topics: dict[str, str], events: int, *,
         if every and (len(stream) + 1) % every == 0:
             stream.append((topics["predictions"], None, malformed(value, n_bad)))
             n_bad += 1
-    await kafka_io.ensure_topics(bootstrap, [kafka_io.TopicSpec(topics["predictions"], 1),
-                                             kafka_io.TopicSpec(topics["outcomes"], 1)])
-    producer = kafka_io.make_producer(bootstrap, idempotence=False, client_id="bench-mixed",
-                                      linger_ms=5, max_batch_size=1 << 20)
+    await ensure_topics(bootstrap, [TopicSpec(topics["predictions"], 1),
+                                    TopicSpec(topics["outcomes"], 1)])
+    producer = make_producer(bootstrap, idempotence=False, client_id="bench-mixed",
+                             linger_ms=5, max_batch_size=1 << 20)
     await producer.start()
     sent: dict[str, int] = {}
     try:
@@ -195,9 +196,9 @@ async def raw_read(bootstrap: str, topics: list[str], expected: int) -> Run:
 async def _raw_read(bootstrap: str, topics: list[str], expected: int) -> Run:
     from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
-    from daemon import kafka_io
+    from daemon.kafka.clients import make_consumer
 
-    consumer = kafka_io.make_consumer(
+    consumer = make_consumer(
         bootstrap, group_id=f"bench-raw-{uuid.uuid4().hex[:8]}", client_id="bench-raw",
         auto_offset_reset="earliest", max_partition_fetch_bytes=1 << 20,
         partition_assignment_strategy=(RangePartitionAssignor,), **FAST_CONSUMER)
