@@ -70,6 +70,7 @@ import orjson
 
 from daemon.codes import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE  # defined there, once
 from daemon.columns import parse_columns
+from lpcal.io import softmax_rows
 
 __all__ = [
     "BAD_ENCODING",
@@ -254,11 +255,9 @@ class RecordTimestamps(Sequence):
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise ``exp(z - max z) / sum exp(z - max z)`` (stable for any finite logits)."""
-    z = logits - logits.max(axis=1, keepdims=True)
-    np.exp(z, out=z)
-    z /= z.sum(axis=1, keepdims=True)
-    return z
+    """Row-wise ``exp(z - max z) / sum exp(z - max z)`` (stable for any finite logits):
+    :func:`lpcal.io.softmax_rows`."""
+    return softmax_rows(logits)
 
 
 # --------------------------------------------------------------------------- parser
