@@ -70,6 +70,7 @@ import orjson
 
 from daemon.codes import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE  # defined there, once
 from daemon.columns import parse_columns
+from daemon.limits import MAX_ID_LEN, MAX_K, MAX_MODEL_LEN  # defined there, once
 from lpcal.io import softmax_rows
 
 __all__ = [
@@ -121,9 +122,6 @@ REASONS: tuple[str, ...] = (
     NOT_NORMALIZED, LABEL_OUT_OF_RANGE, BAD_ENCODING, TS_OUT_OF_RANGE, K_TOO_LARGE,
 )
 
-MAX_ID_LEN = 256
-MAX_MODEL_LEN = 255
-MAX_K = 100_000          # largest k the parser can be configured for (``max_k`` setting)
 OTHER_POLICIES = 4096    # policies cached for models that are not admitted
 _UNKNOWN = object()
 _NUM = (int, float)
