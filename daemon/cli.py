@@ -69,7 +69,7 @@ def serve(argv: list[str]) -> int:
 
 def simulate(argv: list[str]) -> int:
     try:
-        from daemon.tools.simulate import main as simulate_main
+        from daemon.tools.simulate.cli import main as simulate_main
     except ImportError as e:
         raise _needs("simulate", "daemon", e) from None
     return simulate_main(argv)

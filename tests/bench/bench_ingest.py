@@ -5,7 +5,7 @@ Targets: ingest throughput on k = 10 JSON events, as a ratio to raw aiokafka ``g
 (no gap over 1 s in consumption while a fit runs).
 
 Setup (one process, one embedded Tansu broker, see :mod:`daemon.tools.embedded_broker`): a
-:class:`daemon.tools.simulate.TrafficGenerator` stream of ``N`` events of one ``k = 10`` model
+:class:`daemon.tools.simulate.traffic.TrafficGenerator` stream of ``N`` events of one ``k = 10`` model
 (predictions, and their outcomes 5 s of event time later) is produced once into a
 predictions/outcomes topic pair (1 partition each). Then, alternating, each repetition reads
 all of those messages twice, each time with a fresh consumer group:
@@ -117,7 +117,9 @@ class Run:
 
 async def produce(bootstrap: str, topics: dict[str, str], events: int) -> dict[str, int]:
     """Write the benchmark stream; return messages per topic."""
-    from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
+    from daemon.tools.simulate.driver import simulate
+    from daemon.tools.simulate.model import SyntheticModel
+    from daemon.tools.simulate.traffic import TrafficGenerator
 
     gen = TrafficGenerator([SyntheticModel(MODEL, k=K, T=0.5, scale=3.0, seed=1)],
                            events=events, delay=5.0, seed=7)
@@ -142,7 +144,8 @@ async def produce_mixed(bootstrap: str, topics: dict[str, str], events: int, *,
     Returns messages per topic (malformed ones included)."""
     from daemon.kafka.clients import make_producer
     from daemon.kafka.topics import TopicSpec, ensure_topics
-    from daemon.tools.simulate import SyntheticModel, TrafficGenerator
+    from daemon.tools.simulate.model import SyntheticModel
+    from daemon.tools.simulate.traffic import TrafficGenerator
 
     gen = TrafficGenerator([SyntheticModel(MODEL, k=K, T=0.5, scale=3.0, seed=1)],
                            events=events, delay=5.0, seed=7)
@@ -328,7 +331,8 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
 
 def _stream(events: int) -> tuple[list[bytes], list[bytes]]:
     """The benchmark stream's message values (the same generator and seed as :func:`produce`)."""
-    from daemon.tools.simulate import SyntheticModel, TrafficGenerator
+    from daemon.tools.simulate.model import SyntheticModel
+    from daemon.tools.simulate.traffic import TrafficGenerator
 
     gen = TrafficGenerator([SyntheticModel(MODEL, k=K, T=0.5, scale=3.0, seed=1)],
                            events=events, delay=5.0, seed=7)

@@ -1,6 +1,6 @@
 """Benchmark: replica scaling and failover.
 
-**Scaling.** One embedded Tansu broker; a :class:`daemon.tools.simulate.TrafficGenerator` stream of 8
+**Scaling.** One embedded Tansu broker; a :class:`daemon.tools.simulate.traffic.TrafficGenerator` stream of 8
 ``k = 10`` models is produced once into predictions/outcomes topics of 8 partitions (each model
 on its own partition, keyed by model id). Then, alternating, the same stream is consumed by 1
 replica and by 2 replicas in one fresh consumer group. Each replica is a separate process
@@ -250,7 +250,9 @@ def scale_run(broker, spec: dict, n: int, workdir: Path, expected: int) -> dict:
 
 async def _prepare(bootstrap: str, names: dict, events: int) -> dict:
     from daemon.kafka.topics import COMPACT, TopicSpec, ensure_topics
-    from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
+    from daemon.tools.simulate.driver import simulate
+    from daemon.tools.simulate.model import SyntheticModel
+    from daemon.tools.simulate.traffic import TrafficGenerator
 
     specs = [TopicSpec(names["predictions"], PARTITIONS),
              TopicSpec(names["outcomes"], PARTITIONS),

@@ -22,7 +22,10 @@ from daemon.kafka.clients import BrokerSettingsError
 from daemon.kafka.topics import TopicMissingError, TopicSpec, ensure_topics, partition_counts
 from daemon.service import Daemon
 from daemon.tools.embedded_broker import kafka_metadata_ping
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator, main, simulate
+from daemon.tools.simulate.cli import main
+from daemon.tools.simulate.driver import simulate
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 from tests.support.daemon_harness import (
     TopicNames,
     build_settings,

@@ -27,7 +27,9 @@ import pytest
 from aiokafka.partitioner import murmur2
 
 from daemon.kafka.clients import make_producer
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
+from daemon.tools.simulate.driver import simulate
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 from lpcal.binmap import BinMap
 from tests.support.daemon_harness import (
     RunningDaemon,

@@ -11,7 +11,10 @@ import pytest
 
 from daemon.kafka.readers import read_records
 from daemon.kafka.topics import partition_counts
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator, main, simulate
+from daemon.tools.simulate.cli import main
+from daemon.tools.simulate.driver import simulate
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 
 integration = pytest.mark.integration
 

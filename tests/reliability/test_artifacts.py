@@ -20,7 +20,9 @@ import orjson
 import pytest
 
 from daemon.kafka.clients import make_consumer, make_producer
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
+from daemon.tools.simulate.driver import simulate
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 from lpcal.binmap import BinMap
 from lpcal.client import BinMapFollower, BinMapStore
 from tests.reliability.harness import FastDaemon, models_view

@@ -19,7 +19,8 @@ import pytest
 
 from daemon.events import REASONS, EventParser
 from daemon.kafka.clients import make_producer
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 from tests.reliability.fuzz import LEARNED_K_MODEL, TS, malformed_events
 from tests.reliability.harness import FastDaemon, wait_settled
 from tests.support.daemon_harness import (

@@ -35,7 +35,8 @@ import pytest
 from daemon.kafka.clients import make_producer
 from daemon.kafka.topics import partition_counts
 from daemon.tools.embedded_broker import EmbeddedBroker
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 from tests.reliability.harness import FastDaemon, models_view, record_figures, wait_settled
 from tests.reliability.s3_server import LocalS3
 from tests.support.daemon_harness import (

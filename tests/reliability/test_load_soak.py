@@ -38,7 +38,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
+from daemon.tools.simulate.driver import simulate
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 from tests.reliability.harness import FastDaemon, models_view, rss_kib
 from tests.support.daemon_harness import TopicNames, create_topics, daemon_config, free_port
 
