@@ -103,7 +103,7 @@ def test_missing_daemon_extra_is_one_clear_error():
 
 def test_tools_live_in_their_own_subpackage():
     tools = REPO / "daemon" / "tools"
-    for name in ("embedded_broker.py", "demo.py", "simulate.py"):
+    for name in ("embedded_broker.py", "demo.py", "simulate/__init__.py"):
         assert (tools / name).is_file() and not (REPO / "daemon" / name).exists(), name
     makefile = (REPO / "Makefile").read_text()
     assert "-m daemon.tools.demo" in makefile
