@@ -228,7 +228,7 @@ async def check_record_limit(bootstrap: str, topic: str, max_record_bytes: int, 
     """The ``max.message.bytes`` of ``topic``, after checking that ``max_record_bytes`` fits
     it (:class:`RecordLimitError` naming both settings otherwise); None, with a warning, if the
     broker does not report it (then nothing could be checked)."""
-    from daemon.kafka_io import describe_topic_config
+    from daemon.kafka.topics import describe_topic_config
 
     try:
         configs = await describe_topic_config(bootstrap, topic, security=security,
@@ -260,9 +260,9 @@ async def read_latest_with_positions(bootstrap: str, topic: str, timeout: float 
                                      security=None) -> tuple[dict[str, bytes],
                                                              dict[str, str]]:
     """The latest raw value per key of ``topic`` and, per key, where that value was read
-    (``topic[partition]@offset``): :func:`daemon.kafka_io.read_compacted_latest` with
+    (``topic[partition]@offset``): :func:`daemon.kafka.readers.read_compacted_latest` with
     ``missing_ok`` (a missing topic holds no checkpoint)."""
-    from daemon.kafka_io import read_compacted_latest
+    from daemon.kafka.readers import read_compacted_latest
 
     where: dict[str, str] = {}
     latest = await read_compacted_latest(bootstrap, topic, timeout, security=security,

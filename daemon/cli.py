@@ -34,7 +34,8 @@ def _needs(command: str, extra: str, e: ImportError) -> LpcalError:
 def serve(argv: list[str]) -> int:
     try:
         from daemon.checkpoint_store import RecordLimitError
-        from daemon.kafka_io import BrokerSettingsError, TopicLayoutError
+        from daemon.kafka.clients import BrokerSettingsError
+        from daemon.kafka.topics import TopicLayoutError
         from daemon.service import Daemon
         from daemon.settings import SettingsError, load_settings
     except ImportError as e:
@@ -68,7 +69,7 @@ def serve(argv: list[str]) -> int:
 
 def simulate(argv: list[str]) -> int:
     try:
-        from daemon.tools.simulate import main as simulate_main
+        from daemon.tools.simulate.cli import main as simulate_main
     except ImportError as e:
         raise _needs("simulate", "daemon", e) from None
     return simulate_main(argv)

@@ -10,13 +10,15 @@ import logging
 
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
-from daemon import kafka_io, retry
+from daemon import retry
 from daemon.checkpointing import state_topic_config
+from daemon.kafka import topics as kafka_topics
+from daemon.kafka.clients import BrokerSettingsError, make_producer, start_producer
 from lpcal.errors import LpcalError
 
 log = logging.getLogger("lpcal.daemon")
 
-_FATAL = (kafka_io.TopicLayoutError, kafka_io.BrokerSettingsError, LpcalError)  # not retried
+_FATAL = (kafka_topics.TopicLayoutError, BrokerSettingsError, LpcalError)  # not retried
 
 
 class KafkaClients:
@@ -28,30 +30,30 @@ class KafkaClients:
         both input topics present and co-partitioned."""
         k = self.s.kafka
         sec = k
-        self.producer = kafka_io.make_producer(
+        self.producer = make_producer(
             k.bootstrap_servers, idempotence=k.enable_idempotence, security=sec,
             client_id=k.client_id,
             max_request_size=max(k.max_message_bytes, self.s.state.max_record_bytes))
         # no producer compression: it runs on the event loop; large checkpoint values are
         # compressed by KafkaCheckpointStore in a worker thread instead
         # a broker that refuses idempotence fails at once, naming the setting (not retried)
-        await self._retry("producer start", lambda: kafka_io.start_producer(
+        await self._retry("producer start", lambda: start_producer(
             self.producer, idempotence=k.enable_idempotence))
         if k.create_topics:
-            specs = [kafka_io.TopicSpec(self.t_pred, k.topic_partitions),
-                     kafka_io.TopicSpec(self.t_out, k.topic_partitions),
-                     kafka_io.TopicSpec(k.topics.binmaps, 1, configs=kafka_io.COMPACT),
-                     kafka_io.TopicSpec(k.topics.deadletter, k.topic_partitions),
-                     kafka_io.TopicSpec(k.topics.state, 1, configs=state_topic_config(
+            specs = [kafka_topics.TopicSpec(self.t_pred, k.topic_partitions),
+                     kafka_topics.TopicSpec(self.t_out, k.topic_partitions),
+                     kafka_topics.TopicSpec(k.topics.binmaps, 1, configs=kafka_topics.COMPACT),
+                     kafka_topics.TopicSpec(k.topics.deadletter, k.topic_partitions),
+                     kafka_topics.TopicSpec(k.topics.state, 1, configs=state_topic_config(
                          self.s.state.max_record_bytes))]
             await self._retry("topic creation",
-                              lambda: kafka_io.ensure_topics(k.bootstrap_servers, specs,
-                                                             security=sec))
-        counts = await self._retry("partition check", lambda: kafka_io.partition_counts(
+                              lambda: kafka_topics.ensure_topics(k.bootstrap_servers, specs,
+                                                                 security=sec))
+        counts = await self._retry("partition check", lambda: kafka_topics.partition_counts(
             k.bootstrap_servers, list(k.topics.model_dump().values()), security=sec))
-        kafka_io.require_topics(counts, [self.t_pred, self.t_out], k.bootstrap_servers,
-                                optional=list(k.topics.model_dump().values()))
-        kafka_io.check_copartitioned(counts, self.t_pred, self.t_out)
+        kafka_topics.require_topics(counts, [self.t_pred, self.t_out], k.bootstrap_servers,
+                                    optional=list(k.topics.model_dump().values()))
+        kafka_topics.check_copartitioned(counts, self.t_pred, self.t_out)
         self.input_partitions = int(counts.get(self.t_pred) or 1)
 
     def consumer_options(self) -> dict:

@@ -70,6 +70,8 @@ import orjson
 
 from daemon.codes import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE  # defined there, once
 from daemon.columns import parse_columns
+from daemon.limits import MAX_ID_LEN, MAX_K, MAX_MODEL_LEN  # defined there, once
+from lpcal.io import softmax_rows
 
 __all__ = [
     "BAD_ENCODING",
@@ -120,9 +122,6 @@ REASONS: tuple[str, ...] = (
     NOT_NORMALIZED, LABEL_OUT_OF_RANGE, BAD_ENCODING, TS_OUT_OF_RANGE, K_TOO_LARGE,
 )
 
-MAX_ID_LEN = 256
-MAX_MODEL_LEN = 255
-MAX_K = 100_000          # largest k the parser can be configured for (``max_k`` setting)
 OTHER_POLICIES = 4096    # policies cached for models that are not admitted
 _UNKNOWN = object()
 _NUM = (int, float)
@@ -254,11 +253,9 @@ class RecordTimestamps(Sequence):
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise ``exp(z - max z) / sum exp(z - max z)`` (stable for any finite logits)."""
-    z = logits - logits.max(axis=1, keepdims=True)
-    np.exp(z, out=z)
-    z /= z.sum(axis=1, keepdims=True)
-    return z
+    """Row-wise ``exp(z - max z) / sum exp(z - max z)`` (stable for any finite logits):
+    :func:`lpcal.io.softmax_rows`."""
+    return softmax_rows(logits)
 
 
 # --------------------------------------------------------------------------- parser

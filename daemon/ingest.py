@@ -20,8 +20,15 @@ from operator import attrgetter
 import numpy as np
 from aiokafka import TopicPartition
 
-from daemon import kafka_io, native
+from daemon import native
 from daemon.events import ModelBatch, RecordTimestamps
+from daemon.kafka.deadletter import (
+    DLQ_REASON,
+    DLQ_SOURCE_OFFSET,
+    DLQ_SOURCE_PARTITION,
+    DLQ_SOURCE_TOPIC,
+    DeadLetterQueue,
+)
 from daemon.model_state import ModelState
 from daemon.offset_gaps import OffsetGapGuard
 
@@ -46,7 +53,7 @@ class Ingest:
         self.event_time: dict[str, float] = {}  # per model: the latest event time seen
         self.positions: dict[tuple[str, int], int] = {}  # (topic, partition) -> next offset
         # dead letters not yet acknowledged (created with the first one: it needs the producer)
-        self._dlq: kafka_io.DeadLetterQueue | None = None
+        self._dlq: DeadLetterQueue | None = None
         self._dl_reasons: dict[str, int] = {}  # dead letters queued, not counted in metrics yet
         # holes in fetched input offsets (see daemon.offset_gaps): counted, or read again
         self.gaps = OffsetGapGuard(refetch=k.offset_gaps == "refetch",
@@ -195,14 +202,14 @@ class Ingest:
     # ------------------------------------------------------------------ dead letters
     def _deadletter(self, tp: TopicPartition, msg, reason: str) -> None:
         """Queue ``msg`` for the dead-letter topic with its reason: produced in batches and
-        pipelined by :class:`daemon.kafka_io.DeadLetterQueue`. Counted in the metrics per batch
-        (:meth:`_count_deadletters`, before the main loop awaits anything)."""
-        headers = [(kafka_io.DLQ_REASON, reason.encode()),
-                   (kafka_io.DLQ_SOURCE_TOPIC, tp.topic.encode()),
-                   (kafka_io.DLQ_SOURCE_PARTITION, str(tp.partition).encode()),
-                   (kafka_io.DLQ_SOURCE_OFFSET, str(msg.offset).encode())]
+        pipelined by :class:`daemon.kafka.deadletter.DeadLetterQueue`. Counted in the metrics per
+        batch (:meth:`_count_deadletters`, before the main loop awaits anything)."""
+        headers = [(DLQ_REASON, reason.encode()),
+                   (DLQ_SOURCE_TOPIC, tp.topic.encode()),
+                   (DLQ_SOURCE_PARTITION, str(tp.partition).encode()),
+                   (DLQ_SOURCE_OFFSET, str(msg.offset).encode())]
         if self._dlq is None:
-            self._dlq = kafka_io.DeadLetterQueue(self.producer, self.s.kafka.topics.deadletter)
+            self._dlq = DeadLetterQueue(self.producer, self.s.kafka.topics.deadletter)
         self._dlq.put(tp.partition, msg.key, bytes(msg.value or b""), headers)
         self._dl_reasons[reason] = self._dl_reasons.get(reason, 0) + 1
 

@@ -31,9 +31,10 @@ import time
 import orjson
 from aiokafka import TopicPartition
 
-from daemon import kafka_io, retry
+from daemon import retry
 from daemon.checkpoint_store import ValueTooLarge, decode_value
 from daemon.checkpointing import ENVELOPE_FORMAT
+from daemon.kafka import readers
 from daemon.model_state import ModelState
 from daemon.registry import Inflight
 from lpcal.errors import ArtifactError
@@ -289,7 +290,7 @@ class Restore:
             await view.sync(_VIEW_SYNC_SECONDS)
         stamps: dict[str, float] = {}
         try:
-            latest = await kafka_io.read_compacted_latest(
+            latest = await readers.read_compacted_latest(
                 self.s.kafka.bootstrap_servers, self.s.kafka.topics.binmaps, timeout=30.0,
                 security=self.s.kafka, missing_ok=True, timestamps=stamps)
         except Exception as e:  # noqa: BLE001 - the checkpointed maps stay in force
@@ -355,7 +356,7 @@ class Restore:
         k = self.s.kafka
         try:
             if isinstance(published, str):
-                published = await kafka_io.record_timestamp(
+                published = await readers.record_timestamp(
                     k.bootstrap_servers, published, security=k,
                     fetch_bytes=k.max_message_bytes)
             if saved_at is not None:
@@ -363,7 +364,7 @@ class Restore:
             elif os.path.isfile(where):
                 written = os.stat(where).st_mtime
             else:
-                written = await kafka_io.record_timestamp(
+                written = await readers.record_timestamp(
                     k.bootstrap_servers, where, security=k,
                     fetch_bytes=self.s.state.max_record_bytes)
         except Exception as e:  # noqa: BLE001 - unknown: skip nothing

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import orjson
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 
-from daemon import heap, kafka_io, retry
+from daemon import heap, retry
 from daemon.binmap_view import BinMapView, settings_fit
 from daemon.checkpoint_store import CheckpointStore
 from daemon.checkpointing import (  # noqa: F401 - re-exported (tests write envelopes)
@@ -48,6 +48,7 @@ from daemon.events import EventParser
 from daemon.fitting import Fitting, fit_seed  # noqa: F401 - fit_seed: re-exported
 from daemon.gauges import _GAUGE_EVERY, Gauges  # noqa: F401 - _GAUGE_EVERY: re-exported
 from daemon.ingest import WRONG_PARTITION, Ingest, subset  # noqa: F401 - re-exported
+from daemon.kafka.clients import make_consumer
 from daemon.metrics import DaemonMetrics
 from daemon.registry import Inflight, ModelRegistry  # noqa: F401 - Inflight: re-exported
 from daemon.restore import ASSIGN_UNHEALTHY_SECONDS, Restore
@@ -135,7 +136,7 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
         await self._start_producer()  # and the topics: created (if configured) and checked
         self._start_binmap_view()
         await self._open_store()
-        self.consumer = kafka_io.make_consumer(
+        self.consumer = make_consumer(
             k.bootstrap_servers, group_id=k.group_id, security=k, client_id=k.client_id,
             **self.consumer_options())
         await self._retry("consumer start", self.consumer.start)
@@ -160,7 +161,7 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
         k = self.s.kafka
 
         def consumer():
-            return kafka_io.make_consumer(
+            return make_consumer(
                 k.bootstrap_servers, k.topics.binmaps, group_id=None, security=k,
                 client_id=f"{k.client_id}-binmaps",
                 max_partition_fetch_bytes=max(k.max_message_bytes, 1 << 20))

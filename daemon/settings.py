@@ -74,6 +74,7 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError as SourceError
 
+from daemon.limits import MAX_K
 from lpcal.calibrate import MODE_DEFAULTS
 from lpcal.spec import parse_p
 
@@ -100,7 +101,6 @@ __all__ = [
 
 DEFAULT_CONFIG_PATH = Path("config/lpcal.toml")
 DEFAULT_SECRETS_DIR = Path("/var/run/secrets/lpcal")
-MAX_K = 100_000
 MIB = 1 << 20
 
 

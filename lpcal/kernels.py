@@ -38,6 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from lpcal.errors import InputError, shown
+from lpcal.io import softmax_rows
 from lpcal.levels import FLOOR_TOL, BinIndex, _combine, _weights, floor_into
 
 SUM_TOL = 1e-3
@@ -92,9 +93,7 @@ def scale_temperature(probs: np.ndarray, temperature: float) -> np.ndarray:
     """``softmax(log(probs) / T)`` row-wise (zeros stay zero), numerically stable."""
     with np.errstate(divide="ignore"):
         z = np.log(probs) / temperature
-    z -= z.max(axis=1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=1, keepdims=True)
+    return softmax_rows(z, out=z)
 
 
 class ApplyPlan:

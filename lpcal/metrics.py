@@ -25,7 +25,9 @@ streamed and windowed.
 Other metrics (top-label / classwise ECE, Brier, NLL, accuracy) follow their usual definitions; see
 each function. :func:`binned_sq_error` is the debiased squared l2 calibration error of binned
 residual sums (with its standard error), behind :func:`top_label_ece_debiased` and
-:func:`classwise_ece_debiased` and the daemon's windowed statistics.
+:func:`classwise_ece_debiased` and the daemon's windowed statistics. :func:`err_p_true` and
+:func:`brier_true` are the true ``Err_p`` and Brier score of predictions on a synthetic family whose
+conditional label distribution ``q`` is known (the simulator, the tests, the benchmarks).
 """
 
 from __future__ import annotations
@@ -400,6 +402,98 @@ def err_p_debiased(
         return float(max(0.0, t.max()))
     total = float(t.sum())
     return max(0.0, total) ** (1.0 / pf)
+
+
+
+# ----------------------------------------------------------------------------- known truth
+
+
+def _check_truth(h, q, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """``h`` and ``q`` as float64 (n, k) arrays of one shape, non-empty and finite."""
+    h = np.atleast_2d(np.asarray(h, dtype=np.float64))
+    q = np.atleast_2d(np.asarray(q, dtype=np.float64))
+    if h.ndim != 2 or h.shape != q.shape or h.shape[0] == 0:
+        raise InputError(f"{where}: h {h.shape} and q {q.shape} must be 2-D arrays of one shape, "
+                         "non-empty")
+    if not (np.isfinite(h).all() and np.isfinite(q).all()):
+        raise InputError(f"{where}: h and q must be finite")
+    return h, q
+
+
+def err_p_true(h, q, lam: int, p: float) -> float:
+    """The TRUE lp calibration error of predictions ``h`` whose true label distributions ``q``
+    are known (a synthetic family), instead of observed labels.
+
+    ``Err(h, v, j) = |E[(h_j - q_j) 1[R(h) = v]]|`` over the level sets ``v`` of ``h`` (bins of
+    ``lambda * R(h)``), the expectation taken over the rows given: as :func:`err_p` with each
+    one-hot label replaced by its conditional distribution ``q``, so there is no label noise and
+    the result converges to the population ``Err_p`` as rows are added.
+
+    Parameters
+    ----------
+    h : array_like, shape (n, k)
+        Predictions (calibrated or not) of ``n`` inputs.
+    q : array_like, shape (n, k)
+        The true conditional label distribution of each input, ``P(y = j | x_i)``.
+    lam : int
+        The discretisation lambda of the rounding ``R``.
+    p : float
+        In ``[1, inf]``.
+
+    Returns
+    -------
+    float
+        ``(sum_{v,j} Err(h, v, j)^p)^(1/p)``, or the max over cells for ``p = inf``.
+
+    Raises
+    ------
+    InputError
+        ``h`` and ``q`` of different shapes, empty or not finite; ``lam < 1`` or ``p < 1``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from lpcal.metrics import err_p_true
+    >>> q = np.array([[0.7, 0.3], [0.7, 0.3]])
+    >>> err_p_true(q, q, lam=10, p=2.0)  # the true conditionals are calibrated
+    0.0
+    >>> round(err_p_true(np.array([[0.9, 0.1], [0.9, 0.1]]), q, lam=10, p=np.inf), 3)
+    0.2
+    """
+    pf = _check_p(p)
+    lam = _check_lam(lam)
+    h, q = _check_truth(h, q, "err_p_true")
+    c, hashes = bin_counts_hashed(h, lam)
+    uh, _, inv = group_rows(c, hashes)
+    d = _reduce_groups(inv, uh.size, h - q)
+    return _lp_norm(d / h.shape[0], pf)
+
+
+def brier_true(h, q) -> float:
+    """The TRUE Brier score of predictions ``h`` whose true label distributions ``q`` are known:
+    ``E_{y ~ q}[sum_j (h_j - y_j)^2] = mean_i (|h_i|^2 - 2 <h_i, q_i> + 1)``.
+
+    Parameters
+    ----------
+    h, q : array_like, shape (n, k)
+        Predictions and the true conditional label distribution of each input.
+
+    Returns
+    -------
+    float
+        In ``[0, 2]`` for probability rows; :func:`brier` on labels drawn from ``q`` converges
+        to it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from lpcal.metrics import brier_true
+    >>> q = np.array([[0.5, 0.5]])
+    >>> brier_true(q, q), brier_true(np.array([[1.0, 0.0]]), q)
+    (0.5, 1.0)
+    """
+    h, q = _check_truth(h, q, "brier_true")
+    return float(np.mean(np.einsum("ij,ij->i", h, h) - 2.0 * np.einsum("ij,ij->i", h, q) + 1.0))
 
 
 # ----------------------------------------------------------------------------- ECE family

@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("scipy")
 pytest.importorskip("sklearn")
 
+from lpcal.io import softmax_rows
 from lpcal.metrics import classwise_ece, nll, top_label_ece
 from tests.bench.baselines import (
     BASELINES,
@@ -18,11 +19,6 @@ from tests.bench.baselines import (
 )
 
 
-def _softmax(u: np.ndarray) -> np.ndarray:
-    e = np.exp(u - u.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
-
-
 def _draw(q: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return (q.cumsum(axis=1) > rng.random((q.shape[0], 1))).argmax(axis=1)
 
@@ -31,7 +27,7 @@ def overconfident(n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """``f = softmax(3 z)`` with labels drawn from ``softmax(z)``, ``z ~ N(0, 1)``."""
     rng = np.random.default_rng(seed)
     z = rng.normal(size=(n, k))
-    return _softmax(3.0 * z), _draw(_softmax(z), rng)
+    return softmax_rows(3.0 * z), _draw(softmax_rows(z), rng)
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +76,8 @@ def test_vector_scaling_recovers_per_class_scale():
     n, k = 40000, 4
     a_true = np.array([0.4, 0.8, 1.2, 1.6])
     b_true = np.array([0.3, -0.2, 0.0, -0.1])
-    f = _softmax(rng.normal(0.0, 2.0, size=(n, k)))
-    y = _draw(_softmax(a_true * np.log(f) + b_true), rng)
+    f = softmax_rows(rng.normal(0.0, 2.0, size=(n, k)))
+    y = _draw(softmax_rows(a_true * np.log(f) + b_true), rng)
     vs = VectorScaling().fit(f, y)
     assert vs.result_.success
     np.testing.assert_allclose(vs.scale_, a_true, atol=0.06)

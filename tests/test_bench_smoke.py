@@ -11,16 +11,9 @@ import math
 import numpy as np
 import pytest
 
-from lpcal.levels import bin_counts
+from lpcal.metrics import brier_true, err_p_true
 from tests.bench import bench_apply, bench_fit, bench_quality, bench_variants, run_all
-from tests.bench.common import (
-    Overconfident,
-    Table,
-    compare,
-    expected_brier,
-    measure,
-    true_err,
-)
+from tests.bench.common import Overconfident, Table, compare, measure
 
 
 def _ratio(cell: str) -> float:
@@ -160,22 +153,13 @@ def test_timing_helpers_count_repeats():
     assert len(c.ratios) == 5 and len(c.candidate) == len(c.baseline) == 5
 
 
-def test_true_err_is_zero_for_the_true_conditionals_and_matches_a_loop():
+def test_overconfident_family_is_overconfident_and_its_labels_follow_q():
     task = Overconfident(4, s=2.0, T=0.5, prototypes=5, proto_share=1.0)
     f, y, q = task.sample(3000, seed=0)
-    assert true_err(q, q, 10, math.inf) == 0.0
-    # brute force over bins and classes
-    c = bin_counts(f, 10)
-    keys = [tuple(r) for r in c]
-    err = {}
-    for i, key in enumerate(keys):
-        err[key] = err.get(key, 0) + (f[i] - q[i])
-    e = np.abs(np.array(list(err.values()))) / len(keys)
-    assert true_err(f, q, 10, math.inf) == pytest.approx(e.max())
-    assert true_err(f, q, 10, 2.0) == pytest.approx(np.sqrt((e**2).sum()))
-    assert true_err(f, q, 10, math.inf) > 0.01  # T < 1: f is overconfident
-    # expected Brier is minimised by the true conditionals
-    assert expected_brier(q, q) < expected_brier(f, q)
+    assert err_p_true(q, q, 10, math.inf) == 0.0
+    assert err_p_true(f, q, 10, math.inf) > 0.01  # T < 1: f is overconfident
+    # the expected Brier score is minimised by the true conditionals
+    assert brier_true(q, q) < brier_true(f, q)
     # labels follow q: class frequencies close to the mean of q
     assert np.abs(np.bincount(y, minlength=4) / 3000 - q.mean(axis=0)).max() < 0.04
 

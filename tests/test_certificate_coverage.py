@@ -18,8 +18,9 @@ import pytest
 from lpcal.certificate import err_p_bound, min_certifiable_holdout
 from lpcal.holdout import HoldoutSums
 from lpcal.levels import beta_for, lambda_for
+from lpcal.metrics import err_p_true
 from lpcal.temperature import apply_temperature
-from tests.test_oracle import synth, synth_class_dependent, true_err_p
+from tests.test_oracle import synth, synth_class_dependent
 
 R = 20
 DELTA = 0.1
@@ -42,7 +43,7 @@ def _family(name, n, k, seed):
 def test_bound_covers_the_true_error_of_fixed_candidates(family, k, p, eps, n_hold):
     lam = lambda_for(beta_for(eps, p))
     big, q_big, _ = _family(family, 200_000, k, seed=12345)
-    truth = {nm: true_err_p(h, q_big, lam, p) for nm, h in big.items()}
+    truth = {nm: err_p_true(h, q_big, lam, p) for nm, h in big.items()}
     misses = dict.fromkeys(truth, 0)
     bounds = {nm: [] for nm in truth}
     for s in range(R):

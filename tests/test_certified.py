@@ -14,12 +14,12 @@ from lpcal.certificate import Certificate, certify_and_select, err_p_bound
 from lpcal.cli import main as cli_main
 from lpcal.errors import ArtifactError, InputError
 from lpcal.holdout import HoldoutSums
-from lpcal.io import load_predictions, save_npz
+from lpcal.io import load_predictions, save_npz, softmax_rows
 from lpcal.levels import bin_counts
+from lpcal.metrics import err_p_true
 from lpcal.pools import PoolLayout, PoolSet
 from lpcal.precalibrate import TemperatureGrid
 from lpcal.temperature import apply_temperature, fit_temperature
-from tests.test_oracle import true_err_p
 
 RECORD = "lpcal/data/wideresnet-16-4-cifar-10.npz"
 
@@ -28,10 +28,8 @@ def _tempered(n, k, t_true, seed, scale=3.0):
     """Overconfident model ``f = softmax(z)``, labels from ``softmax(z / t_true)``."""
     r = np.random.default_rng(seed)
     z = r.normal(size=(n, k)) * scale
-    f = np.exp(z - z.max(1, keepdims=True))
-    f /= f.sum(1, keepdims=True)
-    q = np.exp(z / t_true - (z / t_true).max(1, keepdims=True))
-    q /= q.sum(1, keepdims=True)
+    f = softmax_rows(z)
+    q = softmax_rows(z / t_true)
     y = (q.cumsum(1) > r.random(n)[:, None]).argmax(1)
     return f, q, y
 
@@ -111,7 +109,7 @@ def test_holdout_constant_candidate_equals_direct_evaluation():
 def test_bound_covers_the_true_error(p, lam):
     """Coverage at delta = 0.1 over independent held-out samples of a known distribution."""
     f_big, q_big, _ = _tempered(200_000, 3, 1.6, seed=10)
-    truth = true_err_p(f_big, q_big, lam, p)
+    truth = err_p_true(f_big, q_big, lam, p)
     covered, widths = 0, []
     for s in range(20):
         f, _, y = _tempered(2000, 3, 1.6, seed=100 + s)

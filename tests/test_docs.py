@@ -516,7 +516,7 @@ def test_package_version_is_the_latest_release_and_the_image_tag():
 
 
 def test_docs_name_the_dead_letter_header_the_daemon_writes():
-    from daemon.kafka_io import DLQ_REASON
+    from daemon.kafka.deadletter import DLQ_REASON
 
     for rel in ("config/README.md", "config/lpcal.toml", "deploy/README.md"):
         text = (ROOT / rel).read_text()

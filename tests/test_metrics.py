@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from lpcal import metrics as M
 from lpcal.errors import InputError
+from lpcal.io import softmax_rows
+from lpcal.levels import bin_counts
 
 try:
     from tests import reference_metrics as ref
@@ -359,6 +361,62 @@ def test_invalid_parameters():
         M.classwise_ece(probs, labels, n_bins=0)
 
 
+# ----------------------------------------------------------------------------- known truth
+
+
+def _truth_sample(n_proto: int = 2000, n_free: int = 1000, k: int = 4, seed: int = 0):
+    """Predictions ``f = softmax(z)`` (most rows on 5 prototype logit vectors, so bins hold many
+    rows) and their true label law ``q = softmax(z / 2)``."""
+    rng = np.random.default_rng(seed)
+    protos = rng.normal(0.0, 2.0, (5, k))
+    z = np.concatenate([protos[rng.integers(5, size=n_proto)], rng.normal(0.0, 2.0, (n_free, k))])
+    return softmax_rows(z), softmax_rows(0.5 * z)
+
+
+def test_err_p_true_is_the_binned_error_against_the_true_conditionals():
+    f, q = _truth_sample()
+    assert M.err_p_true(q, q, 10, math.inf) == 0.0
+    err: dict[tuple, np.ndarray] = {}  # brute force over bins and classes
+    for i, key in enumerate(map(tuple, bin_counts(f, 10))):
+        err[key] = err.get(key, 0.0) + (f[i] - q[i])
+    e = np.abs(np.array(list(err.values()))) / len(f)
+    assert M.err_p_true(f, q, 10, math.inf) == pytest.approx(e.max(), rel=1e-12)
+    assert M.err_p_true(f, q, 10, 2.0) == pytest.approx(np.sqrt((e**2).sum()), rel=1e-12)
+    assert M.err_p_true(f, q, 10, 1) == pytest.approx(e.sum(), rel=1e-12)
+    assert M.err_p_true(f, q, 10, math.inf) > 0.02  # f = softmax(z) is overconfident for q
+
+
+def test_err_p_true_is_what_err_p_converges_to_with_labels_drawn_from_q():
+    f, q = _truth_sample(n_proto=200_000, n_free=0)  # 5 bins: the plug-in noise is small
+    rng = np.random.default_rng(1)
+    y = (q.cumsum(axis=1) > rng.random((len(q), 1))).argmax(axis=1)
+    truth = M.err_p_true(f, q, 10, 2.0)
+    assert M.err_p(f, y, 10, 2.0) == pytest.approx(truth, rel=0.05)
+    assert M.brier(f, y) == pytest.approx(M.brier_true(f, q), rel=0.01)
+
+
+def test_brier_true_is_the_expected_brier_score_under_q():
+    f, q = _truth_sample()
+    per_label = ((f[:, None, :] - np.eye(f.shape[1])[None]) ** 2).sum(axis=2)  # (n, k)
+    assert M.brier_true(f, q) == pytest.approx(float((per_label * q).sum(axis=1).mean()),
+                                               rel=1e-12)
+    assert M.brier_true(q, q) < M.brier_true(f, q)  # the truth minimises it
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda f, q: M.err_p_true(f, q[:, :2], 10, 2.0), r"err_p_true: h \(3000, 4\) and q"),
+    (lambda f, q: M.err_p_true(f[:0], q[:0], 10, 2.0), "non-empty"),
+    (lambda f, q: M.err_p_true(f, np.full_like(q, np.nan), 10, 2.0), "finite"),
+    (lambda f, q: M.err_p_true(f, q, 0, 2.0), "lambda"),
+    (lambda f, q: M.err_p_true(f, q, 10, 0.5), "p must be"),
+    (lambda f, q: M.brier_true(f, q.T), "brier_true"),
+])
+def test_truth_metrics_reject_bad_input(call, match):
+    f, q = _truth_sample()
+    with pytest.raises(InputError, match=match):
+        call(f, q)
+
+
 # ----------------------------------------------------------------------------- debiased ECE
 
 
@@ -366,11 +424,9 @@ def _calibrated_sample(rng, n: int, k: int, temp: float = 1.0):
     """Rows with labels drawn from them (calibrated by construction), reported at temperature
     ``temp`` (1: calibrated)."""
     z = rng.normal(0.0, 2.0, size=(n, k))
-    x = np.exp(z - z.max(axis=1, keepdims=True))
-    x /= x.sum(axis=1, keepdims=True)
+    x = softmax_rows(z)
     y = (x.cumsum(axis=1) > rng.random((n, 1))).argmax(axis=1)
-    r = np.exp(np.log(x) / temp)
-    return r / r.sum(axis=1, keepdims=True), y
+    return softmax_rows(np.log(x) / temp), y
 
 
 def test_bin_sums_match_the_plug_in_eces():

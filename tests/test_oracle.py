@@ -27,7 +27,9 @@ import numpy as np
 import pytest
 
 from lpcal.calibrate import fit
-from lpcal.levels import beta_for, bin_counts, group_rows
+from lpcal.io import softmax_rows
+from lpcal.levels import beta_for
+from lpcal.metrics import brier_true, err_p_true
 from lpcal.pools import n_levels, pool_names
 from lpcal.temperature import apply_temperature, fit_temperature
 
@@ -35,25 +37,10 @@ from lpcal.temperature import apply_temperature, fit_temperature
 def synth(n, k, T, scale, skew, seed):
     r = np.random.default_rng(seed)
     logits = r.normal(size=(n, k)) * scale - skew * np.log(np.arange(1, k + 1))
-    f = np.exp(logits - logits.max(axis=1, keepdims=True))
-    f /= f.sum(axis=1, keepdims=True)
-    q = np.exp(np.log(np.maximum(f, 1e-300)) * T)
-    q /= q.sum(axis=1, keepdims=True)
+    f = softmax_rows(logits)
+    q = softmax_rows(np.log(np.maximum(f, 1e-300)) * T)
     y = (q.cumsum(axis=1) > r.random(n)[:, None]).argmax(axis=1)
     return f, q, y
-
-
-def true_err_p(h, q, lam, p):
-    c = bin_counts(h, lam)
-    _, _, inv = group_rows(c, exact=True)
-    d = np.zeros((inv.max() + 1, h.shape[1]))
-    np.add.at(d, inv, h - q)
-    d = np.abs(d) / h.shape[0]
-    return float(d.max()) if math.isinf(p) else float((d**p).sum() ** (1.0 / p))
-
-
-def true_brier(h, q):
-    return float(np.mean(np.sum(h * h, axis=1) - 2.0 * np.sum(h * q, axis=1) + 1.0))
 
 
 CASES = [  # k, p, eps, pool size, T, scale, skew
@@ -78,10 +65,10 @@ def test_true_error_below_eps(k, p, eps, pool, T, scale, skew, variant):
         bm = fit(f, y, eps=eps, p=p, pool_size=pool, variant=variant, seed=3, mode="paper")
     f2, q2, _ = synth(100_000, k, T, scale, skew, seed=7)
     h = bm.apply(f2)
-    raw, cal = true_err_p(f2, q2, bm.lam, p), true_err_p(h, q2, bm.lam, p)
+    raw, cal = err_p_true(f2, q2, bm.lam, p), err_p_true(h, q2, bm.lam, p)
     assert raw > eps, f"test is vacuous: the raw model already meets eps ({raw:.4f})"
     assert cal <= eps, f"Err_p(h) = {cal:.4f} > eps = {eps} ({bm.stop_reason})"
-    assert true_brier(h, q2) <= true_brier(f2, q2) + 0.01
+    assert brier_true(h, q2) <= brier_true(f2, q2) + 0.01
 
 
 @pytest.mark.slow
@@ -95,11 +82,11 @@ def test_certified_default_true_error_below_eps(k, p, eps, pool, T, scale, skew)
         bm = fit(f, y, eps=eps, p=p, seed=3)
     f2, q2, _ = synth(100_000, k, T, scale, skew, seed=7)
     h = bm.apply(f2)
-    raw, cal = true_err_p(f2, q2, bm.lam, p), true_err_p(h, q2, bm.lam, p)
+    raw, cal = err_p_true(f2, q2, bm.lam, p), err_p_true(h, q2, bm.lam, p)
     cert = bm.certificate
     assert raw > eps, f"test is vacuous: the raw model already meets eps ({raw:.4f})"
     assert cal <= eps, f"Err_p(h) = {cal:.4f} > eps = {eps} (selected {cert['selected']})"
-    assert true_brier(h, q2) <= true_brier(f2, q2) + 0.01
+    assert brier_true(h, q2) <= brier_true(f2, q2) + 0.01
     assert cert["n_holdout"] == round(n * 0.3)
     # the held-out bound is an upper confidence bound: it must not be below the true error
     assert cert["estimates"][cert["selected"]]["bound"] >= cal
@@ -145,10 +132,10 @@ def test_certified_default_where_temperature_scaling_fails(k, p, eps, n, jitter)
         bm = fit(f, y, eps=eps, p=p, seed=3)
     f2, q2, _ = synth_class_dependent(200_000, k, seed=7, jitter=jitter)
     ts = apply_temperature(f2, fit_temperature(f, y))
-    err_ts = true_err_p(ts, q2, bm.lam, p)
+    err_ts = err_p_true(ts, q2, bm.lam, p)
     assert err_ts > eps, f"test is vacuous: temperature scaling meets eps ({err_ts:.4f})"
     h = bm.apply(f2)
-    cal = true_err_p(h, q2, bm.lam, p)
+    cal = err_p_true(h, q2, bm.lam, p)
     assert bm.certificate["selected"] == "corrected"
     assert cal <= eps, f"Err_p(h) = {cal:.4f} > eps = {eps}"
-    assert true_brier(h, q2) < true_brier(ts, q2)
+    assert brier_true(h, q2) < brier_true(ts, q2)

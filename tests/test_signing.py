@@ -405,7 +405,7 @@ async def test_daemon_signs_what_it_publishes(daemon_factory, keys):
 async def test_forged_version_on_the_topic_does_not_skip_fits(daemon_factory, keys, monkeypatch):
     """The daemon adopted a forged version 1003 and then skipped every fit
     until version 1003. Maps not signed by the daemon's own key never set its version."""
-    from daemon import kafka_io
+    from daemon.kafka import readers
     from tests.daemon.daemon_stubs import MODEL as M
 
     d = daemon_factory(keys.a.priv)
@@ -415,7 +415,7 @@ async def test_forged_version_on_the_topic_does_not_skip_fits(daemon_factory, ke
     for name, data in forged.items():
         async def latest(*a, _data=data, **kw):
             return {M: _data}
-        monkeypatch.setattr(kafka_io, "read_compacted_latest", latest)
+        monkeypatch.setattr(readers, "read_compacted_latest", latest)
         await d._adopt_published_binmaps({0})
         assert st.binmap_version == 0 and d.prefitted.get(M, 0) == 0, name
         assert len(st.sealed) == 2, name
@@ -425,7 +425,7 @@ async def test_forged_version_on_the_topic_does_not_skip_fits(daemon_factory, ke
 
     async def latest_own(*a, **kw):
         return {M: own}
-    monkeypatch.setattr(kafka_io, "read_compacted_latest", latest_own)
+    monkeypatch.setattr(readers, "read_compacted_latest", latest_own)
     await d._adopt_published_binmaps({0})
     assert st.binmap_version == 1
     await asyncio.sleep(0)

@@ -37,9 +37,12 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.tools.embedded_broker import EmbeddedBroker
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate, true_err_p
+from daemon.tools.simulate.driver import simulate
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 from lpcal.certificate import Certificate
 from lpcal.client import verify_artifact
+from lpcal.metrics import err_p_true
 from lpcal.report import evaluate
 from lpcal.signing import KeyRing, keygen
 from lpcal.temperature import apply_temperature, fit_temperature
@@ -143,7 +146,7 @@ def _report(base: str, synth: dict, keys: KeyRing) -> None:
               f"pre-calibrator {pre}), |B|={bm.n_bins}, |G|={bm.n_groups}, {bm.iterations} "
               f"iterations ({bm.stop_reason}), lambda={bm.lam}, sha {bm.checksum[7:19]}")
         rows = [(f"TRUE Err_{pname} (known q)",
-                 [true_err_p(x, q, bm.lam, p) for x in (f, ts, h)])]
+                 [err_p_true(x, q, bm.lam, p) for x in (f, ts, h)])]
         rows += [(name, [c[name] for c in cols]) for name in _QUALITY]
         print(f"  {'metric':34s}{'raw':>10s}{'TS (T=' + format(temp, '.2f') + ')':>14s}"
               f"{'calibrated':>12s}")

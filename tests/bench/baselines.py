@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lpcal.io import validate_labels, validate_probs
+from lpcal.io import softmax_rows, validate_labels, validate_probs
 from lpcal.temperature import apply_temperature, fit_temperature
 
 LOG_FLOOR = 1e-30
@@ -52,12 +52,6 @@ def _renormalise(g: np.ndarray) -> np.ndarray:
     out = np.divide(g, s, out=np.zeros_like(g), where=s > 0.0)
     out[zero] = 1.0 / g.shape[1]
     return out
-
-
-def _softmax(u: np.ndarray) -> np.ndarray:
-    u = u - u.max(axis=1, keepdims=True)
-    e = np.exp(u)
-    return e / e.sum(axis=1, keepdims=True)
 
 
 class TemperatureScaling:
@@ -184,7 +178,7 @@ class VectorScaling:
     def predict(self, probs) -> np.ndarray:
         """:math:`\\mathrm{softmax}(a \\odot z + b)`; returns (n, k) rows on the simplex."""
         x = _check_predict(self, probs)
-        return _softmax(self.logits(x) * self.scale_ + self.bias_)
+        return softmax_rows(self.logits(x) * self.scale_ + self.bias_)
 
 
 class IsotonicOvR:

@@ -10,7 +10,7 @@ the shipped default ``lpcal.fit(f, y, eps=..., p=...)`` (30% held out):
   under-confident by class: no single temperature fixes it.
 
 Per draw the TRUE ``Err_p`` of the published map (and of the raw model) is computed from the
-known label law ``q`` on an independent sample of :data:`N_TRUTH` (``tests.bench.common.true_err``),
+known label law ``q`` on an independent sample of :data:`N_TRUTH` (:func:`lpcal.metrics.err_p_true`),
 and compared with the certificate's bound. ``coverage`` is the share of draws where the bound is
 at least the truth (target ``>= 1 - delta``); ``certified`` the share where the bound is
 ``<= eps``; ``bound / true`` the median ratio where the truth is above 0.005 (else "–").
@@ -38,8 +38,9 @@ from lpcal import fit
 from lpcal.certificate import certify_and_select, err_p_bound
 from lpcal.holdout import HoldoutSums
 from lpcal.levels import beta_for, lambda_for
+from lpcal.metrics import err_p_true
 from lpcal.temperature import apply_temperature, fit_temperature
-from tests.bench.common import Table, compare, p_label, true_err
+from tests.bench.common import Table, compare, p_label
 from tests.test_oracle import synth, synth_class_dependent
 
 DELTA = 0.1
@@ -75,7 +76,7 @@ def run_coverage(reps: int, n_truth: int) -> Table:
     for family, p, eps in SETTINGS:
         lam = lambda_for(beta_for(eps, p))
         fb, qb, _ = draw(family, n_truth, seed=10**6)
-        raw_truth = true_err(fb, qb, lam, p)
+        raw_truth = err_p_true(fb, qb, lam, p)
         cov = cov_raw = cert = vac = 0
         bounds, truths, ratios, sel = [], [], [], {}
         with warnings.catch_warnings():
@@ -85,7 +86,7 @@ def run_coverage(reps: int, n_truth: int) -> Table:
                 bm = fit(f, y, eps=eps, p=p, seed=r)
                 c = bm.certificate
                 b = c["estimates"][c["selected"]]["bound"]
-                tr = true_err(bm.apply(fb), qb, lam, p)
+                tr = err_p_true(bm.apply(fb), qb, lam, p)
                 cov += b >= tr
                 cov_raw += c["estimates"]["raw"]["bound"] >= raw_truth
                 cert += bool(c["certified"])

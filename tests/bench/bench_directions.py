@@ -415,7 +415,8 @@ def run_real(records_: list[str], seeds) -> tuple[Table, Table]:
 
 
 def run_synth(synth_cases, cd_cases, n_fresh: int | None) -> Table:
-    from tests.test_oracle import synth, synth_class_dependent, true_brier, true_err_p
+    from lpcal.metrics import brier_true, err_p_true
+    from tests.test_oracle import synth, synth_class_dependent
 
     tab = Table(
         "Directions b and d on the synthetic families of tests/test_oracle.py (true Err_p and "
@@ -441,9 +442,9 @@ def run_synth(synth_cases, cd_cases, n_fresh: int | None) -> Table:
         lam = lambda_for(beta_for(eps, p))
         for m, (cal, secs, code, inf) in fit_all(f, y, eps, p, 3).items():
             h = cal(f2)
-            e = true_err_p(h, q2, lam, p)
+            e = err_p_true(h, q2, lam, p)
             tab.add(fam, k, "inf" if math.isinf(p) else f"{p:g}", f"{eps:g}", n, m,
-                    _f4(e), "yes" if e <= eps else "**NO**", _f4(true_brier(h, q2)),
+                    _f4(e), "yes" if e <= eps else "**NO**", _f4(brier_true(h, q2)),
                     f"{secs:.2f}", code or "–", inf)
     tab.notes.append("One fit per case (sample seed 1, fit seed 3), evaluated on fresh samples "
                      "(seed 7), as tests/test_oracle.py does; selected as in the real-record "

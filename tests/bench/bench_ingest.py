@@ -5,7 +5,7 @@ Targets: ingest throughput on k = 10 JSON events, as a ratio to raw aiokafka ``g
 (no gap over 1 s in consumption while a fit runs).
 
 Setup (one process, one embedded Tansu broker, see :mod:`daemon.tools.embedded_broker`): a
-:class:`daemon.tools.simulate.TrafficGenerator` stream of ``N`` events of one ``k = 10`` model
+:class:`daemon.tools.simulate.traffic.TrafficGenerator` stream of ``N`` events of one ``k = 10`` model
 (predictions, and their outcomes 5 s of event time later) is produced once into a
 predictions/outcomes topic pair (1 partition each). Then, alternating, each repetition reads
 all of those messages twice, each time with a fresh consumer group:
@@ -117,7 +117,9 @@ class Run:
 
 async def produce(bootstrap: str, topics: dict[str, str], events: int) -> dict[str, int]:
     """Write the benchmark stream; return messages per topic."""
-    from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
+    from daemon.tools.simulate.driver import simulate
+    from daemon.tools.simulate.model import SyntheticModel
+    from daemon.tools.simulate.traffic import TrafficGenerator
 
     gen = TrafficGenerator([SyntheticModel(MODEL, k=K, T=0.5, scale=3.0, seed=1)],
                            events=events, delay=5.0, seed=7)
@@ -140,8 +142,10 @@ async def produce_mixed(bootstrap: str, topics: dict[str, str], events: int, *,
     added on the predictions topic: one after every ``every - 1`` messages (``every = 10``: 10%
     of the messages malformed), and/or ``burst`` of them in one run in the middle of the stream.
     Returns messages per topic (malformed ones included)."""
-    from daemon import kafka_io
-    from daemon.tools.simulate import SyntheticModel, TrafficGenerator
+    from daemon.kafka.clients import make_producer
+    from daemon.kafka.topics import TopicSpec, ensure_topics
+    from daemon.tools.simulate.model import SyntheticModel
+    from daemon.tools.simulate.traffic import TrafficGenerator
 
     gen = TrafficGenerator([SyntheticModel(MODEL, k=K, T=0.5, scale=3.0, seed=1)],
                            events=events, delay=5.0, seed=7)
@@ -157,10 +161,10 @@ async def produce_mixed(bootstrap: str, topics: dict[str, str], events: int, *,
         if every and (len(stream) + 1) % every == 0:
             stream.append((topics["predictions"], None, malformed(value, n_bad)))
             n_bad += 1
-    await kafka_io.ensure_topics(bootstrap, [kafka_io.TopicSpec(topics["predictions"], 1),
-                                             kafka_io.TopicSpec(topics["outcomes"], 1)])
-    producer = kafka_io.make_producer(bootstrap, idempotence=False, client_id="bench-mixed",
-                                      linger_ms=5, max_batch_size=1 << 20)
+    await ensure_topics(bootstrap, [TopicSpec(topics["predictions"], 1),
+                                    TopicSpec(topics["outcomes"], 1)])
+    producer = make_producer(bootstrap, idempotence=False, client_id="bench-mixed",
+                             linger_ms=5, max_batch_size=1 << 20)
     await producer.start()
     sent: dict[str, int] = {}
     try:
@@ -195,9 +199,9 @@ async def raw_read(bootstrap: str, topics: list[str], expected: int) -> Run:
 async def _raw_read(bootstrap: str, topics: list[str], expected: int) -> Run:
     from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
-    from daemon import kafka_io
+    from daemon.kafka.clients import make_consumer
 
-    consumer = kafka_io.make_consumer(
+    consumer = make_consumer(
         bootstrap, group_id=f"bench-raw-{uuid.uuid4().hex[:8]}", client_id="bench-raw",
         auto_offset_reset="earliest", max_partition_fetch_bytes=1 << 20,
         partition_assignment_strategy=(RangePartitionAssignor,), **FAST_CONSUMER)
@@ -327,7 +331,8 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
 
 def _stream(events: int) -> tuple[list[bytes], list[bytes]]:
     """The benchmark stream's message values (the same generator and seed as :func:`produce`)."""
-    from daemon.tools.simulate import SyntheticModel, TrafficGenerator
+    from daemon.tools.simulate.model import SyntheticModel
+    from daemon.tools.simulate.traffic import TrafficGenerator
 
     gen = TrafficGenerator([SyntheticModel(MODEL, k=K, T=0.5, scale=3.0, seed=1)],
                            events=events, delay=5.0, seed=7)

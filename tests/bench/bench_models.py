@@ -6,7 +6,7 @@ aiokafka reader (median of 10 interleaved pairs); an idle ``k = 10`` model takes
 outside its configured pools and windows.
 
 Setup (one process, one embedded Tansu broker, the readers of :mod:`tests.bench.bench_ingest`):
-for each model count ``M`` a :class:`daemon.tools.simulate.TrafficGenerator` stream of ``N``
+for each model count ``M`` a :class:`daemon.tools.simulate.traffic.TrafficGenerator` stream of ``N``
 events is produced once into its own predictions/outcomes topic pair (1 partition each): event
 ``i`` belongs to model ``i mod M`` (``M`` seeded ``k = 10`` :class:`SyntheticModel` s), its
 outcome follows 5 s of event time later. Every stream has the same event count, event rate and
@@ -109,7 +109,8 @@ def extra_settings(models: int) -> dict:
 
 def generator(models: int, events: int):
     """The stream of ``events`` k = 10 events over ``models`` models (seeded)."""
-    from daemon.tools.simulate import SyntheticModel, TrafficGenerator
+    from daemon.tools.simulate.model import SyntheticModel
+    from daemon.tools.simulate.traffic import TrafficGenerator
 
     ms = [SyntheticModel(model_id(i), k=K, T=0.5, scale=3.0, seed=(1, i)) for i in range(models)]
     # large chunks: the generator loops over the models once per chunk
@@ -118,7 +119,7 @@ def generator(models: int, events: int):
 
 async def produce(bootstrap: str, topics: dict[str, str], models: int, events: int) -> int:
     """Write the ``models``-model stream; return its message count."""
-    from daemon.tools.simulate import simulate
+    from daemon.tools.simulate.driver import simulate
 
     rep = await simulate(bootstrap, topics, generator(models, events), idempotence=False,
                          partitions=1, create_topics=True, max_batch_size=1 << 20)

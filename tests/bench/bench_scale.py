@@ -1,6 +1,6 @@
 """Benchmark: replica scaling and failover.
 
-**Scaling.** One embedded Tansu broker; a :class:`daemon.tools.simulate.TrafficGenerator` stream of 8
+**Scaling.** One embedded Tansu broker; a :class:`daemon.tools.simulate.traffic.TrafficGenerator` stream of 8
 ``k = 10`` models is produced once into predictions/outcomes topics of 8 partitions (each model
 on its own partition, keyed by model id). Then, alternating, the same stream is consumed by 1
 replica and by 2 replicas in one fresh consumer group. Each replica is a separate process
@@ -249,14 +249,16 @@ def scale_run(broker, spec: dict, n: int, workdir: Path, expected: int) -> dict:
 
 
 async def _prepare(bootstrap: str, names: dict, events: int) -> dict:
-    from daemon import kafka_io
-    from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
+    from daemon.kafka.topics import COMPACT, TopicSpec, ensure_topics
+    from daemon.tools.simulate.driver import simulate
+    from daemon.tools.simulate.model import SyntheticModel
+    from daemon.tools.simulate.traffic import TrafficGenerator
 
-    specs = [kafka_io.TopicSpec(names["predictions"], PARTITIONS),
-             kafka_io.TopicSpec(names["outcomes"], PARTITIONS),
-             kafka_io.TopicSpec(names["binmaps"], 1, configs=kafka_io.COMPACT),
-             kafka_io.TopicSpec(names["deadletter"], PARTITIONS)]
-    await kafka_io.ensure_topics(bootstrap, specs)
+    specs = [TopicSpec(names["predictions"], PARTITIONS),
+             TopicSpec(names["outcomes"], PARTITIONS),
+             TopicSpec(names["binmaps"], 1, configs=COMPACT),
+             TopicSpec(names["deadletter"], PARTITIONS)]
+    await ensure_topics(bootstrap, specs)
     models = _models_on_distinct_partitions()
     gen = TrafficGenerator([SyntheticModel(m, k=K, T=0.5, scale=3.0, seed=i)
                             for i, m in enumerate(models)], events=events, delay=5.0, seed=7)
@@ -310,14 +312,15 @@ def _envelopes(n_models: int) -> tuple[dict[str, bytes], int]:
 
 
 async def _populate_state(bootstrap: str, topic: str, n_models: int) -> tuple[int, int]:
-    from daemon import kafka_io
+    from daemon.kafka.clients import make_producer
+    from daemon.kafka.topics import TopicSpec, ensure_topics
     from daemon.service import state_topic_config
 
-    await kafka_io.ensure_topics(
-        bootstrap, [kafka_io.TopicSpec(topic, 1, configs=state_topic_config(1 << 20))])
+    await ensure_topics(
+        bootstrap, [TopicSpec(topic, 1, configs=state_topic_config(1 << 20))])
     recs, size = _envelopes(n_models)
-    prod = kafka_io.make_producer(bootstrap, idempotence=False, client_id="bench-state",
-                                  max_request_size=1 << 20)
+    prod = make_producer(bootstrap, idempotence=False, client_id="bench-state",
+                         max_request_size=1 << 20)
     await prod.start()
     try:
         futs = [await prod.send(topic, key=k.encode(), value=v) for k, v in recs.items()]

@@ -5,7 +5,7 @@ fixed prototypes (Zipf masses) so that ``B`` is not empty, the rest with fresh l
 from ``q = softmax(T log f)``. For every configuration and seed a bin map is fitted with
 practical pool sizes, then evaluated on fresh samples against the known ``q``:
 
-* true ``Err_p(h)`` at the fit's lambda (:func:`tests.bench.common.true_err`);
+* true ``Err_p(h)`` at the fit's lambda (:func:`lpcal.metrics.err_p_true`);
 * the change of the expected Brier score, ``Brier(h) - Brier(f)`` with ``y ~ q``;
 * the stop reason and the number of iterations of the returned state.
 
@@ -24,16 +24,15 @@ from collections import Counter
 
 from lpcal.calibrate import fit
 from lpcal.levels import beta_for, lambda_for
+from lpcal.metrics import brier_true, err_p_true
 from lpcal.pools import n_levels, pool_names
 from lpcal.sizing import practical_sizing, theory_sizing
 from tests.bench.common import (
     Overconfident,
     Table,
-    expected_brier,
     fmt_num,
     median,
     p_label,
-    true_err,
     yes_no,
 )
 
@@ -77,8 +76,8 @@ def variants_table(quick: bool = False) -> tuple[Table, dict]:
         lam = lambda_for(beta_for(eps, p))
         n_eval = (2 * 10**4 if quick else 4 * 10**6) // k
         fe, _, qe = task.sample(n_eval, seed=999)
-        err_f = true_err(fe, qe, lam, p)
-        brier_f = expected_brier(fe, qe)
+        err_f = err_p_true(fe, qe, lam, p)
+        brier_f = brier_true(fe, qe)
         for pool, variant in [(pl, v) for pl in (QUICK_POOLS if quick else POOLS)
                               for v in VARIANTS]:
             mu, each = pools_for(eps, p, pool)
@@ -92,8 +91,8 @@ def variants_table(quick: bool = False) -> tuple[Table, dict]:
                 stops[bm.stop_reason] += 1
                 iters.append(bm.iterations)
                 nb.append(bm.n_bins)
-                errs.append(true_err(h, qe, lam, p))
-                dbrier.append(expected_brier(h, qe) - brier_f)
+                errs.append(err_p_true(h, qe, lam, p))
+                dbrier.append(brier_true(h, qe) - brier_f)
             achieved[(k, eps, p, variant, pool)] = (median(errs), max(errs), n_fit)
             tab.add(k, eps, p_label(p), variant, f"{mu:,} / {each:,}", fmt_num(median(nb)),
                     ", ".join(f"{r} {c}" for r, c in sorted(stops.items())),

@@ -14,13 +14,9 @@ concentrate on a few points (as deep nets do near the vertices), which gives Alg
 ``B`` of high-probability bins to work on. Continuous logits alone put almost every sample in its
 own bin at ``lambda >= 20`` and leave ``B`` empty.
 
-True error. For a calibrator ``h`` and fresh samples with known ``q``::
-
-    Err(h, v, j) = | mean_i (h(x_i)_j - q(x_i)_j) * 1[R(h(x_i)) = v] |
-    Err_p(h)     = ( sum_v sum_j Err(h, v, j)^p )^(1/p)       (max for p = inf)
-
-(``q`` replaces the one-hot label, which removes the label noise from the estimate), and the
-expected Brier score is ``mean_i (|h_i|^2 - 2 h_i . q_i + 1)``.
+True error. For a calibrator ``h`` and fresh samples with known ``q``, the true ``Err_p(h)``
+and Brier score are :func:`lpcal.metrics.err_p_true` and :func:`lpcal.metrics.brier_true` (``q``
+replaces the one-hot label, which removes the label noise from the estimate).
 """
 
 from __future__ import annotations
@@ -34,7 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lpcal.levels import bin_counts, group_rows, row_hash
+from lpcal.io import softmax_rows
+from lpcal.levels import bin_counts
 
 MIN_REPEATS = 5
 
@@ -187,14 +184,6 @@ def yes_no(ok: bool) -> str:
 # ============================================================================ synthetic data
 
 
-def softmax_rows(z: np.ndarray) -> np.ndarray:
-    """Row-wise softmax computed IN PLACE (pass a copy to keep ``z``); returns ``z``."""
-    z -= z.max(axis=1, keepdims=True)
-    np.exp(z, out=z)
-    z /= z.sum(axis=1, keepdims=True)
-    return z
-
-
 @dataclass(frozen=True)
 class Overconfident:
     """Synthetic task with known conditionals (see the module docstring).
@@ -237,8 +226,8 @@ class Overconfident:
         pick = (rng.random(n) < self.proto_share) if self.prototypes else np.zeros(n, bool)
         if pick.any():
             z = self.protos()
-            f = softmax_rows(z.copy())
-            q = softmax_rows(z * self.T)  # z * T is a new array
+            f = softmax_rows(z)
+            q = softmax_rows(z * self.T)
             idx = rng.choice(self.prototypes, size=int(pick.sum()), p=self.proto_weights())
             c[pick] = bin_counts(f, lam)[idx]
             y[pick] = self._draw_labels(q[idx], rng)
@@ -258,32 +247,10 @@ class Overconfident:
             pick = rng.random(n) < self.proto_share
             idx = rng.choice(self.prototypes, size=int(pick.sum()), p=self.proto_weights())
             z[pick] = self.protos()[idx]
-        f = softmax_rows(z.copy())
+        f = softmax_rows(z)
         z *= self.T
-        q = softmax_rows(z)
+        q = softmax_rows(z, out=z)
         return f, self._draw_labels(q, rng), q
-
-
-# ============================================================================ true error
-
-
-def true_err(h: np.ndarray, q: np.ndarray, lam: int, p: float) -> float:
-    """True ``Err_p(h)`` at ``lambda`` from the known label distribution ``q`` (module docstring)."""
-    c = bin_counts(h, lam)
-    _, _, inv = group_rows(c, row_hash(c))
-    g = int(inv.max()) + 1 if inv.size else 0
-    order = np.argsort(inv, kind="stable")
-    starts = np.searchsorted(inv[order], np.arange(g))
-    s = np.add.reduceat((h - q)[order], starts, axis=0)
-    e = np.abs(s) / h.shape[0]
-    if math.isinf(p):
-        return float(e.max()) if e.size else 0.0
-    return float(np.sum(e**p) ** (1.0 / p))
-
-
-def expected_brier(h: np.ndarray, q: np.ndarray) -> float:
-    """``E[ sum_j (h_j - y_j)^2 ]`` with ``y ~ q``: ``mean(|h|^2 - 2 h.q + 1)``."""
-    return float(np.mean(np.einsum("ij,ij->i", h, h) - 2.0 * np.einsum("ij,ij->i", h, q) + 1.0))
 
 
 def p_label(p: float) -> str:

@@ -1,7 +1,7 @@
 """Dead letters in batches, pipelined, bounded, none lost: unit tests of
-:class:`daemon.kafka_io.DeadLetterQueue` with a producer stand-in (aiokafka's own batch builder,
-delivery futures the test resolves), and of the daemon's use of it. The timing on a real broker
-is tests/reliability/test_deadletter_burst.py."""
+:class:`daemon.kafka.deadletter.DeadLetterQueue` with a producer stand-in (aiokafka's own batch
+builder, delivery futures the test resolves), and of the daemon's use of it. The timing on a real
+broker is tests/reliability/test_deadletter_burst.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.producer.message_accumulator import BatchBuilder
 
-from daemon import kafka_io
+from daemon.kafka.deadletter import DLQ_REASON, DLQ_SOURCE_OFFSET, DeadLetterQueue
 from daemon.service import Daemon
 from tests.daemon.daemon_stubs import small_settings
 
@@ -66,15 +66,15 @@ class RecordingBuilder:
         return meta
 
 
-def _put(q: kafka_io.DeadLetterQueue, n: int, src: int = 0, size: int = 200, start: int = 0):
+def _put(q: DeadLetterQueue, n: int, src: int = 0, size: int = 200, start: int = 0):
     for i in range(start, start + n):
         q.put(src, None, f"{i:06d}".encode().ljust(size, b"x"),
-              [(kafka_io.DLQ_REASON, b"bad_json"), (kafka_io.DLQ_SOURCE_OFFSET, str(i).encode())])
+              [(DLQ_REASON, b"bad_json"), (DLQ_SOURCE_OFFSET, str(i).encode())])
 
 
 async def test_dead_letters_go_in_batches_in_order_to_the_source_partition():
     prod = StandInProducer(partitions=2)
-    q = kafka_io.DeadLetterQueue(prod, TOPIC)
+    q = DeadLetterQueue(prod, TOPIC)
     _put(q, 3000, src=0)
     _put(q, 1000, src=3, start=3000)
     assert len(q) == 4000
@@ -89,7 +89,7 @@ async def test_dead_letters_go_in_batches_in_order_to_the_source_partition():
 
 async def test_put_does_not_wait_and_the_sender_runs_beside_the_caller():
     prod = StandInProducer(auto=False)
-    q = kafka_io.DeadLetterQueue(prod, TOPIC)
+    q = DeadLetterQueue(prod, TOPIC)
     _put(q, 1000)  # synchronous: nothing is sent until the caller yields
     assert prod.sent == []
     await asyncio.sleep(0)
@@ -102,7 +102,7 @@ async def test_put_does_not_wait_and_the_sender_runs_beside_the_caller():
 
 async def test_budget_applies_backpressure_and_drops_nothing():
     prod = StandInProducer(auto=False)
-    q = kafka_io.DeadLetterQueue(prod, TOPIC, budget=50_000)
+    q = DeadLetterQueue(prod, TOPIC, budget=50_000)
     _put(q, 400)  # about 180 KB with the per-record allowance
     assert q.over_budget
     waiter = asyncio.ensure_future(q.wait_for_room())
@@ -124,7 +124,7 @@ async def test_budget_applies_backpressure_and_drops_nothing():
 
 async def test_stopping_ends_the_backpressure_wait():
     prod = StandInProducer(auto=False)
-    q = kafka_io.DeadLetterQueue(prod, TOPIC, budget=1_000)
+    q = DeadLetterQueue(prod, TOPIC, budget=1_000)
     _put(q, 20)
     stopping = asyncio.Event()
     waiter = asyncio.ensure_future(q.wait_for_room(stopping))
@@ -137,7 +137,7 @@ async def test_stopping_ends_the_backpressure_wait():
 async def test_failed_dead_letters_are_resent_and_flush_raises_until_delivered():
     prod = StandInProducer()
     prod.fail_next = 2
-    q = kafka_io.DeadLetterQueue(prod, TOPIC)
+    q = DeadLetterQueue(prod, TOPIC)
     _put(q, 500)
     with pytest.raises(RuntimeError, match="dead letters not delivered yet"):
         await q.flush()
@@ -151,7 +151,7 @@ async def test_failed_dead_letters_are_resent_and_flush_raises_until_delivered()
 async def test_backpressure_resends_failures_when_nothing_is_in_flight():
     prod = StandInProducer()
     prod.fail_next = 10**6  # the broker is down
-    q = kafka_io.DeadLetterQueue(prod, TOPIC, budget=10_000)
+    q = DeadLetterQueue(prod, TOPIC, budget=10_000)
     _put(q, 100)
     waiter = asyncio.ensure_future(q.wait_for_room(retry_after=0.01))
     await asyncio.sleep(0.05)

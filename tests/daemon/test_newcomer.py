@@ -103,7 +103,7 @@ def test_missing_daemon_extra_is_one_clear_error():
 
 def test_tools_live_in_their_own_subpackage():
     tools = REPO / "daemon" / "tools"
-    for name in ("embedded_broker.py", "demo.py", "simulate.py"):
+    for name in ("embedded_broker.py", "demo.py", "simulate/__init__.py"):
         assert (tools / name).is_file() and not (REPO / "daemon" / name).exists(), name
     makefile = (REPO / "Makefile").read_text()
     assert "-m daemon.tools.demo" in makefile
@@ -305,12 +305,9 @@ async def test_v1_config_serves_the_effective_settings_with_secrets_redacted(iso
 
 
 def test_simulate_run_ids_are_unique_per_run_and_reproducible_when_given():
-    from daemon.tools.simulate import (
-        SyntheticModel,
-        TrafficGenerator,
-        build_parser,
-        generator_from_args,
-    )
+    from daemon.tools.simulate.cli import build_parser, generator_from_args
+    from daemon.tools.simulate.model import SyntheticModel
+    from daemon.tools.simulate.traffic import TrafficGenerator
 
     def ids(gen):
         return {orjson.loads(v)["id"] for kind, _, v in gen if kind == "predictions"}
@@ -334,7 +331,7 @@ def test_simulate_run_ids_are_unique_per_run_and_reproducible_when_given():
 def test_simulate_main_draws_a_new_run_id_each_run(monkeypatch, capsys):
     """Two runs of ``lpcal simulate`` never share an id: each draws its own run id (checked
     on the header line; the broker round trip is in tests/integration/test_broker_cli.py)."""
-    from daemon.tools.simulate import main
+    from daemon.tools.simulate.cli import main
 
     runs = []
     for _ in range(2):
@@ -351,7 +348,7 @@ def test_default_event_count_yields_a_bin_map_under_the_default_pools(isolated):
     from daemon.events import EventParser, ModelPolicy
     from daemon.model_state import ModelState
     from daemon.settings import Settings
-    from daemon.tools.simulate import build_parser, default_events, generator_from_args
+    from daemon.tools.simulate.cli import build_parser, default_events, generator_from_args
 
     a = build_parser().parse_args(["--run-id", "t", "--start", "1764000000"])
     n, where = default_events(a)

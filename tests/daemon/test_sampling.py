@@ -19,7 +19,8 @@ from daemon.events import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE, EventParse
 from daemon.model_state import ModelState
 from daemon.native import route_uniform_fast
 from daemon.settings import Settings
-from daemon.tools.simulate import SyntheticModel, true_brier, true_err_p
+from daemon.tools.simulate.model import SyntheticModel
+from lpcal.metrics import brier_true, err_p_true
 from lpcal.pools import route_uniform
 
 MODEL, K = "hot", 3
@@ -213,7 +214,7 @@ def _window(rate: float, events: int, seed: int = 7):
         q_all.append(q)
     stats = st.evaluate()["raw"]
     f, q = np.concatenate(f_all), np.concatenate(q_all)
-    return stats, true_err_p(f, q, st.lam, 2.0), true_brier(f, q)
+    return stats, err_p_true(f, q, st.lam, 2.0), brier_true(f, q)
 
 
 def test_monitor_estimates_stay_unbiased_at_rate_one_tenth():

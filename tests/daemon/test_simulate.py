@@ -19,18 +19,11 @@ from daemon.events import (
     Prediction,
     Sample,
 )
-from daemon.tools.simulate import (
-    MALFORMED_KINDS,
-    SyntheticModel,
-    TrafficGenerator,
-    build_parser,
-    generator_from_args,
-    main,
-    true_brier,
-    true_err_p,
-    true_label_dist,
-)
+from daemon.tools.simulate.cli import build_parser, generator_from_args, main
+from daemon.tools.simulate.model import SyntheticModel, true_label_dist
+from daemon.tools.simulate.traffic import MALFORMED_KINDS, TrafficGenerator
 from lpcal.errors import InputError
+from lpcal.metrics import brier_true, err_p_true
 
 
 def _models(k=(3, 4), T=0.3, scale=5.0, skew=0.0):
@@ -285,16 +278,11 @@ def test_drift_switches_T():
 # --------------------------------------------------------------------------- oracle helpers
 
 
-def test_true_err_p_and_brier():
+def test_synthetic_model_is_overconfident_against_its_truth():
     f, q, _ = SyntheticModel("m", 3, 0.2, 8.0, 0.0, seed=5).sample(20_000)
-    raw = true_err_p(f, q, lam=10, p=2.0)
-    assert raw > 0.05  # overconfident
-    assert true_err_p(q, q, lam=10, p=2.0) == pytest.approx(0.0, abs=1e-12)
-    assert true_err_p(f, q, 10, math.inf) <= raw
-    # Brier of q itself is the minimum over predictions
-    assert true_brier(q, q) < true_brier(f, q)
-    with pytest.raises(InputError, match="true_err_p"):
-        true_err_p(f, q[:, :2], 10, 2.0)
+    assert err_p_true(f, q, lam=10, p=2.0) > 0.05
+    assert err_p_true(q, q, lam=10, p=2.0) == pytest.approx(0.0, abs=1e-12)
+    assert brier_true(q, q) < brier_true(f, q)
 
 
 # --------------------------------------------------------------------------- validation, CLI
@@ -354,7 +342,7 @@ def test_cli_arguments():
     again = generator_from_args(build_parser().parse_args(
         ["--models", "fraud-v3,churn-v1:5", "--events", "40", "--start", "1000", "--seed", "2"]))
     assert list(again) == list(generator_from_args(a))
-    from daemon.tools.simulate import _resolve
+    from daemon.tools.simulate.cli import _resolve
     assert _resolve(a)["idempotence"] is True
     kw = _resolve(build_parser().parse_args(["--no-idempotence", "--topic-prefix", "x.",
                                              "--partitions", "3"]))
@@ -401,7 +389,7 @@ def test_stream_joins_in_the_daemon_join_store():
 
 
 def test_cli_reads_kafka_settings_from_config(tmp_path, monkeypatch):
-    from daemon.tools.simulate import _resolve
+    from daemon.tools.simulate.cli import _resolve
 
     for var in [v for v in __import__("os").environ if v.startswith("LPCAL_")]:
         monkeypatch.delenv(var)

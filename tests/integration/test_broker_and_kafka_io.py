@@ -1,4 +1,4 @@
-"""Real-broker tests of daemon.tools.embedded_broker and daemon.kafka_io, plus unit tests of
+"""Real-broker tests of daemon.tools.embedded_broker and daemon.kafka, plus unit tests of
 client_kwargs (which need no broker). The broker is never mocked."""
 
 from __future__ import annotations
@@ -16,23 +16,26 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
-from daemon.kafka_io import (
+from daemon.kafka.clients import client_kwargs, make_consumer, make_producer
+from daemon.kafka.deadletter import deadletter_info, publish_deadletter
+from daemon.kafka.readers import (
+    end_offsets_lag,
+    format_position,
+    parse_position,
+    partition_lags,
+    read_compacted_latest,
+    read_records,
+    record_timestamp,
+)
+from daemon.kafka.topics import (
     COMPACT,
     TopicLayoutError,
     TopicMissingError,
     TopicSpec,
     check_copartitioned,
-    client_kwargs,
-    deadletter_info,
     describe_topic_config,
-    end_offsets_lag,
     ensure_topics,
-    make_consumer,
-    make_producer,
     partition_counts,
-    partition_lags,
-    publish_deadletter,
-    read_compacted_latest,
 )
 from daemon.tools import embedded_broker as eb
 from daemon.tools.embedded_broker import BrokerStartError, EmbeddedBroker, kafka_metadata_ping
@@ -212,7 +215,7 @@ async def test_read_compacted_latest_keeps_last_value_per_key(broker, topic_pref
     assert await read_compacted_latest(broker.bootstrap, topic, timeout=10) == {}
     producer = make_producer(broker.bootstrap, idempotence=False)
     await producer.start()
-    try:  # batched sends on purpose: Tansu then under-reports end offsets (see kafka_io)
+    try:  # batched sends on purpose: Tansu then under-reports end offsets (see daemon.kafka)
         for version in range(4):
             for model in ("fraud", "churn", "spam", "ads"):
                 await producer.send(topic, key=model.encode(), value=f"{model}@{version}".encode())
@@ -263,6 +266,41 @@ async def test_read_compacted_latest_reports_where_each_value_was_read(broker, t
         latest, where)
     missing = f"{topic_prefix}.absent"
     assert await read_latest_with_positions(broker.bootstrap, missing, timeout=10) == ({}, {})
+    # every record, the batched ones past the (under-reported) end offset included
+    records = await read_records(broker.bootstrap, topic, timeout=10)
+    assert [(r.offset, r.key, r.value) for r in records] == [
+        (0, b"a", b"a1"), (1, b"b", b"b1"), (2, b"a", b"a2"), (3, None, b"keyless"),
+        (4, b"b", None), (5, b"c", b"c1")]
+    with pytest.raises(TopicMissingError, match="does not exist"):
+        await read_records(broker.bootstrap, missing, timeout=10)
+    assert await read_records(broker.bootstrap, missing, timeout=10, missing_ok=True) == []
+
+
+@integration
+async def test_record_timestamp_reads_the_record_at_a_position(broker, topic_prefix):
+    topic = f"{topic_prefix}.stamps"
+    await ensure_topics(broker.bootstrap, [TopicSpec(topic, 1)])
+    producer = make_producer(broker.bootstrap, idempotence=False)
+    await producer.start()
+    try:  # one record per request: Tansu reports exact end offsets then
+        sent = [await producer.send_and_wait(topic, value=b"x", timestamp_ms=ms)
+                for ms in (1_764_000_000_000, 1_764_000_001_500)]
+    finally:
+        await producer.stop()
+    assert [md.offset for md in sent] == [0, 1]
+    assert await record_timestamp(broker.bootstrap, format_position(topic, 0, 1)) == 1_764_000_001.5
+    assert await record_timestamp(broker.bootstrap, format_position(topic, 0, 0)) == 1_764_000_000.0
+    # past the end (beyond the one-record slack kept for Tansu's under-reported end offsets)
+    assert await record_timestamp(broker.bootstrap, format_position(topic, 0, 3)) is None
+    assert await record_timestamp(broker.bootstrap, "not a position") is None
+
+
+def test_positions_format_and_parse():
+    assert format_position("lpcal.state", 3, 41) == "lpcal.state[3]@41"
+    assert parse_position("lpcal.state[3]@41") == ("lpcal.state", 3, 41)
+    assert parse_position("a[b][0]@7") == ("a[b]", 0, 7)  # the last [partition]@offset counts
+    for bad in ("lpcal.state", "t[x]@1", "t[1]@", "[1]@2", "t[1]@2 "):
+        assert parse_position(bad) is None, bad
 
 
 @integration

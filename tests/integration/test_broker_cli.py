@@ -18,10 +18,14 @@ from pathlib import Path
 import orjson
 import pytest
 
-from daemon import kafka_io
+from daemon.kafka.clients import BrokerSettingsError
+from daemon.kafka.topics import TopicMissingError, TopicSpec, ensure_topics, partition_counts
 from daemon.service import Daemon
 from daemon.tools.embedded_broker import kafka_metadata_ping
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator, main, simulate
+from daemon.tools.simulate.cli import main
+from daemon.tools.simulate.driver import simulate
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 from tests.support.daemon_harness import (
     TopicNames,
     build_settings,
@@ -135,7 +139,7 @@ def test_lpcal_broker_runs_a_dev_profile_daemon_and_stops_on_sigterm(tmp_path):
         assert (cfg["kafka"]["enable_idempotence"], cfg["kafka"]["offset_gaps"],
                 cfg["kafka"]["create_topics"]) == (False, "refetch", True)
         # the dev profile created the daemon's topics
-        counts = asyncio.run(kafka_io.partition_counts(
+        counts = asyncio.run(partition_counts(
             bootstrap, ["lpcal.predictions", "lpcal.outcomes", "lpcal.state"]))
         assert set(counts) == {"lpcal.predictions", "lpcal.outcomes", "lpcal.state"}
         daemon.send_signal(signal.SIGTERM)
@@ -183,7 +187,7 @@ async def test_broker_refusing_idempotence_is_one_clear_error(broker, topic_pref
     caplog.set_level(logging.INFO, logger="lpcal.daemon")
     d = Daemon(settings)
     t0 = time.monotonic()
-    with pytest.raises(kafka_io.BrokerSettingsError) as e:
+    with pytest.raises(BrokerSettingsError) as e:
         await asyncio.wait_for(d.serve(install_signals=False), 30)
     assert time.monotonic() - t0 < 20
     msg = str(e.value)
@@ -219,11 +223,11 @@ def test_serve_exits_2_naming_missing_topics_and_create_topics(broker, topic_pre
 
 async def test_missing_topics_error_in_process(broker, topic_prefix, tmp_path):
     names = TopicNames.for_prefix(topic_prefix)
-    await kafka_io.ensure_topics(broker.bootstrap, [kafka_io.TopicSpec(names.predictions, 1)])
+    await ensure_topics(broker.bootstrap, [TopicSpec(names.predictions, 1)])
     cfg = daemon_config(broker.bootstrap, names, http_port=free_port(),
                         kafka={"create_topics": False})
     d = Daemon(build_settings(cfg, tmp_path))
-    with pytest.raises(kafka_io.TopicMissingError) as e:
+    with pytest.raises(TopicMissingError) as e:
         await asyncio.wait_for(d.serve(install_signals=False), 30)
     msg = str(e.value)
     assert f"missing on {broker.bootstrap}: {names.outcomes}" in msg  # not the existing one

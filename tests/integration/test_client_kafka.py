@@ -20,7 +20,8 @@ import pytest
 from aiohttp import web
 from aiokafka import AIOKafkaConsumer
 
-from daemon.kafka_io import COMPACT, TopicSpec, ensure_topics, make_producer
+from daemon.kafka.clients import make_producer
+from daemon.kafka.topics import COMPACT, TopicSpec, ensure_topics
 from lpcal.client import (
     BinMapFollower,
     BinMapLoadError,

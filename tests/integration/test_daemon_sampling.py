@@ -1,6 +1,6 @@
 """Per-model ``sample_rate`` end to end: ``lpcal serve`` as a SUBPROCESS on
 the embedded broker, with one model at rate 1 and one at :data:`RATE`, fed the same kind of
-:class:`daemon.tools.simulate.TrafficGenerator` stream (predictions, their outcomes 5 s of event time
+:class:`daemon.tools.simulate.traffic.TrafficGenerator` stream (predictions, their outcomes 5 s of event time
 later, orphans and complete samples).
 
 Predictions and outcomes arrive in both orders: the predictions of every :data:`HELD`-th event
@@ -31,7 +31,8 @@ import pytest
 
 from daemon.model_state import ModelState
 from daemon.settings import load_settings
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 from lpcal.pools import route_uniform
 from tests.support.daemon_harness import (
     EventProducer,

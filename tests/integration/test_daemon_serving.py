@@ -26,8 +26,10 @@ import orjson
 import pytest
 from aiokafka.partitioner import murmur2
 
-from daemon import kafka_io
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
+from daemon.kafka.clients import make_producer
+from daemon.tools.simulate.driver import simulate
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 from lpcal.binmap import BinMap
 from tests.support.daemon_harness import (
     RunningDaemon,
@@ -154,8 +156,8 @@ async def test_every_replica_serves_every_model(broker, topic_prefix, tmp_path):
 
         # ---- hostile records on the bin-map topic: skipped, counted, version 1 stays
         good = next(iter(bodies[MODELS[1]]))
-        producer = kafka_io.make_producer(broker.bootstrap, idempotence=False,
-                                          client_id="it-serving", max_request_size=1 << 20)
+        producer = make_producer(broker.bootstrap, idempotence=False,
+                                 client_id="it-serving", max_request_size=1 << 20)
         await producer.start()
         try:
             await producer.send_and_wait(names.binmaps, key=MODELS[0].encode(),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from daemon import kafka_io
+from daemon.kafka.clients import make_consumer
 from daemon.model_state import ModelState
 from daemon.service import ENVELOPE_FORMAT
 from lpcal.binmap import BinMap
@@ -106,7 +106,7 @@ async def _replace_state_record(bootstrap: str, names: TopicNames, value: bytes)
 
 async def _follow(bootstrap: str, topic: str) -> dict[str, int]:
     store = BinMapStore()
-    consumer = kafka_io.make_consumer(bootstrap, topic, group_id=None, client_id="it-versions")
+    consumer = make_consumer(bootstrap, topic, group_id=None, client_id="it-versions")
     async with BinMapFollower(store, consumer) as follower:
         await follower.wait_ready(30)
     return store.versions()

@@ -8,36 +8,20 @@ from collections import Counter
 
 import orjson
 import pytest
-from aiokafka import TopicPartition
 
-from daemon.kafka_io import make_consumer, partition_counts
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator, main, simulate
+from daemon.kafka.readers import read_records
+from daemon.kafka.topics import partition_counts
+from daemon.tools.simulate.cli import main
+from daemon.tools.simulate.driver import simulate
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 
 integration = pytest.mark.integration
 
 
 async def _read_all(bootstrap: str, topic: str, timeout: float = 20.0):
     """Every record of ``topic`` (up to the end offsets at the start) as (partition, key, value)."""
-    consumer = make_consumer(bootstrap, group_id=None)
-    out = []
-    async with asyncio.timeout(timeout):
-        await consumer.start()
-        try:
-            await consumer.topics()
-            tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
-            consumer.assign(tps)
-            ends = await consumer.end_offsets(tps)
-            await consumer.seek_to_beginning(*tps)
-            pending = {tp for tp in tps if ends[tp] > 0}
-            while pending:
-                for tp, msgs in (await consumer.getmany(*pending, timeout_ms=200)).items():
-                    out.extend((tp.partition, m.key, m.value) for m in msgs)
-                for tp in list(pending):
-                    if await consumer.position(tp) >= ends[tp]:
-                        pending.discard(tp)
-        finally:
-            await consumer.stop()
-    return out
+    return [(m.partition, m.key, m.value) for m in await read_records(bootstrap, topic, timeout)]
 
 
 def _gen(seed=1, **kw):

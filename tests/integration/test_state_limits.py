@@ -12,10 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from daemon import kafka_io
 from daemon.checkpoint_store import PART, RecordLimitError
 from daemon.events import KIND_PREDICTION
 from daemon.join import JoinStore
+from daemon.kafka.clients import make_producer
+from daemon.kafka.topics import TopicSpec, ensure_topics
 from tests.support.daemon_harness import (
     TopicNames,
     build_settings,
@@ -48,8 +49,8 @@ def _expected_capacity(settings) -> int:
 
 async def _send_predictions(bootstrap: str, topic: str, n: int) -> None:
     rng = np.random.default_rng(5)
-    prod = kafka_io.make_producer(bootstrap, idempotence=False, client_id="state-limits",
-                                  linger_ms=20)
+    prod = make_producer(bootstrap, idempotence=False, client_id="state-limits",
+                         linger_ms=20)
     await prod.start()
     try:
         futs = []
@@ -130,7 +131,7 @@ async def test_a_state_topic_with_a_lower_record_limit_stops_startup(
     """``state.max_record_bytes`` above the topic's ``max.message.bytes``: one clear error."""
     base = TopicNames.for_prefix(topic_prefix)
     names = base.with_state(base.state + ".small")
-    await kafka_io.ensure_topics(broker.bootstrap, [kafka_io.TopicSpec(
+    await ensure_topics(broker.bootstrap, [TopicSpec(
         names.state, 1, configs={"cleanup.policy": "compact",
                                  "max.message.bytes": str(512 * 1024)})])
     await create_topics(broker.bootstrap, names, 1)

@@ -24,7 +24,8 @@ import time
 
 from aiokafka import TopicPartition
 
-from daemon.kafka_io import TopicSpec, ensure_topics, make_consumer, make_producer
+from daemon.kafka.clients import make_consumer, make_producer
+from daemon.kafka.topics import TopicSpec, ensure_topics
 from daemon.offset_gaps import OffsetGapGuard
 from daemon.tools.embedded_broker import EmbeddedBroker
 from tests.support.daemon_harness import read_records

@@ -19,8 +19,10 @@ import numpy as np
 import orjson
 import pytest
 
-from daemon import kafka_io
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
+from daemon.kafka.clients import make_consumer, make_producer
+from daemon.tools.simulate.driver import simulate
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 from lpcal.binmap import BinMap
 from lpcal.client import BinMapFollower, BinMapStore
 from tests.reliability.harness import FastDaemon, models_view
@@ -88,8 +90,8 @@ async def test_bad_binmaps_rejected_by_client_and_daemon_previous_map_stays(
             status, good[m] = await http_get(daemon.url, f"/v1/models/{m}/binmap")
             assert status == 200 and BinMap.from_json(good[m]).version == 1
         bad = _bad_artifacts(good)
-        producer = kafka_io.make_producer(broker.bootstrap, idempotence=False,
-                                          client_id="rel-art")
+        producer = make_producer(broker.bootstrap, idempotence=False,
+                                 client_id="rel-art")
         await producer.start()
         try:
             for m, data in bad.items():
@@ -99,8 +101,8 @@ async def test_bad_binmaps_rejected_by_client_and_daemon_previous_map_stays(
 
         # ---- the client: follow the whole topic
         store = BinMapStore()
-        consumer = kafka_io.make_consumer(broker.bootstrap, names.binmaps, group_id=None,
-                                          client_id="rel-art-client")
+        consumer = make_consumer(broker.bootstrap, names.binmaps, group_id=None,
+                                 client_id="rel-art-client")
         async with BinMapFollower(store, consumer) as follower:
             await follower.wait_ready(30)
         client_versions = store.versions()

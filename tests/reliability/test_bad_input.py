@@ -17,9 +17,10 @@ from collections import Counter
 
 import pytest
 
-from daemon import kafka_io
 from daemon.events import REASONS, EventParser
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator
+from daemon.kafka.clients import make_producer
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 from tests.reliability.fuzz import LEARNED_K_MODEL, TS, malformed_events
 from tests.reliability.harness import FastDaemon, wait_settled
 from tests.support.daemon_harness import (
@@ -89,9 +90,9 @@ async def test_malformed_events_dead_lettered_by_reason_valid_ones_all_joined(
     daemon = FastDaemon(_cfg(broker.bootstrap, names), tmp_path, name="badin").start()
     try:
         await daemon.wait_ready(60)
-        producer = kafka_io.make_producer(broker.bootstrap, idempotence=False,
-                                          client_id="rel-bad", linger_ms=5,
-                                          max_request_size=16 << 20)
+        producer = make_producer(broker.bootstrap, idempotence=False,
+                                 client_id="rel-bad", linger_ms=5,
+                                 max_request_size=16 << 20)
         await producer.start()
         try:
             futs = []

@@ -32,9 +32,11 @@ import time
 
 import pytest
 
-from daemon import kafka_io
+from daemon.kafka.clients import make_producer
+from daemon.kafka.topics import partition_counts
 from daemon.tools.embedded_broker import EmbeddedBroker
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 from tests.reliability.harness import FastDaemon, models_view, record_figures, wait_settled
 from tests.reliability.s3_server import LocalS3
 from tests.support.daemon_harness import (
@@ -57,8 +59,8 @@ TOKEN = "outage-admin-token"
 
 
 async def _produce(bootstrap: str, names: TopicNames, msgs) -> None:
-    producer = kafka_io.make_producer(bootstrap, idempotence=False, client_id="rel-outage",
-                                      linger_ms=5)
+    producer = make_producer(bootstrap, idempotence=False, client_id="rel-outage",
+                             linger_ms=5)
     await asyncio.wait_for(producer.start(), 30)
     try:
         futs = []
@@ -132,8 +134,8 @@ async def _scenario(tmp_path, soak: bool) -> dict:
         r["probes"], r["t_up"] = probes, time.monotonic() - t_stop
         r["alive_after_outage"] = daemon.alive()
         # durable storage: the topics (and their records) are still there
-        r["counts"] = await kafka_io.partition_counts(broker.bootstrap,
-                                                      [names.predictions, names.outcomes])
+        r["counts"] = await partition_counts(broker.bootstrap,
+                                             [names.predictions, names.outcomes])
         while daemon.alive() and time.monotonic() - t_stop < r["t_up"] + 60:
             if await _probe(daemon.url, "/readyz") == 200:
                 r["ready_again"] = time.monotonic() - t_stop

@@ -5,7 +5,7 @@ Two subprocess daemons consume the SAME input topics at the same time: ``ref`` (
 and ``crash`` (SIGKILLed ``kills`` times at seeded random moments, 1-8 s after each (re)start,
 so some kills land during startup or restore; restarted at once). Each has its own consumer
 group, state topic, bin-map topic and dead-letter topic. Input: seeded
-:class:`daemon.tools.simulate.TrafficGenerator` streams of 3 models, produced at a fixed rate so the
+:class:`daemon.tools.simulate.traffic.TrafficGenerator` streams of 3 models, produced at a fixed rate so the
 kills land while they flow; every event joins exactly once:
 
 * ``crash-a`` (k=3), ``crash-b`` (k=4): complete samples (vector and label in one event). The
@@ -51,7 +51,9 @@ import numpy as np
 import pytest
 
 from daemon.monitor import WindowMonitor
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
+from daemon.tools.simulate.driver import simulate
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 from tests.reliability.harness import FastDaemon, run_names, wait_settled
 from tests.support.daemon_harness import (
     EventProducer,

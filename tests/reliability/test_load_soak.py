@@ -17,7 +17,7 @@ the long run measured as 6.6 % "growth". Sampled while it runs:
   growth = median over the last 10 % of the run / median over the 10 % after warm-up (the
   first third) - 1, must stay under 5 %;
 * lag: messages generated minus ``lpcal_events_consumed_total`` (our own count, since Tansu
-  under-reports end offsets, see :mod:`daemon.kafka_io`), and the daemon's
+  under-reports end offsets, see :mod:`daemon.kafka`), and the daemon's
   ``lpcal_consumer_lag_messages``: bounded (no trend between the first and the last third;
   the generator's final burst of late outcomes is excluded), and drained at the end;
 * consumption gaps: ``lpcal_last_poll_timestamp_seconds`` is scraped every 0.1 s; the age of
@@ -38,7 +38,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
+from daemon.tools.simulate.driver import simulate
+from daemon.tools.simulate.model import SyntheticModel
+from daemon.tools.simulate.traffic import TrafficGenerator
 from tests.reliability.harness import FastDaemon, models_view, rss_kib
 from tests.support.daemon_harness import TopicNames, create_topics, daemon_config, free_port
 

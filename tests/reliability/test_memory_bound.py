@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daemon import kafka_io
+from daemon.kafka.clients import make_producer
 from tests.reliability.harness import FastDaemon, rss_kib
 from tests.support.daemon_harness import (
     TopicNames,
@@ -98,8 +98,8 @@ def _dense_pair(model: str, eid: str, rng, ts: float) -> tuple[bytes, bytes]:
 async def _produce(bootstrap: str, names: TopicNames, models: int, per_model: int,
                    names_count: int, admitted=None, dense: tuple[int, int] = (0, 0)) -> int:
     """The worst traffic of the module docstring; returns the number of messages sent."""
-    prod = kafka_io.make_producer(bootstrap, idempotence=False, client_id="memory-bound",
-                                  max_request_size=2 * MIB, linger_ms=20)
+    prod = make_producer(bootstrap, idempotence=False, client_id="memory-bound",
+                         max_request_size=2 * MIB, linger_ms=20)
     await prod.start()
     sent = 0
     ts = time.time() - 60

@@ -1,6 +1,6 @@
 """Security.
 
-* Kafka SASL/SSL: the embedded Tansu broker supports neither (see :mod:`daemon.kafka_io`), so
+* Kafka SASL/SSL: the embedded Tansu broker supports neither (see :mod:`daemon.kafka`), so
   the test checks that the aiokafka clients the DAEMON builds receive the settings: a real
   ``Daemon.startup()`` with SASL_SSL settings (CA, client certificate and key generated with
   the ``openssl`` CLI; the password from a secrets-dir file), where only the network calls
@@ -29,8 +29,9 @@ import aiohttp
 import orjson
 import pytest
 
-from daemon import kafka_io
 from daemon.http_api import HttpServer
+from daemon.kafka import clients as kafka_clients
+from daemon.kafka import topics as kafka_topics
 from daemon.service import Daemon
 from daemon.settings import load_settings
 from lpcal.errors import InputError
@@ -117,10 +118,10 @@ async def test_daemon_aiokafka_clients_receive_sasl_ssl_settings(tmp_path, monke
         calls["partition_counts"] = security
         return {t: 1 for t in topics}
 
-    monkeypatch.setattr(kafka_io.AIOKafkaProducer, "start", no_network)
-    monkeypatch.setattr(kafka_io.AIOKafkaConsumer, "start", no_network)
-    monkeypatch.setattr(kafka_io, "ensure_topics", ensure_topics)
-    monkeypatch.setattr(kafka_io, "partition_counts", partition_counts)
+    monkeypatch.setattr(kafka_clients.AIOKafkaProducer, "start", no_network)
+    monkeypatch.setattr(kafka_clients.AIOKafkaConsumer, "start", no_network)
+    monkeypatch.setattr(kafka_topics, "ensure_topics", ensure_topics)
+    monkeypatch.setattr(kafka_topics, "partition_counts", partition_counts)
     caplog.set_level(logging.DEBUG)
     d = Daemon(settings)
     d.s.kafka.create_topics = True
@@ -131,7 +132,7 @@ async def test_daemon_aiokafka_clients_receive_sasl_ssl_settings(tmp_path, monke
         assert calls["ensure_topics"] is settings.kafka
         assert calls["partition_counts"] is settings.kafka
         assert d._store.security is settings.kafka  # checkpoint reads (admin/consumer)
-        kw = kafka_io.client_kwargs(d._store.security)
+        kw = kafka_clients.client_kwargs(d._store.security)
         assert kw["sasl_plain_password"] == PASSWORD and kw["security_protocol"] == "SASL_SSL"
         await asyncio.sleep(2.5)  # the broker probe runs (and fails: nothing listens)
     finally:
@@ -140,9 +141,9 @@ async def test_daemon_aiokafka_clients_receive_sasl_ssl_settings(tmp_path, monke
         await d.producer.stop()
     # a client key that does not belong to the certificate is refused, naming the settings
     with pytest.raises(InputError, match="ssl_certfile/ssl_keyfile"):
-        kafka_io.client_kwargs({"security_protocol": "SSL", "ssl_cafile": files["ca.pem"],
-                                "ssl_certfile": files["client.pem"],
-                                "ssl_keyfile": files["other.key"]})
+        kafka_clients.client_kwargs({"security_protocol": "SSL", "ssl_cafile": files["ca.pem"],
+                                     "ssl_certfile": files["client.pem"],
+                                     "ssl_keyfile": files["other.key"]})
     red = orjson.dumps(settings.redacted()).decode()
     assert PASSWORD not in red and TOKEN not in red and "**********" in red
     assert PASSWORD not in repr(settings) and TOKEN not in repr(settings)

@@ -25,7 +25,8 @@ import time
 
 import pytest
 
-from daemon import kafka_io
+from daemon.kafka import clients as kafka_clients
+from daemon.kafka import topics as kafka_topics
 from daemon.service import Daemon
 from daemon.settings import load_settings
 from tests.reliability.harness import FastDaemon
@@ -88,13 +89,13 @@ async def test_stop_during_a_hanging_startup_phase_ends_serve_promptly(tmp_path,
     async def counts_ok(bootstrap, topics, *, security=None):
         return {t: 1 for t in topics}
 
-    monkeypatch.setattr(kafka_io.AIOKafkaProducer, "start",
+    monkeypatch.setattr(kafka_clients.AIOKafkaProducer, "start",
                         hang if phase == "producer start" else fine_start)
-    monkeypatch.setattr(kafka_io, "ensure_topics",
+    monkeypatch.setattr(kafka_topics, "ensure_topics",
                         hang if phase == "topic creation" else topics_ok)
-    monkeypatch.setattr(kafka_io, "partition_counts",
+    monkeypatch.setattr(kafka_topics, "partition_counts",
                         hang if phase == "partition check" else counts_ok)
-    monkeypatch.setattr(kafka_io.AIOKafkaConsumer, "start", hang)  # the last phase
+    monkeypatch.setattr(kafka_clients.AIOKafkaConsumer, "start", hang)  # the last phase
     cfg = daemon_config(f"127.0.0.1:{free_port()}", TopicNames.for_prefix("sp"),
                         http_port=free_port())
     path = tmp_path / "sp.toml"

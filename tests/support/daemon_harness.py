@@ -50,8 +50,10 @@ import orjson
 from aiokafka import TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon import kafka_io
 from daemon.checkpoint_store import decode_value, reassemble
+from daemon.kafka.clients import make_consumer, make_producer
+from daemon.kafka.deadletter import deadletter_info
+from daemon.kafka.topics import COMPACT, TopicSpec, ensure_topics
 from daemon.model_state import ModelState
 from daemon.settings import KafkaSettings, Settings, load_settings
 from lpcal.binmap import BinMap
@@ -189,12 +191,12 @@ def build_settings(cfg: Mapping[str, Any], tmp_path: Path, name: str = "lpcal") 
 async def create_topics(bootstrap: str, names: TopicNames, partitions: int) -> None:
     """Create the input topics (``partitions`` each) and the output topics before any client
     touches them (Tansu auto-creates unknown topics with 4 partitions)."""
-    await kafka_io.ensure_topics(bootstrap, [
-        kafka_io.TopicSpec(names.predictions, partitions),
-        kafka_io.TopicSpec(names.outcomes, partitions),
-        kafka_io.TopicSpec(names.binmaps, 1, configs=kafka_io.COMPACT),
-        kafka_io.TopicSpec(names.deadletter, partitions),
-        kafka_io.TopicSpec(names.state, 1, configs=kafka_io.COMPACT)])
+    await ensure_topics(bootstrap, [
+        TopicSpec(names.predictions, partitions),
+        TopicSpec(names.outcomes, partitions),
+        TopicSpec(names.binmaps, 1, configs=COMPACT),
+        TopicSpec(names.deadletter, partitions),
+        TopicSpec(names.state, 1, configs=COMPACT)])
 
 
 # --------------------------------------------------------------------------- waiting
@@ -433,8 +435,8 @@ class EventProducer:
     """A non-idempotent aiokafka producer (Tansu has no InitProducerId), keyed by model id."""
 
     def __init__(self, bootstrap: str):
-        self.producer = kafka_io.make_producer(bootstrap, idempotence=False,
-                                               client_id="lpcal-it-producer")
+        self.producer = make_producer(bootstrap, idempotence=False,
+                                      client_id="lpcal-it-producer")
         self.sent: Counter = Counter()
 
     async def __aenter__(self) -> Self:
@@ -482,7 +484,7 @@ async def read_records(bootstrap: str, topic: str, timeout: float = 20.0) -> lis
     would drop all but the first record of the last batch (measured: 5 records in one batch
     at offsets 0..4 give end offset 1). Fetches return whole batches, so keeping what was
     fetched returns every record written before the call."""
-    consumer = kafka_io.make_consumer(bootstrap, group_id=None, client_id="lpcal-it-reader")
+    consumer = make_consumer(bootstrap, group_id=None, client_id="lpcal-it-reader")
     out = []
     async with asyncio.timeout(timeout):
         await consumer.start()
@@ -509,7 +511,7 @@ async def read_records(bootstrap: str, topic: str, timeout: float = 20.0) -> lis
 
 async def read_latest(bootstrap: str, topic: str, timeout: float = 20.0) -> dict[str, bytes]:
     """The last value per (UTF-8) key of a compacted topic; tombstones delete. Like
-    :func:`daemon.kafka_io.read_compacted_latest`, but keeps the whole last record batch (see
+    :func:`daemon.kafka.readers.read_compacted_latest`, but keeps the whole last record batch (see
     :func:`read_records`); never relies on compaction."""
     latest: dict[str, bytes] = {}
     for m in sorted(await read_records(bootstrap, topic, timeout),
@@ -524,7 +526,7 @@ async def read_latest(bootstrap: str, topic: str, timeout: float = 20.0) -> dict
 
 
 async def end_offsets(bootstrap: str, topic: str, timeout: float = 20.0) -> dict[int, int]:
-    consumer = kafka_io.make_consumer(bootstrap, group_id=None, client_id="lpcal-it-reader")
+    consumer = make_consumer(bootstrap, group_id=None, client_id="lpcal-it-reader")
     async with asyncio.timeout(timeout):
         await consumer.start()
         try:
@@ -573,7 +575,7 @@ async def read_deadletters(bootstrap: str, topic: str, timeout: float = 20.0
                            ) -> list[DeadLetter]:
     out = []
     for m in await read_records(bootstrap, topic, timeout):
-        info = kafka_io.deadletter_info(m.headers)
+        info = deadletter_info(m.headers)
         out.append(DeadLetter(info["reason"], info["source_topic"], info["source_partition"],
                               info["source_offset"], m.value, m.key))
     return out
