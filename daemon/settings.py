@@ -44,6 +44,7 @@ Usage::
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import json
 import math
 import os
@@ -74,8 +75,8 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError as SourceError
 
-from lpcal.calibrate import MODE_DEFAULTS
-from lpcal.spec import parse_p
+from daemon.specs import DEFAULT_POOL, EpochSpec, MonitorSpec
+from lpcal.spec import MODE_DEFAULTS, FitSpec, Mode, parse_p
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
@@ -129,7 +130,7 @@ NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 NonNegInt = Annotated[int, Field(ge=0)]
 
 #: Held-out samples per epoch implied by each ``mode`` when ``holdout`` is unset; ``prescale``
-#: and ``outside`` follow :data:`lpcal.calibrate.MODE_DEFAULTS`.
+#: and ``outside`` follow :data:`lpcal.spec.MODE_DEFAULTS`.
 DEFAULT_HOLDOUT = {"certified": 3_000, "paper": 0}
 #: Warm-up samples per epoch when ``warmup`` is unset and ``prescale = "temperature"``.
 DEFAULT_WARMUP = 10_000
@@ -233,15 +234,42 @@ class ModelSettings(_Strict):
             raise ValueError("; ".join(problems))
         return self
 
+    def fit_spec(self) -> FitSpec:
+        """The :class:`lpcal.spec.FitSpec` of this model's fits, every default resolved
+        (``pool``: :data:`daemon.specs.DEFAULT_POOL` when unset; ``prescale`` and
+        ``outside`` from ``mode``): the one translation of these settings into fit options."""
+        return FitSpec(eps=self.eps, p=self.p, delta=self.delta, sizing=self.sizing,
+                       pool_size=DEFAULT_POOL if self.pool is None else self.pool,
+                       mu_pool=self.mu_pool, variant=self.variant, mode=self.mode,
+                       prescale=self.prescale_value, outside=self.outside_value)
+
+    def epoch_spec(self) -> EpochSpec:
+        """How this model's epochs are filled and fitted (:class:`daemon.specs.EpochSpec`):
+        :meth:`fit_spec` with the held-out and warm-up samples per epoch."""
+        return EpochSpec(self.fit_spec(), holdout=self.holdout_value, warmup=self.warmup_value)
+
+    def monitor_spec(self) -> MonitorSpec:
+        """This model's window, drift trigger and change test (:class:`daemon.specs.
+        MonitorSpec`; ``drift_threshold`` resolved)."""
+        return MonitorSpec(**{f.name: getattr(self, f.name)
+                              for f in dataclasses.fields(MonitorSpec)
+                              if f.name != "drift_threshold"},
+                           drift_threshold=self.drift_threshold_value)
+
     @property
     def prescale_value(self) -> str:
         """``prescale`` with its default (from ``mode``) applied."""
-        return MODE_DEFAULTS[self.mode]["prescale"] if self.prescale is None else self.prescale
+        return self._from_mode("prescale", self.prescale)
 
     @property
     def outside_value(self) -> str:
         """``outside`` with its default (from ``mode``) applied."""
-        return MODE_DEFAULTS[self.mode]["outside"] if self.outside is None else self.outside
+        return self._from_mode("outside", self.outside)
+
+    def _from_mode(self, name: str, value: str | None) -> str:
+        """``value``, or the default ``mode`` implies for option ``name``
+        (:data:`lpcal.spec.MODE_DEFAULTS`)."""
+        return MODE_DEFAULTS[Mode(self.mode)][name].value if value is None else value
 
     @property
     def holdout_value(self) -> int:

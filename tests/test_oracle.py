@@ -98,11 +98,11 @@ def test_certified_default_true_error_below_eps(k, p, eps, pool, T, scale, skew)
     raw, cal = true_err_p(f2, q2, bm.lam, p), true_err_p(h, q2, bm.lam, p)
     cert = bm.certificate
     assert raw > eps, f"test is vacuous: the raw model already meets eps ({raw:.4f})"
-    assert cal <= eps, f"Err_p(h) = {cal:.4f} > eps = {eps} (selected {cert['selected']})"
+    assert cal <= eps, f"Err_p(h) = {cal:.4f} > eps = {eps} (selected {cert.selected})"
     assert true_brier(h, q2) <= true_brier(f2, q2) + 0.01
-    assert cert["n_holdout"] == round(n * 0.3)
+    assert cert.n_holdout == round(n * 0.3)
     # the held-out bound is an upper confidence bound: it must not be below the true error
-    assert cert["estimates"][cert["selected"]]["bound"] >= cal
+    assert cert.bound >= cal
 
 
 def synth_class_dependent(n, k, seed, jitter=0.003):
@@ -149,6 +149,6 @@ def test_certified_default_where_temperature_scaling_fails(k, p, eps, n, jitter)
     assert err_ts > eps, f"test is vacuous: temperature scaling meets eps ({err_ts:.4f})"
     h = bm.apply(f2)
     cal = true_err_p(h, q2, bm.lam, p)
-    assert bm.certificate["selected"] == "corrected"
+    assert bm.certificate.selected == "corrected"
     assert cal <= eps, f"Err_p(h) = {cal:.4f} > eps = {eps}"
     assert true_brier(h, q2) < true_brier(ts, q2)

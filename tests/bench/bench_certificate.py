@@ -84,12 +84,12 @@ def run_coverage(reps: int, n_truth: int) -> Table:
                 f, _, y = draw(family, N, seed=r)
                 bm = fit(f, y, eps=eps, p=p, seed=r)
                 c = bm.certificate
-                b = c["estimates"][c["selected"]]["bound"]
+                b = c.bound
                 tr = true_err(bm.apply(fb), qb, lam, p)
                 cov += b >= tr
-                cov_raw += c["estimates"]["raw"]["bound"] >= raw_truth
-                cert += bool(c["certified"])
-                vac += bool(c.get("vacuous", False))
+                cov_raw += c.raw_bound >= raw_truth
+                cert += c.certified
+                vac += c.vacuous
                 bounds.append(b)
                 truths.append(tr)
                 if tr > 0.005:
