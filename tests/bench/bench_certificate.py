@@ -94,7 +94,7 @@ def run_coverage(reps: int, n_truth: int) -> Table:
                 truths.append(tr)
                 if tr > 0.005:
                     ratios.append(b / tr)
-                sel[c["selected"]] = sel.get(c["selected"], 0) + 1
+                sel[c.selected] = sel.get(c.selected, 0) + 1
         t.add(family, p_label(p), eps, lam, f"{cov / reps:.2f}", f"{cov_raw / reps:.2f}",
               f"{cert / reps:.2f}", f"{vac / reps:.2f}", _f4(float(np.median(bounds))),
               _f4(float(np.median(truths))),
