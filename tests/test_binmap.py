@@ -96,6 +96,7 @@ def test_maps_written_before_the_typed_certificate_round_trip_byte_for_byte(name
     signer = Signer(_WRITTEN_KEY) if signed else None
     bm = BinMap.from_json(data, public_keys=KeyRing([signer.public_key]) if signed else None)
     assert isinstance(bm.certificate, Certificate)
+    assert Certificate.from_dict(bm.certificate) is bm.certificate  # the README's older idiom
     assert bm.certificate.to_dict() == orjson.loads(data)["certificate"]
     assert bm.to_json(signer=signer) == data
     rebuilt = dataclasses.replace(bm)  # no trace of the loaded JSON
