@@ -82,7 +82,7 @@ import orjson
 from daemon.join import JoinResult, JoinStore
 from daemon.monitor import WindowMonitor, WindowStats
 from daemon.native import route_uniform_fast
-from daemon.specs import DEFAULT_POOL, EpochSpec, MonitorSpec
+from daemon.specs import EpochSpec, MonitorSpec
 from daemon.state_budget import EPOCH_SHARE, MONITOR_SHARE, SEALED_SHARE
 from daemon.trigger import Firing, Triggers
 from lpcal.errors import ArtifactError, InputError
@@ -144,7 +144,7 @@ def specs_of(cfg: Mapping[str, Any]) -> tuple[EpochSpec, MonitorSpec]:
     """The two specs of a checkpoint's ``config`` object (every key of :data:`CONFIG_KEYS`;
     ``p`` a number or ``"inf"``): :class:`InputError` for options an epoch cannot run."""
     fit = FitSpec(eps=cfg["eps"], p=cfg["p"], delta=cfg["delta"], sizing=cfg["sizing"],
-                  pool_size=DEFAULT_POOL if cfg["pool"] is None else cfg["pool"],
+                  pool_size=cfg["pool"],
                   mu_pool=cfg["mu_pool"], variant=cfg["variant"], mode=cfg["mode"],
                   prescale=cfg["prescale"], outside=cfg["outside"])
     epoch = EpochSpec(fit, holdout=cfg["holdout"], warmup=cfg["warmup"])

@@ -24,7 +24,7 @@ from daemon.drift import ChangeDetector
 from daemon.trigger import DriftTrigger
 from lpcal.errors import InputError
 from lpcal.pools import PoolLayout
-from lpcal.spec import FitSpec, Prescale
+from lpcal.spec import FitSpec, Prescale, SizingRule
 
 __all__ = ["DEFAULT_POOL", "EpochSpec", "MonitorSpec"]
 
@@ -46,8 +46,8 @@ class EpochSpec:
     ----------
     fit : FitSpec
         The fit of a sealed epoch (:func:`lpcal.calibrate.fit_pools`) and the sizes of its pools
-        (:meth:`lpcal.spec.FitSpec.pool_sizing`): ``pool_size`` must be set for practical
-        sizing (a stream has no sample to split).
+        (:meth:`lpcal.spec.FitSpec.pool_sizing`); practical pools without a ``pool_size`` hold
+        :data:`DEFAULT_POOL` samples each (a stream has no sample to split).
     holdout : int
         Held-out samples per epoch (their sums certify the fit; 0: no certificate).
     warmup : int
@@ -80,9 +80,13 @@ class EpochSpec:
         return self.fit.lam
 
     def layout(self, k: int) -> PoolLayout:
-        """The pool layout of an epoch with ``k`` classes: the fit's pool sizing plus the
-        ``holdout`` share and the ``warmup`` samples."""
-        return self.fit.pool_sizing(k, holdout=self.holdout, warmup=self.warmup).layout()
+        """The pool layout of an epoch with ``k`` classes: the fit's pool sizing (practical
+        pools of :data:`DEFAULT_POOL` samples when ``pool_size`` is unset) plus the ``holdout``
+        share and the ``warmup`` samples."""
+        fit = self.fit
+        if fit.sizing is SizingRule.PRACTICAL and fit.pool_size is None:
+            fit = dataclasses.replace(fit, pool_size=DEFAULT_POOL)
+        return fit.pool_sizing(k, holdout=self.holdout, warmup=self.warmup).layout()
 
 
 @dataclasses.dataclass(frozen=True)

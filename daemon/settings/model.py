@@ -28,7 +28,7 @@ from daemon.settings.base import (
     Strict,
     field_errors,
 )
-from daemon.specs import DEFAULT_POOL, EpochSpec, MonitorSpec
+from daemon.specs import EpochSpec, MonitorSpec
 from lpcal.spec import MODE_DEFAULTS, FitSpec, Mode, Outside, Prescale, SizingRule, Variant
 
 __all__ = ["DEFAULT_HOLDOUT", "DEFAULT_WARMUP", "ModelOverrides", "ModelSettings"]
@@ -142,13 +142,13 @@ class ModelSettings(Strict):
         return self
 
     def fit_spec(self) -> FitSpec:
-        """The :class:`lpcal.spec.FitSpec` of this model's fits, every default resolved
-        (``pool``: :data:`daemon.specs.DEFAULT_POOL` when unset; ``prescale`` and
-        ``outside`` from ``mode``): the one translation of these settings into fit options."""
+        """The :class:`lpcal.spec.FitSpec` of this model's fits, ``prescale`` and ``outside``
+        resolved from ``mode`` (``pool`` unset stays unset: an epoch's layout then uses
+        :data:`daemon.specs.DEFAULT_POOL`): the one translation of these settings into fit
+        options."""
         return FitSpec(eps=self.eps, p=self.p, delta=self.delta, sizing=self.sizing,
-                       pool_size=DEFAULT_POOL if self.pool is None else self.pool,
-                       mu_pool=self.mu_pool, variant=self.variant, mode=self.mode,
-                       prescale=self.prescale_value, outside=self.outside_value)
+                       pool_size=self.pool, mu_pool=self.mu_pool, variant=self.variant,
+                       mode=self.mode, prescale=self.prescale_value, outside=self.outside_value)
 
     def epoch_spec(self) -> EpochSpec:
         """How this model's epochs are filled and fitted (:class:`daemon.specs.EpochSpec`):

@@ -388,4 +388,5 @@ def test_model_settings_are_the_only_translation_into_specs():
     assert (e.fit, e.holdout, e.warmup) == (f, 0, 0)
     m = ms.monitor_spec()
     assert (m.drift_threshold, m.window_seconds, m.drift_min_samples) == (0.05, 60.0, 1000)
-    assert ModelSettings().fit_spec().pool_size == 5000  # pool unset: the practical default
+    unset = ModelSettings().epoch_spec()
+    assert unset.fit.pool_size is None and unset.layout(3).targets["mu"] == 5000
