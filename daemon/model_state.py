@@ -71,6 +71,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -107,13 +108,14 @@ MAX_SEALED = 4
 Calibrator = Callable[[np.ndarray], np.ndarray]
 CalibratorFactory = Callable[[bytes], Calibrator]
 
-#: The keys of a checkpoint's ``config`` object, in the order written: the fields of the
-#: :class:`EpochSpec` (its fit spec's, with ``pool`` for ``pool_size``), then those of the
-#: :class:`MonitorSpec`.
-CONFIG_KEYS = ("eps", "p", "delta", "sizing", "mu_pool", "pool", "variant", "mode", "prescale",
-               "outside", "holdout", "warmup", "drift_threshold", "window_samples",
-               "window_seconds", "drift_sustain_seconds", "drift_confidence", "drift_min_samples",
-               "drift_false_alarm_rate", "drift_baseline_samples", "drift_min_shift")
+#: The keys of a checkpoint's ``config`` object for the :class:`EpochSpec`: its fit spec's
+#: options (``pool`` for ``pool_size``; ``prescale`` and ``outside`` resolved), then its own.
+_EPOCH_KEYS = ("eps", "p", "delta", "sizing", "mu_pool", "pool", "variant", "mode", "prescale",
+               "outside", "holdout", "warmup")
+#: The keys for the :class:`MonitorSpec`: its fields.
+_MONITOR_KEYS = tuple(f.name for f in dataclasses.fields(MonitorSpec))
+#: The keys of a checkpoint's ``config`` object, in the order written.
+CONFIG_KEYS = _EPOCH_KEYS + _MONITOR_KEYS
 #: The change test's settings and the defaults a checkpoint written before them restores with.
 _CHANGE_CONFIG = {"drift_false_alarm_rate": 1e-7, "drift_baseline_samples": 5_000,
                   "drift_min_shift": 0.01}
@@ -137,7 +139,7 @@ def config_of(epoch: EpochSpec, monitor: MonitorSpec) -> dict[str, Any]:
             "mu_pool": f.mu_pool, "pool": f.pool_size, "variant": f.variant.value,
             "mode": f.mode.value, "prescale": f.prescale_value.value,
             "outside": f.outside_value.value, "holdout": epoch.holdout, "warmup": epoch.warmup,
-            **{key: getattr(monitor, key) for key in CONFIG_KEYS[12:]}}
+            **{key: getattr(monitor, key) for key in _MONITOR_KEYS}}
 
 
 def specs_of(cfg: Mapping[str, Any]) -> tuple[EpochSpec, MonitorSpec]:
@@ -148,7 +150,7 @@ def specs_of(cfg: Mapping[str, Any]) -> tuple[EpochSpec, MonitorSpec]:
                   mu_pool=cfg["mu_pool"], variant=cfg["variant"], mode=cfg["mode"],
                   prescale=cfg["prescale"], outside=cfg["outside"])
     epoch = EpochSpec(fit, holdout=cfg["holdout"], warmup=cfg["warmup"])
-    return epoch, MonitorSpec(**{key: cfg[key] for key in CONFIG_KEYS[12:]})
+    return epoch, MonitorSpec(**{key: cfg[key] for key in _MONITOR_KEYS})
 
 
 @dataclass
