@@ -468,3 +468,26 @@ def test_a_checkpoint_written_before_the_specs_restores_into_them():
     # and it runs on like a state created from these settings and fed the same events
     fresh = ModelState.create(MODEL, K, ms, join)
     assert fresh.layout == st.layout and fresh.monitor.change == st.monitor.change
+
+
+def test_reconcile_compares_the_epoch_spec_and_the_monitor_spec():
+    st, p = new_state(), parser()
+    feed(st, p, traffic(2500, seed=14), fit=True)
+    assert st.binmap is not None
+    join = JoinSettings(ttl_seconds=50, max_pending_per_model=5000)
+    # the monitor spec only: pools, epoch and map kept, a new window, the same triggers
+    new, outcome, detail = st.reconcile(settings(window_samples=500), join)
+    assert (outcome, detail) == ("config_changed", "window_samples 2000 -> 500")
+    assert new.filling is st.filling and new.sealed is st.sealed and new.binmap == st.binmap
+    assert new.monitor is not st.monitor and new.triggers is st.triggers
+    # an option of the epoch spec: a new epoch; the same lambda keeps the map and the window
+    new, outcome, detail = st.reconcile(settings(delta=0.05), join)
+    assert (outcome, detail) == ("config_changed", "delta 0.1 -> 0.05; a new epoch starts")
+    assert new.filling is not st.filling and new.fill_epoch == st.fill_epoch + len(st.sealed) + 1
+    assert new.monitor is st.monitor and new.binmap == st.binmap
+    assert new.epoch_spec == settings(delta=0.05).epoch_spec()
+    # eps moves lambda: the window and the map go too
+    with pytest.warns(UserWarning, match="mu pool"):  # 100 samples, below 6/beta at eps 0.05
+        new, _, detail = st.reconcile(settings(eps=0.05), join)
+    assert "eps 0.1 -> 0.05" in detail and "lambda 10 -> 20" in detail and new.binmap is None
+    assert new.lam == 20 and new.layout.lam == 20
