@@ -3,8 +3,10 @@
 The package is split along its seams: :mod:`daemon.settings.sections` (``[kafka]``, ``[http]``,
 ``[join]``, ``[state]``, ``[signing]``), :mod:`daemon.settings.model` (the per-model settings,
 with :meth:`ModelSettings.fit_spec` and ``monitor_spec``), :mod:`daemon.settings.sources` (the
-TOML file and the secrets directory), :mod:`daemon.settings.root` (:class:`Settings`) and
-:mod:`daemon.settings.load` (:func:`load_settings` and its error report); import from here.
+TOML file and the secrets directory), :mod:`daemon.settings.root` (:class:`Settings`),
+:mod:`daemon.settings.load` (:func:`load_settings` and its error report) and
+:mod:`daemon.settings.base` (field types, :class:`SettingsError`, per-field errors); import from
+here.
 
 Sources, highest priority first::
 
@@ -44,6 +46,7 @@ Usage::
         raise SystemExit(str(e))
     ms = s.model_settings("fraud-v3")            # merged ModelSettings, or None if rejected
     print(ms.eps, ms.drift_threshold_value, s.kafka.topics.predictions)
+    spec = ms.fit_spec()                         # the lpcal.spec.FitSpec of its fits
     log.info("settings %s", s.redacted())        # secrets masked
 """
 
