@@ -38,7 +38,8 @@ Two modes (``mode=``), one switch apart:
     ``2 FLOOR_SHARE eps = eps / 50``.
 
 ``fit_pools`` is the functional kernel the daemon uses: it takes a filled :class:`PoolSet` and
-returns a :class:`BinMap`:
+the :class:`lpcal.spec.FitSpec` of the fit (the same type :func:`fit` takes) and returns a
+:class:`BinMap`:
 
 1. ``beta``, ``lambda`` from ``(eps, p)``;
 2. ``mu_hat_v`` = share of the ``mu`` pool in bin ``v``; ``B = {v : mu_hat_v >= beta/6}``, ordered
