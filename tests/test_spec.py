@@ -151,3 +151,18 @@ def test_library_messages_print_numpy_scalars_as_plain_numbers():
         with pytest.raises(InputError) as e:
             call()
         assert message in str(e.value) and "np." not in str(e.value), str(e.value)
+
+
+def test_the_package_exports_the_fit_the_artifact_and_the_spec():
+    """``lpcal`` exports the fit, the bin map, its certificate, the spec with its enums and
+    the metrics; pools and sizing are imported from their modules."""
+    import lpcal
+
+    assert set(lpcal.__all__) == {
+        "fit", "fit_pools", "BinMap", "Certificate", "FitSpec", "EPS_AUTO", "Mode", "Outside",
+        "Prescale", "SizingRule", "Variant", "metrics", "ArtifactError", "InputError",
+        "LpcalError"}
+    assert all(hasattr(lpcal, name) for name in lpcal.__all__)
+    for internal in ("PoolSet", "PoolLayout", "CountTable", "practical_sizing",
+                     "theory_sizing"):
+        assert not hasattr(lpcal, internal), internal
