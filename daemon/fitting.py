@@ -124,15 +124,14 @@ class Fitting:
 
     # ------------------------------------------------------------------ fits and publishing
     def _launch_fit(self, model: str, inf: Inflight) -> None:
-        cfg = self.registry.slots[model].state.config
+        spec = self.registry.slots[model].state.fit_spec
         loop = asyncio.get_running_loop()
         fit_pools = _service().fit_pools
 
         def work():
             t0 = time.perf_counter()
-            bm = fit_pools(inf.pools, eps=cfg["eps"], p=cfg["p"], delta=cfg["delta"],
-                           seed=fit_seed(model, inf.version), model_id=model,
-                           version=inf.version, mode=cfg["mode"], outside=cfg["outside"])
+            bm = fit_pools(inf.pools, spec, seed=fit_seed(model, inf.version), model_id=model,
+                           version=inf.version)
             return bm, time.perf_counter() - t0
 
         inf.task = loop.run_in_executor(self._executor, work)
@@ -179,14 +178,13 @@ class Fitting:
         self.registry.dirty.add(model)
         self.metrics.observe_fit(model, inf.trigger, seconds, bm.iterations, bm.n_bins)
         self.metrics.set_binmap_published(model, inf.version)
-        self._export_certificate(model, bm.certificate)
+        self._export_certificate(model, bm.certificate and bm.certificate.to_dict())
         log.info("model %s: published bin map version %d (%s, |B|=%d, %d iterations, %s, "
                  "%.3f s)", model, inf.version, inf.trigger, bm.n_bins, bm.iterations,
                  bm.stop_reason, seconds)
-        if (bm.certificate or {}).get("vacuous"):
+        if bm.certificate is not None and bm.certificate.vacuous:
             log.info("model %s: eps %g is vacuous: the raw model already meets it on the "
-                     "held-out share (bound %.4f)", model, bm.eps,
-                     bm.certificate["estimates"]["raw"]["bound"])
+                     "held-out share (bound %.4f)", model, bm.eps, bm.certificate.raw_bound)
         # the next sealed epoch (if any) need not wait for the next poll, which may be idle
         # for a whole fetch timeout when its partitions are paused
         self._check_model(model, time.monotonic())

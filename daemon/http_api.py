@@ -290,7 +290,7 @@ class HttpServer:
             "paused": m.partition in self.d.throttled,
             "pool_fill": {n: {"count": c, "target": t} for n, (c, t) in st.pools.fill().items()},
             "samples_total": st.samples_total,
-            "mode": st.config.get("mode"),
+            "mode": st.fit_spec.mode.value,
             "certificate": self._certificate(m.model, st.binmap),
         }
 
@@ -340,7 +340,7 @@ class HttpServer:
             return own
         bm = served.bm
         return _MapAnswer(served.raw, bm.version, bm.checksum, bm.created_at, bm.mode, bm.k,
-                          bm.certificate)
+                          bm.certificate and bm.certificate.to_dict())
 
     def _unknown(self, model: str) -> web.Response:
         """404 (no map exists) once the view has read the topic, else 503."""

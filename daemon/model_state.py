@@ -40,9 +40,16 @@ Fit modes (``mode`` in the settings): in the **certified** default every epoch's
 predictor, and a ``holdout`` share (routed like a pool) collects the held-out sums that certify
 the fitted bin map (:func:`lpcal.calibrate.fit_pools`). :meth:`lpcal.pools.PoolSet.add_samples`
 does the routing and stops at the exact fill point. The **paper** mode has neither (warm-up and
-held-out share 0). The checkpointed ``config`` holds the resolved values (``mode``, ``prescale``,
-``outside``, ``holdout``, ``warmup``); a checkpoint written before these keys existed restores
-with the paper mode's values it ran with.
+held-out share 0).
+
+A state keeps what it runs as two typed specs (:mod:`daemon.specs`), built by the model settings
+(:meth:`daemon.settings.ModelSettings.epoch_spec`, ``monitor_spec``): :attr:`ModelState.epoch_spec`
+(its :class:`lpcal.spec.FitSpec`, :attr:`ModelState.fit_spec`, plus the held-out and warm-up
+counts) and :attr:`ModelState.monitor_spec`. The checkpoint stores both, flattened, as its
+``config`` object (:data:`CONFIG_KEYS`, every default resolved; the document format of
+``lpcal.model_state/3``, unchanged); a checkpoint written before the fit mode keys existed
+restores with the paper mode's values it ran with, one written before the change test with its
+defaults.
 
 Usage::
 
@@ -56,7 +63,7 @@ Usage::
     if f and f.action == "fit":                       # pools_full (sealed) or manual (partial)
         pools = st.pools
         st.start_new_epoch()                          # hand them off
-        bm = fit_pools(pools, ..., mode=st.config["mode"], outside=st.config["outside"],
+        bm = fit_pools(pools, st.fit_spec, seed=..., model_id=st.model,
                        version=st.binmap_version + 1)                # in a worker
         st.install_binmap(bm.to_json(), bm.version)
     blob = st.to_checkpoint(); st2 = ModelState.from_checkpoint(blob)
@@ -64,6 +71,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -72,19 +80,19 @@ from typing import Any
 import numpy as np
 import orjson
 
-from daemon.drift import ChangeDetector
 from daemon.join import JoinResult, JoinStore
 from daemon.monitor import WindowMonitor, WindowStats
 from daemon.native import route_uniform_fast
+from daemon.specs import EpochSpec, MonitorSpec
 from daemon.state_budget import EPOCH_SHARE, MONITOR_SHARE, SEALED_SHARE
-from daemon.trigger import DriftTrigger, Firing, Triggers
+from daemon.trigger import Firing, Triggers
 from lpcal.errors import ArtifactError, InputError
-from lpcal.levels import beta_for, bin_rows, lambda_for
+from lpcal.levels import bin_rows
 from lpcal.pools import PoolLayout, PoolSet
 from lpcal.spec import FitSpec
 
-__all__ = ["CHECKPOINT_FORMAT", "DEFAULT_POOL", "IngestResult", "ModelState",
-           "binmap_calibrator", "fit_spec", "layout_for"]
+__all__ = ["CHECKPOINT_FORMAT", "CONFIG_KEYS", "IngestResult", "ModelState",
+           "binmap_calibrator"]
 
 CHECKPOINT_FORMAT = "lpcal.model_state/3"
 # /1 listed the join's recent ids as [id, state] pairs (/2: recent_ids + recent_expired); /3 adds
@@ -93,7 +101,6 @@ CHECKPOINT_FORMAT = "lpcal.model_state/3"
 # the daemon cannot read /3 and say so (format mismatch): a certified epoch is not a paper one.
 READABLE_CHECKPOINT_FORMATS = ("lpcal.model_state/1", "lpcal.model_state/2",
                                CHECKPOINT_FORMAT)
-DEFAULT_POOL = 5_000
 #: Sealed epochs waiting for their fit at which the daemon pauses the model's partition
 #: (backpressure). Epochs are never dropped: every sealed epoch is fitted, in order, so the
 #: published versions depend only on the input, not on how fast fits keep up.
@@ -101,17 +108,14 @@ MAX_SEALED = 4
 Calibrator = Callable[[np.ndarray], np.ndarray]
 CalibratorFactory = Callable[[bytes], Calibrator]
 
-_CONFIG_KEYS = ("eps", "p", "delta", "sizing", "mu_pool", "pool", "variant", "mode", "prescale",
-                "outside", "holdout", "warmup", "drift_threshold", "window_samples",
-                "window_seconds", "drift_sustain_seconds", "drift_confidence", "drift_min_samples",
-                "drift_false_alarm_rate", "drift_baseline_samples", "drift_min_shift")
-#: Config keys that shape an epoch's pools and fits: a change on restore starts a new epoch
-#: (:meth:`ModelState.reconcile`); the other keys configure the monitor and the drift trigger.
-EPOCH_CONFIG_KEYS = ("eps", "p", "delta", "sizing", "mu_pool", "pool", "variant", "mode",
-                     "prescale", "outside", "holdout", "warmup")
-_DRIFT_CONFIG_KEYS = ("drift_threshold", "drift_sustain_seconds", "drift_confidence",
-                      "drift_min_samples", "drift_false_alarm_rate", "drift_baseline_samples",
-                      "drift_min_shift")
+#: The keys of a checkpoint's ``config`` object for the :class:`EpochSpec`: its fit spec's
+#: options (``pool`` for ``pool_size``; ``prescale`` and ``outside`` resolved), then its own.
+_EPOCH_KEYS = ("eps", "p", "delta", "sizing", "mu_pool", "pool", "variant", "mode", "prescale",
+               "outside", "holdout", "warmup")
+#: The keys for the :class:`MonitorSpec`: its fields.
+_MONITOR_KEYS = tuple(f.name for f in dataclasses.fields(MonitorSpec))
+#: The keys of a checkpoint's ``config`` object, in the order written.
+CONFIG_KEYS = _EPOCH_KEYS + _MONITOR_KEYS
 #: The change test's settings and the defaults a checkpoint written before them restores with.
 _CHANGE_CONFIG = {"drift_false_alarm_rate": 1e-7, "drift_baseline_samples": 5_000,
                   "drift_min_shift": 0.01}
@@ -128,56 +132,25 @@ def binmap_calibrator(data: bytes) -> Calibrator:
     return lambda probs: bm.apply(probs, check=False)
 
 
-def _config_of(ms: Any) -> dict[str, Any]:
-    """Plain dict of the model settings the state depends on, every default applied
-    (``drift_threshold``; ``prescale``/``outside``/``holdout``/``warmup`` from ``mode``)."""
-    cfg = {key: getattr(ms, key) for key in _CONFIG_KEYS}
-    if cfg["drift_threshold"] is None:
-        cfg["drift_threshold"] = cfg["eps"]
-    for key in ("prescale", "outside", "holdout", "warmup"):
-        value = getattr(ms, f"{key}_value", None)  # ModelSettings' resolved value
-        if value is not None:
-            cfg[key] = value
-    cfg["p"] = float(cfg["p"])
-    return cfg
+def config_of(epoch: EpochSpec, monitor: MonitorSpec) -> dict[str, Any]:
+    """The checkpoint's ``config`` object of two specs (:data:`CONFIG_KEYS`; ``p`` a float)."""
+    f = epoch.fit
+    return {"eps": f.eps, "p": f.p, "delta": f.delta, "sizing": f.sizing.value,
+            "mu_pool": f.mu_pool, "pool": f.pool_size, "variant": f.variant.value,
+            "mode": f.mode.value, "prescale": f.prescale_value.value,
+            "outside": f.outside_value.value, "holdout": epoch.holdout, "warmup": epoch.warmup,
+            **{key: getattr(monitor, key) for key in _MONITOR_KEYS}}
 
 
-def change_detector(cfg: Mapping[str, Any]) -> ChangeDetector:
-    """A fresh change test (:mod:`daemon.drift`) with the settings of ``cfg``."""
-    return ChangeDetector(false_alarm_rate=float(cfg["drift_false_alarm_rate"]),
-                          baseline_samples=int(cfg["drift_baseline_samples"]),
-                          min_shift=float(cfg["drift_min_shift"]))
-
-
-def fit_spec(cfg: Mapping[str, Any]) -> FitSpec:
-    """The :class:`lpcal.spec.FitSpec` of a model's config (the options of its fits; the
-    daemon's practical default is ``pool`` = 5000 samples per estimation pool)."""
-    options = {key: cfg[key] for key in ("mode", "prescale", "outside") if key in cfg}
-    return FitSpec(eps=cfg["eps"], p=cfg["p"], delta=cfg["delta"], sizing=cfg["sizing"],
-                   pool_size=int(cfg["pool"] or DEFAULT_POOL),
-                   mu_pool=None if cfg["mu_pool"] is None else int(cfg["mu_pool"]),
-                   variant=cfg["variant"], **options)
-
-
-def _check_config(cfg: Mapping[str, Any]) -> None:
-    """Raise :class:`InputError` for a config an epoch cannot run (settings validation rejects
-    these at startup; this guards configs built by hand or read from a checkpoint): the fit
-    options through :class:`FitSpec`, then the epoch's warm-up and held-out share."""
-    fit_spec(cfg)
-    for key in ("holdout", "warmup"):
-        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 0:
-            raise InputError(f"{key} must be an integer >= 0, got {cfg[key]!r}")
-    if (cfg["prescale"] == "temperature") != (cfg["warmup"] > 0):
-        raise InputError(f"prescale={cfg['prescale']!r} with warmup={cfg['warmup']}: the "
-                         "temperature needs warm-up samples, and only it uses them")
-
-
-def layout_for(cfg: Mapping[str, Any], k: int) -> PoolLayout:
-    """Pool layout of an epoch (:meth:`lpcal.spec.FitSpec.pool_sizing` of :func:`fit_spec`),
-    plus the ``holdout`` share and the ``warmup`` samples of the config."""
-    sizing = fit_spec(cfg).pool_sizing(k, holdout=int(cfg.get("holdout") or 0),
-                                       warmup=int(cfg.get("warmup") or 0))
-    return sizing.layout()
+def specs_of(cfg: Mapping[str, Any]) -> tuple[EpochSpec, MonitorSpec]:
+    """The two specs of a checkpoint's ``config`` object (every key of :data:`CONFIG_KEYS`;
+    ``p`` a number or ``"inf"``): :class:`InputError` for options an epoch cannot run."""
+    fit = FitSpec(eps=cfg["eps"], p=cfg["p"], delta=cfg["delta"], sizing=cfg["sizing"],
+                  pool_size=cfg["pool"],
+                  mu_pool=cfg["mu_pool"], variant=cfg["variant"], mode=cfg["mode"],
+                  prescale=cfg["prescale"], outside=cfg["outside"])
+    epoch = EpochSpec(fit, holdout=cfg["holdout"], warmup=cfg["warmup"])
+    return epoch, MonitorSpec(**{key: cfg[key] for key in _MONITOR_KEYS})
 
 
 @dataclass
@@ -207,15 +180,18 @@ _PROVISIONAL_K = 2
 class ModelState:
     """Per-model pools, monitor, join buffer, triggers, bin map, epoch and offsets."""
 
-    def __init__(self, model: str, k: int, config: Mapping[str, Any], layout: PoolLayout,
-                 join: JoinStore, *, monitor: WindowMonitor | None = None,
+    def __init__(self, model: str, k: int, epoch_spec: EpochSpec, monitor_spec: MonitorSpec,
+                 layout: PoolLayout, join: JoinStore, *, monitor: WindowMonitor | None = None,
                  triggers: Triggers | None = None,
                  calibrator_factory: CalibratorFactory = binmap_calibrator,
                  eval_interval: float = 1.0):
         self.model = model
         self.k = int(k)
-        self.config = dict(config)
-        self.lam = lambda_for(beta_for(self.config["eps"], self.config["p"]))
+        #: how the epochs are filled and fitted (:class:`daemon.specs.EpochSpec`)
+        self.epoch_spec = epoch_spec
+        #: the window, drift trigger and change test (:class:`daemon.specs.MonitorSpec`)
+        self.monitor_spec = monitor_spec
+        self.lam = epoch_spec.lam
         kk = self.k or _PROVISIONAL_K
         if layout.k != kk or layout.lam != self.lam:
             raise InputError(f"model {model!r}: layout has (k, lambda) = ({layout.k}, "
@@ -225,17 +201,14 @@ class ModelState:
         self.fill_epoch = 0                    # epoch number of ``filling``
         self.sealed: list[tuple[int, PoolSet]] = []  # full epochs, oldest first
         self.join = join
-        self.monitor = monitor or WindowMonitor(
-            kk, self.lam, self.config["p"], window_samples=self.config["window_samples"],
-            window_seconds=self.config["window_seconds"])
+        self.monitor = monitor or self._new_monitor(kk)
+        change = monitor_spec.change_detector()
         if self.monitor.change is None or (self.monitor.change.settings()[:3]
-                                           != change_detector(self.config).settings()[:3]):
+                                           != change.settings()[:3]):
             # a new monitor, one restored from before the change test, or new test settings:
             # the test starts its baseline with the next calibrated samples
-            self.monitor.set_change(change_detector(self.config))
-        self.triggers = triggers or Triggers(DriftTrigger(
-            self.config["drift_threshold"], self.config["drift_sustain_seconds"],
-            min_samples=self.config["drift_min_samples"]))
+            self.monitor.set_change(change)
+        self.triggers = triggers or Triggers(monitor_spec.drift_trigger())
         self.binmap: bytes | None = None
         self.binmap_version = 0
         self.offsets: dict[str, dict[int, int]] = {}
@@ -258,16 +231,16 @@ class ModelState:
     @classmethod
     def create(cls, model: str, k: int, ms: Any, join: Any, *,
                calibrator_factory: CalibratorFactory = binmap_calibrator) -> ModelState:
-        """New state from model settings ``ms`` (a ModelSettings) and join settings ``join``."""
-        cfg = _config_of(ms)
+        """New state from model settings ``ms`` (a ModelSettings: its ``epoch_spec()`` and
+        ``monitor_spec()``) and join settings ``join``."""
         try:
-            _check_config(cfg)
+            epoch, mon = ms.epoch_spec(), ms.monitor_spec()
+            layout = epoch.layout(k or _PROVISIONAL_K)
         except InputError as e:
             raise InputError(f"model {model!r}: {e}") from None
         store = JoinStore(join.max_pending_per_model, join.ttl_seconds,
                           getattr(join, "recent_per_model", None))
-        st = cls(model, k, cfg, layout_for(cfg, k or _PROVISIONAL_K), store,
-                 calibrator_factory=calibrator_factory)
+        st = cls(model, k, epoch, mon, layout, store, calibrator_factory=calibrator_factory)
         st.sample_rate = float(getattr(ms, "sample_rate", 1.0))
         return st
 
@@ -313,14 +286,23 @@ class ModelState:
         first): build the pools and the monitor for ``k``; the join buffer, with the outcomes
         that wait for their predictions, the triggers, offsets and counters are kept."""
         self.k = int(k)
-        self.layout = layout_for(self.config, self.k)
+        self.layout = self.epoch_spec.layout(self.k)
         self.filling = PoolSet(self.layout)
         self.sealed = []
-        self.monitor = WindowMonitor(
-            self.k, self.lam, self.config["p"], window_samples=self.config["window_samples"],
-            window_seconds=self.config["window_seconds"], max_bytes=self._monitor_budget(),
-            change=change_detector(self.config))
+        self.monitor = self._new_monitor(self.k, max_bytes=self._monitor_budget())
         self._last_eval = None
+
+    def _new_monitor(self, k: int, max_bytes: int | None = None) -> WindowMonitor:
+        """An empty window for ``k`` classes, with the monitor spec's size and change test."""
+        mon = self.monitor_spec
+        return WindowMonitor(k, self.lam, self.fit_spec.p, window_samples=mon.window_samples,
+                             window_seconds=mon.window_seconds, max_bytes=max_bytes,
+                             change=mon.change_detector())
+
+    @property
+    def fit_spec(self) -> FitSpec:
+        """The options of this model's fits (:func:`lpcal.calibrate.fit_pools`)."""
+        return self.epoch_spec.fit
 
     def bound_clocks(self, limit: float) -> bool:
         """Pull the event-time clocks (join watermark and TTL deadlines, monitor window, drift
@@ -403,7 +385,7 @@ class ModelState:
 
     def evaluate(self) -> dict[str, WindowStats | None]:
         """Window metrics of both predictors, at the drift confidence ``z``."""
-        return self.monitor.evaluate(self.config["drift_confidence"])
+        return self.monitor.evaluate(self.monitor_spec.drift_confidence)
 
     def check_triggers(self, now: float, *, busy: bool = False,
                        stats: Mapping[str, WindowStats | None] | None = None
@@ -522,7 +504,7 @@ class ModelState:
 
     # ---------------------------------------------------------------- checkpoint
     def to_dict(self) -> dict[str, Any]:
-        cfg = dict(self.config)
+        cfg = config_of(self.epoch_spec, self.monitor_spec)
         cfg["p"] = "inf" if math.isinf(cfg["p"]) else cfg["p"]
         return {
             "format": CHECKPOINT_FORMAT,
@@ -584,12 +566,10 @@ class ModelState:
                     cfg.setdefault(key, value)
             for key, value in _CHANGE_CONFIG.items():  # written before the change test
                 cfg.setdefault(key, value)
-            missing = [key for key in _CONFIG_KEYS if key not in cfg]
+            missing = [key for key in CONFIG_KEYS if key not in cfg]
             if missing:
                 raise ValueError(f"config lacks {missing}")
-            cfg = {**{key: cfg[key] for key in _CONFIG_KEYS}, **cfg}  # canonical key order
-            cfg["p"] = math.inf if cfg["p"] == "inf" else float(cfg["p"])
-            _check_config(cfg)
+            epoch, mon = specs_of(cfg)
             part = "filling"
             pools = PoolSet.from_dict(d["filling"])
             part = "sealed"
@@ -602,8 +582,8 @@ class ModelState:
             part = "triggers"
             triggers = Triggers.from_dict(d["triggers"])
             part = "header"
-            st = cls(model, k, cfg, pools.layout, join, monitor=monitor, triggers=triggers,
-                     calibrator_factory=calibrator_factory)
+            st = cls(model, k, epoch, mon, pools.layout, join, monitor=monitor,
+                     triggers=triggers, calibrator_factory=calibrator_factory)
             st.filling = pools
             for e, ps in sealed:
                 if (ps.layout.k, ps.layout.lam) != (k or _PROVISIONAL_K, st.lam):
@@ -647,38 +627,42 @@ class ModelState:
           applies to another k); the offsets covered, the bin-map version counter (so later
           versions stay above those published) and the sample counters are kept, and the
           next epoch starts.
-        * a key of :data:`EPOCH_CONFIG_KEYS` differs (eps, p and so lambda, delta, pool sizes,
-          mode, held-out share, warm-up, ...): a new epoch starts with the new config and
+        * the :class:`daemon.specs.EpochSpec` differs (eps, p and so lambda, delta, pool sizes,
+          mode, held-out share, warm-up, ...): a new epoch starts with the new spec and
           layout; the filling and sealed pools are discarded. The join buffer is kept (same
           k); the monitor and the bin map are kept only if lambda is unchanged.
-        * only monitor or drift keys differ: they take effect (a new window or new triggers).
+        * only the :class:`daemon.specs.MonitorSpec` differs: it takes effect (a new window
+          when a field of :data:`MonitorSpec.WINDOW` changed, new triggers and change test
+          when one of :data:`MonitorSpec.DRIFT` did).
+
+        ``detail`` names every changed setting with its old and new value.
 
         Raises :class:`InputError` for settings an epoch cannot run."""
-        cfg = _config_of(ms)
-        _check_config(cfg)
+        epoch_spec, mon = ms.epoch_spec(), ms.monitor_spec()
         if self.k == 0 and k:  # k pinned since: learn it, keeping the waiting outcomes
             self._learn_k(int(k))
         want_k = self.k if not k else int(k)
-        changed = [key for key in _CONFIG_KEYS if self.config.get(key) != cfg.get(key)]
-        if want_k == self.k and not changed:
+        old_cfg, cfg = config_of(self.epoch_spec, self.monitor_spec), config_of(epoch_spec, mon)
+        changed = [key for key in CONFIG_KEYS if old_cfg[key] != cfg[key]]
+        if want_k == self.k and epoch_spec == self.epoch_spec and mon == self.monitor_spec:
             return self, "restored", ""
         if want_k != self.k:
             new_join = JoinStore(join.max_pending_per_model, join.ttl_seconds,
                                  getattr(join, "recent_per_model", None))
-            st = ModelState(self.model, want_k, cfg, layout_for(cfg, want_k), new_join,
-                            calibrator_factory=self._factory, eval_interval=self.eval_interval)
+            st = ModelState(self.model, want_k, epoch_spec, mon, epoch_spec.layout(want_k),
+                            new_join, calibrator_factory=self._factory,
+                            eval_interval=self.eval_interval)
             outcome = "k_changed"
             detail = f"k {self.k} -> {want_k}" + (f"; {', '.join(changed)} changed"
                                                     if changed else "")
         else:
-            lam = lambda_for(beta_for(cfg["eps"], cfg["p"]))
+            lam = epoch_spec.lam
             same_lam = lam == self.lam
-            window = same_lam and all(cfg[x] == self.config[x]
-                                      for x in ("window_samples", "window_seconds"))
-            drift = all(cfg[x] == self.config[x] for x in _DRIFT_CONFIG_KEYS)
-            epoch = any(key in EPOCH_CONFIG_KEYS for key in changed)
-            layout = layout_for(cfg, self.k) if epoch else self.layout
-            st = ModelState(self.model, self.k, cfg, layout, self.join,
+            window = same_lam and mon.same(self.monitor_spec, MonitorSpec.WINDOW)
+            drift = mon.same(self.monitor_spec, MonitorSpec.DRIFT)
+            epoch = epoch_spec != self.epoch_spec
+            layout = epoch_spec.layout(self.k) if epoch else self.layout
+            st = ModelState(self.model, self.k, epoch_spec, mon, layout, self.join,
                             monitor=self.monitor if window else None,
                             triggers=self.triggers if drift else None,
                             calibrator_factory=self._factory, eval_interval=self.eval_interval)
@@ -687,8 +671,7 @@ class ModelState:
             if same_lam and self.binmap is not None:
                 st.binmap, st._calibrator = self.binmap, self._calibrator
             outcome = "config_changed"
-            detail = ", ".join(f"{key} {self.config.get(key)!r} -> {cfg.get(key)!r}"
-                               for key in changed)
+            detail = ", ".join(f"{key} {old_cfg[key]!r} -> {cfg[key]!r}" for key in changed)
             if epoch:
                 detail += "; a new epoch starts"
             if not same_lam:

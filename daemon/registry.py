@@ -167,7 +167,7 @@ class ModelRegistry:
         st = ModelState.create(model, int(k), self.s.model_settings(model), self.s.join)
         self.slots[model] = ModelSlot(st, partition)
         self.metrics.register_model(model)
-        self.metrics.set_drift_threshold(model, st.config["drift_threshold"])
+        self.metrics.set_drift_threshold(model, st.monitor_spec.drift_threshold)
         served = None if self.published is None else self.published(model)
         if served is not None and served.version > st.binmap_version:
             if (served.bm.k, served.bm.lam) == (st.k, st.lam):

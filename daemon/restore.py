@@ -337,7 +337,7 @@ class Restore:
             st.install_binmap(data, bm.version)
             self.registry.dirty.add(model)
             self.metrics.set_binmap_published(model, bm.version)
-            self._export_certificate(model, bm.certificate)
+            self._export_certificate(model, bm.certificate and bm.certificate.to_dict())
             log.info("model %s: adopted published bin map version %d", model, bm.version)
 
     async def _published_after_checkpoint(self, model: str, published: float | str | None

@@ -14,7 +14,9 @@ JSON layout (schema 2; orjson; UTF-8)::
      "mode": "certified" | "paper",
      "certificate": null | {"method", "eps", "p", "lam", "delta", "n_holdout",
                             "estimates": {candidate: {"err_p", "bound", "brier"}},
-                            "selected", "certified"},
+                            "selected", "certified", "selectable", "vacuous"}
+                     (:meth:`lpcal.certificate.Certificate.to_dict`; ``BinMap.certificate`` is
+                     the :class:`~lpcal.certificate.Certificate`),
      "floor": {"eta", "classes"} (absent in maps of lpcal versions without the floor),
      "signature": {"alg": "ed25519", "key_id", "sig"} (only in signed maps),
      "checksum": "sha256:<hex>"}
@@ -53,15 +55,15 @@ from typing import Any
 import numpy as np
 import orjson
 
+from lpcal.certificate import Certificate
 from lpcal.errors import ArtifactError, InputError
 from lpcal.kernels import ApplyPlan, scale_temperature  # noqa: F401 (re-exported)
 from lpcal.levels import BinIndex, decode_keys
 from lpcal.simplex import lift_zeros
+from lpcal.spec import Mode, Outside
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
-_MODES = ("certified", "paper")
-_OUTSIDE = ("rho", "identity")
 MAX_VERSION = 2 ** 53 - 1
 """Largest bin-map version (the largest integer exact in a float64 and in JSON readers)."""
 
@@ -104,7 +106,9 @@ class BinMap:
 
     Attributes are the JSON fields of the module docstring; ``bins``, ``group`` and ``preds``
     (read-only arrays) describe ``B`` and its groups, ``temperature`` the pre-calibrator and
-    ``certificate`` the held-out evaluation (:class:`lpcal.certificate.Certificate` as a dict).
+    ``certificate`` the held-out evaluation (a :class:`lpcal.certificate.Certificate`, written
+    as its :meth:`~lpcal.certificate.Certificate.to_dict`). ``mode`` and ``outside`` are the
+    values of :class:`lpcal.spec.Mode` and :class:`lpcal.spec.Outside`.
 
     Examples
     --------
@@ -141,26 +145,22 @@ class BinMap:
     group: np.ndarray  # (|B|,) int
     preds: np.ndarray  # (|G|, k) float
     mode: str = "paper"
-    certificate: dict | None = None  # lpcal.certificate.Certificate.to_dict()
+    certificate: Certificate | None = None
     floor: dict | None = None  # {"eta", "classes"}: the probability floor (lpcal.calibrate)
     bin_rows: dataclasses.InitVar[np.ndarray | None] = None  # rows of ``bins``, if known
 
     def __post_init__(self, bin_rows: np.ndarray | None):
-        if self.outside not in _OUTSIDE:
-            raise ArtifactError(f"outside must be one of {_OUTSIDE}, got {self.outside!r}")
-        if self.mode not in _MODES:
-            raise ArtifactError(f"mode must be one of {_MODES}, got {self.mode!r}")
+        object.__setattr__(self, "outside", _enum_value(Outside, "outside", self.outside))
+        object.__setattr__(self, "mode", _enum_value(Mode, "mode", self.mode))
         if self.temperature is not None and not (
                 isinstance(self.temperature, float) and math.isfinite(self.temperature)
                 and self.temperature > 0):
             raise ArtifactError(f"temperature must be positive and finite, got "
                                 f"{self.temperature!r}")
-        if self.certificate is not None:
-            from lpcal.certificate import Certificate
-            try:
-                Certificate.from_dict(self.certificate)
-            except InputError as e:
-                raise ArtifactError(str(e)) from None
+        if self.certificate is not None and not isinstance(self.certificate, Certificate):
+            raise ArtifactError(f"certificate must be a lpcal.certificate.Certificate or None, "
+                                f"got {type(self.certificate).__name__} (Certificate.from_dict "
+                                "reads its JSON form)")
         object.__setattr__(self, "_floor", _floor_mask(self.floor, self.k))
         # callers that built ``bins`` from their rows (fit_pools) pass them, saving the parse
         rows = decode_keys(self.bins, self.k, self.lam) if bin_rows is None else bin_rows
@@ -284,8 +284,18 @@ class BinMap:
             "group": self.group.tolist(),
             "preds": [_encode_pred(r) for r in self.preds],
             "mode": self.mode,
-            "certificate": self.certificate,
+            "certificate": self._certificate_doc(),
         } | ({} if self.floor is None else {"floor": self.floor})
+
+    def _certificate_doc(self) -> dict | None:
+        """The JSON form of :attr:`certificate`: for a map loaded from an artifact, the
+        certificate object exactly as it was read (so ``to_json`` writes back the same bytes,
+        even for certificates written before some of their fields existed); else
+        :meth:`~lpcal.certificate.Certificate.to_dict`."""
+        if self.certificate is None:
+            return None
+        loaded = self.__dict__.get("_loaded_certificate")
+        return loaded if loaded is not None else self.certificate.to_dict()
 
     @staticmethod
     def _digest(content: dict) -> str:
@@ -359,6 +369,8 @@ class BinMap:
         try:
             p = math.inf if obj["p"] == "inf" else float(obj["p"])
             k = int(obj["k"])
+            cert_doc = None if schema < 2 or obj["certificate"] is None else dict(
+                obj["certificate"])
             preds = np.array([_decode_pred(o, k, g) for g, o in enumerate(obj["preds"])]
                              ).reshape(-1, k)
             bm = cls(
@@ -371,8 +383,7 @@ class BinMap:
                 est_error=dict(obj["est_error"]), bins=tuple(obj["bins"]),
                 group=np.asarray(obj["group"], dtype=np.int64), preds=preds,
                 mode=str(obj["mode"]) if schema >= 2 else "paper",
-                certificate=None if schema < 2 or obj["certificate"] is None
-                else dict(obj["certificate"]),
+                certificate=None if cert_doc is None else Certificate.from_dict(cert_doc),
                 floor=None if obj.get("floor") is None else dict(obj["floor"]),
             )
         except KeyError as e:
@@ -384,6 +395,7 @@ class BinMap:
         if bm.n_bins != obj.get("n_bins") or bm.n_groups != obj.get("n_groups"):
             raise ArtifactError(f"{where}: n_bins/n_groups disagree with the stored bins")
         object.__setattr__(bm, "_artifact_checksum", checksum)
+        object.__setattr__(bm, "_loaded_certificate", cert_doc)
         object.__setattr__(bm, "_verified_by", verified_by)
         object.__setattr__(bm, "_signature_key_id", None if not isinstance(signature, dict)
                            else str(signature.get("key_id")))
@@ -397,8 +409,17 @@ class BinMap:
             "iterations": self.iterations, "stop_reason": self.stop_reason,
             "temperature": self.temperature, "outside": self.outside,
             "est_error": self.est_error, "sizing_mode": self.sizing.get("mode"),
-            "mode": self.mode, "certificate": self.certificate, "floor": self.floor,
+            "mode": self.mode, "certificate": self._certificate_doc(), "floor": self.floor,
         }
+
+
+def _enum_value(enum: type[Mode | Outside], name: str, value: Any) -> str:
+    """``value`` as the plain string of a member of ``enum``, else :class:`ArtifactError`."""
+    try:
+        return enum(value).value
+    except ValueError:
+        allowed = ", ".join(repr(e.value) for e in enum)
+        raise ArtifactError(f"{name} must be one of {allowed}, got {value!r}") from None
 
 
 def _floor_mask(floor: Any, k: int) -> tuple[np.ndarray, float] | None:

@@ -38,7 +38,8 @@ Two modes (``mode=``), one switch apart:
     ``2 FLOOR_SHARE eps = eps / 50``.
 
 ``fit_pools`` is the functional kernel the daemon uses: it takes a filled :class:`PoolSet` and
-returns a :class:`BinMap`:
+the :class:`lpcal.spec.FitSpec` of the fit (the same type :func:`fit` takes) and returns a
+:class:`BinMap`:
 
 1. ``beta``, ``lambda`` from ``(eps, p)``;
 2. ``mu_hat_v`` = share of the ``mu`` pool in bin ``v``; ``B = {v : mu_hat_v >= beta/6}``, ordered
@@ -74,18 +75,12 @@ from lpcal.pools import PoolSet, tables_from_rows
 from lpcal.precalibrate import TemperatureGrid
 from lpcal.simplex import lift_zeros
 from lpcal.sizing import Sizing
-from lpcal.spec import MODE_DEFAULTS as SPEC_MODE_DEFAULTS
-from lpcal.spec import FitSpec, Mode, Outside, Prescale, parse_p
+from lpcal.spec import FitSpec, Mode, Outside, Prescale
 
-MODES = tuple(m.value for m in Mode)
 FLOOR_SHARE = 0.01
 """Probability floor of published bin maps: a prediction with an exact 0 on a class seen in the
 fit pools gets ``eta = FLOOR_SHARE * eps / m`` on each of the ``m`` such classes (see
 :func:`probability_floor`); this moves ``Err_p`` by at most ``2 FLOOR_SHARE eps = eps / 50``."""
-_OUTSIDE = tuple(o.value for o in Outside)
-#: What each mode implies for the options left at None (plain strings; see lpcal.spec).
-MODE_DEFAULTS = {m.value: {k: getattr(v, "value", v) for k, v in d.items()}
-                 for m, d in SPEC_MODE_DEFAULTS.items()}
 
 
 def select_high_probability_bins(pools: PoolSet, beta: float):
@@ -122,17 +117,12 @@ def _level_counts(pools: PoolSet, hB: np.ndarray, sizing: Sizing | None) -> list
 
 def fit_pools(
     pools: PoolSet,
+    spec: FitSpec,
     *,
-    eps: float,
-    p: float,
-    delta: float = 0.1,
-    sizing: Sizing | None = None,
-    seed: int = 0,
+    seed: int | None = None,
     model_id: str = "model",
     version: int = 1,
-    mode: str = "certified",
-    outside: str = "identity",
-    max_iter: int | None = None,
+    sizing: Sizing | None = None,
     progress: Callable[[int, float], None] | None = None,
 ) -> BinMap:
     """Run Algorithm 2 on filled pools, certify on their held-out sums, return the bin map.
@@ -143,18 +133,23 @@ def fit_pools(
         Filled pools. If ``pools.temperature`` is set they hold bins of ``softmax(log f / T)``
         and the map applies that temperature first; if ``pools.holdout`` holds samples, the map
         carries a :class:`lpcal.certificate.Certificate`.
-    eps, p, delta : float
-        Target ``Err_p <= eps`` (``p`` > 1 or inf, :func:`lpcal.spec.parse_p`), failure
-        probability ``delta`` (also the certificate's level ``1 - delta``).
-    mode : {"certified", "paper"}
-        ``"certified"``: the pre-calibrator alone competes with the corrected map (module
-        docstring). ``"paper"``: the corrected map is published (and certified if held-out sums
-        exist).
-    outside : {"identity", "rho"}
-        What the map returns outside ``B``: the (pre-calibrated) input, or ``rho(R(.))``.
-    sizing, seed, model_id, version, max_iter, progress
-        Recorded sizing, tie-breaking seed, artifact identity, iteration cap, progress callback
-        ``(iteration, largest estimated error)``.
+    spec : FitSpec
+        The options of the fit (:class:`lpcal.spec.FitSpec`). Used here: ``eps`` (a number:
+        ``"auto"`` needs a sample, :func:`fit`), ``p``, ``delta`` (also the certificate's level
+        ``1 - delta``), ``mode`` (``certified``: the pre-calibrator alone competes with the
+        corrected map, module docstring; ``paper``: the corrected map is published, and
+        certified if held-out sums exist), ``outside`` (with its default from ``mode``: what
+        the map returns outside ``B``, the (pre-calibrated) input or ``rho(R(.))``) and
+        ``max_iter``. The pools' sizes are the pools' own (their layout), whatever the
+        spec's sizing options say.
+    seed : int, optional
+        Tie-breaking seed of the kernel (default: ``spec.seed``).
+    model_id, version
+        Artifact identity.
+    sizing : Sizing, optional
+        The sizing the pools were built with, recorded in the map (with its noise scales).
+    progress : callable, optional
+        Called as ``progress(iteration, largest estimated error)`` during the kernel.
 
     Returns
     -------
@@ -163,23 +158,26 @@ def fit_pools(
     Raises
     ------
     InputError
-        Unknown ``mode``/``outside``, pools binned at another lambda, or an empty ``mu`` pool.
+        ``spec`` not a :class:`FitSpec` or with ``eps = "auto"``, pools binned at another
+        lambda, or an empty ``mu`` pool.
     """
-    if mode not in MODES:
-        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
-    if outside not in _OUTSIDE:
-        raise InputError(f"outside must be one of {_OUTSIDE}, got {outside!r}")
-    p = parse_p(p)
-    beta = beta_for(eps, p)
-    lam = lambda_for(beta)
+    if not isinstance(spec, FitSpec):
+        raise InputError(f"fit_pools takes a FitSpec (lpcal.spec.FitSpec(eps=..., p=...)), got "
+                         f"{type(spec).__name__}")
+    if spec.eps_auto:
+        raise InputError("eps='auto' is chosen from a sample (lpcal.fit); fit_pools needs a "
+                         "number")
+    eps, p, delta, mode, outside = spec.eps, spec.p, spec.delta, spec.mode, spec.outside_value
+    beta, lam = spec.beta, spec.lam
     lay = pools.layout
     if lay.lam != lam:
         raise InputError(f"pools were binned at lambda={lay.lam}, but eps={eps}, p={p} need "
                          f"lambda={lam}")
     hB, cB, keys = select_high_probability_bins(pools, beta)
     levels = _level_counts(pools, hB, sizing)
-    threshold = beta / 2.0 if mode == "paper" else beta / 8.0
-    res = run_kernel(cB, levels, beta=beta, lam=lam, p=p, seed=seed, max_iter=max_iter,
+    threshold = beta / 2.0 if mode is Mode.PAPER else beta / 8.0
+    res = run_kernel(cB, levels, beta=beta, lam=lam, p=p,
+                     seed=spec.seed if seed is None else seed, max_iter=spec.max_iter,
                      progress=progress, threshold=threshold)
     sizing_info = sizing.to_dict() if sizing is not None else {
         "mode": "pools", "variant": lay.variant, "levels": lay.levels,
@@ -194,17 +192,17 @@ def fit_pools(
                     delta=delta, mode=mode, outside=outside, floor=floor)
     if cert is not None and cert.selected == "precalibrator":
         bins, group, preds, rows = (), np.zeros(0, np.int64), np.zeros((0, lay.k)), None
-        outside = "identity"
+        outside = Outside.IDENTITY
     return BinMap(
         model_id=model_id, version=version, created_at=utc_now(), eps=float(eps), p=float(p),
         delta=float(delta), beta=beta, lam=lam, k=lay.k, temperature=pools.temperature,
-        outside=outside, sizing=sizing_info, iterations=res.iterations,
+        outside=outside.value, sizing=sizing_info, iterations=res.iterations,
         stop_reason=res.stop_reason,
         est_error={"err_p": res.est_err_p, "err_max": res.est_err_max, "threshold": threshold,
                    "iterations_run": res.iterations_run, "merges": res.n_merges,
                    "mass_outside_B": _mass_outside(pools, hB)},
-        bins=bins, group=group, preds=preds, bin_rows=rows, mode=mode,
-        certificate=None if cert is None else cert.to_dict(), floor=floor,
+        bins=bins, group=group, preds=preds, bin_rows=rows, mode=mode.value,
+        certificate=cert, floor=floor,
     )
 
 
@@ -246,13 +244,13 @@ def _mask(floor: dict, k: int) -> np.ndarray:
 
 
 def _certify(pools: PoolSet, hB: np.ndarray, bin_preds: np.ndarray, *, eps: float, p: float,
-             lam: int, delta: float, mode: str, outside: str,
+             lam: int, delta: float, mode: Mode, outside: Outside,
              floor: dict | None = None) -> Certificate | None:
     """The held-out certificate of the candidates (None without held-out samples)."""
     hold = pools.holdout
     if hold is None or hold.n == 0:
         return None
-    if outside == "rho":  # constant rho(v) on every held-out bin outside B
+    if outside is Outside.RHO:  # constant rho(v) on every held-out bin outside B
         out = ~np.isin(hold.hashes, hB)
         hashes = np.concatenate([hB, hold.hashes[out]])
         fallback = rho(hold.rows[out], lam).astype(np.float64)
@@ -262,7 +260,7 @@ def _certify(pools: PoolSet, hB: np.ndarray, bin_preds: np.ndarray, *, eps: floa
     else:
         hashes, consts = hB, bin_preds
     candidates = {"corrected": hold.cells(hashes, consts)}
-    if mode == "certified":
+    if mode is Mode.CERTIFIED:
         candidates = {"precalibrator": hold.cells(), **candidates}
     return certify_and_select(candidates, eps=eps, p=p, lam=lam, delta=delta,
                               reported={"raw": pools.holdout_raw.cells()})
@@ -402,7 +400,7 @@ def fit(
     >>> q = np.exp(z / 3) / np.exp(z / 3).sum(axis=1, keepdims=True)  # true label law
     >>> y = (q.cumsum(axis=1) > rng.random(20000)[:, None]).argmax(axis=1)
     >>> bm = fit(f, y, eps=0.05, p=math.inf)
-    >>> bm.certificate["selected"], bm.certificate["certified"]
+    >>> bm.certificate.selected, bm.certificate.certified
     ('precalibrator', True)
     >>> round(bm.temperature)
     3
@@ -450,9 +448,8 @@ def fit(
     if n_hold:
         pools.holdout.update(x[hold], y[hold])
         pools.holdout_raw.update(x_raw[hold], y[hold])
-    return fit_pools(pools, eps=eps, p=p, delta=delta, sizing=sz, seed=spec.seed,
-                     model_id=model_id, mode=spec.mode.value, outside=spec.outside_value.value,
-                     max_iter=spec.max_iter, progress=progress)
+    return fit_pools(pools, spec, seed=spec.seed, model_id=model_id, sizing=sz,
+                     progress=progress)
 
 
 def _precalibrator_only(x: np.ndarray, y: np.ndarray, *, eps: float, p: float, delta: float,
@@ -473,5 +470,5 @@ def _precalibrator_only(x: np.ndarray, y: np.ndarray, *, eps: float, p: float, d
                                                                    candidates=2)},
         iterations=0, stop_reason="not_run", est_error={}, bins=(),
         group=np.zeros(0, np.int64), preds=np.zeros((0, k)), mode="certified",
-        certificate=cert.to_dict(), floor={"eta": FLOOR_SHARE * float(eps) / int(seen.size),
+        certificate=cert, floor={"eta": FLOOR_SHARE * float(eps) / int(seen.size),
                                            "classes": seen.tolist()})

@@ -441,7 +441,18 @@ class Certificate:
                 "selectable": self.selectable, "vacuous": self.vacuous}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Certificate:
+    def from_dict(cls, d: Mapping[str, Any] | Certificate) -> Certificate:
+        """The certificate of its JSON form (:meth:`to_dict`; certificates written before
+        ``selectable`` and ``vacuous`` existed read with their defaults); a
+        :class:`Certificate` is returned as it is (what ``BinMap.certificate`` now holds).
+
+        Raises
+        ------
+        InputError
+            A missing or malformed field, naming it.
+        """
+        if isinstance(d, Certificate):
+            return d
         try:
             est = {str(k): Estimate(float(v["err_p"]), float(v["bound"]), float(v["brier"]))
                    for k, v in dict(d["estimates"]).items()}

@@ -20,10 +20,19 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from lpcal.binmap import BinMap
-from lpcal.certificate import Certificate
 from lpcal.errors import InputError, LpcalError
 from lpcal.io import check_output_path, load_predictions, save_npz, write_output
-from lpcal.spec import P_DOMAIN, parse_p
+from lpcal.spec import (
+    EPS_AUTO,
+    P_DOMAIN,
+    FitSpec,
+    Mode,
+    Outside,
+    Prescale,
+    SizingRule,
+    Variant,
+    parse_p,
+)
 
 
 def _p(text: str) -> float:
@@ -44,8 +53,8 @@ def _lam(text: str) -> int:
 
 
 def _eps(text: str) -> float | str:
-    if text.lower() == "auto":
-        return "auto"
+    if text.lower() == EPS_AUTO:
+        return EPS_AUTO
     try:
         return float(text)
     except ValueError:
@@ -100,13 +109,13 @@ def cmd_fit(a) -> int:
     from lpcal.calibrate import fit
 
     check_output_path(a.out)
+    spec = FitSpec(eps=a.eps, p=a.p, delta=a.delta, pool_size=a.pool_size, sizing=a.sizing,
+                   seed=a.seed, mode=a.mode, prescale=a.prescale, outside=a.outside,
+                   holdout_fraction=a.holdout_fraction, variant=a.variant)
     probs, labels = load_predictions(a.input, logits=a.logits)
     prog = _Progress()
     t0 = time.time()
-    bm = fit(probs, labels, eps=a.eps, p=a.p, delta=a.delta, pool_size=a.pool_size,
-             sizing=a.sizing, seed=a.seed, mode=a.mode, prescale=a.prescale,
-             outside=a.outside, holdout_fraction=a.holdout_fraction, variant=a.variant,
-             model_id=a.model_id, progress=prog)
+    bm = fit(probs, labels, spec, model_id=a.model_id, progress=prog)
     prog.done()
     write_output(a.out, bm.to_json())
     s = bm.summary()
@@ -114,10 +123,10 @@ def cmd_fit(a) -> int:
           f"{s['iterations']} iterations ({s['stop_reason']}), lambda = {bm.lam}, "
           f"temperature {'none' if bm.temperature is None else f'{bm.temperature:.4g}'}, "
           f"fit {time.time() - t0:.2f} s")
-    if a.eps == "auto":
+    if a.eps == EPS_AUTO:
         print(f"eps auto: {bm.eps:g} (lambda = {bm.lam})")
     if bm.certificate is not None:
-        print(Certificate.from_dict(bm.certificate).format())
+        print(bm.certificate.format())
     return 0
 
 
@@ -147,7 +156,7 @@ def cmd_eval(a) -> int:
     print(format_table(cols, lam, probs.shape[0]))
     if bm is not None:
         if bm.certificate is not None:
-            print(Certificate.from_dict(bm.certificate).format())
+            print(bm.certificate.format())
         else:
             print(f"certificate: none (a {bm.mode}-mode map fitted without a held-out share)")
     if a.plot:
@@ -171,6 +180,11 @@ _INPUT_HELP = ("labelled predictions: .npz with arrays 'probs' (float, shape (n,
                "summing to 1; or 'logits' with --logits) and 'labels' (int, shape (n,), "
                "classes 0..k-1); the names 'predictions'/'ground_truth' are accepted too. Or "
                ".csv with a header p0,...,p{k-1},label and one sample per line")
+
+
+def _values(enum) -> list[str]:
+    """The choices of an option typed by one of :mod:`lpcal.spec`'s enums."""
+    return [e.value for e in enum]
 
 
 def cmd_keygen(a) -> int:
@@ -198,17 +212,17 @@ def build_parser(commands: Commands | None = None) -> argparse.ArgumentParser:
                    help="failure probability; the certificate's level is 1 - delta (default 0.1)")
     f.add_argument("--pool-size", type=int, default=None,
                    help="practical sizing: samples per pool (default: split the input evenly)")
-    f.add_argument("--sizing", choices=["practical", "theory"], default="practical")
-    f.add_argument("--variant", choices=["split", "shared"], default="shared",
+    f.add_argument("--sizing", choices=_values(SizingRule), default=SizingRule.PRACTICAL.value)
+    f.add_argument("--variant", choices=_values(Variant), default=Variant.SHARED.value,
                    help="shared (default): P and E of a group from one pool; split: the paper's separate pools")
     f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--mode", choices=["certified", "paper"], default="certified",
+    f.add_argument("--mode", choices=_values(Mode), default=Mode.CERTIFIED.value,
                    help="certified (default): held-out certificate, temperature pre-calibration, "
                         "the better of TS alone and the corrected map; paper: Algorithm 2 as "
                         "published")
-    f.add_argument("--prescale", choices=["none", "temperature"], default=None,
+    f.add_argument("--prescale", choices=_values(Prescale), default=None,
                    help="pre-calibrator (default from --mode: temperature | none)")
-    f.add_argument("--outside", choices=["rho", "identity"], default=None,
+    f.add_argument("--outside", choices=_values(Outside), default=None,
                    help="map outside B (default from --mode: identity | rho)")
     f.add_argument("--holdout-fraction", type=float, default=None,
                    help="share held out for the certificate (default from --mode: 0.3 | 0)")

@@ -42,6 +42,7 @@ from lpcal.errors import InputError, shown
 from lpcal.holdout import BinSums, merge_bin_sums
 from lpcal.io import DEFAULT_TOL, validate_labels, validate_probs
 from lpcal.levels import bin_counts_hashed, decode_keys, encode_keys, group_rows, row_hash
+from lpcal.spec import parse_p
 
 _QUAD_CHUNK = 1 << 21  # cells * nodes evaluated at once by the debiasing quadrature
 
@@ -62,15 +63,7 @@ def _check_lam(lam) -> int:
 
 
 def _check_p(p) -> float:
-    try:
-        pf = float(p)
-    except (TypeError, ValueError):
-        raise InputError(f"p must be a number >= 1 or inf (Err_p is defined for p >= 1), got "
-                         f"{shown(p)}") from None
-    if not (pf >= 1.0):  # also rejects NaN
-        raise InputError(f"p must be a number >= 1 or inf (Err_p is defined for p >= 1), got "
-                         f"{shown(p)}")
-    return pf
+    return parse_p(p, evaluate=True)  # the one statement of p's domain
 
 
 def _lp_norm(values: np.ndarray, p: float) -> float:

@@ -28,6 +28,7 @@ from lpcal.algorithm import (
 from lpcal.calibrate import FLOOR_SHARE, fit, fit_pools
 from lpcal.levels import beta_for, lambda_for
 from lpcal.pools import PoolLayout, PoolSet, n_levels, pool_names
+from lpcal.spec import FitSpec
 from tests.reference_algorithm import iteration_bound as ref_iteration_bound
 from tests.reference_algorithm import project, reference_run, round_down
 from tests.reference_algorithm import rho as ref_rho
@@ -340,7 +341,7 @@ def test_fit_pools_matches_reference_end_to_end(eps, p, k, variant):
         p_cnt = [sum(counts[pn][(b, j)] for j in range(k)) for b in B]
         levels.append(_Lvl(p_cnt, 400, e_cnt, 400))
     rr = reference_run(B, levels, beta=beta, lam=lam, p=p, keep_trace=True)
-    bm = fit_pools(pools, eps=eps, p=p, seed=3, mode="paper", outside="rho")
+    bm = fit_pools(pools, FitSpec(eps=eps, p=p, mode="paper", outside="rho"), seed=3)
     assert list(bm.bins) == [_key(b) for b in B]
     assert bm.stop_reason == rr.stop_reason and bm.iterations == rr.iterations
     check_invariants(bm.group, bm.preds, lam, len(B))

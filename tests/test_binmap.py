@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import math
 import warnings
+from pathlib import Path
 
 import numpy as np
 import orjson
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from lpcal.binmap import BinMap, scale_temperature
 from lpcal.calibrate import fit
+from lpcal.certificate import Certificate
 from lpcal.errors import ArtifactError, InputError
 from lpcal.kernels import MIN_CHUNK_ROWS, chunk_rows
 from lpcal.levels import bin_counts, encode_keys
@@ -74,6 +76,86 @@ def test_json_round_trip(seed, k, eps_p, variant, outside):
     u, _ = _data(seed + 1, 300, k)
     np.testing.assert_array_equal(back.apply(u), bm.apply(u))
     assert BinMap.from_json(data.decode()).checksum == bm.checksum  # str input too
+
+
+#: Bin maps written by lpcal before ``BinMap.certificate`` was typed (a dict then): a signed
+#: certified one (key seed below) and a paper-mode one with a held-out certificate.
+DATA = Path(__file__).parent / "data"
+_WRITTEN_KEY = "lrUE4Mw9YXET0Oyaj1X3uRJzYP6xxip4McMixCzLovQ="
+
+
+@pytest.mark.parametrize("name, signed", [("binmap_certified_signed.json", True),
+                                          ("binmap_paper_holdout.json", False)])
+def test_maps_written_before_the_typed_certificate_round_trip_byte_for_byte(name, signed):
+    """The certificate is a :class:`Certificate` in memory and the same JSON object on disk:
+    loading a map written by the earlier code and writing it again (also rebuilt, so the
+    typed certificate is what is written) gives the same bytes, checksum and signature."""
+    from lpcal.signing import KeyRing, Signer
+
+    data = (DATA / name).read_bytes()
+    signer = Signer(_WRITTEN_KEY) if signed else None
+    bm = BinMap.from_json(data, public_keys=KeyRing([signer.public_key]) if signed else None)
+    assert isinstance(bm.certificate, Certificate)
+    assert Certificate.from_dict(bm.certificate) is bm.certificate  # the README's older idiom
+    assert bm.certificate.to_dict() == orjson.loads(data)["certificate"]
+    assert bm.to_json(signer=signer) == data
+    rebuilt = dataclasses.replace(bm)  # no trace of the loaded JSON
+    assert rebuilt.certificate == bm.certificate
+    assert rebuilt.to_json(signer=signer) == data
+    if signed:
+        assert bm.verified_by == signer.key_id
+        assert bm.certificate.selected == "precalibrator" and bm.certificate.vacuous
+    else:
+        assert (bm.mode, bm.outside, bm.certificate.selected) == ("paper", "rho", "corrected")
+
+
+def test_the_same_fit_writes_the_same_artifact_as_before():
+    """Refitting the sample those maps were fitted on gives the same content (the fit options
+    now travel as one FitSpec; nothing else may change)."""
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=(3000, 3)) * 3
+    f = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    q = np.exp(z / 3) / np.exp(z / 3).sum(axis=1, keepdims=True)
+    y = (q.cumsum(axis=1) > rng.random(3000)[:, None]).argmax(axis=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fits = {"binmap_certified_signed.json": fit(f, y, eps=0.1, p=math.inf, seed=1,
+                                                    model_id="written-by-0.x"),
+                "binmap_paper_holdout.json": fit(f, y, eps=0.1, p=math.inf, mode="paper",
+                                                 prescale="none", outside="rho",
+                                                 holdout_fraction=0.3, seed=1,
+                                                 model_id="written-by-0.x")}
+    for name, bm in fits.items():
+        want, got = orjson.loads((DATA / name).read_bytes()), orjson.loads(bm.to_json())
+        for key in ("created_at", "checksum", "signature"):
+            want.pop(key, None)
+            got.pop(key, None)
+        assert got == want, name
+
+
+def test_certificates_without_later_fields_are_written_back_as_read():
+    """A certificate written before ``selectable``/``vacuous`` existed reads with their
+    defaults and is written back without them, so the artifact keeps its bytes."""
+    bm = _fit()
+    obj = orjson.loads(bm.to_json())
+    cert = Certificate.from_dict({"method": "bousquet-l2", "eps": 0.3, "p": 2.0, "lam": 3,
+                                  "delta": 0.1, "n_holdout": 10, "selected": "corrected",
+                                  "certified": False, "estimates": {"corrected": {
+                                      "err_p": 0.1, "bound": 0.5, "brier": 0.4}}})
+    obj["certificate"] = {k: v for k, v in cert.to_dict().items()
+                          if k not in ("selectable", "vacuous")}
+    obj.pop("checksum")
+    obj["checksum"] = BinMap._digest(obj)
+    data = orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+    back = BinMap.from_json(data)
+    assert back.certificate == cert and (cert.selectable, cert.vacuous) == (1, False)
+    assert back.to_json() == data
+
+
+def test_a_certificate_is_typed():
+    bm = _fit()
+    with pytest.raises(ArtifactError, match="certificate must be a lpcal.certificate"):
+        dataclasses.replace(bm, certificate={"selected": "corrected"})
 
 
 def test_checksum_is_sha256_of_the_canonical_content():

@@ -19,6 +19,7 @@ from lpcal.levels import bin_counts
 from lpcal.metrics import err_p_true
 from lpcal.pools import PoolLayout, PoolSet
 from lpcal.precalibrate import TemperatureGrid
+from lpcal.spec import FitSpec
 from lpcal.temperature import apply_temperature, fit_temperature
 
 RECORD = "lpcal/data/wideresnet-16-4-cifar-10.npz"
@@ -170,7 +171,7 @@ def test_default_on_a_real_network_is_within_noise_of_temperature_scaling():
     perm = np.random.default_rng(0).permutation(len(y))
     a, b = perm[:5000], perm[5000:]
     bm = fit(x[a], y[a], eps=0.05, p=math.inf)
-    assert bm.mode == "certified" and bm.certificate["certified"]
+    assert bm.mode == "certified" and bm.certificate.certified
     h = bm.apply(x[b])
     ts = apply_temperature(x[b], fit_temperature(x[a], y[a]))
     assert metrics.top_label_ece(h, y[b]) <= metrics.top_label_ece(ts, y[b]) + 0.003
@@ -223,7 +224,7 @@ def test_schema_2_round_trip_and_schema_1_still_reads():
 def test_precalibrator_map_is_temperature_scaling():
     f, _, y = _tempered(20_000, 4, 3.0, seed=7)
     bm = fit(f, y, eps=0.05, p=math.inf)
-    assert bm.certificate["selected"] == "precalibrator" and bm.n_bins == 0
+    assert bm.certificate.selected == "precalibrator" and bm.n_bins == 0
     np.testing.assert_allclose(bm.apply(f[:500]), apply_temperature(f[:500], bm.temperature),
                                atol=1e-12)
     assert 2.7 < bm.temperature < 3.3
@@ -263,8 +264,8 @@ def test_pool_set_warm_up_route_and_exact_fill_point():
     assert back == ps
     from lpcal.calibrate import fit_pools
 
-    bm = fit_pools(back, eps=0.1, p=math.inf)
-    assert bm.temperature == ps.temperature and bm.certificate["n_holdout"] == ps.holdout.n
+    bm = fit_pools(back, FitSpec(eps=0.1, p=math.inf))
+    assert bm.temperature == ps.temperature and bm.certificate.n_holdout == ps.holdout.n
 
 
 def test_pool_layout_round_trip_and_validation():
@@ -309,7 +310,7 @@ def test_sample_too_small_to_certify_gets_temperature_scaling_on_all_of_it():
     assert min_certifiable_holdout(0.05, math.inf, 0.1) <= need  # k = 2, one candidate
     f, _, y = _tempered(int(need / 0.3) - 10, 4, 2.0, seed=9)  # 30% is just below `need`
     bm = fit(f, y, eps=0.05, p=math.inf)
-    cert = Certificate.from_dict(bm.certificate)
+    cert = bm.certificate
     assert cert.method == NO_HOLDOUT and not cert.certified and cert.bound == math.inf
     assert bm.n_bins == 0 and bm.temperature == pytest.approx(fit_temperature(f, y), rel=0.05)
     np.testing.assert_allclose(bm.apply(f), apply_temperature(f, bm.temperature), atol=1e-12)
@@ -317,8 +318,8 @@ def test_sample_too_small_to_certify_gets_temperature_scaling_on_all_of_it():
     assert BinMap.from_json(bm.to_json()).certificate == bm.certificate
     # an explicit share is respected: held out and evaluated, just not certifiable
     bm = fit(f, y, eps=0.05, p=math.inf, holdout_fraction=0.3)
-    assert bm.certificate["n_holdout"] == round(len(y) * 0.3)
-    assert not bm.certificate["certified"]
+    assert bm.certificate.n_holdout == round(len(y) * 0.3)
+    assert not bm.certificate.certified
 
 
 # ----------------------------------------------------------------------------- eps = "auto"
@@ -326,12 +327,11 @@ def test_sample_too_small_to_certify_gets_temperature_scaling_on_all_of_it():
 
 def test_eps_auto_is_certifiable_and_never_reads_the_held_out_share(capsys, tmp_path):
     from lpcal.calibrate import AUTO_EPS_GRID, auto_eps
-    from lpcal.spec import FitSpec
 
     f, _, y = _tempered(5000, 4, 2.5, seed=11)
     bm = fit(f, y, eps="auto", p=math.inf)
-    assert bm.eps in AUTO_EPS_GRID and bm.certificate["eps"] == bm.eps
-    assert bm.certificate["certified"]
+    assert bm.eps in AUTO_EPS_GRID and bm.certificate.eps == bm.eps
+    assert bm.certificate.certified
     # a smaller grid value would not have met the margin on the fitting share
     i = AUTO_EPS_GRID.index(bm.eps)
     assert i > 0 and auto_eps(f, y, FitSpec(eps="auto", p=math.inf)) == bm.eps
@@ -374,7 +374,7 @@ def test_map_never_outputs_zero_for_a_seen_class_on_a_real_network(options):
     # evaluation image of its true class gets probability 0 (NLL infinite)
     x, y, xt, yt = _halves(1)
     bm = fit(x, y, eps=0.02, p=math.inf, seed=1, **options)
-    assert bm.certificate is None or bm.certificate["selected"] == "corrected"
+    assert bm.certificate is None or bm.certificate.selected == "corrected"
     h = bm.apply(xt)
     seen = np.unique(y)
     assert seen.size == 10 and (h[:, seen] > 0).all()
@@ -402,9 +402,9 @@ def test_certificate_covers_the_floored_map(mode):
     hold = np.random.default_rng(2).permutation(len(y))[:n_hold]
     h = bm.apply(x[hold])
     assert (h > 0).all()
-    est = bm.certificate["estimates"]["corrected"]
-    assert est["err_p"] == pytest.approx(metrics.err_p(h, y[hold], bm.lam, math.inf), rel=1e-9)
-    assert est["brier"] == pytest.approx(metrics.brier(h, y[hold]), rel=1e-9)
+    est = bm.certificate.estimates["corrected"]
+    assert est.err_p == pytest.approx(metrics.err_p(h, y[hold], bm.lam, math.inf), rel=1e-9)
+    assert est.brier == pytest.approx(metrics.brier(h, y[hold]), rel=1e-9)
 
 
 def test_floor_field_is_checked_and_old_maps_load_without_it():

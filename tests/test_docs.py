@@ -527,7 +527,6 @@ def test_docs_name_the_dead_letter_header_the_daemon_writes():
 
 def test_operations_sizes_an_epoch_with_the_real_defaults():
     """docs/operations.md's default eps and epoch size are the daemon's."""
-    from daemon.model_state import _config_of, layout_for
     from daemon.settings import ModelSettings
 
     text = " ".join((ROOT / "docs" / "operations.md").read_text().split())
@@ -536,6 +535,6 @@ def test_operations_sizes_an_epoch_with_the_real_defaults():
     assert m, "docs/operations.md no longer sizes the default epoch"
     defaults = ModelSettings()
     assert float(m.group(1)) == defaults.eps and defaults.p == float("inf")
-    layout = layout_for(_config_of(defaults), 3)
+    layout = defaults.epoch_spec().layout(3)
     need = layout.warmup + layout.holdout + sum(layout.targets.values())
     assert int(m.group(2).replace(",", "")) == need

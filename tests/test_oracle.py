@@ -85,11 +85,11 @@ def test_certified_default_true_error_below_eps(k, p, eps, pool, T, scale, skew)
     raw, cal = err_p_true(f2, q2, bm.lam, p), err_p_true(h, q2, bm.lam, p)
     cert = bm.certificate
     assert raw > eps, f"test is vacuous: the raw model already meets eps ({raw:.4f})"
-    assert cal <= eps, f"Err_p(h) = {cal:.4f} > eps = {eps} (selected {cert['selected']})"
+    assert cal <= eps, f"Err_p(h) = {cal:.4f} > eps = {eps} (selected {cert.selected})"
     assert brier_true(h, q2) <= brier_true(f2, q2) + 0.01
-    assert cert["n_holdout"] == round(n * 0.3)
+    assert cert.n_holdout == round(n * 0.3)
     # the held-out bound is an upper confidence bound: it must not be below the true error
-    assert cert["estimates"][cert["selected"]]["bound"] >= cal
+    assert cert.bound >= cal
 
 
 def synth_class_dependent(n, k, seed, jitter=0.003):
@@ -136,6 +136,6 @@ def test_certified_default_where_temperature_scaling_fails(k, p, eps, n, jitter)
     assert err_ts > eps, f"test is vacuous: temperature scaling meets eps ({err_ts:.4f})"
     h = bm.apply(f2)
     cal = err_p_true(h, q2, bm.lam, p)
-    assert bm.certificate["selected"] == "corrected"
+    assert bm.certificate.selected == "corrected"
     assert cal <= eps, f"Err_p(h) = {cal:.4f} > eps = {eps}"
     assert brier_true(h, q2) < brier_true(ts, q2)

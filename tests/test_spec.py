@@ -1,6 +1,7 @@
 """FitSpec: declarative validation of every fit option, and the one sizing rule."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -115,6 +116,15 @@ def test_p_domain_is_defined_once(tmp_path):
         settings.load_settings(toml, secrets_dir=tmp_path)
     toml.write_text('[defaults]\np = "Infinity"\n')
     assert settings.load_settings(toml, secrets_dir=tmp_path).defaults.p == math.inf
+    # evaluating Err_p also allows p = 1, with the same parser
+    from lpcal import metrics
+    from lpcal.spec import ERR_P_DOMAIN
+
+    probs, labels = np.full((4, 2), 0.5), np.array([0, 1, 0, 1])
+    assert metrics.err_p(probs, labels, 10, 1) == metrics.err_p(probs, labels, 10, "1")
+    for bad in (0.5, "nan", True):
+        with pytest.raises(InputError, match=re.escape(f"p must be {ERR_P_DOMAIN}")):
+            metrics.err_p(probs, labels, 10, bad)
 
 
 def test_library_messages_print_numpy_scalars_as_plain_numbers():
@@ -141,3 +151,18 @@ def test_library_messages_print_numpy_scalars_as_plain_numbers():
         with pytest.raises(InputError) as e:
             call()
         assert message in str(e.value) and "np." not in str(e.value), str(e.value)
+
+
+def test_the_package_exports_the_fit_the_artifact_and_the_spec():
+    """``lpcal`` exports the fit, the bin map, its certificate, the spec with its enums and
+    the metrics; pools and sizing are imported from their modules."""
+    import lpcal
+
+    assert set(lpcal.__all__) == {
+        "fit", "fit_pools", "BinMap", "Certificate", "FitSpec", "EPS_AUTO", "Mode", "Outside",
+        "Prescale", "SizingRule", "Variant", "metrics", "ArtifactError", "InputError",
+        "LpcalError"}
+    assert all(hasattr(lpcal, name) for name in lpcal.__all__)
+    for internal in ("PoolSet", "PoolLayout", "CountTable", "practical_sizing",
+                     "theory_sizing"):
+        assert not hasattr(lpcal, internal), internal

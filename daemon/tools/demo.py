@@ -40,7 +40,6 @@ from daemon.tools.embedded_broker import EmbeddedBroker
 from daemon.tools.simulate.driver import simulate
 from daemon.tools.simulate.model import SyntheticModel
 from daemon.tools.simulate.traffic import TrafficGenerator
-from lpcal.certificate import Certificate
 from lpcal.client import verify_artifact
 from lpcal.metrics import err_p_true
 from lpcal.report import evaluate
@@ -153,7 +152,7 @@ def _report(base: str, synth: dict, keys: KeyRing) -> None:
         for name, (a, t, b) in rows:
             print(f"  {name:34s}{a:10.4f}{t:14.4f}{b:12.4f}")
         if bm.certificate is not None:
-            print("  " + Certificate.from_dict(bm.certificate).format().replace("\n", "\n  "))
+            print("  " + bm.certificate.format().replace("\n", "\n  "))
         beats, within = _verdict(*cols)
         print(f"  beats raw on ECE, classwise ECE, Brier and NLL: {'yes' if beats else 'NO'}; "
               f"within the bounds of TS: {'yes' if within else 'NO'}")

@@ -73,7 +73,7 @@ def _maps(k: int, fit_n: int) -> dict:
 
 
 def _kind(bm) -> str:
-    cert = bm.certificate["selected"] if bm.certificate else "-"
+    cert = bm.certificate.selected if bm.certificate else "-"
     t = "none" if bm.temperature is None else f"{bm.temperature:.2f}"
     return f"{bm.mode}, selected {cert}, T {t}, outside {bm.outside}"
 

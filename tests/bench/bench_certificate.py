@@ -85,17 +85,17 @@ def run_coverage(reps: int, n_truth: int) -> Table:
                 f, _, y = draw(family, N, seed=r)
                 bm = fit(f, y, eps=eps, p=p, seed=r)
                 c = bm.certificate
-                b = c["estimates"][c["selected"]]["bound"]
+                b = c.bound
                 tr = err_p_true(bm.apply(fb), qb, lam, p)
                 cov += b >= tr
-                cov_raw += c["estimates"]["raw"]["bound"] >= raw_truth
-                cert += bool(c["certified"])
-                vac += bool(c.get("vacuous", False))
+                cov_raw += c.raw_bound >= raw_truth
+                cert += c.certified
+                vac += c.vacuous
                 bounds.append(b)
                 truths.append(tr)
                 if tr > 0.005:
                     ratios.append(b / tr)
-                sel[c["selected"]] = sel.get(c["selected"], 0) + 1
+                sel[c.selected] = sel.get(c.selected, 0) + 1
         t.add(family, p_label(p), eps, lam, f"{cov / reps:.2f}", f"{cov_raw / reps:.2f}",
               f"{cert / reps:.2f}", f"{vac / reps:.2f}", _f4(float(np.median(bounds))),
               _f4(float(np.median(truths))),

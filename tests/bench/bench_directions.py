@@ -293,7 +293,7 @@ def fit_all(x: np.ndarray, y: np.ndarray, eps: float, p: float, seed: int, *, pa
         t0 = time.perf_counter()
         bm = fit(x, y, eps=eps, p=p, seed=seed)
         t_default = time.perf_counter() - t0
-        code = "T" if small else CODE[bm.certificate["selected"]]
+        code = "T" if small else CODE[bm.certificate.selected]
         out[M_DEFAULT] = (bm.apply, t_default, code, f"|B|={bm.n_bins}")
         kw = {} if paper_pools is None else dict(zip(("mu_pool", "pool_size"), paper_pools))
         t0 = time.perf_counter()
@@ -307,10 +307,10 @@ def fit_all(x: np.ndarray, y: np.ndarray, eps: float, p: float, seed: int, *, pa
     cert = base.certify(with_b=False)
     t_cert = time.perf_counter() - t0
     if small:
-        assert bm.certificate["n_holdout"] == 0, bm.certificate
+        assert bm.certificate.n_holdout == 0, bm.certificate
     else:  # the replay must publish what lpcal.fit publishes
         replay = _candidate(base, cert.selected)
-        assert cert.selected == bm.certificate["selected"], (cert.selected, bm.certificate)
+        assert cert.selected == bm.certificate.selected, (cert.selected, bm.certificate)
         xs = x[: min(2000, x.shape[0])]
         assert np.allclose(replay(xs), bm.apply(xs), atol=1e-9), "replay differs from lpcal.fit"
     out[M_CORR] = (_candidate(base, "corrected"), t_base, "C", base.info())

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from daemon.drift import ChangeDetector
-from daemon.model_state import _CHANGE_CONFIG, change_detector
 from daemon.monitor import WindowMonitor
+from daemon.settings import ModelSettings
 from daemon.trigger import DriftTrigger
 from lpcal import fit
 from lpcal.io import softmax_rows
@@ -87,7 +87,7 @@ class Published:
 
     def monitor(self, change: ChangeDetector | None = None) -> WindowMonitor:
         return WindowMonitor(self.k, self.bm.lam, P, window_samples=10_000,
-                             change=change or change_detector(_CHANGE_CONFIG))
+                             change=change or _default_detector())
 
     def draw(self, rng: np.random.Generator, n: int, scale: float = 1.0):
         idx = rng.choice(self.pool, size=n, replace=True)
@@ -158,8 +158,20 @@ def drift_run(pub: Published, seed: int, scale: float, before: int = STATIONARY_
             "err": (err_p(c0, y0, pub.bm.lam, P), err_p(c1, y1, pub.bm.lam, P))}
 
 
+def _default_detector() -> ChangeDetector:
+    """The change test with the model settings' defaults."""
+    return ModelSettings().monitor_spec().change_detector()
+
+
+def _change_defaults() -> dict:
+    """The change test's settings in the model settings' defaults."""
+    spec = ModelSettings().monitor_spec()
+    return {name: getattr(spec, name) for name in ("drift_false_alarm_rate",
+                                                   "drift_baseline_samples", "drift_min_shift")}
+
+
 def _detector_kw() -> dict:
-    d = change_detector(_CHANGE_CONFIG)
+    d = _default_detector()
     return {"false_alarm_rate": d.false_alarm_rate, "baseline_samples": d.baseline_samples,
             "min_shift": d.min_shift}
 
@@ -189,7 +201,7 @@ def run(quick: bool = False) -> list[Table]:
               f"{SUSTAIN:.0f} s at {RATE:.0f} samples/s) gets {DRIFTED:,} drifted samples. "
                f"'Without the confidence gap': the same test on the debiased top-label and "
                f"classwise ECE and Err_p only. "
-              f"Change test: shipped defaults ({_CHANGE_CONFIG}).")])
+              f"Change test: shipped defaults ({_change_defaults()}).")])
     fa = Table("False alarms of the change test in stationary streams",
                ["network", "k", "samples per seed", "seeds", "false alarms"],
                key="drift_false_alarms",

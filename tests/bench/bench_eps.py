@@ -101,9 +101,8 @@ def run_auto(quick: bool = False) -> Table:
                 bm = fit(x[a], y[a], eps="auto", p=p)
             c = bm.certificate
             t.add(rec, x.shape[1], "inf" if math.isinf(p) else f"{p:g}", f"{bm.eps:g}", bm.lam,
-                  f"{c['estimates'][c['selected']]['bound']:.4f}",
-                  f"{c['estimates']['raw']['bound']:.4f}", "yes" if c["certified"] else "no",
-                  "yes" if c["vacuous"] else "no")
+                  f"{c.bound:.4f}", f"{c.raw_bound:.4f}", "yes" if c.certified else "no",
+                  "yes" if c.vacuous else "no")
     t.notes.append("eps auto: lpcal.calibrate.auto_eps, the smallest grid eps whose bound for "
                    "temperature scaling, on a held-out-sized block of the fitting share, is at "
                    "most 0.85 eps; vacuous: the raw model's own bound is <= eps.")

@@ -17,6 +17,7 @@ Run alone: ``python -m tests.bench.bench_fit [--quick]``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import warnings
@@ -25,6 +26,7 @@ from lpcal.calibrate import fit, fit_pools, select_high_probability_bins
 from lpcal.levels import beta_for, bin_counts, lambda_for
 from lpcal.pools import PoolSet
 from lpcal.sizing import practical_sizing
+from lpcal.spec import FitSpec
 from tests.bench.common import (
     MIN_REPEATS,
     Overconfident,
@@ -145,14 +147,15 @@ def pools_table(quick: bool = False) -> Table:
             sz = practical_sizing(eps, p, 0.1, k, mu_pool=mu, pool=pool)
         ps = build_pools(task, sz, seed=7)
         beta = beta_for(eps, p)
-        kw = {"eps": eps, "p": p, "sizing": sz}
+        spec, kw = FitSpec(eps=eps, p=p), {"sizing": sz}
         t_sel = measure(lambda ps=ps, beta=beta: select_high_probability_bins(ps, beta),
                         repeats=POOL_REPEATS)
         t_lvl = _time_level_counts(ps, beta, sz)
-        setup = measure(lambda ps=ps, kw=kw: fit_pools(ps, **kw, max_iter=0),
-                        repeats=POOL_REPEATS)
-        bm = fit_pools(ps, **kw)
-        full = measure(lambda ps=ps, kw=kw: fit_pools(ps, **kw), repeats=POOL_REPEATS)
+        setup = measure(lambda ps=ps, spec=spec, kw=kw: fit_pools(
+            ps, dataclasses.replace(spec, max_iter=0), **kw), repeats=POOL_REPEATS)
+        bm = fit_pools(ps, spec, **kw)
+        full = measure(lambda ps=ps, spec=spec, kw=kw: fit_pools(ps, spec, **kw),
+                       repeats=POOL_REPEATS)
         it_run = int(bm.est_error.get("iterations_run", bm.iterations))
         kern = _time_kernel(ps, eps, p, sz)
         if kern is not None:  # (kernel run to the end - kernel with max_iter=0) / iterations
@@ -267,7 +270,7 @@ def certified_fit_table(quick: bool) -> Table:
             bm = fit(f, y, eps=0.05, p=INF, seed=0)
             cmp_ = compare(lambda f=f, y=y: fit(f, y, eps=0.05, p=INF, seed=0),
                            lambda f=f, y=y: fit_temperature(f, y), repeats=MIN_REPEATS)
-        tab.add(k, f"{n:.0e}", bm.certificate["selected"], bm.n_bins,
+        tab.add(k, f"{n:.0e}", bm.certificate.selected, bm.n_bins,
                 fmt_time(cmp_.baseline.median), fmt_time(cmp_.candidate.median),
                 f"{cmp_.ratio:.2f}x")
     tab.notes.append(

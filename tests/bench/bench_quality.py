@@ -42,7 +42,6 @@ import numpy as np
 
 from lpcal import metrics
 from lpcal.calibrate import fit
-from lpcal.certificate import Certificate
 from lpcal.io import load_predictions
 from lpcal.levels import beta_for
 from lpcal.pools import n_levels, pool_names
@@ -108,7 +107,7 @@ def methods_for(x_fit, y_fit, seed: int):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             bm = fit(x_fit, y_fit, eps=eps, p=p, seed=seed)
-        c = Certificate.from_dict(bm.certificate)
+        c = bm.certificate
         bound = "no held-out share" if c.n_holdout == 0 else f"bound {c.bound:.3f}"
         info = (f"{c.selected}, {bound}{'' if c.certified else ' (not certified)'}, "
                 f"|B|={bm.n_bins}")

@@ -239,18 +239,17 @@ def certified_daemon(monkeypatch):
 
 async def test_certified_fit_publishes_a_certificate_and_exports_it(certified_daemon):
     from daemon.http_api import HttpServer
-    from lpcal.certificate import Certificate
 
     daemon = certified_daemon
     st = with_sealed(daemon, 1)
     temperature = st.pools.temperature
-    assert st.config["mode"] == "certified" and temperature is not None
+    assert st.fit_spec.mode == "certified" and temperature is not None
     daemon.producer = FlakyProducer(failures=0)
     daemon._after_batch()
     await until(lambda: MODEL not in daemon.inflight, "the fit to be published")
     bm = verify_artifact(daemon.producer.sent[0][2])
     assert bm.mode == "certified" and bm.temperature == temperature
-    cert = Certificate.from_dict(bm.certificate)
+    cert = bm.certificate
     assert cert.n_holdout >= 300
     assert sample(daemon, "lpcal_certificate_bound") == cert.bound
     assert sample(daemon, "lpcal_certificate_target") == 0.1

@@ -9,13 +9,14 @@ import orjson
 import pytest
 
 from daemon.events import EventParser, ModelPolicy
-from daemon.model_state import MAX_SEALED, ModelState, layout_for
+from daemon.model_state import MAX_SEALED, ModelState
 from daemon.settings import JoinSettings, ModelSettings
+from daemon.specs import EpochSpec
 from lpcal.binmap import BinMap
 from lpcal.calibrate import fit_pools
-from lpcal.certificate import Certificate
-from lpcal.errors import ArtifactError
+from lpcal.errors import ArtifactError, InputError
 from lpcal.pools import PoolSet
+from lpcal.spec import FitSpec
 
 MODEL = "fraud-v3"
 K = 3
@@ -68,9 +69,8 @@ def feed(state, parser, msgs, batch=97, fit=False, topic="lpcal.predictions"):
             pools = state.pools
             assert pools.full and pools is state.sealed[0][1]
             state.start_new_epoch()  # hand the sealed epoch off to the fit
-            bm = fit_pools(pools, eps=0.1, p=math.inf, model_id=MODEL,
-                           version=state.binmap_version + 1, mode=state.config["mode"],
-                           outside=state.config["outside"])
+            bm = fit_pools(pools, state.fit_spec, model_id=MODEL,
+                           version=state.binmap_version + 1)
             state.install_binmap(bm.to_json(), bm.version)
 
 
@@ -233,36 +233,43 @@ def test_trigger_checks_reuse_the_window_evaluation_within_eval_interval():
     assert len(calls) == 3
 
 
-def test_layout_for_sizes():
-    cfg = {"eps": 0.1, "p": math.inf, "delta": 0.1, "sizing": "practical", "mu_pool": None,
-           "pool": None, "variant": "shared"}
-    lay = layout_for(cfg, 3)
-    assert lay.variant == "shared" and set(lay.targets.values()) == {5000}
-    cfg.update(pool=70, mu_pool=90, variant="split")
-    lay = layout_for(cfg, 3)
+def resolved(st: ModelState) -> dict:
+    """The fit mode values a state runs with (every default resolved)."""
+    f, e = st.fit_spec, st.epoch_spec
+    return {"mode": f.mode.value, "prescale": f.prescale_value.value,
+            "outside": f.outside_value.value, "holdout": e.holdout, "warmup": e.warmup}
+
+
+def test_epoch_layout_sizes():
+    lay = ModelSettings(mode="paper").epoch_spec().layout(3)
+    assert lay.variant == "shared" and set(lay.targets.values()) == {5000}  # pool unset
+    lay = ModelSettings(mode="paper", pool=70, mu_pool=90, variant="split").epoch_spec().layout(3)
     assert lay.targets["mu"] == 90 and lay.targets["P0"] == 70 and lay.targets["E0"] == 70
 
 
-def test_layout_for_adds_the_holdout_and_the_warmup():
-    cfg = {"eps": 0.1, "p": math.inf, "delta": 0.1, "sizing": "practical", "mu_pool": 90,
-           "pool": 70, "variant": "shared", "holdout": 30, "warmup": 40}
-    lay = layout_for(cfg, 3)
+def test_epoch_layout_adds_the_holdout_and_the_warmup():
+    spec = EpochSpec(FitSpec(eps=0.1, p=math.inf, pool_size=70, mu_pool=90), holdout=30,
+                     warmup=40)
+    lay = spec.layout(3)
     assert (lay.holdout, lay.warmup) == (30, 40) and lay.routes[-1] == "hold"
     assert lay.total_target == 90 + 70 * (len(lay.names) - 1) + 30 + 40
+    with pytest.raises(InputError, match="warm-up"):
+        EpochSpec(FitSpec(eps=0.1, p=math.inf, pool_size=70), holdout=30, warmup=0)
 
 
 def test_default_settings_are_the_certified_mode():
     st = ModelState.create(MODEL, K, ModelSettings(), JoinSettings())
-    assert {k: st.config[k] for k in ("mode", "prescale", "outside", "holdout", "warmup")} == {
-        "mode": "certified", "prescale": "temperature", "outside": "identity",
-        "holdout": 3000, "warmup": 10000}
+    assert resolved(st) == {"mode": "certified", "prescale": "temperature",
+                            "outside": "identity", "holdout": 3000, "warmup": 10000}
+    assert st.fit_spec == ModelSettings().fit_spec() and st.fit_spec.pool_size is None
+    assert set(st.layout.targets.values()) == {5000}  # pool unset: DEFAULT_POOL
     assert (st.layout.holdout, st.layout.warmup) == (3000, 10000)
 
 
 def test_prescale_temperature_is_accepted_and_ingests():
     """It used to pass validation and then kill the daemon at the model's first event."""
     st = new_state(prescale="temperature", warmup=80)  # the paper's mode, pre-scaled
-    assert st.config["prescale"] == "temperature" and st.layout.warmup == 80
+    assert st.fit_spec.prescale_value == "temperature" and st.layout.warmup == 80
     feed(st, parser(), traffic(3000, seed=5), fit=True)
     assert st.binmap_version >= 1
     bm = BinMap.from_json(st.binmap)
@@ -297,12 +304,11 @@ def test_certified_epochs_warm_up_then_fill_the_pools_then_seal():
     # the fit of a sealed epoch carries a certificate and the epoch's temperature
     pools = st.pools
     st.start_new_epoch()
-    bm = fit_pools(pools, eps=0.1, p=math.inf, model_id=MODEL, version=1, mode="certified",
-                   outside=st.config["outside"])
+    bm = fit_pools(pools, st.fit_spec, model_id=MODEL, version=1)
     data = bm.to_json()
     back = BinMap.from_json(data)
     assert back.mode == "certified" and back.temperature == pools.temperature
-    cert = Certificate.from_dict(back.certificate)
+    cert = back.certificate
     assert cert.n_holdout == pools.holdout.n and cert.selected in ("precalibrator", "corrected")
     assert set(cert.estimates) == {"raw", "precalibrator", "corrected"}
     st.install_binmap(data, bm.version)
@@ -320,8 +326,8 @@ def test_checkpoints_without_the_mode_keys_restore_as_the_paper_mode():
     for key in ("mode", "holdout", "warmup"):
         del d["config"][key]
     old = ModelState.from_checkpoint(orjson.dumps(d))
-    assert {k: old.config[k] for k in ("mode", "prescale", "outside", "holdout", "warmup")} == {
-        "mode": "paper", "prescale": "none", "outside": "identity", "holdout": 0, "warmup": 0}
+    assert resolved(old) == {"mode": "paper", "prescale": "none", "outside": "identity",
+                             "holdout": 0, "warmup": 0}
     assert old.to_checkpoint() == blob
     # and it keeps running exactly like the state it was written from
     more = traffic(2500, seed=7, start=2500)
@@ -425,7 +431,7 @@ def test_checkpoints_without_the_change_test_restore_with_its_defaults():
     del d["monitor"]["change"]
     del d["triggers"]["drift"]["cause"]
     old = ModelState.from_checkpoint(orjson.dumps(d))
-    assert old.config["drift_baseline_samples"] == 5000 and old.monitor.change.blocks == 0
+    assert old.monitor_spec.drift_baseline_samples == 5000 and old.monitor.change.blocks == 0
     assert old.reconcile(settings(), JoinSettings(ttl_seconds=50,
                                                   max_pending_per_model=5000))[1] == "restored"
 
@@ -441,3 +447,47 @@ def test_a_changed_change_test_setting_keeps_the_window_and_restarts_the_test():
     assert outcome == "config_changed" and "drift_min_shift" in detail
     assert new.monitor is st.monitor and new.monitor.change.min_shift == 0.05
     assert new.monitor.change.blocks == 0
+
+
+def test_a_checkpoint_written_before_the_specs_restores_into_them():
+    """``tests/data/model_state_3.json`` was written by the daemon that kept a config dict
+    (certified, ``pool`` unset, 280 joined samples, 20 predictions waiting): it restores into
+    the specs its settings give, reconciles as unchanged and is written back byte for byte (so
+    a daemon rolled back to that version reads it as its own)."""
+    from pathlib import Path
+
+    data = (Path(__file__).parents[1] / "data" / "model_state_3.json").read_bytes()
+    ms = ModelSettings(eps=0.1, p=math.inf, mu_pool=100, window_samples=2000, mode="certified",
+                       holdout=50, warmup=80, drift_min_samples=100)
+    join = JoinSettings(ttl_seconds=50, max_pending_per_model=5000)
+    st = ModelState.from_checkpoint(data)
+    assert st.epoch_spec == ms.epoch_spec() and st.monitor_spec == ms.monitor_spec()
+    assert (st.samples_total, st.join.pending()) == (280, 20) and st.fit_spec.pool_size is None
+    assert st.reconcile(ms, join) == (st, "restored", "")
+    assert st.to_checkpoint() == data
+    # and it runs on like a state created from these settings and fed the same events
+    fresh = ModelState.create(MODEL, K, ms, join)
+    assert fresh.layout == st.layout and fresh.monitor.change == st.monitor.change
+
+
+def test_reconcile_compares_the_epoch_spec_and_the_monitor_spec():
+    st, p = new_state(), parser()
+    feed(st, p, traffic(2500, seed=14), fit=True)
+    assert st.binmap is not None
+    join = JoinSettings(ttl_seconds=50, max_pending_per_model=5000)
+    # the monitor spec only: pools, epoch and map kept, a new window, the same triggers
+    new, outcome, detail = st.reconcile(settings(window_samples=500), join)
+    assert (outcome, detail) == ("config_changed", "window_samples 2000 -> 500")
+    assert new.filling is st.filling and new.sealed is st.sealed and new.binmap == st.binmap
+    assert new.monitor is not st.monitor and new.triggers is st.triggers
+    # an option of the epoch spec: a new epoch; the same lambda keeps the map and the window
+    new, outcome, detail = st.reconcile(settings(delta=0.05), join)
+    assert (outcome, detail) == ("config_changed", "delta 0.1 -> 0.05; a new epoch starts")
+    assert new.filling is not st.filling and new.fill_epoch == st.fill_epoch + len(st.sealed) + 1
+    assert new.monitor is st.monitor and new.binmap == st.binmap
+    assert new.epoch_spec == settings(delta=0.05).epoch_spec()
+    # eps moves lambda: the window and the map go too
+    with pytest.warns(UserWarning, match="mu pool"):  # 100 samples, below 6/beta at eps 0.05
+        new, _, detail = st.reconcile(settings(eps=0.05), join)
+    assert "eps 0.1 -> 0.05" in detail and "lambda 10 -> 20" in detail and new.binmap is None
+    assert new.lam == 20 and new.layout.lam == 20

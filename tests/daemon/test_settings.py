@@ -351,3 +351,42 @@ def test_keygen_directory_is_a_secrets_dir(isolated):
     assert private.name == PRIVATE_KEY_FILE == "signing__private_key"
     signer = load_settings(secrets_dir=isolated / "keys").signing.signer()
     assert signer is not None and signer.key_id == kid
+
+
+def test_checks_across_fields_are_errors_at_each_field(isolated):
+    """Validators that check several fields raise one error per bad field, at its location
+    (no message joined and parsed back): kafka's SASL fields and heartbeat, a merged model's
+    warm-up, a signing key by its index."""
+    from pydantic import ValidationError
+
+    errors = {}
+    for kw in ({"kafka": {"security_protocol": "SASL_SSL", "heartbeat_interval_ms": 20_000,
+                          "session_timeout_ms": 10_000}},
+               {"models": {"m": {"mode": "paper", "warmup": 5}}}):
+        with pytest.raises(ValidationError) as ei:
+            Settings(**kw, _secrets_dir=str(isolated))
+        errors.update({e["loc"]: e for e in ei.value.errors()})
+    for loc in (("kafka", "sasl_mechanism"), ("kafka", "sasl_username"),
+                ("kafka", "sasl_password"), ("kafka", "heartbeat_interval_ms"),
+                ("models", "m", "warmup")):
+        assert errors[loc]["type"] == "lpcal_setting", loc
+    assert errors[("models", "m", "warmup")]["msg"].startswith("warmup = 5 is only used")
+    with pytest.raises(SettingsError) as e:
+        load_settings(signing={"public_keys": ["zz"]},
+                      kafka={"heartbeat_interval_ms": 20_000, "session_timeout_ms": 10_000})
+    assert {p for p, _ in e.value.errors} == {"signing.public_keys.0",
+                                              "kafka.heartbeat_interval_ms"}
+
+
+def test_model_settings_are_the_only_translation_into_specs():
+    ms = ModelSettings(eps=0.05, p=2, mode="paper", pool=700, drift_threshold=None,
+                       window_seconds=60.0)
+    f = ms.fit_spec()
+    assert (f.eps, f.p, f.mode, f.prescale, f.outside, f.pool_size) == (
+        0.05, 2.0, "paper", "none", "rho", 700)
+    e = ms.epoch_spec()
+    assert (e.fit, e.holdout, e.warmup) == (f, 0, 0)
+    m = ms.monitor_spec()
+    assert (m.drift_threshold, m.window_seconds, m.drift_min_samples) == (0.05, 60.0, 1000)
+    unset = ModelSettings().epoch_spec()
+    assert unset.fit.pool_size is None and unset.layout(3).targets["mu"] == 5000

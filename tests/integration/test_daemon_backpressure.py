@@ -159,11 +159,9 @@ async def test_backlog_faster_than_fits_pauses_ingest_and_fits_every_epoch(
         assert body.get("version") not in published or published[body["version"]] == body
         published[body["version"]] = body
     assert sorted(published) == list(range(1, len(epochs) + 1))
-    cfg = ModelState.create(MODEL, K, settings.model_settings(MODEL), settings.join).config
+    spec = ModelState.create(MODEL, K, settings.model_settings(MODEL), settings.join).fit_spec
     for v, pools in enumerate(epochs, start=1):
-        bm = fit_pools(pools, eps=cfg["eps"], p=cfg["p"], delta=cfg["delta"],
-                       seed=service.fit_seed(MODEL, v), model_id=MODEL, version=v,
-                       mode=cfg["mode"], outside=cfg["outside"])
+        bm = fit_pools(pools, spec, seed=service.fit_seed(MODEL, v), model_id=MODEL, version=v)
         want = orjson.loads(bm.to_json())
         for key in ("created_at", "checksum"):
             want.pop(key)

@@ -13,7 +13,6 @@ import pytest
 
 from daemon.model_state import ModelState
 from lpcal.binmap import BinMap
-from lpcal.certificate import Certificate
 from tests.support.daemon_harness import (
     EventProducer,
     TopicNames,
@@ -107,7 +106,7 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
             assert back.n_bins == bm.n_bins
             # the certified default: temperature fitted on the warm-up, a held-out certificate
             assert back.mode == "certified" and back.temperature is not None
-            cert = Certificate.from_dict(back.certificate)
+            cert = back.certificate
             assert cert.n_holdout >= HOLDOUT and cert.eps == pytest.approx(0.1)
             assert cert.selected in ("precalibrator", "corrected")
             assert set(cert.estimates) == {"raw", "precalibrator", "corrected"}
@@ -127,7 +126,7 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
             assert listed[m]["binmap_version"] == 1
             assert listed[m]["k"] == settings.model_settings(m).k
             assert listed[m]["mode"] == "certified"
-            cert = Certificate.from_dict(maps[m][1].certificate)
+            cert = maps[m][1].certificate
             assert listed[m]["certificate"]["bound"] == pytest.approx(cert.bound)
 
         # ---- metrics scraped over HTTP, parsed with prometheus_client's parser
@@ -141,7 +140,7 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
             assert metric_value(mx, "lpcal_binmap_version", model=m) == 1
             assert metric_value(mx, "lpcal_high_probability_bins", model=m) == maps[m][1].n_bins
             assert metric_value(mx, "lpcal_fit_duration_seconds_count", model=m) == 1
-            cert = Certificate.from_dict(maps[m][1].certificate)
+            cert = maps[m][1].certificate
             assert metric_value(mx, "lpcal_certificate_bound", model=m) == pytest.approx(
                 cert.bound)
             assert metric_value(mx, "lpcal_certificate_target", model=m) == pytest.approx(0.1)

@@ -330,7 +330,7 @@ async def test_changed_k_and_eps_on_restore(broker, topic_prefix, tmp_path):
         await asyncio.sleep(1.5)
     async with running_daemon(settings(4, 0.05, "eps")) as rd:
         st = rd.daemon.models["mk"]
-        assert st.k == 4 and st.config["eps"] == 0.05
+        assert st.k == 4 and st.fit_spec.eps == 0.05
         assert st.filling.total == 0 and st.fill_epoch >= 1
         assert st.filling.layout.lam == st.lam
         samples = await scrape_metrics(rd.url)

@@ -53,11 +53,9 @@ def events_for_binmap(model_settings: Sequence[Any], ks: Sequence[int], *,
     ``_ROUTING_SIGMAS`` binomial standard deviations above its target, divided by the
     model's ``sample_rate`` and ``keep``. Events go to the models in turn, so the total is
     the largest per-model count times the number of models, rounded up to a thousand."""
-    from daemon.model_state import _config_of, layout_for
-
     per_model = 0
     for ms, k in zip(model_settings, ks, strict=True):
-        layout = layout_for(_config_of(ms), int(k))
+        layout = ms.epoch_spec().layout(int(k))
         targets = [layout.targets[n] for n in layout.names] + (
             [layout.holdout] if layout.holdout else [])
         total = float(sum(targets))
