@@ -313,9 +313,16 @@ class OnlineCalibrator:
         if self.next_fit_at is not None and n_reg >= self.next_fit_at:
             self.next_fit_at = math.ceil(n_reg * cfg.growth / cfg.step) * cfg.step
             grid = self.window.grid()
-            if grid.n:
-                events.extend(self._challenge_temperature(grid.fit()))
-            events.extend(self._fit_pools())
+            if self.live is not None and self.live.n_bins:
+                # a corrected live map: Algorithm 2's refit is the likelier challenger, and
+                # one shadow is tested at a time
+                events.extend(self._fit_pools())
+                if not any(e.kind == "shadow" for e in events) and grid.n:
+                    events.extend(self._challenge_temperature(grid.fit()))
+            else:
+                if grid.n:
+                    events.extend(self._challenge_temperature(grid.fit()))
+                events.extend(self._fit_pools())
         return events
 
     def _alpha(self) -> float:

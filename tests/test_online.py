@@ -100,14 +100,6 @@ def test_byte_bound_and_window_length():
     assert sealed <= 400_000 and cal.window.n <= 4000
 
 
-def test_algorithm_2_candidates_run_through_fit_pools():
-    f, y = tempered(12000, t=2.0)
-    cal = OnlineCalibrator(10, OnlineConfig(pools_from=3000))
-    ev = cal.update(f, y)
-    assert cal.window.pools() is not None and cal.live is not None
-    assert [e.kind for e in ev].count("published") >= 1
-
-
 def test_bad_input_is_named():
     cal = OnlineCalibrator(3, CFG)
     with pytest.raises(InputError, match="label 5 at row 1"):
@@ -120,3 +112,16 @@ def test_index_uniforms_are_positional():
     u = index_uniforms(0, 1000)
     assert np.array_equal(index_uniforms(400, 10), u[400:410])
     assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean() - 0.5) < 0.05
+
+
+def test_a_corrected_map_wins_where_temperature_scaling_cannot():
+    from tests.test_oracle import synth_class_dependent
+
+    f, _, y = synth_class_dependent(16000, 3, seed=1)
+    cal = OnlineCalibrator(3, OnlineConfig(eps=0.1, pools_from=2000))
+    ev = cal.update(f, y)
+    kinds = [e.kind for e in ev]
+    assert "shadow" in kinds
+    corrected = [e for e in ev if e.kind == "published" and e.binmap.n_bins]
+    assert corrected and corrected[0].decision.mean_diff < 0   # it beat the live TS map
+    assert cal.live.n_bins > 0
