@@ -279,7 +279,7 @@ class LossGrid:
         full = full + np.triu(full, 1).T
         sd = float(u @ self.sums[loss])
         sd2 = float(u @ full @ u)
-        return PairedLoss(loss, self.n, int(round(sd)), max(int(round(sd2)), 0))
+        return PairedLoss(loss, self.n, round(sd), max(round(sd2), 0))
 
     @property
     def nbytes(self) -> int:

@@ -1,5 +1,6 @@
 """The online calibrator: replay determinism, checkpoints, drift recovery, never publish worse."""
 
+import itertools
 import json
 
 import numpy as np
@@ -20,7 +21,7 @@ def trace(events):
 def feed(cal, f, y, cuts):
     out = []
     bounds = [0, *cuts, y.size]
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         out += cal.update(f[a:b], y[a:b])
     return out
 

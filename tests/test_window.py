@@ -1,8 +1,8 @@
 """Sliding window: buckets seal at exact counts, sums add, reset after a drift, round trips."""
 
+import itertools
 import json
 
-import numpy as np
 import pytest
 
 from lpcal.challenger import LossGrid
@@ -22,7 +22,7 @@ def fill(batches, n=5000, t=None, bucket_size=1000, n_buckets=4):
     if t is not None:
         w.set_temperature(t)
     cuts = [0, *batches, n]
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         w.add(u[a:b], f[a:b], y[a:b])
     return w, f, y, u
 

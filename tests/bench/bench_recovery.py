@@ -32,6 +32,7 @@ map they replaced (champion/challenger's promise is: none, up to the test's leve
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -156,7 +157,7 @@ def run_stream(sp: Split, make, feed) -> dict:
                                                                  ts.temperature(drifted))):
             first[drifted] = b - (DRIFT_AT if drifted else 0)
     worse = 0
-    for (_, old), (b, new) in zip(pubs, pubs[1:]):
+    for (_, old), (b, new) in itertools.pairwise(pubs):
         d = b > DRIFT_AT
         worse += sp.map_quality(d, new)["Brier"] > sp.map_quality(d, old)["Brier"] + 1e-4
     return {"start": first[False], "drift": first[True], "published": len(pubs),
