@@ -21,7 +21,11 @@ bounded, and :func:`challenge` refuses to decide on fewer than ``min_samples``).
 is **published iff ``U < -margin``** (``margin >= 0``, default 0): held-out data says it is better
 with confidence ``1 - alpha``; otherwise the champion is **kept**. So a challenger whose held-out
 mean loss is worse is never published (``U >= dbar >= 0``), and one that is truly no better is
-published with probability at most ``alpha`` per test. A caller testing successive challengers
+published with probability at most ``alpha`` per test. A *refinement* (the live map's own
+estimator refitted on more samples of the same regime) needs only ``dbar < -margin``
+(``significance=False`` in :func:`challenge`): its improvement is second order in the
+estimation error, a significance test would hold a stale estimate for tens of thousands of
+samples, and a refinement held-out data says is worse is still never published. A caller testing successive challengers
 against one champion spends ``alpha`` over the tests (:class:`lpcal.online.OnlineCalibrator`
 uses ``alpha_j = alpha / (j (j + 1))`` for its ``j``-th test, which sums to ``alpha``).
 
@@ -173,9 +177,17 @@ class Decision:
 
 
 def challenge(paired: PairedLoss, *, alpha: float = 0.05, min_samples: int = 200,
-              margin: float = 0.0) -> Decision:
+              margin: float = 0.0, significance: bool = True) -> Decision:
     """Publish the challenger iff ``dbar + z_{1 - alpha} se < -margin`` on at least
     ``min_samples`` paired held-out samples (module docstring).
+
+    ``significance=False`` is the **refinement** rule: publish iff ``dbar < -margin`` (the
+    held-out point estimate is better, no confidence required). It is for a challenger that
+    re-estimates the live map's own parameters on more samples of the same regime (a consistent
+    estimator fitted on, say, twice the data): requiring significance there would keep a map
+    whose loss is worse by a second-order amount for a very long time (the difference shrinks
+    with the square of the estimation error while its noise shrinks only linearly), yet the
+    promise still holds that a map held-out data says is worse is never published.
 
     Returns
     -------
@@ -190,9 +202,10 @@ def challenge(paired: PairedLoss, *, alpha: float = 0.05, min_samples: int = 200
     if paired.n < min_samples:
         return Decision(False, paired.loss, paired.n, m, se, math.inf, alpha,
                         f"{paired.n} < {min_samples} held-out samples")
-    u = m + normal_quantile(1.0 - alpha) * se
+    u = m + normal_quantile(1.0 - alpha) * se if significance else m
     if u < -margin:
-        return Decision(True, paired.loss, paired.n, m, se, u, alpha, "")
+        return Decision(True, paired.loss, paired.n, m, se, u, alpha if significance else 0.5,
+                        "")
     why = ("held-out loss is worse" if m > 0 else
            "held-out loss is not lower" if m >= -margin else "not significant")
     return Decision(False, paired.loss, paired.n, m, se, u, alpha, why)

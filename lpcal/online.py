@@ -24,7 +24,9 @@ k = 10 model's first map) with four pieces:
    paired held-out loss difference against the live map (the identity before the first map) has
    a one-sided upper bound below 0 at level ``alpha_j = alpha / (j (j + 1))`` for the ``j``-th
    test against that live map (so at most ``alpha`` in all that a map no better than the live
-   one is ever published). Temperature candidates are tested at once on the window's held-out
+   one is ever published; a *refinement*, the live temperature re-estimated on ``growth``
+   times as many samples of the same regime, needs only a lower held-out mean loss).
+   Temperature candidates are tested at once on the window's held-out
    :class:`lpcal.challenger.LossGrid` (held out of every fit by routing); a corrected map is
    tested prospectively (*shadow*): both maps score the held-out samples that arrive after it was
    fitted, and it is tested when their count doubles from ``min_heldout``.
@@ -220,6 +222,7 @@ class OnlineCalibrator:
         self.n_seen = 0
         self.regime_start = 0
         self.warm: WarmupSums | None = WarmupSums()
+        self.warm_n = 0
         self.pool_temperature: float | None = None
         self.live: BinMap | None = None
         self.version = 0
@@ -227,6 +230,8 @@ class OnlineCalibrator:
         self.next_fit_at: int | None = None
         self.shadow: tuple[BinMap, PairedLoss] | None = None
         self.shadow_next_test = 0
+        self.live_fit_n = 0        # fit-share samples behind the live temperature
+        self.live_regime = -1      # regime_start when the live map was published
 
     # ------------------------------------------------------------------ feeding
     def update(self, probs, labels, uniforms=None) -> list[Event]:
@@ -300,13 +305,13 @@ class OnlineCalibrator:
                                     min_samples=cfg.warmup_min)
             if not d.determined and not (n_reg >= cfg.warmup_max and self.warm.n):
                 return events
-            self.warm = None
+            self.warm_n, self.warm = self.warm.n, None
             self.pool_temperature = d.temperature
             self.window.set_temperature(d.temperature)
             self.next_fit_at = max(cfg.step, math.ceil(n_reg * cfg.growth / cfg.step) * cfg.step)
             events.append(Event(self.n_seen, "warmup_end", temperature=d.temperature,
                                 detail=d.reason or f"+-{d.half_width:.3f} in ln T"))
-            events.extend(self._challenge_temperature(d.temperature))
+            events.extend(self._challenge_temperature(d.temperature, self.warm_n))
             return events
         if self.shadow is not None and self.shadow[1].n >= self.shadow_next_test:
             events.extend(self._test_shadow())
@@ -318,10 +323,10 @@ class OnlineCalibrator:
                 # one shadow is tested at a time
                 events.extend(self._fit_pools())
                 if not any(e.kind == "shadow" for e in events) and grid.n:
-                    events.extend(self._challenge_temperature(grid.fit()))
+                    events.extend(self._challenge_temperature(grid.fit(), grid.n))
             else:
                 if grid.n:
-                    events.extend(self._challenge_temperature(grid.fit()))
+                    events.extend(self._challenge_temperature(grid.fit(), grid.n))
                 events.extend(self._fit_pools())
         return events
 
@@ -341,9 +346,11 @@ class OnlineCalibrator:
             iterations=0, stop_reason="not_run", est_error={}, bins=(),
             group=np.zeros(0, np.int64), preds=np.zeros((0, self.k)), mode="certified")
 
-    def _challenge_temperature(self, t: float) -> list[Event]:
-        """Test temperature scaling at ``t`` against the live map on the window's held-out
-        loss grid (or prospectively, when the live map has bins)."""
+    def _challenge_temperature(self, t: float, fit_n: int) -> list[Event]:
+        """Test temperature scaling at ``t`` (fitted on ``fit_n`` samples) against the live map
+        on the window's held-out loss grid (or prospectively, when the live map has bins). A
+        refinement of the live temperature (same regime, ``growth`` times its samples) needs
+        only a lower held-out mean loss (:func:`lpcal.challenger.challenge`)."""
         if self.live is not None and self.live.n_bins:
             return self._start_shadow(self._temperature_map(t))
         live_t = None if self.live is None else self.live.temperature
@@ -351,17 +358,26 @@ class OnlineCalibrator:
         if held.n < self.config.min_heldout:
             return [Event(self.n_seen, "kept", temperature=t,
                           detail=f"{held.n} held-out samples")]
-        dec = challenge(held.paired(t, live_t, self.config.loss), alpha=self._alpha(),
-                        min_samples=self.config.min_heldout)
+        refine = (self.live is not None and self.live_regime == self.regime_start
+                  and fit_n >= self.config.growth * self.live_fit_n)
+        paired = held.paired(t, live_t, self.config.loss)
+        if refine:
+            dec = challenge(paired, min_samples=self.config.min_heldout, significance=False)
+        else:
+            dec = challenge(paired, alpha=self._alpha(), min_samples=self.config.min_heldout)
         if not dec.publish:
             return [Event(self.n_seen, "kept", temperature=t, decision=dec)]
-        return [self._publish(self._temperature_map(t), dec)]
+        event = self._publish(self._temperature_map(t), dec)
+        self.live_fit_n = fit_n
+        return [event]
 
     def _publish(self, bm: BinMap, dec: Decision | None) -> Event:
         self.version += 1
         if bm.version != self.version:
             bm = dataclasses.replace(bm, version=self.version)
         self.live = bm
+        self.live_regime = self.regime_start
+        self.live_fit_n = 0
         self.tests = 0
         self.shadow = None
         return Event(self.n_seen, "published", self.version, bm.temperature, dec, bm)
@@ -426,6 +442,8 @@ class OnlineCalibrator:
             "pool_temperature": self.pool_temperature, "window": self.window.to_dict(),
             "live": None if self.live is None else self.live.to_json().decode(),
             "version": self.version, "tests": self.tests, "next_fit_at": self.next_fit_at,
+            "live_fit_n": self.live_fit_n, "live_regime": self.live_regime,
+            "warm_n": self.warm_n,
             "shadow": None if self.shadow is None else {
                 "binmap": self.shadow[0].to_json().decode(),
                 "paired": self.shadow[1].to_dict(), "next_test": self.shadow_next_test},
@@ -445,6 +463,8 @@ class OnlineCalibrator:
             out.window = SlidingWindow.from_dict(d["window"])
             out.live = None if d["live"] is None else BinMap.from_json(d["live"])
             out.version, out.tests = int(d["version"]), int(d["tests"])
+            out.live_fit_n, out.live_regime = int(d["live_fit_n"]), int(d["live_regime"])
+            out.warm_n = int(d["warm_n"])
             out.next_fit_at = None if d["next_fit_at"] is None else int(d["next_fit_at"])
             if d["shadow"] is not None:
                 out.shadow = (BinMap.from_json(d["shadow"]["binmap"]),

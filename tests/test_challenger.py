@@ -51,8 +51,17 @@ def test_never_publishes_when_the_held_out_mean_is_not_lower():
         n = int(rng.integers(2, 5000))
         sd = int(rng.integers(0, 10**6))
         sd2 = int(sd * sd / n + rng.integers(0, 10**9))
-        d = challenge(PairedLoss("brier", n, sd, sd2), alpha=0.49, min_samples=2)
-        assert not d.publish
+        for significance in (True, False):
+            d = challenge(PairedLoss("brier", n, sd, sd2), alpha=0.49, min_samples=2,
+                          significance=significance)
+            assert not d.publish
+
+
+def test_a_refinement_needs_a_lower_mean_not_significance():
+    noisy = PairedLoss("brier", 1000, -50, 10**12)     # mean slightly below 0, se large
+    assert not challenge(noisy).publish
+    d = challenge(noisy, significance=False)
+    assert d.publish and d.mean_diff < 0
 
 
 def test_too_few_samples_keep_the_champion():

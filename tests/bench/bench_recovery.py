@@ -23,7 +23,8 @@ Three calibrators see the same stream:
 bounds of docs/benchmarks.md section ``quality`` of temperature scaling fitted on the same
 samples seen so far, on the test split: top-label ECE within +0.003, classwise ECE +0.001,
 Brier +0.001, NLL +0.01. Reported: the first ``n`` (from the start, and from the switch) at which
-the served map is good, checked every ``EVAL_EVERY`` samples; for temperature scaling itself, the
+the served map is good, checked every ``EVAL_EVERY`` samples for ``SETTLED`` samples after each
+publication, then every ``SETTLED_EVERY`` (the served map does not change in between); for temperature scaling itself, the
 first ``n`` at which TS fitted on ``n`` samples is within the same bounds of TS fitted on the
 whole stream pool (5,000 distinct samples). Medians over seeds, with the range. Also: the maps
 the online loop published, and how many of them were worse on the test split (Brier) than the
@@ -55,6 +56,8 @@ AFTER_CAP = 90_000            # drifted samples streamed at most
 DETECTION_DELAY = 1_000
 BATCH = 500
 EVAL_EVERY = 500
+SETTLED = 5_000               # samples after a publication checked every EVAL_EVERY; then
+SETTLED_EVERY = 2_500         # every SETTLED_EVERY (only the TS baseline moves meanwhile)
 BOUNDS = {"top-label ECE": 0.003, "classwise ECE": 0.001, "Brier": 0.001, "NLL": 0.01}
 FIXED = {"warmup": 10_000, "holdout": 3_000, "pool": 5_000}
 
@@ -87,7 +90,9 @@ def within(m: dict[str, float], ref: dict[str, float]) -> bool:
 class Split:
     """One record and seed: test split, stream pool, both before and after the drift."""
 
-    def __init__(self, name: str, seed: int):
+    def __init__(self, name: str, seed: int, drift_at: int = DRIFT_AT,
+                 after_cap: int = AFTER_CAP):
+        self.drift_at, self.after_cap = drift_at, after_cap
         probs, labels = load(name)
         perm = np.random.default_rng(seed).permutation(labels.size)
         half = labels.size // 2
@@ -99,11 +104,11 @@ class Split:
         self.tx = {False: probs[test], True: rescale(probs[test], SCALE)}
         self.ty = labels[test]
         rng = np.random.default_rng(10_000 + seed)
-        self.idx = rng.integers(0, pool.size, DRIFT_AT + AFTER_CAP)
+        self.idx = rng.integers(0, pool.size, drift_at + after_cap)
         self._ts_cache: dict[tuple[bool, float], dict[str, float]] = {}
 
     def batch(self, a: int, b: int):
-        drifted = a >= DRIFT_AT
+        drifted = a >= self.drift_at
         i = self.idx[a:b]
         return self.x[drifted][i], self.y[i], drifted
 
@@ -140,32 +145,34 @@ def run_stream(sp: Split, make, feed) -> dict:
     served: BinMap | None = None
     first = {False: None, True: None}
     pubs: list[tuple[int, BinMap]] = []
-    for a in range(0, DRIFT_AT + AFTER_CAP, BATCH):
+    last_pub = 0
+    for a in range(0, sp.drift_at + sp.after_cap, BATCH):
         b = a + BATCH
         x, y, drifted = sp.batch(a, b)
         ts.add(x, y, drifted)
         for bm in feed(cal, a, x, y):
             served = bm
             pubs.append((b, bm))
+            last_pub = b
         if not drifted and first[False] is not None:
             continue  # the start is settled: no evaluation until the switch
         if drifted and first[True] is not None:
             break
-        if served is None or b % EVAL_EVERY:
+        if served is None or b % (EVAL_EVERY if b - last_pub <= SETTLED else SETTLED_EVERY):
             continue
         if within(sp.map_quality(drifted, served), sp.ts_quality(drifted,
                                                                  ts.temperature(drifted))):
-            first[drifted] = b - (DRIFT_AT if drifted else 0)
+            first[drifted] = b - (sp.drift_at if drifted else 0)
     worse = 0
     for (_, old), (b, new) in itertools.pairwise(pubs):
-        d = b > DRIFT_AT
+        d = b > sp.drift_at
         worse += sp.map_quality(d, new)["Brier"] > sp.map_quality(d, old)["Brier"] + 1e-4
     return {"start": first[False], "drift": first[True], "published": len(pubs),
             "worse": worse}
 
 
-def online_feed(cal: OnlineCalibrator, a: int, x, y):
-    if a == DRIFT_AT + DETECTION_DELAY:
+def online_feed(cal: OnlineCalibrator, a: int, x, y, drift_at: int = DRIFT_AT):
+    if a == drift_at + DETECTION_DELAY:
         cal.notify_drift()
     return [e.binmap for e in cal.update(x, y) if e.kind == "published"]
 
@@ -202,8 +209,8 @@ def ts_samples(sp: Split, drifted: bool) -> int | None:
     """Samples until TS on them is within the bounds of TS on the whole stream pool."""
     ref = sp.ts_quality(drifted, TemperatureGrid().update(sp.x[drifted], sp.y).fit())
     g = TemperatureGrid()
-    start = DRIFT_AT if drifted else 0
-    for a in range(start, start + 30_000, EVAL_EVERY):
+    start = sp.drift_at if drifted else 0
+    for a in range(start, start + min(30_000, sp.drift_at), EVAL_EVERY):
         x, y, _ = sp.batch(a, a + EVAL_EVERY)
         g.update(x, y)
         if within(sp.ts_quality(drifted, g.fit()), ref):
@@ -241,7 +248,8 @@ def run(quick: bool = False) -> list[Table]:
             (f"Joined samples until the served map is within the quality bounds of "
              f"temperature scaling fitted on the same samples seen so far ({BOUNDS}; test "
              f"split: the seeded half of the record, 5,000 samples); median [min-max] over "
-             f"{len(seeds)} seeds, checked every {EVAL_EVERY} samples. Drift: logits x"
+             f"{len(seeds)} seeds, checked every {EVAL_EVERY} samples up to {SETTLED:,} after a "
+             f"publication, then every {SETTLED_EVERY:,}. Drift: logits x"
              f"{SCALE} after {DRIFT_AT:,} samples, counted from the switch; the online loop is "
              f"told {DETECTION_DELAY:,} samples after it (the change test's median delay, "
              f"section drift); streams capped at {AFTER_CAP:,} drifted samples ('> cap')."),
@@ -259,9 +267,11 @@ def run(quick: bool = False) -> list[Table]:
         res = {"online": [], "fixed": [], "ts": []}
         k = None
         for s in seeds:
-            sp = Split(name, s)
+            sp = Split(name, s, *((12_000, 12_000) if quick else ()))
             k = sp.k
-            res["online"].append(run_stream(sp, lambda kk: OnlineCalibrator(kk), online_feed))
+            res["online"].append(run_stream(
+                sp, lambda kk: OnlineCalibrator(kk),
+                lambda cal, a, x, y, d=sp.drift_at: online_feed(cal, a, x, y, d)))
             res["fixed"].append(run_stream(sp, FixedSchedule,
                                            lambda cal, a, x, y: cal.feed(x, y)))
             res["ts"].append({"start": ts_samples(sp, False), "drift": ts_samples(sp, True)})
