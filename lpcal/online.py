@@ -115,8 +115,11 @@ class OnlineConfig:
         warm-up ends at ``warmup_max`` samples whatever the interval.
     alpha : float
         Total level of the champion/challenger tests against one live map.
-    loss : {"brier", "nll"}
-        The paired loss of the test.
+    loss : {"nll", "brier"}
+        The paired loss of the test. Default the log-loss: the objective temperature scaling
+        minimises, and the more powerful of the two on the CIFAR networks (the paired z-score
+        of temperature scaling against the identity 1.3 to 1.6 times the Brier score's on three
+        of four networks, equal on the fourth), so a first map goes out sooner.
     min_heldout : int
         Held-out samples below which no test decides.
     growth : float
@@ -139,7 +142,7 @@ class OnlineConfig:
     warmup_min: int = 500
     warmup_max: int = 10_000
     alpha: float = 0.05
-    loss: str = "brier"
+    loss: str = "nll"
     min_heldout: int = 200
     growth: float = 1.5
     pools_from: int = 4_000

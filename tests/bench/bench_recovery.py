@@ -259,7 +259,7 @@ def run(quick: bool = False) -> list[Table]:
              "fitted on them is within the same bounds of TS fitted on the whole stream pool."),
             ("Online loop: lpcal.online.OnlineConfig defaults (warm-up until the 95% interval "
              "of ln T is within +-0.05, window of 32 buckets of 1,000, 30% held out, "
-             "champion/challenger on the paired Brier difference at alpha 0.05 spent over the "
+             "champion/challenger on the paired log-loss difference at alpha 0.05 spent over the "
              "tests). 'Published worse than replaced': publications whose test-split Brier "
              "exceeds the replaced map's by more than 1e-4."),
         ])
