@@ -126,3 +126,11 @@ def test_a_corrected_map_wins_where_temperature_scaling_cannot():
     corrected = [e for e in ev if e.kind == "published" and e.binmap.n_bins]
     assert corrected and corrected[0].decision.mean_diff < 0   # it beat the live TS map
     assert cal.live.n_bins > 0
+
+
+def test_malformed_state_is_named():
+    state = OnlineCalibrator(3, CFG).to_dict()
+    with pytest.raises(InputError, match="online calibrator state"):
+        OnlineCalibrator.from_dict({**state, "format": "lpcal.online/0"})
+    with pytest.raises(InputError, match="layout does not match"):
+        OnlineCalibrator.from_dict({**state, "config": {**state["config"], "eps": 0.05}})
