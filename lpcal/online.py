@@ -126,6 +126,10 @@ class OnlineConfig:
         Candidates are fitted when the samples since the warm-up began grow by this factor.
     pools_from : int
         Fit-share samples in the window's pools before Algorithm 2 is run.
+    certify_buckets : int
+        Newest buckets whose held-out sums certify Algorithm 2's fits (10 buckets of 1,000 at
+        a 30% share: 3,000 held-out samples, what an epoch of the fixed schedule held out);
+        the loss grids of the champion/challenger test cover the whole window.
     max_bytes : int, optional
         Bound on the bytes of the sealed buckets (oldest dropped first).
     """
@@ -146,6 +150,7 @@ class OnlineConfig:
     min_heldout: int = 200
     growth: float = 1.5
     pools_from: int = 4_000
+    certify_buckets: int = 10
     max_bytes: int | None = None
 
     def __post_init__(self) -> None:
@@ -159,7 +164,7 @@ class OnlineConfig:
             "warmup_max": self.warmup_max >= self.warmup_min >= 1,
             "alpha": 0 < self.alpha < 0.5, "loss": self.loss in LOSSES,
             "min_heldout": self.min_heldout >= 2, "growth": self.growth > 1,
-            "pools_from": self.pools_from >= 1,
+            "pools_from": self.pools_from >= 1, "certify_buckets": self.certify_buckets >= 1,
             "max_bytes": self.max_bytes is None or self.max_bytes > 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
@@ -221,7 +226,8 @@ class OnlineCalibrator:
         self.model_id = model_id
         self.window = SlidingWindow(self.config.layout(self.k),
                                     bucket_size=self.config.bucket_size,
-                                    n_buckets=self.config.n_buckets)
+                                    n_buckets=self.config.n_buckets,
+                                    holdout_buckets=self.config.certify_buckets)
         self.n_seen = 0
         self.regime_start = 0
         self.warm: WarmupSums | None = WarmupSums()

@@ -18,7 +18,12 @@ samples each::
   covers the last ``(B - 1) N`` to ``B N`` samples, and a refit reuses all of them instead of
   starting an epoch from nothing;
 * :meth:`SlidingWindow.reset_after` drops every bucket up to a given index (a detected drift:
-  only post-drift buckets count), including the open one if it is not newer.
+  only post-drift buckets count), including the open one if it is not newer;
+* the held-out sums that certify a map (:class:`lpcal.holdout.HoldoutSums`, ``3k + 1`` int64 per
+  held-out bin: at k = 100 and ``lambda = 10`` nearly every held-out sample is its own bin, so
+  about 2.8 kB each, twice: for ``g`` and for ``f``) are kept in the newest ``holdout_buckets``
+  buckets only and emptied in older ones: the certificate uses the most recent held-out samples
+  (as many as an epoch held out before), the rest of the window keeps its cheap sums.
 
 Samples are routed by a uniform ``u`` in [0, 1) per sample (a hash of the event id in the
 daemon, :func:`lpcal.pools.route_uniform`), through the layout's routing
@@ -50,6 +55,7 @@ import numpy as np
 
 from lpcal.challenger import LossGrid
 from lpcal.errors import InputError
+from lpcal.holdout import HoldoutSums
 from lpcal.pools import PoolLayout, PoolSet
 from lpcal.precalibrate import TemperatureGrid
 
@@ -144,14 +150,16 @@ class SlidingWindow:
     """
 
     def __init__(self, layout: PoolLayout, *, bucket_size: int = 1_000,
-                 n_buckets: int = 32) -> None:
+                 n_buckets: int = 32, holdout_buckets: int | None = None) -> None:
         if layout.warmup or not layout.holdout:
             raise InputError("a sliding window needs a layout without warm-up and with a "
                              f"held-out share; got warmup={layout.warmup}, "
                              f"holdout={layout.holdout}")
-        if bucket_size < 1 or n_buckets < 1:
-            raise InputError(f"bucket_size and n_buckets must be >= 1, got {bucket_size}, "
-                             f"{n_buckets}")
+        if bucket_size < 1 or n_buckets < 1 or (holdout_buckets is not None
+                                                 and holdout_buckets < 1):
+            raise InputError(f"bucket_size, n_buckets and holdout_buckets must be >= 1, got "
+                             f"{bucket_size}, {n_buckets}, {holdout_buckets}")
+        self.holdout_buckets = None if holdout_buckets is None else int(holdout_buckets)
         self.layout = layout
         self.bucket_size = int(bucket_size)
         self.n_buckets = int(n_buckets)
@@ -179,6 +187,12 @@ class SlidingWindow:
         self.buckets.append(b)
         if len(self.buckets) > self.n_buckets:
             del self.buckets[0]
+        if self.holdout_buckets is not None and len(self.buckets) > self.holdout_buckets:
+            old = self.buckets[-1 - self.holdout_buckets]
+            if old.pools is not None and old.pools.holdout.n:
+                lay = self.layout
+                old.pools.holdout = HoldoutSums(lay.k, lay.lam)
+                old.pools.holdout_raw = HoldoutSums(lay.k, lay.lam)
         if self.temperature is not None:
             b.temperature = self.temperature
             b.pools = PoolSet(self.layout, temperature=self.temperature)
@@ -264,15 +278,18 @@ class SlidingWindow:
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         return {"layout": self.layout.to_dict(), "bucket_size": self.bucket_size,
-                "n_buckets": self.n_buckets, "temperature": self.temperature,
+                "n_buckets": self.n_buckets, "holdout_buckets": self.holdout_buckets,
+                "temperature": self.temperature,
                 "buckets": [b.to_dict() for b in self.buckets]}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SlidingWindow:
         """Inverse of :meth:`to_dict`; malformed input raises :class:`InputError`."""
         try:
+            hb = d.get("holdout_buckets")
             out = cls(PoolLayout.from_dict(d["layout"]), bucket_size=int(d["bucket_size"]),
-                      n_buckets=int(d["n_buckets"]))
+                      n_buckets=int(d["n_buckets"]),
+                      holdout_buckets=None if hb is None else int(hb))
             t = d["temperature"]
             out.temperature = None if t is None else float(t)
             out.buckets = [Bucket.from_dict(b, out.layout) for b in d["buckets"]]
@@ -290,7 +307,9 @@ class SlidingWindow:
         if not isinstance(other, SlidingWindow):
             return NotImplemented
         return (self.layout == other.layout and self.bucket_size == other.bucket_size
-                and self.n_buckets == other.n_buckets and self.temperature == other.temperature
+                and self.n_buckets == other.n_buckets
+                and self.holdout_buckets == other.holdout_buckets
+                and self.temperature == other.temperature
                 and self.buckets == other.buckets)
 
     def __repr__(self) -> str:

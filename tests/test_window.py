@@ -89,3 +89,16 @@ def test_rejects_a_layout_without_held_out_share():
 
 def test_tree_sum_adds_everything():
     assert tree_sum(list(range(11)), lambda a, b: a + b) == 55
+
+
+def test_certifying_sums_only_in_the_newest_buckets():
+    f, y = tempered(5000)
+    u = index_uniforms(0, 5000)
+    w = SlidingWindow(LAYOUT, bucket_size=1000, n_buckets=8, holdout_buckets=2)
+    w.set_temperature(2.0)
+    w.add(u, f, y)
+    held = [b.pools.holdout.n for b in w.buckets]
+    assert held[:3] == [0, 0, 0] and min(held[3:]) > 0
+    assert w.pools().holdout.n == sum(held)
+    assert w.held().n == sum(b.held.n for b in w.buckets) > sum(held)   # loss grids: all
+    assert SlidingWindow.from_dict(w.to_dict()) == w
