@@ -27,9 +27,9 @@ were summed (the normal approximation needs a few hundred).
 Why this rule: temperature scaling's quality on held-out data is a smooth function of
 ``theta`` with its optimum at the population ``theta*``; once the interval is narrow, a longer
 warm-up moves the fitted ``T`` by less than ``tol`` and buys nothing. A fixed count (10,000 in
-the daemon's earlier schedule) is both too long for a sharp, well-specified model (about 2,000
-samples determine ``T`` of a CIFAR-10 network to +-5%) and possibly too short for a
-weak one. Measured on the CIFAR records: see docs/benchmarks.md, section ``recovery``.
+the daemon's earlier schedule) is both too long for a sharp, well-specified model (1,500 to
+3,500 samples determine ``T`` of the CIFAR networks to +-5% at 95%) and possibly too short for
+a model temperature scaling describes badly. Measured on the CIFAR records: see docs/benchmarks.md, section ``recovery``.
 
 The sums are additive like :class:`lpcal.precalibrate.TemperatureGrid`'s: :class:`WarmupSums`
 holds a grid (NLL per grid temperature) plus ``sum_i s_i``, ``sum_i s_i^2`` and ``sum_i h_i`` at
