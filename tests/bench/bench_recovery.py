@@ -4,6 +4,8 @@ For each CIFAR record (k = 10 and k = 100 networks) and seed: a seeded half of t
 samples) is the fixed **test split**; the stream resamples the other half with replacement.
 ``DRIFT_AT`` stationary samples, then the logits (``log p``) are halved and renormalised (the
 network turns under-confident, as after a data shift; the test split is drifted the same way).
+A second, shorter stream doubles them instead (over-confident), for the online loop and
+temperature scaling only.
 
 Three calibrators see the same stream:
 
@@ -51,6 +53,8 @@ DATA = Path(__file__).resolve().parent / "data"
 RECORDS = ("wideresnet-16-4-cifar-10", "lenet-5-cifar-10", "wideresnet-16-4-cifar-100",
            "densenet-bc-100-cifar-100")
 SCALE = 0.5
+SCALE_UP = 2.0                # the over-confident drift: online loop and TS only
+UP_AT = 20_000                # its stationary phase (only a published map is needed first)
 DRIFT_AT = 60_000
 AFTER_CAP = 90_000            # drifted samples streamed at most
 DETECTION_DELAY = 1_000
@@ -91,7 +95,7 @@ class Split:
     """One record and seed: test split, stream pool, both before and after the drift."""
 
     def __init__(self, name: str, seed: int, drift_at: int = DRIFT_AT,
-                 after_cap: int = AFTER_CAP):
+                 after_cap: int = AFTER_CAP, scale: float = SCALE):
         self.drift_at, self.after_cap = drift_at, after_cap
         probs, labels = load(name)
         perm = np.random.default_rng(seed).permutation(labels.size)
@@ -99,9 +103,9 @@ class Split:
         test, pool = perm[:half], perm[half:]
         self.k = probs.shape[1]
         self.seed = seed
-        self.x = {False: probs[pool], True: rescale(probs[pool], SCALE)}
+        self.x = {False: probs[pool], True: rescale(probs[pool], scale)}
         self.y = labels[pool]
-        self.tx = {False: probs[test], True: rescale(probs[test], SCALE)}
+        self.tx = {False: probs[test], True: rescale(probs[test], scale)}
         self.ty = labels[test]
         rng = np.random.default_rng(10_000 + seed)
         self.idx = rng.integers(0, pool.size, drift_at + after_cap)
@@ -242,7 +246,8 @@ def run(quick: bool = False) -> list[Table]:
         "fixed epochs vs temperature scaling",
         ["network", "k", "start: online", "start: fixed epochs", "start: TS alone",
          "online / fixed", "drift: online", "drift: fixed epochs", "drift: TS alone",
-         "online / fixed (drift)", "online maps published", "published worse than replaced"],
+         "online / fixed (drift)", "drift x2: online", "drift x2: TS alone",
+         "online maps published", "published worse than replaced"],
         key="recovery",
         notes=[
             (f"Joined samples until the served map is within the quality bounds of "
@@ -252,7 +257,10 @@ def run(quick: bool = False) -> list[Table]:
              f"publication, then every {SETTLED_EVERY:,}. Drift: logits x"
              f"{SCALE} after {DRIFT_AT:,} samples, counted from the switch; the online loop is "
              f"told {DETECTION_DELAY:,} samples after it (the change test's median delay, "
-             f"section drift); streams capped at {AFTER_CAP:,} drifted samples ('> cap')."),
+             f"section drift); streams capped at {AFTER_CAP:,} drifted samples ('> cap'). "
+             f"Drift x{SCALE_UP:g} (over-confident): a separate stream of {UP_AT:,} "
+             f"stationary samples, then logits x{SCALE_UP:g}, at most {UP_AT:,} of them; the "
+             "fixed schedule is not run on it (its epochs do not depend on the drift)."),
             (f"Fixed epochs: warm-up {FIXED['warmup']:,}, held out {FIXED['holdout']:,}, "
              f"{FIXED['pool']:,} per estimation pool (the previous daemon defaults, eps 0.1, "
              "p inf), every full epoch fitted and published. TS alone: samples until TS "
@@ -264,7 +272,7 @@ def run(quick: bool = False) -> list[Table]:
              "exceeds the replaced map's by more than 1e-4."),
         ])
     for name in records:
-        res = {"online": [], "fixed": [], "ts": []}
+        res = {"online": [], "fixed": [], "ts": [], "up": [], "up_ts": []}
         k = None
         for s in seeds:
             sp = Split(name, s, *((12_000, 12_000) if quick else ()))
@@ -275,11 +283,18 @@ def run(quick: bool = False) -> list[Table]:
             res["fixed"].append(run_stream(sp, FixedSchedule,
                                            lambda cal, a, x, y: cal.feed(x, y)))
             res["ts"].append({"start": ts_samples(sp, False), "drift": ts_samples(sp, True)})
-        col = {m: {ph: [r[ph] for r in res[m]] for ph in ("start", "drift")} for m in res}
+            up = Split(name, s, *((12_000, 12_000) if quick else (UP_AT, UP_AT)), SCALE_UP)
+            res["up"].append(run_stream(
+                up, lambda kk: OnlineCalibrator(kk),
+                lambda cal, a, x, y, d=up.drift_at: online_feed(cal, a, x, y, d))["drift"])
+            res["up_ts"].append(ts_samples(up, True))
+        col = {m: {ph: [r[ph] for r in res[m]] for ph in ("start", "drift")}
+               for m in ("online", "fixed", "ts")}
         t.add(name, k, _fmt(col["online"]["start"]), _fmt(col["fixed"]["start"]),
               _fmt(col["ts"]["start"]), _ratio(col["online"]["start"], col["fixed"]["start"]),
               _fmt(col["online"]["drift"]), _fmt(col["fixed"]["drift"]),
               _fmt(col["ts"]["drift"]), _ratio(col["online"]["drift"], col["fixed"]["drift"]),
+              _fmt(res["up"]), _fmt(res["up_ts"]),
               "/".join(str(r["published"]) for r in res["online"]),
               sum(r["worse"] for r in res["online"]))
     return [t]
