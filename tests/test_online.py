@@ -134,3 +134,15 @@ def test_malformed_state_is_named():
         OnlineCalibrator.from_dict({**state, "format": "lpcal.online/0"})
     with pytest.raises(InputError, match="layout does not match"):
         OnlineCalibrator.from_dict({**state, "config": {**state["config"], "eps": 0.05}})
+
+
+def test_replay_with_algorithm_2_fits_is_deterministic():
+    from tests.test_oracle import synth_class_dependent
+
+    f, _, y = synth_class_dependent(14000, 3, seed=2)
+    cfg = OnlineConfig(eps=0.1, pools_from=2000)
+    a, b = OnlineCalibrator(3, cfg), OnlineCalibrator(3, cfg)
+    ta = trace(feed(a, f, y, []))
+    tb = trace(feed(b, f, y, [333, 5000, 5001, 9999]))
+    assert ta == tb and any(kind == "shadow" for _, kind, *_ in ta)
+    assert a.live.bins == b.live.bins and np.array_equal(a.live.preds, b.live.preds)
