@@ -12,7 +12,9 @@ against 2, failover with a 10,000-model state topic), ``certificate`` (coverage,
 certification rate of the held-out bound on truth-known families, the selection rule, its cost),
 ``eps`` (Err_p against top-label ECE on the CIFAR records: what eps means, per k), ``drift`` (the
 change test's detection delay and false alarms on real networks, against the Err_p threshold),
-``models`` (ingest from 1 to 10,000 models against a raw reader, bytes per idle model).
+``models`` (ingest from 1 to 10,000 models against a raw reader, bytes per idle model),
+``recovery`` (samples to a good map at the start and after a drift: the online loop of
+:mod:`lpcal.online` against the fixed epoch schedule and temperature scaling).
 Every timing is a ratio against a baseline measured in the same process (see
 :mod:`tests.bench.common`).
 """
@@ -40,6 +42,7 @@ from tests.bench import (
     bench_ingest,
     bench_models,
     bench_quality,
+    bench_recovery,
     bench_scale,
     bench_variants,
 )
@@ -76,6 +79,7 @@ BENCHMARKS = {
     "eps": bench_eps,
     "drift": bench_drift,
     "models": bench_models,
+    "recovery": bench_recovery,
 }
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 

@@ -1,0 +1,487 @@
+"""Online calibration: publish at any time, refit on a sliding window, recover from drift fast.
+
+:class:`OnlineCalibrator` is the library-level loop of the streaming daemon, pure (no I/O, no
+clock) and deterministic: feed it batches of ``(probs, labels)`` and it says when to publish
+which bin map. It replaces the fixed epoch schedule (a 10,000-sample warm-up, then pools of 5,000
+per estimation pool and 3,000 held out, each epoch from nothing: about 48,000 samples before a
+k = 10 model's first map) with four pieces:
+
+1. **The warm-up ends when the temperature is determined** (:mod:`lpcal.warmup`): the sandwich
+   interval for ``ln T`` from additive score sums is narrower than ``warmup_tol``, checked every
+   ``step`` samples (at most ``warmup_max``): a few thousand samples on the CIFAR networks
+   (the fit share's 70% of them), against 10,000.
+2. **Pools and held-out sums cover a sliding window** (:mod:`lpcal.window`): a ring of
+   ``n_buckets`` buckets of ``bucket_size`` samples. The warm-up's temperature ``T0`` bins
+   Algorithm 2's pools from then on, and every refit uses the whole window: nothing is thrown
+   away at an epoch boundary.
+3. **Candidates are fitted as samples accrue**, at the sample counts (since the warm-up began)
+   ``n_warm * growth^j`` (geometric: a refit when the window has grown by a factor ``growth``,
+   so ``O(log n)`` fits): the temperature of the window's fit share (temperature scaling) and,
+   once the pools hold ``pools_from`` samples, Algorithm 2 on the window's pools through
+   :func:`lpcal.calibrate.fit_pools` (its held-out certificate picks the pre-calibrator or the
+   corrected map; only a corrected map is a new candidate).
+4. **Champion and challenger** (:mod:`lpcal.challenger`): a candidate is published only when the
+   paired held-out loss difference against the live map (the identity before the first map) has
+   a one-sided upper bound below 0 at level ``alpha_j = alpha / (j (j + 1))`` for the ``j``-th
+   test against that live map (so at most ``alpha`` in all that a map no better than the live
+   one is ever published; a *refinement*, the live temperature re-estimated on ``growth``
+   times as many samples of the same regime, needs only a lower held-out mean loss).
+   Temperature candidates are tested at once on the window's held-out
+   :class:`lpcal.challenger.LossGrid` (held out of every fit by routing); a corrected map is
+   tested prospectively (*shadow*): both maps score the held-out samples that arrive after it was
+   fitted, and it is tested when their count doubles from ``min_heldout``.
+
+:meth:`OnlineCalibrator.notify_drift` (a detected drift: the daemon's change test) keeps only the
+buckets after the drift (:meth:`lpcal.window.SlidingWindow.reset_after`), re-opens the warm-up
+and restarts the test count; the live map stays until a candidate beats it on post-drift
+held-out data. So after a drift the first candidate comes as soon as the new temperature is
+determined, and a badly drifted live map is beaten by a wide margin, i.e. after few held-out
+samples.
+
+Determinism: every decision happens at a multiple of ``step`` samples (batches are split there),
+every sum is an exact integer, samples are routed by ``uniforms`` (given, e.g. a hash of the event
+id, or a counter-based hash of the sample's position in the stream) and fit seeds are sample
+counts. The same samples in the same order give the same decisions and the same maps (up to
+their ``created_at`` stamp), however they were batched. Memory is bounded: ``n_buckets`` buckets,
+and ``max_bytes`` (if set) drops the oldest sealed buckets beyond it.
+
+Measured on the CIFAR records (samples to a good map at the start and after a logit-scale drift,
+against the fixed epoch schedule and temperature scaling): docs/benchmarks.md, section
+``recovery``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lpcal.binmap import BinMap, utc_now
+from lpcal.challenger import LOSSES, Decision, PairedLoss, challenge
+from lpcal.errors import InputError
+from lpcal.levels import beta_for, lambda_for
+from lpcal.pools import PoolLayout, PoolSet, n_levels, pool_names
+from lpcal.spec import parse_p
+from lpcal.warmup import WarmupSums
+from lpcal.window import SlidingWindow
+
+__all__ = ["Event", "OnlineCalibrator", "OnlineConfig", "fit_window_pools", "index_uniforms"]
+
+_ROUTE_KEY = np.uint64(0x9E3779B97F4A7C15)
+
+
+def index_uniforms(start: int, n: int) -> np.ndarray:
+    """Uniforms in [0, 1) for the samples at stream positions ``start .. start + n - 1``: the
+    splitmix64 finaliser of the position (a counter-based hash: the same position always gets
+    the same uniform, whatever the batching)."""
+    with np.errstate(over="ignore"):
+        z = (np.arange(start, start + n, dtype=np.uint64) + np.uint64(1)) * _ROUTE_KEY
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def fit_window_pools(pools: PoolSet, cfg: OnlineConfig, *, seed: int, model_id: str,
+                     version: int) -> BinMap:
+    """The one call of :func:`lpcal.calibrate.fit_pools` (certified mode, identity outside
+    ``B``): a change of its signature lands here."""
+    from lpcal.calibrate import fit_pools
+
+    return fit_pools(pools, eps=cfg.eps, p=cfg.p, delta=cfg.delta, seed=seed,
+                     model_id=model_id, version=version)
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    """Settings of an :class:`OnlineCalibrator` (module docstring).
+
+    Parameters
+    ----------
+    eps, p, delta : float
+        The fit's target and level (as :func:`lpcal.calibrate.fit_pools`).
+    holdout_share : float
+        Share of samples routed to the held-out sums (never fitted on).
+    bucket_size, n_buckets : int
+        The sliding window: ``n_buckets`` buckets of ``bucket_size`` samples.
+    step : int
+        Decisions (warm-up check, fits, tests) happen at multiples of ``step`` samples.
+    warmup_tol, warmup_alpha, warmup_min, warmup_max
+        :meth:`lpcal.warmup.WarmupSums.determine`'s ``tol``, ``alpha``, ``min_samples``; the
+        warm-up ends at ``warmup_max`` samples whatever the interval.
+    alpha : float
+        Total level of the champion/challenger tests against one live map.
+    loss : {"nll", "brier"}
+        The paired loss of the test. Default the log-loss: the objective temperature scaling
+        minimises, and the more powerful of the two on the CIFAR networks (the paired z-score
+        of temperature scaling against the identity 1.3 to 1.6 times the Brier score's on three
+        of four networks, equal on the fourth), so a first map goes out sooner.
+    min_heldout : int
+        Held-out samples below which no test decides.
+    growth : float
+        Candidates are fitted when the samples since the warm-up began grow by this factor.
+    pools_from : int
+        Fit-share samples in the window's pools before Algorithm 2 is run.
+    certify_buckets : int
+        Newest buckets whose held-out sums certify Algorithm 2's fits (10 buckets of 1,000 at
+        a 30% share: 3,000 held-out samples, what an epoch of the fixed schedule held out);
+        the loss grids of the champion/challenger test cover the whole window.
+    max_bytes : int, optional
+        Bound on the bytes of the sealed buckets (oldest dropped first).
+    """
+
+    eps: float = 0.1
+    p: float = math.inf
+    delta: float = 0.1
+    holdout_share: float = 0.3
+    bucket_size: int = 1_000
+    n_buckets: int = 32
+    step: int = 250
+    warmup_tol: float = 0.05
+    warmup_alpha: float = 0.05
+    warmup_min: int = 500
+    warmup_max: int = 10_000
+    alpha: float = 0.05
+    loss: str = "nll"
+    min_heldout: int = 200
+    growth: float = 1.5
+    pools_from: int = 4_000
+    certify_buckets: int = 10
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "p", parse_p(self.p))
+        checks = {
+            "eps": 0 < self.eps < 1, "delta": 0 < self.delta < 1,
+            "holdout_share": 0 < self.holdout_share < 1,
+            "bucket_size": self.bucket_size >= 1, "n_buckets": self.n_buckets >= 2,
+            "step": self.step >= 1 and self.bucket_size % self.step == 0,
+            "warmup_tol": self.warmup_tol > 0, "warmup_alpha": 0 < self.warmup_alpha < 1,
+            "warmup_max": self.warmup_max >= self.warmup_min >= 1,
+            "alpha": 0 < self.alpha < 0.5, "loss": self.loss in LOSSES,
+            "min_heldout": self.min_heldout >= 2, "growth": self.growth > 1,
+            "pools_from": self.pools_from >= 1, "certify_buckets": self.certify_buckets >= 1,
+            "max_bytes": self.max_bytes is None or self.max_bytes > 0,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise InputError(f"OnlineConfig: invalid {bad} (step must divide bucket_size)")
+
+    def layout(self, k: int) -> PoolLayout:
+        """The window's routing: Algorithm 2's pools (shared variant) in equal shares of the
+        fit share, and the held-out share."""
+        beta = beta_for(self.eps, self.p)
+        names = pool_names(n_levels(beta), "shared")
+        per = 1_000
+        hold = round(per * len(names) * self.holdout_share / (1.0 - self.holdout_share))
+        return PoolLayout(k, lambda_for(beta), n_levels(beta), "shared",
+                          dict.fromkeys(names, per), holdout=max(1, hold))
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something the calibrator did at sample ``n``: ``kind`` is ``"warmup_end"``,
+    ``"published"``, ``"kept"`` (a candidate lost its test), ``"shadow"`` (a corrected map is
+    now tested prospectively) or ``"drift"``; ``version`` and ``temperature`` of the map
+    concerned, the test's :class:`Decision` (if any), and ``binmap`` when published."""
+
+    n: int
+    kind: str
+    version: int = 0
+    temperature: float | None = None
+    decision: Decision | None = None
+    binmap: BinMap | None = field(default=None, repr=False)
+    detail: str = ""
+
+
+class OnlineCalibrator:
+    """The online calibration loop for one model with ``k`` classes (module docstring).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from lpcal.online import OnlineCalibrator, OnlineConfig
+    >>> rng = np.random.default_rng(0)
+    >>> z = rng.normal(size=(6000, 10)) * 3
+    >>> f = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)          # overconfident model
+    >>> q = np.exp(z / 2) / np.exp(z / 2).sum(axis=1, keepdims=True)  # labels follow T = 2
+    >>> y = (q.cumsum(axis=1) > rng.random(6000)[:, None]).argmax(axis=1)
+    >>> cal = OnlineCalibrator(10, OnlineConfig(pools_from=10**9))
+    >>> events = cal.update(f, y)
+    >>> pub = [e for e in events if e.kind == "published"]
+    >>> pub[0].n < 5000, abs(cal.live.temperature - 2.0) < 0.15
+    (True, True)
+    """
+
+    def __init__(self, k: int, config: OnlineConfig | None = None, *,
+                 model_id: str = "model") -> None:
+        if not isinstance(k, (int, np.integer)) or k < 2:
+            raise InputError(f"OnlineCalibrator needs k >= 2 classes, got {k!r}")
+        self.k = int(k)
+        self.config = config or OnlineConfig()
+        self.model_id = model_id
+        self.window = SlidingWindow(self.config.layout(self.k),
+                                    bucket_size=self.config.bucket_size,
+                                    n_buckets=self.config.n_buckets,
+                                    holdout_buckets=self.config.certify_buckets)
+        self.n_seen = 0
+        self.regime_start = 0
+        self.warm: WarmupSums | None = WarmupSums()
+        self.warm_n = 0
+        self.pool_temperature: float | None = None
+        self.live: BinMap | None = None
+        self.version = 0
+        self.tests = 0
+        self.next_fit_at: int | None = None
+        self.shadow: tuple[BinMap, PairedLoss] | None = None
+        self.shadow_next_test = 0
+        self.live_fit_n = 0        # fit-share samples behind the live temperature
+        self.live_regime = -1      # regime_start when the live map was published
+
+    # ------------------------------------------------------------------ feeding
+    def update(self, probs, labels, uniforms=None) -> list[Event]:
+        """Feed validated rows ``probs`` (n, k) and labels (n,) in stream order (``uniforms``:
+        routing uniforms in [0, 1), default :func:`index_uniforms` of the stream positions).
+        Returns what happened, in order."""
+        x = np.asarray(probs, dtype=np.float64)
+        y = np.asarray(labels, dtype=np.int64)
+        n = y.shape[0]
+        if x.shape != (n, self.k) or y.ndim != 1:
+            raise InputError(f"OnlineCalibrator.update: expected probs (n, {self.k}) and "
+                             f"labels (n,), got {x.shape} and {y.shape}")
+        if n and (y.min() < 0 or y.max() >= self.k):
+            bad = int(np.flatnonzero((y < 0) | (y >= self.k))[0])
+            raise InputError(f"label {int(y[bad])} at row {bad} outside [0, {self.k})")
+        u = (index_uniforms(self.n_seen, n) if uniforms is None
+             else np.asarray(uniforms, dtype=np.float64))
+        if u.shape != (n,):
+            raise InputError(f"uniforms must have shape ({n},), got {u.shape}")
+        events: list[Event] = []
+        step = self.config.step
+        a = 0
+        while a < n:
+            b = min(n, a + step - self.n_seen % step)
+            self._ingest(u[a:b], x[a:b], y[a:b])
+            if self.n_seen % step == 0:
+                events.extend(self._decide())
+            a = b
+        return events
+
+    def _ingest(self, u: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+        if self.warm is not None or self.shadow is not None:
+            hold = self.window.layout.route_uniforms(u) >= len(self.window.layout.names)
+            if self.warm is not None:
+                self.warm.update(x[~hold], y[~hold])
+            if self.shadow is not None and hold.any():
+                bm, acc = self.shadow
+                xs, ys = x[hold], y[hold]
+                self.shadow = (bm, acc + PairedLoss.score(bm.apply(xs, check=False),
+                                                          self._live_apply(xs), ys,
+                                                          self.config.loss))
+        before = self.window.open.index
+        self.window.add(u, x, y)
+        if self.window.open.index != before:
+            self._trim()
+        self.n_seen += int(y.size)
+
+    def _live_apply(self, x: np.ndarray) -> np.ndarray:
+        return x if self.live is None else self.live.apply(x, check=False)
+
+    def _trim(self) -> None:
+        """Drop the oldest sealed buckets beyond ``max_bytes`` (sealed buckets are compacted:
+        their size depends on their content only, so trimming is replay-deterministic)."""
+        for b in self.window.buckets[:-1]:
+            if b.pools is not None:
+                b.pools.compact()
+        limit = self.config.max_bytes
+        if limit is None:
+            return
+        while len(self.window.buckets) > 1 and sum(
+                b.nbytes for b in self.window.buckets[:-1]) > limit:
+            del self.window.buckets[0]
+
+    # ------------------------------------------------------------------ deciding
+    def _decide(self) -> list[Event]:
+        cfg = self.config
+        n_reg = self.n_seen - self.regime_start
+        events: list[Event] = []
+        if self.warm is not None:
+            d = self.warm.determine(tol=cfg.warmup_tol, alpha=cfg.warmup_alpha,
+                                    min_samples=cfg.warmup_min)
+            if not d.determined and not (n_reg >= cfg.warmup_max and self.warm.n):
+                return events
+            self.warm_n, self.warm = self.warm.n, None
+            self.pool_temperature = d.temperature
+            self.window.set_temperature(d.temperature)
+            self.next_fit_at = max(cfg.step, math.ceil(n_reg * cfg.growth / cfg.step) * cfg.step)
+            events.append(Event(self.n_seen, "warmup_end", temperature=d.temperature,
+                                detail=d.reason or f"+-{d.half_width:.3f} in ln T"))
+            events.extend(self._challenge_temperature(d.temperature, self.warm_n))
+            return events
+        if self.shadow is not None and self.shadow[1].n >= self.shadow_next_test:
+            events.extend(self._test_shadow())
+        if self.next_fit_at is not None and n_reg >= self.next_fit_at:
+            self.next_fit_at = math.ceil(n_reg * cfg.growth / cfg.step) * cfg.step
+            grid = self.window.grid()
+            if self.live is not None and self.live.n_bins:
+                # a corrected live map: Algorithm 2's refit is the likelier challenger, and
+                # one shadow is tested at a time
+                events.extend(self._fit_pools())
+                if not any(e.kind == "shadow" for e in events) and grid.n:
+                    events.extend(self._challenge_temperature(grid.fit(), grid.n))
+            else:
+                if grid.n:
+                    events.extend(self._challenge_temperature(grid.fit(), grid.n))
+                events.extend(self._fit_pools())
+        return events
+
+    def _alpha(self) -> float:
+        self.tests += 1
+        return self.config.alpha / (self.tests * (self.tests + 1))
+
+    def _temperature_map(self, t: float) -> BinMap:
+        cfg = self.config
+        beta = beta_for(cfg.eps, cfg.p)
+        return BinMap(
+            model_id=self.model_id, version=self.version + 1, created_at=utc_now(),
+            eps=float(cfg.eps), p=float(cfg.p), delta=float(cfg.delta), beta=beta,
+            lam=lambda_for(beta), k=self.k, temperature=float(t), outside="identity",
+            sizing={"mode": "online-temperature", "samples": self.n_seen,
+                    "window": self.window.n},
+            iterations=0, stop_reason="not_run", est_error={}, bins=(),
+            group=np.zeros(0, np.int64), preds=np.zeros((0, self.k)), mode="certified")
+
+    def _challenge_temperature(self, t: float, fit_n: int) -> list[Event]:
+        """Test temperature scaling at ``t`` (fitted on ``fit_n`` samples) against the live map
+        on the window's held-out loss grid (or prospectively, when the live map has bins). A
+        refinement of the live temperature (same regime, ``growth`` times its samples) needs
+        only a lower held-out mean loss (:func:`lpcal.challenger.challenge`)."""
+        if self.live is not None and self.live.n_bins:
+            return self._start_shadow(self._temperature_map(t))
+        live_t = None if self.live is None else self.live.temperature
+        held = self.window.held()
+        if held.n < self.config.min_heldout:
+            return [Event(self.n_seen, "kept", temperature=t,
+                          detail=f"{held.n} held-out samples")]
+        refine = (self.live is not None and self.live_regime == self.regime_start
+                  and fit_n >= self.config.growth * self.live_fit_n)
+        paired = held.paired(t, live_t, self.config.loss)
+        if refine:
+            dec = challenge(paired, min_samples=self.config.min_heldout, significance=False)
+        else:
+            dec = challenge(paired, alpha=self._alpha(), min_samples=self.config.min_heldout)
+        if not dec.publish:
+            return [Event(self.n_seen, "kept", temperature=t, decision=dec)]
+        event = self._publish(self._temperature_map(t), dec)
+        self.live_fit_n = fit_n
+        return [event]
+
+    def _publish(self, bm: BinMap, dec: Decision | None) -> Event:
+        self.version += 1
+        if bm.version != self.version:
+            bm = dataclasses.replace(bm, version=self.version)
+        self.live = bm
+        self.live_regime = self.regime_start
+        self.live_fit_n = 0
+        self.tests = 0
+        self.shadow = None
+        return Event(self.n_seen, "published", self.version, bm.temperature, dec, bm)
+
+    def _fit_pools(self) -> list[Event]:
+        """Algorithm 2 on the window's pools; a corrected map becomes the shadow challenger."""
+        pools = self.window.pools()
+        if pools is None or sum(t.total for t in pools.tables.values()) < self.config.pools_from:
+            return []
+        bm = fit_window_pools(pools, self.config, seed=self.n_seen, model_id=self.model_id,
+                              version=self.version + 1)
+        if not bm.n_bins:  # the pre-calibrator won: temperature candidates cover it
+            return []
+        return self._start_shadow(bm)
+
+    def _start_shadow(self, bm: BinMap) -> list[Event]:
+        self.shadow = (bm, PairedLoss(self.config.loss))
+        self.shadow_next_test = self.config.min_heldout
+        return [Event(self.n_seen, "shadow", bm.version, bm.temperature)]
+
+    def _test_shadow(self) -> list[Event]:
+        bm, acc = self.shadow
+        dec = challenge(acc, alpha=self._alpha(), min_samples=self.config.min_heldout)
+        if dec.publish:
+            return [self._publish(bm, dec)]
+        self.shadow_next_test = 2 * acc.n
+        return [Event(self.n_seen, "kept", bm.version, bm.temperature, dec)]
+
+    # ------------------------------------------------------------------ drift
+    def notify_drift(self) -> Event:
+        """A drift was detected at this point of the stream: keep only later buckets, re-open
+        the warm-up, restart the test count (the live map stays until beaten)."""
+        self.window.reset_after(self.window.open.index)
+        self.window.set_temperature(None)
+        self.warm = WarmupSums()
+        self.pool_temperature = None
+        self.regime_start = self.n_seen
+        self.next_fit_at = None
+        self.shadow = None
+        self.tests = 0
+        return Event(self.n_seen, "drift")
+
+    # ------------------------------------------------------------------ state
+    @property
+    def warming(self) -> bool:
+        """True while the warm-up has not determined the temperature."""
+        return self.warm is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the window and the warm-up sums."""
+        return self.window.nbytes + (self.warm.nbytes if self.warm is not None else 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole state, JSON-safe (a checkpoint); :meth:`from_dict` restores it exactly."""
+        cfg = dataclasses.asdict(self.config)
+        cfg["p"] = "inf" if math.isinf(cfg["p"]) else cfg["p"]
+        return {
+            "format": "lpcal.online/1", "k": self.k, "model_id": self.model_id, "config": cfg,
+            "n_seen": self.n_seen, "regime_start": self.regime_start,
+            "warm": None if self.warm is None else self.warm.to_dict(),
+            "pool_temperature": self.pool_temperature, "window": self.window.to_dict(),
+            "live": None if self.live is None else self.live.to_json().decode(),
+            "version": self.version, "tests": self.tests, "next_fit_at": self.next_fit_at,
+            "live_fit_n": self.live_fit_n, "live_regime": self.live_regime,
+            "warm_n": self.warm_n,
+            "shadow": None if self.shadow is None else {
+                "binmap": self.shadow[0].to_json().decode(),
+                "paired": self.shadow[1].to_dict(), "next_test": self.shadow_next_test},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> OnlineCalibrator:
+        """Inverse of :meth:`to_dict`; malformed input raises :class:`InputError`."""
+        try:
+            if d["format"] != "lpcal.online/1":
+                raise ValueError(f"unknown format {d['format']!r}")
+            out = cls(int(d["k"]), OnlineConfig(**d["config"]), model_id=str(d["model_id"]))
+            out.n_seen, out.regime_start = int(d["n_seen"]), int(d["regime_start"])
+            out.warm = None if d["warm"] is None else WarmupSums.from_dict(d["warm"])
+            t = d["pool_temperature"]
+            out.pool_temperature = None if t is None else float(t)
+            out.window = SlidingWindow.from_dict(d["window"])
+            out.live = None if d["live"] is None else BinMap.from_json(d["live"])
+            out.version, out.tests = int(d["version"]), int(d["tests"])
+            out.live_fit_n, out.live_regime = int(d["live_fit_n"]), int(d["live_regime"])
+            out.warm_n = int(d["warm_n"])
+            out.next_fit_at = None if d["next_fit_at"] is None else int(d["next_fit_at"])
+            if d["shadow"] is not None:
+                out.shadow = (BinMap.from_json(d["shadow"]["binmap"]),
+                              PairedLoss.from_dict(d["shadow"]["paired"]))
+                out.shadow_next_test = int(d["shadow"]["next_test"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"malformed online calibrator state ({e})") from None
+        if out.window.layout != out.config.layout(out.k):
+            raise InputError("online calibrator state: the window's layout does not match "
+                             "the config")
+        return out

@@ -1,0 +1,317 @@
+"""Sliding-window pools: a ring of buckets of additive count tables over recent samples.
+
+Every statistic a fit and its evaluation use is a **sum over samples**: the warm-up grid of
+temperature scaling (:class:`lpcal.precalibrate.TemperatureGrid`), Algorithm 2's pools
+(:class:`lpcal.pools.CountTable` per pool: counts per (bin, label)), the held-out sums that certify
+a map (:class:`lpcal.holdout.HoldoutSums`) and the held-out loss sums that decide whether to
+publish it (:class:`lpcal.challenger.LossGrid`). Sums of disjoint sets of samples add, so the
+statistics of any set of recent samples are the sum of the statistics of the *buckets* that
+partition it. A :class:`SlidingWindow` keeps the last ``n_buckets`` buckets of ``bucket_size``
+samples each::
+
+    bucket:   [ b_{j-B+1} | ... | b_{j-1} | b_j (open) ]      window = sum of the B buckets
+
+* a bucket **seals** at the exact sample that makes it hold ``bucket_size`` samples (a batch that
+  crosses the boundary is split there), so bucket boundaries depend only on the sample sequence,
+  never on batching: a replay fills bit-identical buckets;
+* when a new bucket opens and the ring holds ``n_buckets``, the oldest is dropped: the window
+  covers the last ``(B - 1) N`` to ``B N`` samples, and a refit reuses all of them instead of
+  starting an epoch from nothing;
+* :meth:`SlidingWindow.reset_after` drops every bucket up to a given index (a detected drift:
+  only post-drift buckets count), including the open one if it is not newer;
+* the held-out sums that certify a map (:class:`lpcal.holdout.HoldoutSums`, ``3k + 1`` int64 per
+  held-out bin: at k = 100 and ``lambda = 10`` nearly every held-out sample is its own bin, so
+  about 2.8 kB each, twice: for ``g`` and for ``f``) are kept in the newest ``holdout_buckets``
+  buckets only and emptied in older ones: the certificate uses the most recent held-out samples
+  (as many as an epoch held out before), the rest of the window keeps its cheap sums.
+
+Samples are routed by a uniform ``u`` in [0, 1) per sample (a hash of the event id in the
+daemon, :func:`lpcal.pools.route_uniform`), through the layout's routing
+(:meth:`lpcal.pools.PoolLayout.route_uniforms`): to one of Algorithm 2's pools (the *fit
+share*) or to the held-out share ``"hold"``. Fit-share samples always enter the bucket's
+temperature grid; held-out samples always enter its loss grid. Once a **pool temperature** ``T``
+is set (the warm-up determined it), fit-share samples also enter Algorithm 2's pools as bins of
+``g = softmax(log f / T)``, and held-out samples the held-out sums of ``g`` and of ``f``: the
+bucket's :class:`lpcal.pools.PoolSet` (its layout's warm-up is 0). Buckets whose pools were
+binned at another temperature, or opened before one was set, contribute their grids but not
+their pools (:meth:`SlidingWindow.pools`).
+
+Serialisation (:meth:`SlidingWindow.to_dict`) nests the existing formats unchanged
+(``PoolSet.to_dict``, ``TemperatureGrid.to_dict``) plus :meth:`LossGrid.to_dict`;
+:attr:`SlidingWindow.nbytes` is the bytes of the arrays held (the checkpoint's JSON is larger by
+the usual factor of text over int64).
+
+Cost: adding ``n`` samples costs what the underlying sums cost (``O(n k G)`` for the grids, the
+binning of ``g`` for the pools); :meth:`SlidingWindow.pools` merges the buckets pairwise (a
+balanced tree: ``O(W log B)`` for ``W`` stored bins); memory is bounded by ``n_buckets`` buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from lpcal.challenger import LossGrid
+from lpcal.errors import InputError
+from lpcal.holdout import HoldoutSums
+from lpcal.pools import PoolLayout, PoolSet
+from lpcal.precalibrate import TemperatureGrid
+
+__all__ = ["Bucket", "SlidingWindow", "tree_sum"]
+
+
+def tree_sum(items: Sequence[Any], add: Callable[[Any, Any], Any]) -> Any:
+    """``items[0] + items[1] + ...`` added pairwise in a balanced tree (``log2`` depth: each
+    operand of a merge is about as large as the other). ``items`` must not be empty."""
+    level = list(items)
+    if not level:
+        raise InputError("tree_sum of no items")
+    while len(level) > 1:
+        level = [add(level[i], level[i + 1]) if i + 1 < len(level) else level[i]
+                 for i in range(0, len(level), 2)]
+    return level[0]
+
+
+class Bucket:
+    """The sums of one bucket: ``index`` (its number since the window was created), ``n``
+    samples, ``grid`` (fit share), ``held`` (held-out share), and ``pools`` (a
+    :class:`PoolSet` binned at ``temperature``, or None before a pool temperature was set)."""
+
+    __slots__ = ("grid", "held", "index", "n", "pools", "temperature")
+
+    def __init__(self, index: int) -> None:
+        self.index = int(index)
+        self.n = 0
+        self.grid = TemperatureGrid()
+        self.held = LossGrid()
+        self.pools: PoolSet | None = None
+        self.temperature: float | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return (self.grid.nll.nbytes + self.held.nbytes
+                + (self.pools.nbytes if self.pools is not None else 0))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "n": self.n, "grid": self.grid.to_dict(),
+                "held": self.held.to_dict(), "temperature": self.temperature,
+                "pools": None if self.pools is None else self.pools.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], layout: PoolLayout) -> Bucket:
+        try:
+            b = cls(int(d["index"]))
+            b.n = int(d["n"])
+            b.grid = TemperatureGrid.from_dict(d["grid"])
+            b.held = LossGrid.from_dict(d["held"])
+            t = d["temperature"]
+            b.temperature = None if t is None else float(t)
+            if d["pools"] is not None:
+                b.pools = PoolSet.from_dict(d["pools"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"malformed window bucket ({e})") from None
+        if b.pools is not None and (b.pools.layout != layout
+                                    or b.pools.temperature != b.temperature):
+            raise InputError(f"window bucket {b.index}: pools do not match the window's "
+                             "layout or the bucket's temperature")
+        if b.n < 0 or b.grid.n + b.grid.skipped + b.held.n != b.n:
+            raise InputError(f"window bucket {b.index}: counts do not add up to n={b.n}")
+        return b
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Bucket):
+            return NotImplemented
+        return ((self.index, self.n, self.temperature) == (other.index, other.n,
+                                                             other.temperature)
+                and self.grid == other.grid and self.held == other.held
+                and self.pools == other.pools)
+
+
+class SlidingWindow:
+    """A ring of at most ``n_buckets`` :class:`Bucket` of ``bucket_size`` samples each
+    (module docstring); ``layout`` routes samples (warm-up must be 0, a held-out share > 0).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from lpcal.pools import PoolLayout
+    >>> from lpcal.window import SlidingWindow
+    >>> lay = PoolLayout(3, 10, 1, "shared", {"mu": 7, "PE0": 7}, holdout=6)
+    >>> w = SlidingWindow(lay, bucket_size=100, n_buckets=3)
+    >>> rng = np.random.default_rng(0)
+    >>> f = rng.dirichlet(np.ones(3), 450); y = rng.integers(0, 3, 450)
+    >>> w.add(rng.random(450), f, y)
+    >>> [b.n for b in w.buckets], w.n            # 450 samples, the last 3 buckets kept
+    ([100, 100, 50], 250)
+    >>> w.reset_after(w.buckets[-1].index); w.n  # a drift: nothing before it counts
+    0
+    """
+
+    def __init__(self, layout: PoolLayout, *, bucket_size: int = 1_000,
+                 n_buckets: int = 32, holdout_buckets: int | None = None) -> None:
+        if layout.warmup or not layout.holdout:
+            raise InputError("a sliding window needs a layout without warm-up and with a "
+                             f"held-out share; got warmup={layout.warmup}, "
+                             f"holdout={layout.holdout}")
+        if bucket_size < 1 or n_buckets < 1 or (holdout_buckets is not None
+                                                 and holdout_buckets < 1):
+            raise InputError(f"bucket_size, n_buckets and holdout_buckets must be >= 1, got "
+                             f"{bucket_size}, {n_buckets}, {holdout_buckets}")
+        self.holdout_buckets = None if holdout_buckets is None else int(holdout_buckets)
+        self.layout = layout
+        self.bucket_size = int(bucket_size)
+        self.n_buckets = int(n_buckets)
+        self.buckets: list[Bucket] = [Bucket(0)]
+        self.temperature: float | None = None
+
+    # ------------------------------------------------------------------ filling
+    @property
+    def open(self) -> Bucket:
+        """The bucket being filled (the newest)."""
+        return self.buckets[-1]
+
+    def set_temperature(self, temperature: float | None) -> None:
+        """Bin Algorithm 2's pools at ``temperature`` from the next sample on (None: stop
+        filling pools). The open bucket's pools restart at the new temperature (they would
+        mix two binnings); sealed buckets keep theirs, used only at their own temperature."""
+        t = None if temperature is None else float(temperature)
+        self.temperature = t
+        b = self.open
+        b.temperature = t
+        b.pools = None if t is None else PoolSet(self.layout, temperature=t)
+
+    def _start_bucket(self) -> None:
+        b = Bucket(self.open.index + 1)
+        self.buckets.append(b)
+        if len(self.buckets) > self.n_buckets:
+            del self.buckets[0]
+        if self.holdout_buckets is not None and len(self.buckets) > self.holdout_buckets:
+            old = self.buckets[-1 - self.holdout_buckets]
+            if old.pools is not None and old.pools.holdout.n:
+                lay = self.layout
+                old.pools.holdout = HoldoutSums(lay.k, lay.lam)
+                old.pools.holdout_raw = HoldoutSums(lay.k, lay.lam)
+        if self.temperature is not None:
+            b.temperature = self.temperature
+            b.pools = PoolSet(self.layout, temperature=self.temperature)
+
+    def add(self, uniforms: np.ndarray, probs: np.ndarray, labels: np.ndarray) -> None:
+        """Add samples in order (validated ``probs`` (n, k), labels, routing uniforms),
+        sealing buckets at their exact boundaries."""
+        y = np.asarray(labels, dtype=np.int64)
+        n = y.shape[0]
+        x = np.asarray(probs, dtype=np.float64)
+        u = np.asarray(uniforms, dtype=np.float64)
+        if x.shape != (n, self.layout.k) or u.shape != (n,):
+            raise InputError(f"SlidingWindow.add: expected probs (n, {self.layout.k}), labels "
+                             f"and uniforms (n,); got {x.shape}, {y.shape}, {u.shape}")
+        a = 0
+        while a < n:
+            if self.open.n >= self.bucket_size:
+                self._start_bucket()
+            b = min(n, a + self.bucket_size - self.open.n)
+            self._add_to(self.open, u[a:b], x[a:b], y[a:b])
+            a = b
+
+    def _add_to(self, bucket: Bucket, u: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+        route = self.layout.route_uniforms(u)
+        n_pools = len(self.layout.names)
+        fit = route < n_pools
+        hold = np.flatnonzero(~fit)
+        fit = np.flatnonzero(fit)
+        bucket.grid.update(x[fit], y[fit])
+        bucket.held.update(x[hold], y[hold])
+        if bucket.pools is not None:
+            from lpcal.binmap import scale_temperature
+            g = scale_temperature(x, bucket.temperature)
+            bucket.pools.add(route[fit], g[fit], y[fit])
+            bucket.pools.holdout.update(g[hold], y[hold])
+            bucket.pools.holdout_raw.update(x[hold], y[hold])
+        bucket.n += int(y.size)
+
+    def reset_after(self, index: int) -> None:
+        """Keep only the buckets with an index above ``index`` (after a drift at bucket
+        ``index``: only later samples count). If the open bucket is dropped, a new one opens
+        (its pools at the current temperature)."""
+        keep = [b for b in self.buckets if b.index > index]
+        if keep:
+            self.buckets = keep
+            return
+        nxt = max(self.open.index, int(index)) + 1
+        self.buckets = [Bucket(nxt)]
+        if self.temperature is not None:
+            self.open.temperature = self.temperature
+            self.open.pools = PoolSet(self.layout, temperature=self.temperature)
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def n(self) -> int:
+        """Samples in the window."""
+        return sum(b.n for b in self.buckets)
+
+    def grid(self) -> TemperatureGrid:
+        """The fit share's temperature grid over the window."""
+        return tree_sum([b.grid for b in self.buckets], TemperatureGrid.merge)
+
+    def held(self) -> LossGrid:
+        """The held-out share's loss grid over the window."""
+        return tree_sum([b.held for b in self.buckets], LossGrid.merge)
+
+    def pools(self, temperature: float | None = None) -> PoolSet | None:
+        """Algorithm 2's pools and held-out sums over the window's buckets binned at
+        ``temperature`` (default: the current pool temperature); None if there are none."""
+        t = self.temperature if temperature is None else float(temperature)
+        sets = [b.pools for b in self.buckets if b.pools is not None and b.temperature == t]
+        if t is None or not sets:
+            return None
+        for s in sets:
+            s.compact()
+        return tree_sum(sets, PoolSet.merge)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays of every bucket."""
+        return sum(b.nbytes for b in self.buckets)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout.to_dict(), "bucket_size": self.bucket_size,
+                "n_buckets": self.n_buckets, "holdout_buckets": self.holdout_buckets,
+                "temperature": self.temperature,
+                "buckets": [b.to_dict() for b in self.buckets]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SlidingWindow:
+        """Inverse of :meth:`to_dict`; malformed input raises :class:`InputError`."""
+        try:
+            hb = d.get("holdout_buckets")
+            out = cls(PoolLayout.from_dict(d["layout"]), bucket_size=int(d["bucket_size"]),
+                      n_buckets=int(d["n_buckets"]),
+                      holdout_buckets=None if hb is None else int(hb))
+            t = d["temperature"]
+            out.temperature = None if t is None else float(t)
+            out.buckets = [Bucket.from_dict(b, out.layout) for b in d["buckets"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"malformed sliding window ({e})") from None
+        idx = [b.index for b in out.buckets]
+        if not idx or idx != sorted(set(idx)) or len(idx) > out.n_buckets:
+            raise InputError(f"malformed sliding window (bucket indices {idx})")
+        if any(b.n > out.bucket_size for b in out.buckets) or any(
+                b.n != out.bucket_size for b in out.buckets[:-1]):
+            raise InputError("malformed sliding window (a sealed bucket is not full)")
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SlidingWindow):
+            return NotImplemented
+        return (self.layout == other.layout and self.bucket_size == other.bucket_size
+                and self.n_buckets == other.n_buckets
+                and self.holdout_buckets == other.holdout_buckets
+                and self.temperature == other.temperature
+                and self.buckets == other.buckets)
+
+    def __repr__(self) -> str:
+        return (f"SlidingWindow(n={self.n}, buckets={len(self.buckets)}/{self.n_buckets}, "
+                f"bucket_size={self.bucket_size}, temperature={self.temperature})")

@@ -1,0 +1,104 @@
+"""Sliding window: buckets seal at exact counts, sums add, reset after a drift, round trips."""
+
+import itertools
+import json
+
+import pytest
+
+from lpcal.challenger import LossGrid
+from lpcal.errors import InputError
+from lpcal.online import OnlineConfig, index_uniforms
+from lpcal.precalibrate import TemperatureGrid
+from lpcal.window import SlidingWindow, tree_sum
+from tests.test_warmup import tempered
+
+LAYOUT = OnlineConfig().layout(10)
+
+
+def fill(batches, n=5000, t=None, bucket_size=1000, n_buckets=4):
+    f, y = tempered(n)
+    u = index_uniforms(0, n)
+    w = SlidingWindow(LAYOUT, bucket_size=bucket_size, n_buckets=n_buckets)
+    if t is not None:
+        w.set_temperature(t)
+    cuts = [0, *batches, n]
+    for a, b in itertools.pairwise(cuts):
+        w.add(u[a:b], f[a:b], y[a:b])
+    return w, f, y, u
+
+
+def test_batching_does_not_change_the_buckets():
+    w1, *_ = fill([])
+    w2, *_ = fill([1, 999, 1000, 2500, 2501, 4999])
+    assert w1 == w2
+    assert [b.n for b in w1.buckets] == [1000] * 4 and w1.buckets[0].index == 1
+
+
+def test_window_sums_equal_the_sums_of_its_samples():
+    w, f, y, u = fill([], n=4500, t=2.0, n_buckets=3)  # keeps samples 2000..4499
+    f, y, u = f[2000:], y[2000:], u[2000:]
+    hold = LAYOUT.route_uniforms(u) >= len(LAYOUT.names)
+    assert w.n == 2500
+    assert w.grid() == TemperatureGrid().update(f[~hold], y[~hold])
+    assert w.held() == LossGrid().update(f[hold], y[hold])
+    pools = w.pools()
+    assert pools.temperature == 2.0
+    assert sum(t.total for t in pools.tables.values()) == int((~hold).sum())
+    assert pools.holdout.n == pools.holdout_raw.n == int(hold.sum())
+
+
+def test_pools_only_from_buckets_binned_at_the_temperature():
+    f, y = tempered(3000)
+    u = index_uniforms(0, 3000)
+    w = SlidingWindow(LAYOUT, bucket_size=1000, n_buckets=8)
+    w.add(u[:1500], f[:1500], y[:1500])        # no temperature yet
+    assert w.pools(1.0) is None
+    w.set_temperature(1.5)                      # the open bucket restarts its pools
+    w.add(u[1500:], f[1500:], y[1500:])
+    pools = w.pools()
+    n_fit = sum(t.total for t in pools.tables.values())
+    assert 0 < n_fit + pools.holdout.n == 1500
+
+
+def test_reset_after_keeps_only_later_buckets():
+    w, f, y, u = fill([], n=3500, n_buckets=8)
+    w.reset_after(w.buckets[1].index)
+    assert [b.index for b in w.buckets] == [2, 3] and w.n == 1500
+    w.reset_after(w.open.index)
+    assert w.n == 0 and w.open.index == 4
+    w.add(u[:10], f[:10], y[:10])
+    assert w.n == 10
+
+
+def test_round_trip_and_bytes():
+    w, *_ = fill([], n=2500, t=2.0)
+    d = json.loads(json.dumps(w.to_dict()))
+    back = SlidingWindow.from_dict(d)
+    assert back == w
+    assert 0 < w.nbytes < 2500 * 10 * 200
+    d["buckets"][0]["n"] = 7
+    with pytest.raises(InputError, match="bucket"):
+        SlidingWindow.from_dict(d)
+
+
+def test_rejects_a_layout_without_held_out_share():
+    import dataclasses
+    with pytest.raises(InputError, match="held-out share"):
+        SlidingWindow(dataclasses.replace(LAYOUT, holdout=0))
+
+
+def test_tree_sum_adds_everything():
+    assert tree_sum(list(range(11)), lambda a, b: a + b) == 55
+
+
+def test_certifying_sums_only_in_the_newest_buckets():
+    f, y = tempered(5000)
+    u = index_uniforms(0, 5000)
+    w = SlidingWindow(LAYOUT, bucket_size=1000, n_buckets=8, holdout_buckets=2)
+    w.set_temperature(2.0)
+    w.add(u, f, y)
+    held = [b.pools.holdout.n for b in w.buckets]
+    assert held[:3] == [0, 0, 0] and min(held[3:]) > 0
+    assert w.pools().holdout.n == sum(held)
+    assert w.held().n == sum(b.held.n for b in w.buckets) > sum(held)   # loss grids: all
+    assert SlidingWindow.from_dict(w.to_dict()) == w
