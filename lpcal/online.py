@@ -91,8 +91,9 @@ def fit_window_pools(pools: PoolSet, cfg: OnlineConfig, *, seed: int, model_id: 
     """The one call of :func:`lpcal.calibrate.fit_pools` (certified mode, identity outside
     ``B``): a change of its signature lands here."""
     from lpcal.calibrate import fit_pools
+    from lpcal.spec import FitSpec
 
-    return fit_pools(pools, eps=cfg.eps, p=cfg.p, delta=cfg.delta, seed=seed,
+    return fit_pools(pools, FitSpec(eps=cfg.eps, p=cfg.p, delta=cfg.delta), seed=seed,
                      model_id=model_id, version=version)
 
 
