@@ -19,7 +19,7 @@ from aiokafka.structs import ConsumerRecord
 from daemon.offset_gaps import Hole, OffsetGapGuard, find_hole
 from daemon.service import Daemon
 from daemon.settings import Settings
-from tests.daemon.daemon_stubs import MODEL, K, RecordingConsumer
+from tests.support.daemon_stubs import MODEL, K, RecordingConsumer
 
 # ------------------------------------------------------------------ the pure guard
 
@@ -144,11 +144,11 @@ def run_loop(policy: str, hidden_for: int, grace: float = 2.0) -> tuple[Daemon, 
                  models={MODEL: {"k": K}})
     d = Daemon(s)
     tp = TopicPartition(s.kafka.topics.predictions, 0)
-    d.consumer = ScriptedLog(d, tp, hidden_for)
-    d.assigned = {tp}
-    d.positions[(tp.topic, 0)] = 0
+    d.clients.consumer = ScriptedLog(d, tp, hidden_for)
+    d.partitions.assign({tp})
+    d.partitions.ensure(0).seek(tp.topic, 0)
     asyncio.run(asyncio.wait_for(d.main_loop(), 10))
-    return d, d.consumer
+    return d, d.clients.consumer
 
 
 def gaps(d: Daemon, resolution: str) -> float:
@@ -159,22 +159,22 @@ def gaps(d: Daemon, resolution: str) -> float:
 def test_refetch_reads_the_hidden_batch_again_and_loses_nothing():
     d, c = run_loop("refetch", hidden_for=1)
     assert c.seeks == [10]                       # back to the hole, once
-    assert d.models[MODEL].samples_total == N    # every sample...
+    assert d.registry.slots[MODEL].state.samples_total == N    # every sample...
     assert not d.metrics.registry.get_sample_value(  # ...none offered twice (20..29)
         "lpcal_join_unmatched_total", {"model": MODEL, "kind": "duplicate"})
     assert (gaps(d, "filled"), gaps(d, "skipped")) == (1, 0)
-    assert d.positions[(c.tp.topic, 0)] == N
+    assert d.partitions.position(c.tp.topic, 0) == N
 
 
 def test_refetch_gives_up_on_a_hole_that_never_fills():
     d, c = run_loop("refetch", hidden_for=10**9, grace=0.05)
     assert len(c.seeks) >= 2 and set(c.seeks) == {10}
-    assert d.models[MODEL].samples_total == N - len(HIDDEN)
+    assert d.registry.slots[MODEL].state.samples_total == N - len(HIDDEN)
     assert (gaps(d, "filled"), gaps(d, "skipped")) == (0, 1)
 
 
 def test_count_policy_goes_on_and_counts_the_hole():
     d, c = run_loop("count", hidden_for=1)
     assert c.seeks == []
-    assert d.models[MODEL].samples_total == N - len(HIDDEN)  # what a broker fault costs
+    assert d.registry.slots[MODEL].state.samples_total == N - len(HIDDEN)  # what a broker fault costs
     assert (gaps(d, "filled"), gaps(d, "skipped")) == (0, 1)

@@ -100,12 +100,12 @@ async def test_backlog_faster_than_fits_pauses_ingest_and_fits_every_epoch(
     def watcher(d, first: bool):
         async def watch():
             while True:
-                st = d.models.get(MODEL)
+                st = d.registry.states().get(MODEL)
                 if st is not None:
                     if not first and not seen["restored_waiting"]:
                         seen["restored_waiting"] = len(st.sealed)
                     seen["max_waiting"] = max(seen["max_waiting"], len(st.sealed))
-                    seen["paused"] |= bool(d.throttled)
+                    seen["paused"] |= bool(d.partitions.paused())
                 await asyncio.sleep(0.005)
         return asyncio.create_task(watch())
 
@@ -114,7 +114,7 @@ async def test_backlog_faster_than_fits_pauses_ingest_and_fits_every_epoch(
         d = rd.daemon
         w = watcher(d, True)
         try:
-            await wait_until(lambda: d.throttled and 1 <= d.models[MODEL].binmap_version
+            await wait_until(lambda: d.partitions.paused() and 1 <= d.registry.slots[MODEL].state.binmap_version
                              < len(epochs) - MAX_SEALED, 60, "paused with epochs waiting",
                              diag=rd.describe)
         finally:
@@ -126,17 +126,17 @@ async def test_backlog_faster_than_fits_pauses_ingest_and_fits_every_epoch(
         w = watcher(d, False)
         try:
             def done():
-                st = d.models.get(MODEL)
+                st = d.registry.states().get(MODEL)
                 return (st is not None and st.samples_total == len(values)
-                        and st.binmap_version == len(epochs) and MODEL not in d.inflight)
+                        and st.binmap_version == len(epochs) and MODEL not in d.registry.fitting())
             await wait_until(done, 60 + 2 * FIT_DELAY * len(epochs),
                              f"{len(values)} samples and {len(epochs)} bin maps",
                              diag=rd.describe)
             await asyncio.sleep(0.3)  # a surplus fit would have started by now
-            st = d.models[MODEL]
+            st = d.registry.slots[MODEL].state
             assert st.binmap_version == len(epochs) and not st.sealed
-            assert MODEL not in d.inflight
-            assert not d.throttled  # resumed once the fits caught up
+            assert MODEL not in d.registry.fitting()
+            assert not d.partitions.paused()  # resumed once the fits caught up
             # the gauge follows within a gauge period (1 s), though the model is idle now
 
             async def gauge_drained():

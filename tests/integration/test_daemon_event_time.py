@@ -58,18 +58,18 @@ async def test_future_ts_is_dead_lettered_and_pending_joins_survive(broker, topi
 
             def consumed():
                 _alive(rd)
-                return rd.daemon.positions.get((names.predictions, 0)) == N + 1
+                return rd.daemon.partitions.position(names.predictions, 0) == N + 1
             await wait_until(consumed, 30, "predictions and the poison consumed",
                              diag=rd.describe)
-            assert rd.daemon.models["m"].join.pending("m") == N
+            assert rd.daemon.registry.slots["m"].state.join.pending("m") == N
             await prod.samples(names, "m", ids, probs, labels, ts0=TS0, predictions=False)
             await prod.flush()
 
         def joined():
             _alive(rd)
-            return rd.daemon.models["m"].samples_total == N
+            return rd.daemon.registry.slots["m"].state.samples_total == N
         await wait_until(joined, 30, f"{N} samples joined", diag=rd.describe)
-        st = rd.daemon.models["m"]
+        st = rd.daemon.registry.slots["m"].state
         samples = await scrape_metrics(rd.url)
         assert metric_value(samples, "lpcal_events_invalid_total",
                             reason="ts_out_of_range") == 1
@@ -79,7 +79,7 @@ async def test_future_ts_is_dead_lettered_and_pending_joins_survive(broker, topi
                             model="m", reason="ttl") == 0
         assert st.monitor.window_size() == N
         bound = TS0 + N + 60
-        assert rd.daemon.event_time["m"] <= bound
+        assert rd.daemon.registry.slots["m"].event_time <= bound
         assert max(st.join.clock, *st.join.wm, st.monitor.clock) <= bound
     dls = await read_deadletters(broker.bootstrap, names.deadletter)
     assert [(d.reason, d.source_offset) for d in dls] == [("ts_out_of_range", N)]
@@ -102,21 +102,21 @@ async def test_outcomes_first_join_across_a_restart(broker, topic_prefix, tmp_pa
 
         def waiting():
             _alive(rd)
-            st = rd.daemon.models.get("m")
+            st = rd.daemon.registry.states().get("m")
             return st is not None and st.join.pending("m") == n
         await wait_until(waiting, 30, f"{n} outcomes waiting", diag=rd.describe)
-        assert rd.daemon.models["m"].k == (3 if pinned else 0)
+        assert rd.daemon.registry.slots["m"].state.k == (3 if pinned else 0)
     async with running_daemon(settings) as rd:  # restored from the shutdown checkpoint
-        assert rd.daemon.models["m"].join.pending("m") == n
+        assert rd.daemon.registry.slots["m"].state.join.pending("m") == n
         async with EventProducer(broker.bootstrap) as prod:
             await prod.samples(names, "m", ids, probs, labels, ts0=TS0, outcomes=False)
             await prod.flush()
 
         def joined():
             _alive(rd)
-            return rd.daemon.models["m"].samples_total == n
+            return rd.daemon.registry.slots["m"].state.samples_total == n
         await wait_until(joined, 30, f"{n} samples joined", diag=rd.describe)
-        st = rd.daemon.models["m"]
+        st = rd.daemon.registry.slots["m"].state
         assert st.k == 3 and st.join.pending("m") == 0
         samples = await scrape_metrics(rd.url)
         assert metric_value(samples, "lpcal_joined_samples_total", model="m") == n

@@ -89,9 +89,9 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
             await prod.flush()
 
         def done():
-            ms = rd.daemon.models
+            ms = rd.daemon.registry.states()
             return all(m in ms and ms[m].samples_total == n[m] and ms[m].binmap_version >= 1
-                       and m not in rd.daemon.inflight for m in data)
+                       and m not in rd.daemon.registry.fitting() for m in data)
         await wait_until(done, 30, f"{n} joined samples and bin map v1 for both models",
                          diag=rd.describe)
 
@@ -159,9 +159,9 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
         async with EventProducer(broker.bootstrap) as prod:
             await prod.samples(names, "flow-a", ids, probs, labels)
             await prod.flush()
-        await wait_until(lambda: rd.daemon.models["flow-a"].samples_total == n["flow-a"]
+        await wait_until(lambda: rd.daemon.registry.slots["flow-a"].state.samples_total == n["flow-a"]
                          + len(ids), 30, "the extra samples of flow-a", diag=rd.describe)
-        assert not rd.daemon.models["flow-a"].filling.warming
+        assert not rd.daemon.registry.slots["flow-a"].state.filling.warming
 
         # ---- manual trigger: bearer token required
         path = "/v1/models/flow-a/recalibrate"
@@ -177,7 +177,7 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
         st, body = await http_post(url, path, headers={"Authorization": f"Bearer {TOKEN}"})
         assert st == 202, body
 
-        await wait_until(lambda: rd.daemon.models["flow-a"].binmap_version == 2, 15,
+        await wait_until(lambda: rd.daemon.registry.slots["flow-a"].state.binmap_version == 2, 15,
                          "manual recalibration of flow-a -> version 2", diag=rd.describe)
         maps2 = await wait_until(
             lambda: _maps_with(broker, names, {"flow-a": 2, "flow-b": 1}), 15,
@@ -265,7 +265,7 @@ async def test_malformed_events_are_deadlettered_with_reason_and_valid_ones_join
         assert j >= len(bad)
 
         def joined():
-            ms = rd.daemon.models
+            ms = rd.daemon.registry.states()
             return all(m in ms and ms[m].samples_total >= n for m in data)
         await wait_until(joined, 30, f"{n} joined samples per model", diag=rd.describe)
         want = sum(expected.values())
@@ -292,9 +292,9 @@ async def test_malformed_events_are_deadlettered_with_reason_and_valid_ones_join
         assert sum(v for (nm, _), v in mx.items() if nm == "lpcal_events_invalid_total") == want
         assert metric_value(mx, "lpcal_deadletter_published_total") == want
         for m in data:
-            assert rd.daemon.models[m].samples_total == n
+            assert rd.daemon.registry.slots[m].state.samples_total == n
             assert metric_value(mx, "lpcal_joined_samples_total", model=m) == n
-        assert "nobody" not in rd.daemon.models
+        assert "nobody" not in rd.daemon.registry.states()
 
 
 async def test_backlog_present_at_start_is_consumed_exactly_once(broker, topic_prefix,
@@ -310,8 +310,8 @@ async def test_backlog_present_at_start_is_consumed_exactly_once(broker, topic_p
         await prod.samples(names, "bl", ids, probs, labels)
         await prod.flush()
     async with running_daemon(settings) as rd:
-        await wait_until(lambda: "bl" in rd.daemon.models
-                         and rd.daemon.models["bl"].samples_total >= n, 20,
+        await wait_until(lambda: "bl" in rd.daemon.registry.states()
+                         and rd.daemon.registry.slots["bl"].state.samples_total >= n, 20,
                          "backlog joined", diag=rd.describe)
         await asyncio.sleep(1.0)
         mx = await scrape_metrics(rd.url)
@@ -319,5 +319,5 @@ async def test_backlog_present_at_start_is_consumed_exactly_once(broker, topic_p
                     for t in ("predictions", "outcomes")}
         dup = metric_value(mx, "lpcal_join_unmatched_total", model="bl", kind="duplicate",
                            default=0.0)
-        assert rd.daemon.models["bl"].samples_total == n
+        assert rd.daemon.registry.slots["bl"].state.samples_total == n
         assert consumed == {"predictions": n, "outcomes": n} and dup == 0, (consumed, dup)

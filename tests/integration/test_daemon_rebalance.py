@@ -41,11 +41,11 @@ def partition_of(model: str) -> int:
 
 
 def _owned(rd: RunningDaemon) -> dict[str, int]:
-    return {m: st.samples_total for m, st in rd.daemon.models.items()}
+    return {m: st.samples_total for m, st in rd.daemon.registry.states().items()}
 
 
 def _parts(rd: RunningDaemon) -> set[tuple[str, int]]:
-    return {(tp.topic, tp.partition) for tp in rd.daemon.assigned}
+    return {(tp.topic, tp.partition) for tp in rd.daemon.partitions.assigned}
 
 
 class Traffic:
@@ -137,7 +137,7 @@ async def _run(broker, topic_prefix, tmp_path, *, quiescent: bool) -> None:
         assert owned_a | owned_b == set(MODELS), diag()
         for rd, owned in ((a, owned_a), (b, owned_b)):
             assert {partition_of(m) for m in owned} == {p for _, p in _parts(rd)}, diag()
-            assert all(rd.daemon.partition_of[m] == partition_of(m) for m in owned)
+            assert all(rd.daemon.registry.slots[m].partition == partition_of(m) for m in owned)
 
         # ---- A leaves (rebalance back to B), phase 3 goes to B alone
         if quiescent:
@@ -156,7 +156,7 @@ async def _run(broker, topic_prefix, tmp_path, *, quiescent: bool) -> None:
         await wait_until(lambda: totals_match(b), 20, "phase 3 joined by B", diag=diag)
         assert set(_owned(b)) == set(MODELS)
         for m in MODELS:
-            st = b.daemon.models[m]
+            st = b.daemon.registry.slots[m].state
             assert st.samples_total == traffic.joined[m] == 3 * PER_PHASE
             assert st.filling.total == 3 * PER_PHASE and st.join.pending(m) == 0
         await b.stop(30)

@@ -23,7 +23,7 @@ import orjson
 import pytest
 from aiokafka.partitioner import murmur2
 
-from daemon.checkpoint_store import COMPRESSED
+from daemon.checkpoint.store import COMPRESSED
 from daemon.model_state import ModelState
 from daemon.service import ENVELOPE_FORMAT
 from tests.support.daemon_harness import (
@@ -91,11 +91,11 @@ async def test_checkpoint_under_another_models_key_is_skipped_not_a_crash_loop(
             if rd.task.done():
                 rd.task.result()
                 raise RuntimeError("daemon ended")
-            st = rd.daemon.models.get("mb")
+            st = rd.daemon.registry.states().get("mb")
             return st is not None and st.samples_total == 30
         await wait_until(consumed, 30, "mb's 30 samples joined", diag=rd.describe)
-        st = rd.daemon.models["mb"]
-        assert st.model == "mb" and "ma" not in rd.daemon.models
+        st = rd.daemon.registry.slots["mb"].state
+        assert st.model == "mb" and "ma" not in rd.daemon.registry.states()
         samples = await scrape_metrics(rd.url)
         assert _restores(samples, "wrong_model") == 1
         assert not rd.task.done()
@@ -131,7 +131,7 @@ async def test_unusable_state_values_and_manifests_cost_only_their_record(
     rd = await start_daemon(settings, ready_timeout=40)
     try:
         await _send(names, broker.bootstrap, "good", 20)
-        await wait_until(lambda: rd.daemon.models["good"].samples_total == 45, 30,
+        await wait_until(lambda: rd.daemon.registry.slots["good"].state.samples_total == 45, 30,
                          "good restored (25) and 20 more joined", diag=rd.describe)
         samples = await scrape_metrics(rd.url)
         assert _restores(samples, "restored") == 1
@@ -147,7 +147,7 @@ async def test_unusable_state_values_and_manifests_cost_only_their_record(
         await prod.raw(names.state, b"[]", "partition/0")
         await prod.flush()
     async with running_daemon(settings, ready_timeout=40) as rd:
-        assert rd.daemon.models["good"].samples_total >= 45
+        assert rd.daemon.registry.slots["good"].state.samples_total >= 45
 
 
 def _models_on_distinct_partitions(n: int, partitions: int) -> list[str]:
@@ -178,8 +178,8 @@ async def test_rolling_update_restores_more_models_than_max_models(broker, topic
         b = await start_daemon(settings[1])
 
         def split():
-            pa = {tp.partition for tp in a.daemon.assigned}
-            pb = {tp.partition for tp in b.daemon.assigned}
+            pa = {tp.partition for tp in a.daemon.partitions.assigned}
+            pb = {tp.partition for tp in b.daemon.partitions.assigned}
             return (a.daemon.ready and b.daemon.ready and len(pa) == 2 and len(pb) == 2
                     and not pa & pb)
         await wait_until(split, 40, "A and B own 2 partitions each",
@@ -188,20 +188,20 @@ async def test_rolling_update_restores_more_models_than_max_models(broker, topic
             await _send(names, broker.bootstrap, m, 20)
 
         def all_seen():
-            owned = {**{m: s.samples_total for m, s in a.daemon.models.items()},
-                     **{m: s.samples_total for m, s in b.daemon.models.items()}}
+            owned = {**{m: s.samples_total for m, s in a.daemon.registry.states().items()},
+                     **{m: s.samples_total for m, s in b.daemon.registry.states().items()}}
             return owned == {m: 20 for m in models}
         await wait_until(all_seen, 30, "each replica joined its 2 models",
                          diag=lambda: f"A {a.describe()}\nB {b.describe()}")
-        assert len(a.daemon.models) == 2 and len(b.daemon.models) == 2
+        assert len(a.daemon.registry.states()) == 2 and len(b.daemon.registry.states()) == 2
         await asyncio.sleep(1.5)  # a periodic checkpoint
         await b.stop(30)
-        await wait_until(lambda: len(a.daemon.assigned) == 8 and a.daemon.ready, 40,
+        await wait_until(lambda: len(a.daemon.partitions.assigned) == 8 and a.daemon.ready, 40,
                          "A owns every partition and is ready after B left",
                          diag=a.describe)
         for m in models:
             await _send(names, broker.bootstrap, m, 10, seed=2, prefix="late")
-        await wait_until(lambda: {m: s.samples_total for m, s in a.daemon.models.items()}
+        await wait_until(lambda: {m: s.samples_total for m, s in a.daemon.registry.states().items()}
                          == {m: 30 for m in models}, 30, "A consumes all 4 models",
                          diag=a.describe)
         samples = await scrape_metrics(a.url)
@@ -213,7 +213,7 @@ async def test_rolling_update_restores_more_models_than_max_models(broker, topic
             s = await scrape_metrics(a.url)
             return metric_value(s, "lpcal_events_invalid_total", reason="unknown_model") >= 10
         await wait_until(refused, 30, "the new model's 10 events refused", diag=a.describe)
-        assert "roll-new" not in a.daemon.models
+        assert "roll-new" not in a.daemon.registry.states()
     finally:
         for rd in (a, b):
             if rd is not None and not rd.task.done():
@@ -240,14 +240,14 @@ async def test_failing_assignment_is_retried_then_healthz_fails(broker, topic_pr
         d = Daemon(settings, consumer_options=dict(FAST_CONSUMER))
         d.assign_unhealthy_after = 3.0
         calls = {"n": 0}
-        real = d._adopt_published_binmaps
+        real = d.restorer.adopt_published_binmaps
 
         async def flaky(parts, real=real, calls=calls, fail_times=fail_times):
             calls["n"] += 1
             if calls["n"] <= fail_times:
                 raise RuntimeError("injected assignment failure")
             await real(parts)
-        d._adopt_published_binmaps = flaky
+        d.restorer.adopt_published_binmaps = flaky
         rd = RunningDaemon(d, asyncio.create_task(d.serve(install_signals=False)), settings)
         try:
             if healthy:
@@ -313,30 +313,30 @@ async def test_changed_k_and_eps_on_restore(broker, topic_prefix, tmp_path):
 
     async with running_daemon(settings(3, 0.1, "k3")) as rd:
         await _send(names, broker.bootstrap, "mk", 40, k=3)
-        await wait_until(lambda: "mk" in rd.daemon.models
-                         and rd.daemon.models["mk"].samples_total == 40, 30, "k=3 joined",
+        await wait_until(lambda: "mk" in rd.daemon.registry.states()
+                         and rd.daemon.registry.slots["mk"].state.samples_total == 40, 30, "k=3 joined",
                          diag=rd.describe)
         await asyncio.sleep(1.5)
     async with running_daemon(settings(4, 0.1, "k4")) as rd:
-        st = rd.daemon.models["mk"]
+        st = rd.daemon.registry.slots["mk"].state
         assert st.k == 4 and st.filling.total == 0 and st.binmap is None
         assert rd.daemon.parser.k["mk"] == 4
         await _send(names, broker.bootstrap, "mk", 30, k=4, seed=3, prefix="k4")
-        await wait_until(lambda: rd.daemon.models["mk"].filling.total == 30, 30,
+        await wait_until(lambda: rd.daemon.registry.slots["mk"].state.filling.total == 30, 30,
                          "k=4 events joined", diag=rd.describe)
         samples = await scrape_metrics(rd.url)
         assert metric_value(samples, "lpcal_events_invalid_total", reason="wrong_length") == 0
         assert _restores(samples, "k_changed") == 1
         await asyncio.sleep(1.5)
     async with running_daemon(settings(4, 0.05, "eps")) as rd:
-        st = rd.daemon.models["mk"]
+        st = rd.daemon.registry.slots["mk"].state
         assert st.k == 4 and st.config["eps"] == 0.05
         assert st.filling.total == 0 and st.fill_epoch >= 1
         assert st.filling.layout.lam == st.lam
         samples = await scrape_metrics(rd.url)
         assert _restores(samples, "config_changed") == 1
         await _send(names, broker.bootstrap, "mk", 10, k=4, seed=4, prefix="eps")
-        await wait_until(lambda: rd.daemon.models["mk"].filling.total == 10, 30,
+        await wait_until(lambda: rd.daemon.registry.slots["mk"].state.filling.total == 10, 30,
                          "events joined after the eps change", diag=rd.describe)
         samples = await scrape_metrics(rd.url)
         assert metric_value(samples, "lpcal_events_invalid_total", reason="wrong_length") == 0

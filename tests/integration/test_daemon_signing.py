@@ -160,12 +160,12 @@ async def test_signed_daemon_publishes_verified_maps_and_ignores_forged_versions
             await prod.flush()
 
     def version(rd) -> int:
-        st = rd.daemon.models.get(model)
+        st = rd.daemon.registry.states().get(model)
         return 0 if st is None else st.binmap_version
 
     async with running_daemon(settings) as rd:
         await feed(0, 3000)
-        await wait_until(lambda: version(rd) >= 1 and not rd.daemon.inflight, 90,
+        await wait_until(lambda: version(rd) >= 1 and not rd.daemon.registry.fitting(), 90,
                          "a published bin map", diag=rd.describe)
         status, body = await http_get(rd.url, f"/v1/models/{model}/binmap")
         assert status == 200
@@ -173,12 +173,12 @@ async def test_signed_daemon_publishes_verified_maps_and_ignores_forged_versions
         assert served.verified_by == key_id(pub)
     published = version(rd)
     # forged maps of higher versions: unsigned, then signed by a key the daemon does not trust
-    forged = _map(model, k, rd.daemon.models[model].lam, 1003)
+    forged = _map(model, k, rd.daemon.registry.slots[model].state.lam, 1003)
     await _publish(broker.bootstrap, names.binmaps, model, forged.to_json())
     await _publish(broker.bootstrap, names.binmaps, model,
                    forged.with_version(1004).to_json(signer=Signer(other_priv)))
     async with running_daemon(settings) as rd2:
-        await wait_until(lambda: rd2.daemon.models.get(model) is not None, 30, "restored")
+        await wait_until(lambda: rd2.daemon.registry.states().get(model) is not None, 30, "restored")
         assert version(rd2) == published  # the forgery did not set the version
         mx = await scrape_metrics(rd2.url)
         assert metric_value(mx, "lpcal_binmaps_rejected_total", reason="signature") == 1

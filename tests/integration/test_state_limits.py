@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from daemon import kafka_io
-from daemon.checkpoint_store import PART, RecordLimitError
+from daemon.checkpoint.store import PART, RecordLimitError
 from daemon.events import KIND_PREDICTION
 from daemon.join import JoinStore
 from tests.support.daemon_harness import (
@@ -115,7 +115,7 @@ async def test_large_checkpoints_are_split_into_records_the_broker_accepts(
     async with running_daemon(settings2) as rd2:
         mx = await scrape_metrics(rd2.url)
         assert metric_value(mx, "lpcal_state_restores_total", outcome="restored") == 1
-        assert rd2.daemon.models[MODEL].join.pending(MODEL) == cap
+        assert rd2.daemon.registry.slots[MODEL].state.join.pending(MODEL) == cap
 
         async def gauge():
             mx = await scrape_metrics(rd2.url)

@@ -51,7 +51,7 @@ async def _serve(tmp_path, **http):
                         admin_token=TOKEN, http=http)
     path = tmp_path / "hh.toml"
     path.write_text(to_toml(cfg))
-    server = HttpServer(Daemon(load_settings(path)))
+    server = HttpServer(Daemon(load_settings(path)).status())
     await server.start()
     return server, f"http://127.0.0.1:{server.port}"
 
