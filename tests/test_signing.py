@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import numpy as np
 import orjson
 import pytest
-from aiokafka import TopicPartition
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -321,20 +321,14 @@ def test_settings_refuse_a_bad_key_and_warn_when_unsigned(tmp_path, keys):
 
 
 @pytest.fixture
-def daemon_factory(tmp_path, monkeypatch):
-    from daemon import service
-    from daemon.service import Daemon
-    from tests.support.daemon_stubs import RecordingConsumer
+def daemon_factory(tmp_path):
+    from tests.support.daemon_stubs import broker_free_daemon
 
-    monkeypatch.setattr(service, "_PUBLISH_RETRY_FIRST", 0.01)
     made = []
 
     def make(priv: bytes | None):
         s = _settings(tmp_path, _secrets(tmp_path, priv) if priv else None)
-        d = Daemon(s)
-        d.clients.consumer = RecordingConsumer()
-        d.partitions.assign({TopicPartition(s.kafka.topics.predictions, 0),
-                               TopicPartition(s.kafka.topics.outcomes, 0)})
+        d = broker_free_daemon(s)
         made.append(d)
         return d
 
@@ -395,7 +389,7 @@ async def test_daemon_signs_what_it_publishes(daemon_factory, keys):
     d = daemon_factory(keys.a.priv)
     d.clients.producer = FlakyProducer(failures=0)
     _state(d, n_sealed=1)
-    d._after_batch()
+    d.fitter.after_batch(time.monotonic())
     await wait_until(lambda: d.clients.producer.sent, 20.0, "a bin map published", interval=0.01)
     _, _, value, _ = d.clients.producer.sent[0]
     bm = verify_artifact(value, public_keys=[keys.a.pub])
@@ -417,7 +411,7 @@ async def test_forged_version_on_the_topic_does_not_skip_fits(daemon_factory, ke
             return {M: _data}
         monkeypatch.setattr(kafka_io, "read_compacted_latest", latest)
         await d.restorer.adopt_published_binmaps({0})
-        assert st.binmap_version == 0 and d.prefitted.get(M, 0) == 0, name
+        assert st.binmap_version == 0 and d.registry.slots[M].prefitted == 0, name
         assert len(st.sealed) == 2, name
     assert _rejected(d, "signature") == 2
     # its own signed map of a later version is adopted (a crash between publish and checkpoint)

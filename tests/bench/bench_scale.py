@@ -132,7 +132,7 @@ async def replica(spec: dict) -> None:
         if state["done"]:
             return
         mine = [(tp.topic, tp.partition) for tp in d.partitions.assigned]
-        if mine and all(d.positions.get(key, 0) >= ends.get(key, 0) for key in mine):
+        if mine and all((d.partitions.position(*key) or 0) >= ends.get(key, 0) for key in mine):
             state["done"] = True
             n = sum(st.samples_total for st in d.registry.states().values())
             report(event="done", joined=n, partitions=sorted({p for _, p in mine}))
@@ -287,9 +287,9 @@ def _envelopes(n_models: int) -> tuple[dict[str, bytes], int]:
     import numpy as np
     import orjson
 
+    from daemon.checkpoint.envelope import ENVELOPE_FORMAT
     from daemon.checkpoint.store import encode_value
     from daemon.model_state import ModelState
-    from daemon.service import ENVELOPE_FORMAT
     from daemon.settings import Settings
 
     s = Settings(defaults={"k": K})
@@ -311,7 +311,7 @@ def _envelopes(n_models: int) -> tuple[dict[str, bytes], int]:
 
 async def _populate_state(bootstrap: str, topic: str, n_models: int) -> tuple[int, int]:
     from daemon import kafka_io
-    from daemon.service import state_topic_config
+    from daemon.checkpoint.store import state_topic_config
 
     await kafka_io.ensure_topics(
         bootstrap, [kafka_io.TopicSpec(topic, 1, configs=state_topic_config(1 << 20))])

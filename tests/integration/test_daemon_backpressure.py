@@ -8,7 +8,7 @@ its oldest entry was dropped, so the restarted run published 7 versions where th
 run published 8, and versions 4-7 differed.
 
 Here a backlog of many epochs is on the topic before the daemon starts and every fit is slowed
-(``daemon.service.fit_pools`` wrapped with a sleep in the worker thread), so ingest is far
+(the daemon's ``fit`` wrapped with a sleep in the worker thread), so ingest is far
 faster than fits. The published versions must be exactly 1..E for the E epochs an offline
 :class:`daemon.model_state.ModelState` seals from the same stream, each equal to the offline fit
 of that epoch; the partition must have been paused, the waiting queue bounded, and ingest
@@ -26,8 +26,8 @@ import time
 import orjson
 import pytest
 
-from daemon import service
 from daemon.events import EventParser
+from daemon.fitting import fit_binmap, fit_seed
 from daemon.model_state import MAX_SEALED, ModelState
 from lpcal.calibrate import fit_pools
 from tests.support.daemon_harness import (
@@ -88,13 +88,10 @@ async def test_backlog_faster_than_fits_pauses_ingest_and_fits_every_epoch(
             await prod.raw(names.predictions, v, MODEL)
         await prod.flush()
 
-    real_fit = service.fit_pools
-
     def slow_fit(*a, **kw):
         time.sleep(FIT_DELAY)
-        return real_fit(*a, **kw)
+        return fit_binmap(*a, **kw)
 
-    monkeypatch.setattr(service, "fit_pools", slow_fit)
     seen = {"max_waiting": 0, "paused": False, "restored_waiting": 0}
 
     def watcher(d, first: bool):
@@ -110,18 +107,18 @@ async def test_backlog_faster_than_fits_pauses_ingest_and_fits_every_epoch(
         return asyncio.create_task(watch())
 
     # 1) stop (like SIGTERM) while paused with a backlog of sealed epochs: they are checkpointed
-    async with running_daemon(settings) as rd:
+    async with running_daemon(settings, fit=slow_fit) as rd:
         d = rd.daemon
         w = watcher(d, True)
         try:
-            await wait_until(lambda: d.partitions.paused() and 1 <= d.registry.slots[MODEL].state.binmap_version
-                             < len(epochs) - MAX_SEALED, 60, "paused with epochs waiting",
-                             diag=rd.describe)
+            await wait_until(lambda: d.partitions.paused() and 1 <= d.registry.slots[
+                MODEL].state.binmap_version < len(epochs) - MAX_SEALED, 60,
+                "paused with epochs waiting", diag=rd.describe)
         finally:
             w.cancel()
     # 2) a new daemon restores that backlog on a paused partition (no new events arrive to
     #    wake the model up) and must still fit every epoch, then resume
-    async with running_daemon(settings) as rd:
+    async with running_daemon(settings, fit=slow_fit) as rd:
         d = rd.daemon
         w = watcher(d, False)
         try:
@@ -162,7 +159,7 @@ async def test_backlog_faster_than_fits_pauses_ingest_and_fits_every_epoch(
     cfg = ModelState.create(MODEL, K, settings.model_settings(MODEL), settings.join).config
     for v, pools in enumerate(epochs, start=1):
         bm = fit_pools(pools, eps=cfg["eps"], p=cfg["p"], delta=cfg["delta"],
-                       seed=service.fit_seed(MODEL, v), model_id=MODEL, version=v,
+                       seed=fit_seed(MODEL, v), model_id=MODEL, version=v,
                        mode=cfg["mode"], outside=cfg["outside"])
         want = orjson.loads(bm.to_json())
         for key in ("created_at", "checksum"):

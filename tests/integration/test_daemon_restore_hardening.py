@@ -23,9 +23,9 @@ import orjson
 import pytest
 from aiokafka.partitioner import murmur2
 
+from daemon.checkpoint.envelope import ENVELOPE_FORMAT
 from daemon.checkpoint.store import COMPRESSED
 from daemon.model_state import ModelState
-from daemon.service import ENVELOPE_FORMAT
 from tests.support.daemon_harness import (
     EventProducer,
     SubprocessDaemon,

@@ -21,8 +21,8 @@ import orjson
 import pytest
 
 from daemon import kafka_io
+from daemon.checkpoint.envelope import ENVELOPE_FORMAT
 from daemon.model_state import ModelState
-from daemon.service import ENVELOPE_FORMAT
 from lpcal.binmap import BinMap
 from lpcal.client import BinMapFollower, BinMapStore
 from tests.support.daemon_harness import (

@@ -130,8 +130,8 @@ async def test_daemon_aiokafka_clients_receive_sasl_ssl_settings(tmp_path, monke
         _check_client(d.clients.consumer._client, "consumer")
         assert calls["ensure_topics"] is settings.kafka
         assert calls["partition_counts"] is settings.kafka
-        assert d.store.security is settings.kafka  # checkpoint reads (admin/consumer)
-        kw = kafka_io.client_kwargs(d.store.security)
+        assert d.store.backend.security is settings.kafka  # checkpoint reads (admin/consumer)
+        kw = kafka_io.client_kwargs(d.store.backend.security)
         assert kw["sasl_plain_password"] == PASSWORD and kw["security_protocol"] == "SASL_SSL"
         await asyncio.sleep(2.5)  # the broker probe runs (and fails: nothing listens)
     finally:

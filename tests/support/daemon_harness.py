@@ -256,11 +256,13 @@ class RunningDaemon:
 
 
 async def start_daemon(settings: Settings, *, consumer_options: Mapping | None = None,
-                       ready_timeout: float = 30.0, wait_ready: bool = True) -> RunningDaemon:
-    """Start an in-process daemon (``serve(install_signals=False)``); wait for ``/readyz``."""
+                       ready_timeout: float = 30.0, wait_ready: bool = True,
+                       **daemon_kw: Any) -> RunningDaemon:
+    """Start an in-process daemon (``serve(install_signals=False)``); wait for ``/readyz``.
+    ``daemon_kw`` go to :class:`daemon.service.Daemon` (e.g. a ``fit`` stand-in)."""
     from daemon.service import Daemon
 
-    d = Daemon(settings, consumer_options=dict(consumer_options or FAST_CONSUMER))
+    d = Daemon(settings, consumer_options=dict(consumer_options or FAST_CONSUMER), **daemon_kw)
     rd = RunningDaemon(d, asyncio.create_task(d.serve(install_signals=False)), settings)
     if wait_ready:
         async def ready():
