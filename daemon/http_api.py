@@ -58,7 +58,6 @@ from typing import Any, NamedTuple
 import orjson
 from aiohttp import web
 
-from daemon.registry import ModelInfo
 from lpcal.errors import LpcalError
 
 log = logging.getLogger("lpcal.daemon")
@@ -136,8 +135,8 @@ class _LimitedSite(web.BaseSite):
 
 
 class HttpServer:
-    """The daemon's HTTP API over ``status``, a read-only
-    :class:`daemon.service.DaemonStatus`."""
+    """The daemon's HTTP API over ``status``, a :class:`daemon.service.DaemonStatus` (what it
+    reads of the daemon, and the one command it gives: recalibrate)."""
 
     def __init__(self, status, stall_seconds: float = STALL_SECONDS):
         self.status = status
@@ -260,7 +259,7 @@ class HttpServer:
             await self.runner.cleanup()
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.status.metrics.exposition(),
+        return web.Response(body=self.status.exposition(),
                             content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
@@ -277,14 +276,13 @@ class HttpServer:
     async def readyz(self, request: web.Request) -> web.Response:
         started, restored, broker_ok, ready = self.status.lifecycle()
         body = {"started": started, "restored": restored, "broker": broker_ok,
-                "partitions": sorted([tp.topic, tp.partition]
-                                     for tp in self.status.partitions.assigned)}
+                "partitions": [[t, p] for t, p in self.status.assigned()]}
         return web.json_response(body, status=200 if ready else 503)
 
     async def models(self, request: web.Request) -> web.Response:
-        paused = self.status.partitions.paused()
+        paused = self.status.paused()
         return web.json_response({"models": [self._row(m, paused)
-                                             for m in self.status.registry.snapshot()]})
+                                             for m in self.status.models()]})
 
     def _row(self, m, paused: set[int]) -> dict:
         """An owned model's state (a :class:`daemon.registry.ModelInfo`), as listed;
@@ -319,11 +317,11 @@ class HttpServer:
     def _owned_map(self, model: str) -> _MapAnswer | None:
         """The map this replica installed for ``model`` (its own fit, checkpoint or adoption;
         parsed once per installed map), or None."""
-        slot = self.status.registry.get(model)
-        if slot is None or slot.state.binmap is None:
+        owned = self.status.model(model)
+        if owned is None or owned.state.binmap is None:
             self._own.pop(model, None)
             return None
-        raw = slot.state.binmap
+        raw = owned.state.binmap
         cached = self._own.get(model)
         if cached is not None and cached[0] is raw:
             return cached[1]
@@ -373,9 +371,7 @@ class HttpServer:
     async def model(self, request: web.Request) -> web.Response:
         model = request.match_info["model"]
         answer = self._latest(model)
-        slot = self.status.registry.get(model)
-        owned = None if slot is None else ModelInfo(model, slot.state, slot.partition,
-                                                    slot.inflight is not None)
+        owned = self.status.model(model)
         if answer is None and owned is None:
             return self._unknown(model)
         cert = None if answer is None else certificate_summary(answer.certificate)
@@ -389,7 +385,7 @@ class HttpServer:
             "certified": None if cert is None else bool(cert["certified"]),
             "certificate": cert,
             "owner": None if owned is None else {"replica": "this",
-                                                 **self._row(owned, self.status.partitions.paused())},
+                                                 **self._row(owned, self.status.paused())},
         }
         headers = {} if answer is None else {"X-Lpcal-Version": str(answer.version)}
         return web.json_response(body, headers=headers)

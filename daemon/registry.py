@@ -106,6 +106,12 @@ class ModelRegistry:
         return [ModelInfo(m, slot.state, slot.partition, slot.inflight is not None)
                 for m, slot in sorted(self.slots.items())]
 
+    def info(self, model: str) -> ModelInfo | None:
+        """One owned model (read-only; for the HTTP API), or None."""
+        slot = self.slots.get(model)
+        return None if slot is None else ModelInfo(model, slot.state, slot.partition,
+                                                   slot.inflight is not None)
+
     # ------------------------------------------------------------------ operations
     def create(self, model: str, k: int, partition: int) -> ModelState:
         """A model seen for the first time, or whose state was lost, on input ``partition``:

@@ -51,7 +51,7 @@ from daemon.gauges import GaugeExporter
 from daemon.ingest import DeadLetters, Ingest
 from daemon.metrics import DaemonMetrics
 from daemon.partitions import PartitionTable
-from daemon.registry import ModelRegistry
+from daemon.registry import ModelInfo, ModelRegistry
 
 log = logging.getLogger("lpcal.daemon")
 
@@ -70,18 +70,21 @@ StartupStopped = retry.Stopped
 
 @dataclass(frozen=True)
 class DaemonStatus:
-    """What the HTTP API reads of a daemon: read-only views and one callback."""
+    """What the HTTP API reads of a daemon (:meth:`Daemon.status`): the settings, read-only
+    views (each a call, answered at the time of the request) and one command."""
 
     settings: object
-    metrics: DaemonMetrics
-    registry: ModelRegistry
-    partitions: PartitionTable
-    #: ``lifecycle()``: ``(started, restored, broker_ok, ready)``
+    exposition: Callable[[], bytes]  # the Prometheus text of the daemon's metrics
+    #: ``(started, restored, broker_ok, ready)``
     lifecycle: Callable[[], tuple[bool, bool, bool, bool]]
     last_poll: Callable[[], float]  # time.monotonic() of the last poll
     assignment_unhealthy: Callable[[], bool]
+    assigned: Callable[[], list[tuple[str, int]]]  # (topic, partition), sorted
+    paused: Callable[[], set[int]]  # input partitions paused by backpressure
+    models: Callable[[], list[ModelInfo]]  # the owned models, sorted by id
+    model: Callable[[str], ModelInfo | None]  # one owned model
     binmaps: Callable[[], BinMapView | None]  # the bin-map view, once started
-    request_recalibration: Callable[[str], bool]
+    request_recalibration: Callable[[str], bool]  # False: the model is not owned here
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -153,12 +156,14 @@ class Daemon:
     def status(self) -> DaemonStatus:
         """The read-only view of this daemon that the HTTP API serves."""
         return DaemonStatus(
-            settings=self.s, metrics=self.metrics, registry=self.registry,
-            partitions=self.partitions,
+            settings=self.s, exposition=self.metrics.exposition,
             lifecycle=lambda: (self.started, self.restored, self.clients.broker_ok, self.ready),
             last_poll=lambda: self.last_poll,
             assignment_unhealthy=lambda: self.assignment_unhealthy,
-            binmaps=lambda: self.binmaps,
+            assigned=lambda: sorted((tp.topic, tp.partition)
+                                    for tp in self.partitions.assigned),
+            paused=self.partitions.paused, models=self.registry.snapshot,
+            model=self.registry.info, binmaps=lambda: self.binmaps,
             request_recalibration=self.fitter.request_recalibration)
 
     # ================================================================== lifecycle
