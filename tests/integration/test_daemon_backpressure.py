@@ -32,9 +32,6 @@ from daemon.model_state import MAX_SEALED, ModelState
 from lpcal.calibrate import fit_pools
 from tests.support.daemon_harness import (
     EventProducer,
-    TopicNames,
-    build_settings,
-    create_topics,
     daemon_config,
     free_port,
     metric_value,
@@ -68,14 +65,13 @@ def _offline_epochs(settings, values: list[bytes]) -> list:
 
 
 async def test_backlog_faster_than_fits_pauses_ingest_and_fits_every_epoch(
-        broker, topic_prefix, tmp_path, monkeypatch):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, partitions=1)
+        deployment, broker, monkeypatch):
+    names = await deployment.topics(1)
     cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=1,
                         defaults={"pool": POOL, "mu_pool": 2 * POOL, "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0,
                                   "mode": "paper"},  # about backpressure, not the fit mode
                         models={MODEL: {"k": K}})
-    settings = build_settings(cfg, tmp_path)
+    settings = deployment.settings(cfg)
     per_epoch = sum(ModelState.create(MODEL, K, settings.model_settings(MODEL),
                                       settings.join).layout.targets.values())
     ids, probs, labels = synth_samples(per_epoch * (3 * MAX_SEALED + 2), K, 7, MODEL)

@@ -15,11 +15,6 @@ import pytest
 
 from tests.support.daemon_harness import (
     EventProducer,
-    TopicNames,
-    build_settings,
-    create_topics,
-    daemon_config,
-    free_port,
     metric_value,
     read_deadletters,
     running_daemon,
@@ -39,14 +34,11 @@ def _alive(rd):
         raise RuntimeError("daemon ended")
 
 
-async def test_future_ts_is_dead_lettered_and_pending_joins_survive(broker, topic_prefix,
-                                                                    tmp_path):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(),
-                        defaults={"k": 3, "pool": 10 ** 6, "mu_pool": 10 ** 6,
-                                  "window_seconds": 3600.0})
-    settings = build_settings(cfg, tmp_path)
+async def test_future_ts_is_dead_lettered_and_pending_joins_survive(deployment, broker):
+    names = await deployment.topics(1)
+    cfg = deployment.config(defaults={"k": 3, "pool": 10 ** 6, "mu_pool": 10 ** 6,
+                                      "window_seconds": 3600.0})
+    settings = deployment.settings(cfg)
     ids, probs, labels = synth_samples(N, 3, 5, "m")
     poison = orjson.dumps({"model": "m", "id": "poison", "ts": 1e12,
                            "probs": [0.2, 0.3, 0.5], "label": 1})
@@ -86,13 +78,11 @@ async def test_future_ts_is_dead_lettered_and_pending_joins_survive(broker, topi
 
 
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned_k", "learned_k"])
-async def test_outcomes_first_join_across_a_restart(broker, topic_prefix, tmp_path, pinned):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(),
-                        defaults={"k": 3 if pinned else None, "pool": 10 ** 6,
-                                  "mu_pool": 10 ** 6})
-    settings = build_settings(cfg, tmp_path)
+async def test_outcomes_first_join_across_a_restart(deployment, broker, pinned):
+    names = await deployment.topics(1)
+    cfg = deployment.config(defaults={"k": 3 if pinned else None, "pool": 10 ** 6,
+                                      "mu_pool": 10 ** 6})
+    settings = deployment.settings(cfg)
     n = 300
     ids, probs, labels = synth_samples(n, 3, 9, "o")
     async with running_daemon(settings) as rd:

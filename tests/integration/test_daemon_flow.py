@@ -16,11 +16,6 @@ from lpcal.binmap import BinMap
 from lpcal.certificate import Certificate
 from tests.support.daemon_harness import (
     EventProducer,
-    TopicNames,
-    build_settings,
-    create_topics,
-    daemon_config,
-    free_port,
     http_get,
     http_post,
     metric_value,
@@ -59,15 +54,13 @@ def _one_epoch_samples(settings, model: str, seed: int):
     raise AssertionError(f"no sample count gives exactly one epoch for {st.layout.targets}")
 
 
-async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
-        broker, topic_prefix, tmp_path):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, partitions=2)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
-                        admin_token=TOKEN, defaults={"pool": POOL, "mu_pool": POOL,
-                                                     "holdout": HOLDOUT, "warmup": WARMUP},
-                        models={"flow-a": {"k": 3}, "flow-b": {"k": 4}})
-    settings = build_settings(cfg, tmp_path)
+async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(deployment, broker):
+    names = await deployment.topics(2)
+    cfg = deployment.config(partitions=2, admin_token=TOKEN,
+                            defaults={"pool": POOL, "mu_pool": POOL, "holdout": HOLDOUT,
+                                      "warmup": WARMUP},
+                            models={"flow-a": {"k": 3}, "flow-b": {"k": 4}})
+    settings = deployment.settings(cfg)
     assert settings.defaults.mode == "certified"  # the default mode, end to end
     data = {m: _one_epoch_samples(settings, m, seed) for seed, m in enumerate(("flow-a",
                                                                              "flow-b"))}
@@ -228,15 +221,14 @@ def _bad_events(k: int) -> list[tuple[str, bytes, str]]:
 
 
 async def test_malformed_events_are_deadlettered_with_reason_and_valid_ones_joined(
-        broker, topic_prefix, tmp_path):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, partitions=2)
+        deployment, broker):
+    names = await deployment.topics(2)
     big = 10 ** 6  # no fit in this test
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
-                        defaults={"pool": big, "mu_pool": big, "normalize": "reject"},
-                        models={"dl-a": {"k": 3}, "dl-b": {"k": 2}},
-                        unknown_models="reject", kafka={"max_message_bytes": 1024})
-    settings = build_settings(cfg, tmp_path)
+    cfg = deployment.config(partitions=2,
+                            defaults={"pool": big, "mu_pool": big, "normalize": "reject"},
+                            models={"dl-a": {"k": 3}, "dl-b": {"k": 2}}, unknown_models="reject",
+                            kafka={"max_message_bytes": 1024})
+    settings = deployment.settings(cfg)
     bad = _bad_events(3)
     assert len(bad[9][1]) > 1024
     n = 240
@@ -297,13 +289,10 @@ async def test_malformed_events_are_deadlettered_with_reason_and_valid_ones_join
         assert "nobody" not in rd.daemon.registry.states()
 
 
-async def test_backlog_present_at_start_is_consumed_exactly_once(broker, topic_prefix,
-                                                                 tmp_path):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, partitions=1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(),
-                        defaults={"pool": 10 ** 6, "mu_pool": 10 ** 6})
-    settings = build_settings(cfg, tmp_path)
+async def test_backlog_present_at_start_is_consumed_exactly_once(deployment, broker):
+    names = await deployment.topics(1)
+    cfg = deployment.config(defaults={"pool": 10 ** 6, "mu_pool": 10 ** 6})
+    settings = deployment.settings(cfg)
     n = 3000
     ids, probs, labels = synth_samples(n, 3, 3, "bl")
     async with EventProducer(broker.bootstrap) as prod:

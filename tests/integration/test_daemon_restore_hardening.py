@@ -31,7 +31,6 @@ from tests.support.daemon_harness import (
     SubprocessDaemon,
     TopicNames,
     build_settings,
-    create_topics,
     daemon_config,
     free_port,
     http_get,
@@ -74,12 +73,11 @@ async def _send(names: TopicNames, bootstrap: str, model: str, n: int, k: int = 
 
 
 async def test_checkpoint_under_another_models_key_is_skipped_not_a_crash_loop(
-        broker, topic_prefix, tmp_path, caplog):
+        deployment, broker, caplog):
     """Model ``ma``'s valid checkpoint stored under ``model/mb``."""
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), defaults={"k": 3})
-    settings = build_settings(cfg, tmp_path)
+    names = await deployment.topics(1)
+    cfg = deployment.config(defaults={"k": 3})
+    settings = deployment.settings(cfg)
     async with EventProducer(broker.bootstrap) as prod:
         await prod.raw(names.state, _envelope(_state(settings, "ma", 40)), "model/mb")
         await prod.flush()
@@ -103,14 +101,12 @@ async def test_checkpoint_under_another_models_key_is_skipped_not_a_crash_loop(
     assert f"{names.state}[0]@0" in text and "'ma'" in text, text[-3000:]
 
 
-async def test_unusable_state_values_and_manifests_cost_only_their_record(
-        broker, topic_prefix, tmp_path):
+async def test_unusable_state_values_and_manifests_cost_only_their_record(deployment, broker):
     """A state value ``[]``, a manifest offset that is not an integer, and other
     shapes; the good model on the same partition is restored and the partition consumed."""
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), defaults={"k": 3})
-    settings = build_settings(cfg, tmp_path)
+    names = await deployment.topics(1)
+    cfg = deployment.config(defaults={"k": 3})
+    settings = deployment.settings(cfg)
     good = _state(settings, "good", 25)
     bad_values = {"model/list": b"[]", "model/null": b"null", "model/str": b'"x"',
                   "model/num": b"1e999", "model/bytes": b"\xff\xfe",
@@ -160,12 +156,11 @@ def _models_on_distinct_partitions(n: int, partitions: int) -> list[str]:
     return [out[p] for p in sorted(out)]
 
 
-async def test_rolling_update_restores_more_models_than_max_models(broker, topic_prefix,
-                                                                   tmp_path):
+async def test_rolling_update_restores_more_models_than_max_models(
+        deployment, broker, topic_prefix, tmp_path):
     """Failover: 2 replicas, 4 models, ``max_models = 2``; one replica leaves and
     the survivor restores all 4 (restored models are always admitted) and keeps consuming."""
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 4)
+    names = await deployment.topics(4)
     models = _models_on_distinct_partitions(4, 4)
     group = f"{topic_prefix}-g"
     settings = [build_settings(daemon_config(
@@ -224,17 +219,15 @@ async def test_rolling_update_restores_more_models_than_max_models(broker, topic
                     rd.task.cancel()
 
 
-async def test_failing_assignment_is_retried_then_healthz_fails(broker, topic_prefix,
-                                                                tmp_path):
+async def test_failing_assignment_is_retried_then_healthz_fails(deployment):
     """Invariant: an assignment that fails anyway is retried with backoff (the partitions
     stay paused meanwhile) and, while it keeps failing past a bound, ``/healthz`` is 503."""
     from daemon.service import Daemon
     from tests.support.daemon_harness import FAST_CONSUMER, RunningDaemon
 
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), defaults={"k": 3})
-    settings = build_settings(cfg, tmp_path)
+    await deployment.topics(1)
+    cfg = deployment.config(defaults={"k": 3})
+    settings = deployment.settings(cfg)
 
     for fail_times, healthy in ((2, True), (10 ** 6, False)):
         d = Daemon(settings, consumer_options=dict(FAST_CONSUMER))
@@ -268,12 +261,10 @@ async def test_failing_assignment_is_retried_then_healthz_fails(broker, topic_pr
             await asyncio.wait_for(rd.task, 30)
 
 
-async def test_zlib_bomb_on_the_state_topic_keeps_memory_bounded(broker, topic_prefix,
-                                                                  tmp_path):
+async def test_zlib_bomb_on_the_state_topic_keeps_memory_bounded(deployment, broker, tmp_path):
     """1 MiB records that inflate to 1 GiB each, under a model key and a manifest
     key; the daemon (a subprocess) becomes ready, counts them, and its peak RSS stays low."""
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
+    names = await deployment.topics(1)
     bomb = COMPRESSED + zlib.compress(b"0" * (1 << 30), 9)
     assert len(bomb) < 1.1 * (1 << 20)
     async with EventProducer(broker.bootstrap) as prod:
@@ -281,7 +272,7 @@ async def test_zlib_bomb_on_the_state_topic_keeps_memory_bounded(broker, topic_p
             await prod.raw(names.state, bomb, key)
         await prod.flush()
     del bomb
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), defaults={"k": 3})
+    cfg = deployment.config(defaults={"k": 3})
     d = SubprocessDaemon(cfg, tmp_path).start()
     try:
         await d.wait_ready(90)
@@ -299,11 +290,10 @@ async def test_zlib_bomb_on_the_state_topic_keeps_memory_bounded(broker, topic_p
         d.stop_quietly()
 
 
-async def test_changed_k_and_eps_on_restore(broker, topic_prefix, tmp_path):
+async def test_changed_k_and_eps_on_restore(deployment, broker, tmp_path):
     """k 3 -> 4 discards the restored pools (no event dead-lettered as
     ``wrong_length``); then eps 0.1 -> 0.05 starts a new epoch with the new config."""
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
+    names = await deployment.topics(1)
     port = free_port()
 
     def settings(k: int, eps: float, name: str):

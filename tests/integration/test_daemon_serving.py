@@ -31,9 +31,7 @@ from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
 from lpcal.binmap import BinMap
 from tests.support.daemon_harness import (
     RunningDaemon,
-    TopicNames,
     build_settings,
-    create_topics,
     daemon_config,
     free_port,
     metric_value,
@@ -69,9 +67,8 @@ async def _get(url: str, path: str, headers: dict | None = None
         return r.status, r.headers.copy(), await r.read()
 
 
-async def test_every_replica_serves_every_model(broker, topic_prefix, tmp_path):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, PARTITIONS)
+async def test_every_replica_serves_every_model(deployment, broker, topic_prefix, tmp_path):
+    names = await deployment.topics(PARTITIONS)
     group = f"{topic_prefix}-group"
     settings = [build_settings(daemon_config(
         broker.bootstrap, names, http_port=free_port(), group_id=group, partitions=PARTITIONS,

@@ -29,10 +29,6 @@ from tests.support.daemon_harness import (
     EventProducer,
     RunningDaemon,
     TopicNames,
-    build_settings,
-    create_topics,
-    daemon_config,
-    free_port,
     http_get,
     read_records,
     running_daemon,
@@ -86,15 +82,13 @@ async def _topic_versions(bootstrap: str, topic: str) -> list[int]:
             if r.key == MODEL.encode() and r.value is not None]
 
 
-async def _first_run(broker, topic_prefix, tmp_path):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
-    settings = build_settings(daemon_config(broker.bootstrap, names, http_port=free_port(),
-                                            defaults=SMALL_EPOCHS), tmp_path)
-    traffic = Traffic(names, broker.bootstrap)
+async def _first_run(deployment):
+    names = await deployment.topics(1)
+    settings = deployment.settings(deployment.config(defaults=SMALL_EPOCHS))
+    traffic = Traffic(names, deployment.bootstrap)
     async with running_daemon(settings) as rd:
         v = await _publish_until(rd, traffic, 3)
-    assert await _topic_versions(broker.bootstrap, names.binmaps) == list(range(1, v + 1))
+    assert await _topic_versions(deployment.bootstrap, names.binmaps) == list(range(1, v + 1))
     return names, settings, traffic, v
 
 
@@ -113,8 +107,8 @@ async def _follow(bootstrap: str, topic: str) -> dict[str, int]:
 
 
 async def test_a_model_whose_state_record_is_lost_continues_after_the_topics_version(
-        broker, topic_prefix, tmp_path):
-    names, settings, traffic, v = await _first_run(broker, topic_prefix, tmp_path)
+        deployment, broker, topic_prefix, tmp_path):
+    names, settings, traffic, v = await _first_run(deployment)
     await _replace_state_record(broker.bootstrap, names, b"\x00 not a checkpoint")
     async with running_daemon(settings) as rd:
         assert MODEL not in rd.daemon.registry.states()  # the record could not be used
@@ -131,8 +125,8 @@ async def test_a_model_whose_state_record_is_lost_continues_after_the_topics_ver
 
 
 async def test_versions_adopted_from_before_the_checkpoint_are_not_fitted_epochs(
-        broker, topic_prefix, tmp_path):
-    names, settings, traffic, v = await _first_run(broker, topic_prefix, tmp_path)
+        deployment, broker, topic_prefix, tmp_path):
+    names, settings, traffic, v = await _first_run(deployment)
     fresh = ModelState.create(MODEL, 3, settings.model_settings(MODEL), settings.join)
     assert fresh.binmap_version == 0
     await _replace_state_record(broker.bootstrap, names, orjson.dumps({
@@ -148,11 +142,11 @@ async def test_versions_adopted_from_before_the_checkpoint_are_not_fitted_epochs
 
 
 async def test_versions_published_after_the_checkpoint_are_fitted_epochs(
-        broker, topic_prefix, tmp_path):
+        deployment, broker, topic_prefix, tmp_path):
     """The positive control: a map published after the checkpoint was written (a crash between
     a publish and the next checkpoint) stands for an epoch that was filling at the checkpoint;
     the replay seals it again and it is not fitted a second time."""
-    names, settings, _, v = await _first_run(broker, topic_prefix, tmp_path)
+    names, settings, _, v = await _first_run(deployment)
     last = [r for r in await read_records(broker.bootstrap, names.binmaps)
             if r.key == MODEL.encode()][-1]
     async with EventProducer(broker.bootstrap) as prod:  # after the final checkpoint

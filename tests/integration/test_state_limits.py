@@ -17,11 +17,7 @@ from daemon.checkpoint.store import PART, RecordLimitError
 from daemon.events import KIND_PREDICTION
 from daemon.join import JoinStore
 from tests.support.daemon_harness import (
-    TopicNames,
     build_settings,
-    create_topics,
-    daemon_config,
-    free_port,
     metric_value,
     read_records,
     read_state,
@@ -71,12 +67,10 @@ async def _send_predictions(bootstrap: str, topic: str, n: int) -> None:
 
 
 async def test_large_checkpoints_are_split_into_records_the_broker_accepts(
-        broker, topic_prefix, tmp_path):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(),
-                        defaults={"k": K, "normalize": "renormalize"})
-    settings = build_settings(cfg, tmp_path)
+        deployment, broker, tmp_path):
+    names = await deployment.topics(1)
+    cfg = deployment.config(defaults={"k": K, "normalize": "renormalize"})
+    settings = deployment.settings(cfg)
     assert settings.state.max_record_bytes == MIB  # the default under test
     cap = _expected_capacity(settings)
     sent = cap + 1_000
@@ -126,19 +120,17 @@ async def test_large_checkpoints_are_split_into_records_the_broker_accepts(
 
 
 async def test_a_state_topic_with_a_lower_record_limit_stops_startup(
-        broker, topic_prefix, tmp_path):
+        deployment):
     """``state.max_record_bytes`` above the topic's ``max.message.bytes``: one clear error."""
-    base = TopicNames.for_prefix(topic_prefix)
-    names = base.with_state(base.state + ".small")
-    await kafka_io.ensure_topics(broker.bootstrap, [kafka_io.TopicSpec(
+    names = deployment.names.with_state(deployment.names.state + ".small")
+    await kafka_io.ensure_topics(deployment.bootstrap, [kafka_io.TopicSpec(
         names.state, 1, configs={"cleanup.policy": "compact",
                                  "max.message.bytes": str(512 * 1024)})])
-    await create_topics(broker.bootstrap, names, 1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port())
+    await deployment.topics(1, names)
+    cfg = deployment.config(names=names)
     with pytest.raises(RecordLimitError, match=r"max.message.bytes.*state.max_record_bytes"):
-        async with running_daemon(build_settings(cfg, tmp_path)):
+        async with running_daemon(deployment.settings(cfg)):
             pass
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(),
-                        state={"max_record_bytes": 512 * 1024})
-    async with running_daemon(build_settings(cfg, tmp_path, name="fits")) as rd:
+    cfg = deployment.config(names=names, state={"max_record_bytes": 512 * 1024})
+    async with running_daemon(deployment.settings(cfg, name="fits")) as rd:
         assert rd.daemon.ready

@@ -52,7 +52,6 @@ import pytest
 
 from daemon.monitor import WindowMonitor
 from daemon.tools.simulate import SyntheticModel, TrafficGenerator, simulate
-from tests.reliability.harness import FastDaemon, run_names, wait_settled
 from tests.support.daemon_harness import (
     EventProducer,
     TopicNames,
@@ -67,6 +66,7 @@ from tests.support.daemon_harness import (
     scrape_metrics,
     synth_samples,
 )
+from tests.support.reliability import FastDaemon, run_names, wait_settled
 
 pytestmark = [
     pytest.mark.integration, pytest.mark.soak,

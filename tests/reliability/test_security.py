@@ -34,7 +34,6 @@ from daemon.http_api import HttpServer
 from daemon.service import Daemon
 from daemon.settings import load_settings
 from lpcal.errors import InputError
-from tests.reliability.harness import FastDaemon, wait_settled
 from tests.support.daemon_harness import (
     EventProducer,
     TopicNames,
@@ -47,6 +46,7 @@ from tests.support.daemon_harness import (
     to_toml,
     wait_until,
 )
+from tests.support.reliability import FastDaemon, wait_settled
 
 TOKEN = "adm-7f3c9e1b5d-SECRET-token"
 PASSWORD = "sasl-pw-4e8a2c6f0b-SECRET"
