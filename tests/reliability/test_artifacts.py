@@ -9,7 +9,7 @@ three bad ones and keep version 1 in force, and adopt the valid one:
 * the client: :class:`lpcal.client.BinMapStore` fed by a :class:`lpcal.client.BinMapFollower`
   that reads the whole topic (``rejections`` counted by reason);
 * the daemon, restarted so that it re-reads the topic on assignment
-  (``Daemon._adopt_published_binmaps``): ``GET /v1/models/{m}/binmap`` returns the same bytes
+  (``Restorer.adopt_published_binmaps``): ``GET /v1/models/{m}/binmap`` returns the same bytes
   as before and ``lpcal_binmaps_rejected_total{reason}`` counts each rejection.
 """
 
