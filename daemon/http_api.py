@@ -53,11 +53,15 @@ import os
 import re
 import resource
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import orjson
 from aiohttp import web
 
+from daemon.binmap_view import BinMapView
+from daemon.registry import ModelInfo
 from lpcal.errors import LpcalError
 
 log = logging.getLogger("lpcal.daemon")
@@ -70,6 +74,26 @@ _FD_RESERVE = 64         # descriptors left for Kafka clients, files and the lis
 class HttpListenError(LpcalError):
     """The HTTP listener cannot be opened (port in use, address not available); ``lpcal serve``
     prints the message, which names ``http.port``/``http.host``, and exits 2."""
+
+
+@dataclass(frozen=True)
+class DaemonStatus:
+    """What the HTTP API reads of a daemon (:meth:`daemon.service.Daemon.status`): the
+    settings, read-only views (each a call, answered at the time of the request) and one
+    command."""
+
+    settings: object
+    exposition: Callable[[], bytes]  # the Prometheus text of the daemon's metrics
+    #: ``(started, restored, broker_ok, ready)``
+    lifecycle: Callable[[], tuple[bool, bool, bool, bool]]
+    last_poll: Callable[[], float]  # time.monotonic() of the last poll
+    assignment_unhealthy: Callable[[], bool]
+    assigned: Callable[[], list[tuple[str, int]]]  # (topic, partition), sorted
+    paused: Callable[[], set[int]]  # input partitions paused by backpressure
+    models: Callable[[], list[ModelInfo]]  # the owned models, sorted by id
+    model: Callable[[str], ModelInfo | None]  # one owned model
+    binmaps: Callable[[], BinMapView | None]  # the bin-map view, once started
+    request_recalibration: Callable[[str], bool]  # False: the model is not owned here
 
 
 class _MapAnswer(NamedTuple):
@@ -135,7 +159,7 @@ class _LimitedSite(web.BaseSite):
 
 
 class HttpServer:
-    """The daemon's HTTP API over ``status``, a :class:`daemon.service.DaemonStatus` (what it
+    """The daemon's HTTP API over ``status``, a :class:`DaemonStatus` (what it
     reads of the daemon, and the one command it gives: recalibrate)."""
 
     def __init__(self, status, stall_seconds: float = STALL_SECONDS):

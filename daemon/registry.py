@@ -2,9 +2,10 @@
 
 A slot holds everything the daemon keeps about one model besides the input positions: its
 :class:`~daemon.model_state.ModelState`, the input partition it lives on, the fit in flight, the
-count of prefitted epochs (see :meth:`daemon.checkpoint.restorer.Restorer.adopt_published_binmaps`),
-the latest event time seen and the time its gauges were last exported. Two marks are kept as sets of model ids, since they are work lists the daemon
-walks on every poll: ``dirty`` (changed since its last checkpoint) and ``gauges_due`` (gauges
+count of prefitted epochs (see
+:meth:`daemon.checkpoint.restorer.Restorer.adopt_published_binmaps`), the latest event time
+seen and the time its gauges were last exported. Two marks are kept as sets of model ids, since
+they are work lists the daemon walks on every poll: ``dirty`` (changed since its last checkpoint) and ``gauges_due`` (gauges
 changed since their last export).
 
 Models come and go only through the registry's operations, which keep the join budget, the

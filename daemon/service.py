@@ -16,7 +16,7 @@ rebalance callbacks and composes the objects that do the work, each receiving wh
 :class:`~daemon.checkpoint.checkpointer.Checkpointer` (writing checkpoints; the exactly-once
 accounting) and :class:`~daemon.checkpoint.restorer.Restorer` (restoring an assignment); broker
 calls are retried by :mod:`daemon.retry`. :class:`~daemon.http_api.HttpServer` reads a
-:class:`DaemonStatus`.
+:class:`~daemon.http_api.DaemonStatus`.
 
 Co-partitioning: events are keyed by model id and both input topics have the same partition
 count, so partition ``n`` of both topics holds the same models; the range assignor gives both to
@@ -32,9 +32,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import orjson
 from aiokafka import ConsumerRebalanceListener, TopicPartition
@@ -48,10 +46,11 @@ from daemon.clients import KafkaClients
 from daemon.events import EventParser
 from daemon.fitting import PUBLISH_RETRY, FitFunction, Fitter, RetryPolicy, fit_binmap
 from daemon.gauges import GaugeExporter
+from daemon.http_api import DaemonStatus, HttpServer
 from daemon.ingest import DeadLetters, Ingest
 from daemon.metrics import DaemonMetrics
 from daemon.partitions import PartitionTable
-from daemon.registry import ModelInfo, ModelRegistry
+from daemon.registry import ModelRegistry
 
 log = logging.getLogger("lpcal.daemon")
 
@@ -66,25 +65,6 @@ ASSIGN_UNHEALTHY_SECONDS = 120.0
 
 #: a stop signal arrived while startup was still retrying (``KafkaClients.retry``)
 StartupStopped = retry.Stopped
-
-
-@dataclass(frozen=True)
-class DaemonStatus:
-    """What the HTTP API reads of a daemon (:meth:`Daemon.status`): the settings, read-only
-    views (each a call, answered at the time of the request) and one command."""
-
-    settings: object
-    exposition: Callable[[], bytes]  # the Prometheus text of the daemon's metrics
-    #: ``(started, restored, broker_ok, ready)``
-    lifecycle: Callable[[], tuple[bool, bool, bool, bool]]
-    last_poll: Callable[[], float]  # time.monotonic() of the last poll
-    assignment_unhealthy: Callable[[], bool]
-    assigned: Callable[[], list[tuple[str, int]]]  # (topic, partition), sorted
-    paused: Callable[[], set[int]]  # input partitions paused by backpressure
-    models: Callable[[], list[ModelInfo]]  # the owned models, sorted by id
-    model: Callable[[str], ModelInfo | None]  # one owned model
-    binmaps: Callable[[], BinMapView | None]  # the bin-map view, once started
-    request_recalibration: Callable[[str], bool]  # False: the model is not owned here
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -168,8 +148,6 @@ class Daemon:
 
     # ================================================================== lifecycle
     async def startup(self) -> None:
-        from daemon.http_api import HttpServer
-
         self.http = HttpServer(self.status())
         await self.http.start()
         if hasattr(self.s, "redacted"):  # served at GET /v1/config too

@@ -2,8 +2,8 @@
 
 A checkpoint is a set of records ``key -> bytes``:
 
-* ``model/<id>``: one model's envelope (see :mod:`daemon.checkpoint.envelope`): its ``ModelState`` (pools,
-  monitor sums, pending joins, bin map, offsets covered) plus any fit in flight;
+* ``model/<id>``: one model's envelope (:mod:`daemon.checkpoint.envelope`): its ``ModelState``
+  (pools, monitor sums, pending joins, bin map, offsets covered) plus any fit in flight;
 * ``partition/<n>``: the manifest of input partition ``n``, written *after* the model records of
   that partition: the input offsets every model of the partition covers at least.
 

@@ -23,7 +23,7 @@ Usage::
     async with running_daemon(build_settings(cfg, tmp_path)) as rd:
         async with EventProducer(broker.bootstrap) as prod:
             await prod.prediction(names.predictions, "m1", "e1", [0.2, 0.3, 0.5], ts=1.0)
-        await wait_until(lambda: rd.daemon.registry.states().get("m1") is not None, 10, "model m1 seen")
+        await wait_until(lambda: "m1" in rd.daemon.registry, 10, "model m1 seen")
 """
 
 from __future__ import annotations
