@@ -80,15 +80,18 @@ class Fitter:
         The worker thread that fits run in.
     fit : callable, default :func:`fit_binmap`
     retry_policy : RetryPolicy, default :data:`PUBLISH_RETRY`
+    clock : callable, default ``time.monotonic``
+        The time a finished fit asks its model's triggers at.
     """
 
     def __init__(self, settings, registry, partitions, clients, metrics, gauges,
                  stopping: asyncio.Event, executor: Executor, *,
-                 fit: FitFunction = fit_binmap, retry_policy: RetryPolicy = PUBLISH_RETRY):
+                 fit: FitFunction = fit_binmap, retry_policy: RetryPolicy = PUBLISH_RETRY,
+                 clock: Callable[[], float] = time.monotonic):
         self.s, self.registry, self.partitions = settings, registry, partitions
         self.clients, self.metrics, self.gauges = clients, metrics, gauges
         self.stopping, self.executor = stopping, executor
-        self.fit, self.retry_policy = fit, retry_policy
+        self.fit, self.retry_policy, self.clock = fit, retry_policy, clock
         self._publishing: set[asyncio.Task] = set()  # bin-map publishes (with their retries)
 
     def after_batch(self, now: float) -> None:
@@ -248,7 +251,7 @@ class Fitter:
                      bm.certificate["estimates"]["raw"]["bound"])
         # the next sealed epoch (if any) need not wait for the next poll, which may be idle
         # for a whole fetch timeout when its partitions are paused
-        self.check_model(model, time.monotonic())
+        self.check_model(model, self.clock())
         self.apply_backpressure()
 
     async def _publish(self, model: str, inf: Inflight, data: bytes) -> bool:

@@ -15,6 +15,7 @@ import asyncio
 import gc
 import logging
 import time
+from collections.abc import Callable
 from operator import attrgetter
 
 import numpy as np
@@ -106,11 +107,15 @@ class Ingest:
     clients : daemon.clients.KafkaClients
         Its consumer seeks back to a hole in the offsets.
     deadletters : DeadLetters
+    clock : callable, default ``time.monotonic``
+        The time of the offset-gap guard's grace period.
     """
 
-    def __init__(self, settings, registry, partitions, parser, metrics, clients, deadletters):
+    def __init__(self, settings, registry, partitions, parser, metrics, clients, deadletters, *,
+                 clock: Callable[[], float] = time.monotonic):
         self.registry, self.partitions, self.parser = registry, partitions, parser
         self.metrics, self.clients, self.deadletters = metrics, clients, deadletters
+        self.clock = clock
         # the configured models with a rate < 1, which the prefilter samples on any partition
         # until they are placed (see _sample_out)
         self._hot: dict[str, float] = {
@@ -123,7 +128,7 @@ class Ingest:
         ps = self.partitions.ensure(tp.partition)
         gaps = ps.gaps
         v = gaps.check(tp.topic, ps.positions.get(tp.topic), msgs[0].offset, msgs[-1].offset,
-                       len(msgs), lambda: [m.offset for m in msgs], time.monotonic())
+                       len(msgs), lambda: [m.offset for m in msgs], self.clock())
         if v.hole is None and v.closed is None:
             return msgs
         kind = self.clients.topic_kind(tp.topic)

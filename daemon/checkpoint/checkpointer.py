@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from aiokafka import TopicPartition
 
@@ -46,14 +47,17 @@ class Checkpointer:
     clients : daemon.clients.KafkaClients
         Its consumer commits the offsets.
     metrics : daemon.metrics.DaemonMetrics
+    clock : callable, default ``time.monotonic``
+        The time of :attr:`last_at`.
     """
 
     def __init__(self, store: CheckpointStore, registry, partitions, deadletters, clients,
-                 metrics):
+                 metrics, *, clock: Callable[[], float] = time.monotonic):
         self.store, self.registry, self.partitions = store, registry, partitions
         self.deadletters, self.clients, self.metrics = deadletters, clients, metrics
+        self.clock = clock
         self.topics = (clients.t_pred, clients.t_out)
-        self.last_at = time.monotonic()  # of the last checkpoint started
+        self.last_at = clock()  # of the last checkpoint started
 
     async def commit(self, parts: set[int] | None = None, *, commit_offsets: bool = True
                      ) -> None:
@@ -71,7 +75,7 @@ class Checkpointer:
         6. On failure, mark the models taken dirty again and count ``error``; else ``ok``.
         7. With ``commit_offsets``, commit the consumer offsets (they only feed lag
            monitoring: a failed commit is logged, never raised)."""
-        self.last_at = time.monotonic()
+        self.last_at = self.clock()
         table = self.partitions
         if parts is None:
             parts = table.numbers()

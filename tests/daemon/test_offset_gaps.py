@@ -178,3 +178,54 @@ def test_count_policy_goes_on_and_counts_the_hole():
     assert c.seeks == []
     assert d.registry.slots[MODEL].state.samples_total == N - len(HIDDEN)  # what a broker fault costs
     assert (gaps(d, "filled"), gaps(d, "skipped")) == (0, 1)
+
+
+# ------------------------------------------------------------------ Ingest with a given clock
+
+def test_ingest_reads_a_hole_again_until_its_grace_period_ends_on_the_given_clock():
+    """``Ingest.up_to_hole`` with the offset-gap guard's time from an injected clock: before
+    the grace period it seeks back to the hole and keeps the records before it; after it, it
+    goes on with the whole batch and counts the hole as skipped."""
+    import asyncio
+
+    from daemon.clients import KafkaClients
+    from daemon.events import EventParser
+    from daemon.ingest import DeadLetters, Ingest
+    from daemon.metrics import DaemonMetrics
+    from daemon.partitions import PartitionTable
+    from daemon.registry import ModelRegistry
+
+    s = Settings(kafka={"offset_gaps": "refetch", "offset_gap_grace_seconds": 2.0})
+    metrics = DaemonMetrics(max_models=s.max_models)
+    parser = EventParser.from_settings(s)
+    clients = KafkaClients(s, metrics, asyncio.Event())
+    seeks = []
+
+    class Seeking(RecordingConsumer):
+        def seek(self, tp, offset):
+            seeks.append(offset)
+
+    clients.consumer = Seeking()
+    table = PartitionTable.from_settings(s)
+    now = [100.0]
+    ingest = Ingest(s, ModelRegistry(s, metrics, parser), table, parser, metrics, clients,
+                    DeadLetters(clients, metrics, "dl"), clock=lambda: now[0])
+    tp = TopicPartition(s.kafka.topics.predictions, 0)
+    table.ensure(0).seek(tp.topic, 0)
+
+    class Rec:
+        def __init__(self, offset):
+            self.offset = offset
+
+    batch = [Rec(o) for o in (0, 1, 2, 6, 7)]  # 3..5 missing
+    assert [r.offset for r in ingest.up_to_hole(tp, batch)] == [0, 1, 2] and seeks == [3]
+    now[0] += 1.9  # within the grace period: read again
+    assert [r.offset for r in ingest.up_to_hole(tp, batch)] == [0, 1, 2] and seeks == [3, 3]
+    now[0] += 0.2  # past it: go on without 3..5
+    assert ingest.up_to_hole(tp, batch) is batch and seeks == [3, 3]
+    assert gaps_of(metrics, "skipped") == 1
+
+
+def gaps_of(metrics, resolution: str) -> float:
+    return metrics.registry.get_sample_value(
+        "lpcal_input_offset_gaps_total", {"topic": "predictions", "resolution": resolution})
