@@ -33,7 +33,7 @@ def _needs(command: str, extra: str, e: ImportError) -> LpcalError:
 
 def serve(argv: list[str]) -> int:
     try:
-        from daemon.checkpoint_store import RecordLimitError
+        from daemon.checkpoint.store import RecordLimitError
         from daemon.kafka.clients import BrokerSettingsError
         from daemon.kafka.topics import TopicLayoutError
         from daemon.service import Daemon

@@ -1,43 +1,70 @@
-"""The daemon's Kafka clients, mixed into :class:`daemon.service.Daemon`: starting the
-producer, creating (``kafka.create_topics``) and checking the topics, the input consumer's
-options, retrying broker calls during startup, and the broker probe behind ``/readyz``.
+"""The daemon's Kafka clients (:class:`KafkaClients`): starting the producer, creating
+(``kafka.create_topics``) and checking the topics, the input consumer and its options, retrying
+broker calls during startup, and the broker probe behind ``/readyz``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
 from daemon import retry
-from daemon.checkpointing import state_topic_config
+from daemon.checkpoint.store import state_topic_config
+from daemon.kafka import clients as kafka_clients
 from daemon.kafka import topics as kafka_topics
-from daemon.kafka.clients import BrokerSettingsError, make_producer, start_producer
 from lpcal.errors import LpcalError
 
 log = logging.getLogger("lpcal.daemon")
 
-_FATAL = (kafka_topics.TopicLayoutError, BrokerSettingsError, LpcalError)  # not retried
+_FATAL = (kafka_topics.TopicLayoutError, kafka_clients.BrokerSettingsError, LpcalError)  # not retried
+PROBE_EVERY = 2.0  # seconds between broker probes
 
 
 class KafkaClients:
-    """Producer, topics and consumer options of the daemon (uses ``s``, ``stopping``,
-    ``metrics``, ``t_pred`` and ``t_out`` of :class:`daemon.service.Daemon`)."""
+    """The producer and the input consumer of one replica.
 
-    async def _start_producer(self) -> None:
+    Parameters
+    ----------
+    settings : daemon.settings.Settings
+    metrics : daemon.metrics.DaemonMetrics
+    stopping : asyncio.Event
+        Set by a stop signal: cuts the startup retries short.
+    consumer_options : dict, optional
+        Options of the input consumer that override those of the settings (tests).
+    """
+
+    def __init__(self, settings, metrics, stopping: asyncio.Event,
+                 consumer_options: dict | None = None):
+        self.s, self.metrics, self.stopping = settings, metrics, stopping
+        self.t_pred = settings.kafka.topics.predictions
+        self.t_out = settings.kafka.topics.outcomes
+        self._consumer_options = consumer_options or {}
+        self.producer = None
+        self.consumer = None
+        self.input_partitions = 1  # of each input topic, once checked (start_producer)
+        self.broker_ok = False  # the broker answered the last probe
+        self._probe_task: asyncio.Task | None = None
+
+    def topic_kind(self, topic: str) -> str:
+        """The ``topic`` label of an input topic's metrics: predictions | outcomes."""
+        return "predictions" if topic == self.t_pred else "outcomes"
+
+    async def start_producer(self) -> None:
         """Start the producer, then create the topics (if configured) and check their layout:
         both input topics present and co-partitioned."""
         k = self.s.kafka
         sec = k
-        self.producer = make_producer(
+        self.producer = kafka_clients.make_producer(
             k.bootstrap_servers, idempotence=k.enable_idempotence, security=sec,
             client_id=k.client_id,
             max_request_size=max(k.max_message_bytes, self.s.state.max_record_bytes))
         # no producer compression: it runs on the event loop; large checkpoint values are
         # compressed by KafkaCheckpointStore in a worker thread instead
         # a broker that refuses idempotence fails at once, naming the setting (not retried)
-        await self._retry("producer start", lambda: start_producer(
+        await self.retry("producer start", lambda: kafka_clients.start_producer(
             self.producer, idempotence=k.enable_idempotence))
         if k.create_topics:
             specs = [kafka_topics.TopicSpec(self.t_pred, k.topic_partitions),
@@ -46,15 +73,26 @@ class KafkaClients:
                      kafka_topics.TopicSpec(k.topics.deadletter, k.topic_partitions),
                      kafka_topics.TopicSpec(k.topics.state, 1, configs=state_topic_config(
                          self.s.state.max_record_bytes))]
-            await self._retry("topic creation",
-                              lambda: kafka_topics.ensure_topics(k.bootstrap_servers, specs,
-                                                                 security=sec))
-        counts = await self._retry("partition check", lambda: kafka_topics.partition_counts(
+            await self.retry("topic creation",
+                             lambda: kafka_topics.ensure_topics(k.bootstrap_servers, specs,
+                                                            security=sec))
+        counts = await self.retry("partition check", lambda: kafka_topics.partition_counts(
             k.bootstrap_servers, list(k.topics.model_dump().values()), security=sec))
         kafka_topics.require_topics(counts, [self.t_pred, self.t_out], k.bootstrap_servers,
                                     optional=list(k.topics.model_dump().values()))
         kafka_topics.check_copartitioned(counts, self.t_pred, self.t_out)
         self.input_partitions = int(counts.get(self.t_pred) or 1)
+
+    async def start_consumer(self, listener) -> None:
+        """Create and start the input consumer, subscribed to both input topics with the
+        rebalance ``listener``."""
+        k = self.s.kafka
+        self.consumer = kafka_clients.make_consumer(
+            k.bootstrap_servers, group_id=k.group_id, security=k, client_id=k.client_id,
+            **self.consumer_options())
+        await self.retry("consumer start", self.consumer.start)
+        self.consumer.subscribe([self.t_pred, self.t_out], listener=listener)
+        self.broker_ok = True
 
     def consumer_options(self) -> dict:
         """Options of the input consumer, from ``kafka.*`` settings (then ``consumer_options``
@@ -71,7 +109,7 @@ class KafkaClients:
         opts.update(self._consumer_options)
         return opts
 
-    async def _retry(self, what: str, fn):
+    async def retry(self, what: str, fn):
         """``await fn()`` until it succeeds (:func:`daemon.retry.retry`: 0.5 s doubling to
         10 s); a stop signal cuts it short: then :class:`daemon.retry.Stopped`
         (``daemon.service.StartupStopped``)."""
@@ -82,12 +120,21 @@ class KafkaClients:
         return await retry.retry(what, fn, stop=self.stopping, first=0.5, cap=10.0,
                                  fatal=_FATAL, on_error=warn)
 
-    async def _probe_broker(self) -> None:
+    def start_probe(self, report: Callable[[], None]) -> None:
+        """Probe the broker (metadata) every :data:`PROBE_EVERY` s into ``broker_ok``, calling
+        ``report()`` after each probe (the daemon exports its readiness)."""
+        self._probe_task = asyncio.create_task(self._probe(report))
+
+    def stop_probe(self) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+
+    async def _probe(self, report: Callable[[], None]) -> None:
         while True:
             try:
                 await asyncio.wait_for(self.producer.client.fetch_all_metadata(), 3.0)
                 self.broker_ok = True
             except Exception:  # noqa: BLE001
                 self.broker_ok = False
-            self.metrics.set_ready(self.ready)
-            await asyncio.sleep(2.0)
+            report()
+            await asyncio.sleep(PROBE_EVERY)

@@ -1,6 +1,6 @@
-"""Fit scheduling, mixed into :class:`daemon.service.Daemon`: asking a model's triggers after
-each batch, launching fits in the worker thread, publishing their bin maps (retried while the
-broker is down) and backpressure (pausing the partitions of models whose fits are behind).
+"""Fit scheduling (:class:`Fitter`): asking a model's triggers after each batch, launching fits
+in the worker thread, publishing their bin maps (retried while the broker is down) and
+backpressure (pausing the partitions of models whose fits are behind).
 
 A fit starts after the batch in which the pools became full, from the epoch's frozen pools
 (:class:`daemon.registry.Inflight`); fits are deterministic (:func:`fit_seed`), so a fit still
@@ -19,53 +19,99 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import NamedTuple
 
 from daemon import retry
 from daemon.model_state import MAX_SEALED
 from daemon.registry import Inflight
+from lpcal.binmap import BinMap
+from lpcal.calibrate import fit_pools
 
 log = logging.getLogger("lpcal.daemon")
-
-_LAG_EVERY = 5.0  # seconds between consumer lag exports
-
 
 def fit_seed(model: str, version: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{model}:{version}".encode(), digest_size=4).digest(),
                           "big")
 
 
-def _service():
-    """:mod:`daemon.service`, which holds ``fit_pools`` and ``_PUBLISH_RETRY_FIRST``/``_MAX``."""
-    from daemon import service
-
-    return service
+#: ``fit(pools, spec, *, seed, model_id, version) -> BinMap``, run in the worker thread
+FitFunction = Callable[..., BinMap]
 
 
-class Fitting:
-    """The fit half of the daemon (uses ``registry``, ``metrics``, ``consumer``, ``producer``,
-    ``assigned``, ``throttled`` and ``_executor`` of :class:`daemon.service.Daemon`)."""
+class RetryPolicy(NamedTuple):
+    """Delays between bin-map publish attempts: ``first``, doubling up to ``cap`` (seconds)."""
 
-    def _after_batch(self) -> None:
-        now = time.monotonic()
+    first: float = 0.5
+    cap: float = 30.0
+
+
+#: the daemon's publish retry delays: 0.5 s doubling to 30 s
+PUBLISH_RETRY = RetryPolicy()
+
+
+class Fitter:
+    """Runs the fits of the owned models and publishes their bin maps.
+
+    Parameters
+    ----------
+    settings : daemon.settings.Settings
+    registry : daemon.registry.ModelRegistry
+    partitions : daemon.partitions.PartitionTable
+        Backpressure pauses and resumes its partitions (``paused``).
+    clients : daemon.clients.KafkaClients
+        Its consumer pauses and resumes partitions, its producer publishes.
+    metrics : daemon.metrics.DaemonMetrics
+    gauges : daemon.gauges.GaugeExporter
+        Exports a published map's certificate.
+    stopping : asyncio.Event
+    executor : concurrent.futures.Executor
+        The worker thread that fits run in.
+    fit : callable, default :func:`lpcal.calibrate.fit_pools`
+    retry_policy : RetryPolicy, default :data:`PUBLISH_RETRY`
+    clock : callable, default ``time.monotonic``
+        The time a finished fit asks its model's triggers at.
+    """
+
+    def __init__(self, settings, registry, partitions, clients, metrics, gauges,
+                 stopping: asyncio.Event, executor: Executor, *,
+                 fit: FitFunction = fit_pools, retry_policy: RetryPolicy = PUBLISH_RETRY,
+                 clock: Callable[[], float] = time.monotonic):
+        self.s, self.registry, self.partitions = settings, registry, partitions
+        self.clients, self.metrics, self.gauges = clients, metrics, gauges
+        self.stopping, self.executor = stopping, executor
+        self.fit, self.retry_policy, self.clock = fit, retry_policy, clock
+        self._publishing: set[asyncio.Task] = set()  # bin-map publishes (with their retries)
+
+    def after_batch(self, now: float) -> None:
+        """After each fetched batch: ask the triggers of the models that changed or have
+        sealed epochs waiting (:meth:`check_model`), then apply backpressure."""
         # models with sealed epochs too: a restored backlog on a paused partition brings no
         # new events (so never turns dirty), yet its fits must run for ingest to resume
         waiting = {m for m, slot in self.registry.slots.items() if slot.state.sealed}
         for model in list(self.registry.dirty | waiting):
-            self._check_model(model, now)
-        self._export_due_gauges(now)
-        self._apply_backpressure()
-        if now - self._last_lag >= _LAG_EVERY:
-            self._last_lag = now
-            self._export_lag()
+            self.check_model(model, now)
+        self.apply_backpressure()
 
-    def _check_model(self, model: str, now: float) -> None:
+    def pending(self) -> list[asyncio.Future]:
+        """The fits running in the worker thread: what a shutdown waits for first (then
+        :meth:`publishing`)."""
+        return [slot.inflight.task for slot in self.registry.slots.values()
+                if slot.inflight is not None and slot.inflight.task is not None]
+
+    def publishing(self) -> set[asyncio.Task]:
+        """The bin-map publishes running (with their retries)."""
+        return set(self._publishing)
+
+    def check_model(self, model: str, now: float) -> None:
         """Ask ``model``'s triggers what to do; launch a fit or a refill; export its gauges."""
         slot = self.registry.get(model)
         if slot is None:
             return
         st = slot.state
-        firing = st.check_triggers(self.event_time.get(model, 0.0),
-                                   busy=slot.inflight is not None)
+        event_time = 0.0 if slot.event_time is None else slot.event_time
+        firing = st.check_triggers(event_time, busy=slot.inflight is not None)
         if (firing is not None and firing.action == "fit" and st.pools.full
                 and slot.prefitted > 0):
             st.start_new_epoch()  # this epoch's bin map was published before a crash
@@ -82,7 +128,7 @@ class Fitting:
                 inf = Inflight(st.pools, firing.trigger, st.binmap_version + 1)
                 st.start_new_epoch()
                 slot.inflight = inf
-                self._launch_fit(model, inf)
+                self.launch(model, inf)
         self.registry.gauges_due.add(model)
 
     def request_recalibration(self, model: str) -> bool:
@@ -94,11 +140,11 @@ class Fitting:
         return True
 
     # ------------------------------------------------------------------ backpressure
-    def _backlogged_partitions(self) -> set[int]:
+    def backlogged_partitions(self) -> set[int]:
         return {slot.partition for slot in self.registry.slots.values()
                 if slot.state.backlogged}
 
-    def _apply_backpressure(self) -> None:
+    def apply_backpressure(self) -> None:
         """Pause the input partitions of backlogged models, resume them once fits caught up.
 
         A model is backlogged while :data:`daemon.model_state.MAX_SEALED` full epochs wait for
@@ -107,34 +153,41 @@ class Fitting:
         a function of the input alone; the cost is consumer lag, which is exported and alerted
         on. Pausing is lossless: aiokafka discards fetched records of a paused partition and
         fetches again from the consumed position on resume."""
-        if self.consumer is None:
+        consumer = self.clients.consumer
+        if consumer is None:
             return
-        assigned = {tp.partition for tp in self.assigned}
-        want = self._backlogged_partitions() & assigned
-        pause = want - self.throttled
-        resume = (self.throttled - want) & assigned
+        table = self.partitions
+        tps = table.assigned
+        assigned = {tp.partition for tp in tps}
+        want = self.backlogged_partitions() & assigned
+        throttled = table.paused()
+        pause = want - throttled
+        resume = (throttled - want) & assigned
         if pause:
-            self.consumer.pause(*[tp for tp in self.assigned if tp.partition in pause])
+            consumer.pause(*[tp for tp in tps if tp.partition in pause])
             log.info("partitions %s paused: fits are behind (%d+ sealed epochs waiting)",
                      sorted(pause), MAX_SEALED)
         if resume:
-            self.consumer.resume(*[tp for tp in self.assigned if tp.partition in resume])
+            consumer.resume(*[tp for tp in tps if tp.partition in resume])
             log.info("partitions %s resumed: fits caught up", sorted(resume))
-        self.throttled = want
+        if want != throttled:
+            table.set_paused(want)
 
     # ------------------------------------------------------------------ fits and publishing
-    def _launch_fit(self, model: str, inf: Inflight) -> None:
+    def launch(self, model: str, inf: Inflight) -> None:
+        """Fit ``inf`` (``model``'s fit in flight) in the worker thread; its done callback
+        publishes and installs the bin map (:meth:`_fit_done`)."""
         spec = self.registry.slots[model].state.fit_spec
         loop = asyncio.get_running_loop()
-        fit_pools = _service().fit_pools
+        fit = self.fit
 
         def work():
             t0 = time.perf_counter()
-            bm = fit_pools(inf.pools, spec, seed=fit_seed(model, inf.version), model_id=model,
-                           version=inf.version)
+            bm = fit(inf.pools, spec, seed=fit_seed(model, inf.version), model_id=model,
+                     version=inf.version)
             return bm, time.perf_counter() - t0
 
-        inf.task = loop.run_in_executor(self._executor, work)
+        inf.task = loop.run_in_executor(self.executor, work)
         inf.task.add_done_callback(
             lambda fut: self._track_publish(self._fit_done(model, inf, fut)))
 
@@ -178,7 +231,7 @@ class Fitting:
         self.registry.dirty.add(model)
         self.metrics.observe_fit(model, inf.trigger, seconds, bm.iterations, bm.n_bins)
         self.metrics.set_binmap_published(model, inf.version)
-        self._export_certificate(model, bm.certificate and bm.certificate.to_dict())
+        self.gauges.export_certificate(model, bm.certificate)
         log.info("model %s: published bin map version %d (%s, |B|=%d, %d iterations, %s, "
                  "%.3f s)", model, inf.version, inf.trigger, bm.n_bins, bm.iterations,
                  bm.stop_reason, seconds)
@@ -187,21 +240,19 @@ class Fitting:
                      "held-out share (bound %.4f)", model, bm.eps, bm.certificate.raw_bound)
         # the next sealed epoch (if any) need not wait for the next poll, which may be idle
         # for a whole fetch timeout when its partitions are paused
-        self._check_model(model, time.monotonic())
-        self._apply_backpressure()
+        self.check_model(model, self.clock())
+        self.apply_backpressure()
 
     async def _publish(self, model: str, inf: Inflight, data: bytes) -> bool:
         """Send ``data`` to the bin-map topic, retried with backoff (:func:`daemon.retry.retry`)
         while the fit is still in flight. A stop request does not cut the retry short: the
         first attempt that fails after it ends it (then False: the checkpoint keeps the fit)."""
-        service = _service()
-
         async def attempt() -> bool:
             if not self._still_inflight(model, inf):
                 log.info("model %s: bin map version %d not published: the model was revoked "
                          "(its new owner fits it again from the checkpoint)", model, inf.version)
                 return False
-            await self.producer.send_and_wait(
+            await self.clients.producer.send_and_wait(
                 self.s.kafka.topics.binmaps, key=model.encode(), value=data,
                 headers=[("lpcal.version", str(inf.version).encode())])
             return True
@@ -214,7 +265,7 @@ class Fitting:
         try:
             return await retry.retry(
                 "bin-map publish", attempt, stop=self.stopping,
-                first=service._PUBLISH_RETRY_FIRST, cap=service._PUBLISH_RETRY_MAX,
+                first=self.retry_policy.first, cap=self.retry_policy.cap,
                 on_error=failed, stop_on_failure_only=True)
         except retry.Stopped as stopped:
             log.info("model %s: bin map version %d not published before shutdown (%s); it "

@@ -53,11 +53,14 @@ import os
 import re
 import resource
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import orjson
 from aiohttp import web
 
+from daemon.binmap_view import BinMapView
 from daemon.registry import ModelInfo
 from lpcal.errors import LpcalError
 
@@ -71,6 +74,26 @@ _FD_RESERVE = 64         # descriptors left for Kafka clients, files and the lis
 class HttpListenError(LpcalError):
     """The HTTP listener cannot be opened (port in use, address not available); ``lpcal serve``
     prints the message, which names ``http.port``/``http.host``, and exits 2."""
+
+
+@dataclass(frozen=True)
+class DaemonStatus:
+    """What the HTTP API reads of a daemon (:meth:`daemon.service.Daemon.status`): the
+    settings, read-only views (each a call, answered at the time of the request) and one
+    command."""
+
+    settings: object
+    exposition: Callable[[], bytes]  # the Prometheus text of the daemon's metrics
+    #: ``(started, restored, broker_ok, ready)``
+    lifecycle: Callable[[], tuple[bool, bool, bool, bool]]
+    last_poll: Callable[[], float]  # time.monotonic() of the last poll
+    assignment_unhealthy: Callable[[], bool]
+    assigned: Callable[[], list[tuple[str, int]]]  # (topic, partition), sorted
+    paused: Callable[[], set[int]]  # input partitions paused by backpressure
+    models: Callable[[], list[ModelInfo]]  # the owned models, sorted by id
+    model: Callable[[str], ModelInfo | None]  # one owned model
+    binmaps: Callable[[], BinMapView | None]  # the bin-map view, once started
+    request_recalibration: Callable[[str], bool]  # False: the model is not owned here
 
 
 class _MapAnswer(NamedTuple):
@@ -136,10 +159,14 @@ class _LimitedSite(web.BaseSite):
 
 
 class HttpServer:
-    def __init__(self, daemon, stall_seconds: float = STALL_SECONDS):
-        self.d = daemon
+    """The daemon's HTTP API over ``status``, a :class:`DaemonStatus` (what it
+    reads of the daemon, and the one command it gives: recalibrate)."""
+
+    def __init__(self, status, stall_seconds: float = STALL_SECONDS):
+        self.status = status
+        self.settings = status.settings
         self.stall = stall_seconds
-        s = daemon.s.http
+        s = self.settings.http
         self.app = web.Application(client_max_size=s.max_body_bytes,
                                    middlewares=[self._bounded_body])
         self.app.add_routes([
@@ -166,7 +193,7 @@ class HttpServer:
     async def _bounded_body(self, request: web.Request, handler):
         """413 for bodies over ``http.max_body_bytes``, declared or streamed, on every route;
         408 for bodies not received within ``http.body_timeout_seconds``."""
-        s = self.d.s.http
+        s = self.settings.http
         limit = s.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit,
@@ -200,7 +227,7 @@ class HttpServer:
                     self._conns[h] = True
             elif seen is True or now - seen > 5.0:  # closed, or never connected
                 del self._conns[h]
-        excess = len(self._conns) + 1 - self.d.s.http.max_connections
+        excess = len(self._conns) + 1 - self.settings.http.max_connections
         if excess > 0:
             for h, seen in list(self._conns.items()):  # oldest first (insertion order)
                 if excess <= 0:
@@ -215,13 +242,13 @@ class HttpServer:
                 self._evict_logged = now
                 log.warning("http: %d connections open (http.max_connections = %d): closing "
                             "the oldest; %d closed so far", len(self._conns),
-                            self.d.s.http.max_connections, self.evicted)
+                            self.settings.http.max_connections, self.evicted)
         handler = self.runner.server()
         self._conns[handler] = now
         return handler
 
     async def start(self) -> None:
-        s = self.d.s.http
+        s = self.settings.http
         # keepalive_timeout: also bounds a connection's wait for its first/next request head
         # (the timer starts at connect and after each response, and partial data does not
         # reset it); lingering_time: how long the unread rest of a refused body is drained
@@ -256,38 +283,41 @@ class HttpServer:
             await self.runner.cleanup()
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.d.metrics.exposition(),
+        return web.Response(body=self.status.exposition(),
                             content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
     async def healthz(self, request: web.Request) -> web.Response:
-        if getattr(self.d, "assignment_unhealthy", False):
+        if self.status.assignment_unhealthy():
             # restoring the assigned partitions has kept failing (they stay paused): only a
             # restart can help (Daemon.on_assigned)
             return web.json_response({"status": "assignment_failing"}, status=503)
-        age = time.monotonic() - self.d.last_poll
-        if age > self.stall and self.d.started:
+        age = time.monotonic() - self.status.last_poll()
+        if age > self.stall and self.status.lifecycle()[0]:
             return web.json_response({"status": "stalled", "poll_age_seconds": age}, status=503)
         return web.json_response({"status": "ok", "poll_age_seconds": round(age, 3)})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        body = {"started": self.d.started, "restored": self.d.restored,
-                "broker": self.d.broker_ok,
-                "partitions": sorted([tp.topic, tp.partition] for tp in self.d.assigned)}
-        return web.json_response(body, status=200 if self.d.ready else 503)
+        started, restored, broker_ok, ready = self.status.lifecycle()
+        body = {"started": started, "restored": restored, "broker": broker_ok,
+                "partitions": [[t, p] for t, p in self.status.assigned()]}
+        return web.json_response(body, status=200 if ready else 503)
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"models": [self._row(m) for m in self.d.registry.snapshot()]})
+        paused = self.status.paused()
+        return web.json_response({"models": [self._row(m, paused)
+                                             for m in self.status.models()]})
 
-    def _row(self, m) -> dict:
-        """An owned model's state (a :class:`daemon.registry.ModelInfo`), as listed."""
+    def _row(self, m, paused: set[int]) -> dict:
+        """An owned model's state (a :class:`daemon.registry.ModelInfo`), as listed;
+        ``paused``: the partitions paused by backpressure."""
         st = m.state
         return {
             "model": m.model, "k": st.k, "partition": m.partition,
             "epoch": st.epoch, "binmap_version": st.binmap_version,
             "fit_in_flight": m.fit_in_flight,
             "epochs_waiting": len(st.sealed),
-            "paused": m.partition in self.d.throttled,
+            "paused": m.partition in paused,
             "pool_fill": {n: {"count": c, "target": t} for n, (c, t) in st.pools.fill().items()},
             "samples_total": st.samples_total,
             "mode": st.fit_spec.mode.value,
@@ -311,11 +341,11 @@ class HttpServer:
     def _owned_map(self, model: str) -> _MapAnswer | None:
         """The map this replica installed for ``model`` (its own fit, checkpoint or adoption;
         parsed once per installed map), or None."""
-        slot = self.d.registry.get(model)
-        if slot is None or slot.state.binmap is None:
+        owned = self.status.model(model)
+        if owned is None or owned.state.binmap is None:
             self._own.pop(model, None)
             return None
-        raw = slot.state.binmap
+        raw = owned.state.binmap
         cached = self._own.get(model)
         if cached is not None and cached[0] is raw:
             return cached[1]
@@ -333,7 +363,7 @@ class HttpServer:
     def _latest(self, model: str) -> _MapAnswer | None:
         """The newest map of ``model`` known here: the replica's view of the bin-map topic,
         or the map this replica installed when it is newer (published, not read back yet)."""
-        view = self.d.binmaps
+        view = self.status.binmaps()
         served = None if view is None else view.get(model)
         own = self._owned_map(model)
         if served is None or (own is not None and own.version > served.version):
@@ -344,7 +374,7 @@ class HttpServer:
 
     def _unknown(self, model: str) -> web.Response:
         """404 (no map exists) once the view has read the topic, else 503."""
-        view = self.d.binmaps
+        view = self.status.binmaps()
         if view is not None and not view.ready:
             return web.json_response(
                 {"error": "this replica has not read the bin-map topic to its end yet"},
@@ -365,9 +395,7 @@ class HttpServer:
     async def model(self, request: web.Request) -> web.Response:
         model = request.match_info["model"]
         answer = self._latest(model)
-        slot = self.d.registry.get(model)
-        owned = None if slot is None else ModelInfo(model, slot.state, slot.partition,
-                                                    slot.inflight is not None)
+        owned = self.status.model(model)
         if answer is None and owned is None:
             return self._unknown(model)
         cert = None if answer is None else certificate_summary(answer.certificate)
@@ -380,17 +408,18 @@ class HttpServer:
             "k": None if answer is None else answer.k,
             "certified": None if cert is None else bool(cert["certified"]),
             "certificate": cert,
-            "owner": None if owned is None else {"replica": "this", **self._row(owned)},
+            "owner": None if owned is None else {"replica": "this",
+                                                 **self._row(owned, self.status.paused())},
         }
         headers = {} if answer is None else {"X-Lpcal-Version": str(answer.version)}
         return web.json_response(body, headers=headers)
 
     async def config(self, request: web.Request) -> web.Response:
-        return web.json_response(redact(self.d.s.redacted()),
+        return web.json_response(redact(self.settings.redacted()),
                                  dumps=lambda v: orjson.dumps(v).decode())
 
     async def recalibrate(self, request: web.Request) -> web.Response:
-        token = self.d.s.http.admin_token
+        token = self.settings.http.admin_token
         if token is None:
             return web.json_response({"error": "manual trigger disabled: no admin token set"},
                                      status=403)
@@ -399,7 +428,7 @@ class HttpServer:
             return web.json_response({"error": "unauthorized"}, status=401,
                                      headers={"WWW-Authenticate": "Bearer"})
         model = request.match_info["model"]
-        if not self.d.request_recalibration(model):
+        if not self.status.request_recalibration(model):
             return web.json_response({"error": f"model {model!r} is not owned by this replica"},
                                      status=404)
         return web.json_response({"model": model, "status": "recalibration requested"},

@@ -1,6 +1,6 @@
-"""Ingest, mixed into :class:`daemon.service.Daemon`: checking fetched batches for holes in
-their offsets, the raw-bytes sampling prefilter, parsing, routing events to their models'
-states (creating a model on its first event) and dead letters.
+"""Ingest (:class:`Ingest`): checking fetched batches for holes in their offsets, the raw-bytes
+sampling prefilter, parsing, routing events to their models' states (creating a model on its
+first event) and dead letters (:class:`DeadLetters`).
 
 Every fetched partition batch is checked against the partition's expected offset before it is
 processed (:mod:`daemon.offset_gaps`): a hole is counted, and with ``kafka.offset_gaps =
@@ -11,10 +11,11 @@ model's recorded offset is skipped: that model's checkpoint already contains it.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
-import math
 import time
+from collections.abc import Callable
 from operator import attrgetter
 
 import numpy as np
@@ -22,15 +23,8 @@ from aiokafka import TopicPartition
 
 from daemon import native
 from daemon.events import ModelBatch, RecordTimestamps
-from daemon.kafka.deadletter import (
-    DLQ_REASON,
-    DLQ_SOURCE_OFFSET,
-    DLQ_SOURCE_PARTITION,
-    DLQ_SOURCE_TOPIC,
-    DeadLetterQueue,
-)
-from daemon.model_state import ModelState
-from daemon.offset_gaps import OffsetGapGuard
+from daemon.kafka import deadletter as kafka_deadletter
+from daemon.registry import ModelSlot
 
 log = logging.getLogger("lpcal.daemon")
 
@@ -44,54 +38,116 @@ def subset(mb: ModelBatch, keep: np.ndarray) -> ModelBatch:
                       mb.ts[idx], mb.probs[idx], mb.labels[idx], mb.index[idx])
 
 
-class Ingest:
-    """The ingest half of the daemon (uses ``registry``, ``parser``, ``metrics``, ``consumer``,
-    ``producer`` and the settings ``s`` of :class:`daemon.service.Daemon`)."""
+class DeadLetters:
+    """The dead letters of the daemon: queued for the dead-letter topic in batches and
+    pipelined by :class:`daemon.kafka.deadletter.DeadLetterQueue` (created with the first one: it
+    needs the producer), counted in the metrics per batch, flushed before every checkpoint."""
 
-    def _init_ingest(self, settings) -> None:
-        k = settings.kafka
-        self.event_time: dict[str, float] = {}  # per model: the latest event time seen
-        self.positions: dict[tuple[str, int], int] = {}  # (topic, partition) -> next offset
-        # dead letters not yet acknowledged (created with the first one: it needs the producer)
-        self._dlq: DeadLetterQueue | None = None
-        self._dl_reasons: dict[str, int] = {}  # dead letters queued, not counted in metrics yet
-        # holes in fetched input offsets (see daemon.offset_gaps): counted, or read again
-        self.gaps = OffsetGapGuard(refetch=k.offset_gaps == "refetch",
-                                   grace_seconds=k.offset_gap_grace_seconds)
+    def __init__(self, clients, metrics, topic: str):
+        self.clients, self.metrics, self.topic = clients, metrics, topic
+        self._dlq: kafka_deadletter.DeadLetterQueue | None = None
+        self._reasons: dict[str, int] = {}  # dead letters queued, not counted in metrics yet
+
+    @property
+    def pending(self) -> bool:
+        """True once any dead letter was queued (then a checkpoint flushes them first)."""
+        return bool(self._dlq)
+
+    @property
+    def queue(self) -> kafka_deadletter.DeadLetterQueue | None:
+        return self._dlq
+
+    def put(self, tp: TopicPartition, msg, reason: str) -> None:
+        """Queue ``msg`` for the dead-letter topic with its reason. Counted in the metrics per
+        batch (:meth:`count`, before the main loop awaits anything)."""
+        headers = [(kafka_deadletter.DLQ_REASON, reason.encode()),
+                   (kafka_deadletter.DLQ_SOURCE_TOPIC, tp.topic.encode()),
+                   (kafka_deadletter.DLQ_SOURCE_PARTITION, str(tp.partition).encode()),
+                   (kafka_deadletter.DLQ_SOURCE_OFFSET, str(msg.offset).encode())]
+        if self._dlq is None:
+            self._dlq = kafka_deadletter.DeadLetterQueue(self.clients.producer, self.topic)
+        self._dlq.put(tp.partition, msg.key, bytes(msg.value or b""), headers)
+        self._reasons[reason] = self._reasons.get(reason, 0) + 1
+
+    def count(self) -> None:
+        """Count the dead letters queued since the last count in the metrics."""
+        if self._reasons:
+            reasons, self._reasons = self._reasons, {}
+            self.metrics.inc_invalid_many(reasons)
+            self.metrics.inc_deadletter(sum(reasons.values()))
+
+    async def after_batch(self, stopping: asyncio.Event) -> None:
+        """Count the batch's dead letters; backpressure: while the unsent dead letters fill
+        their byte budget, wait (nothing is fetched meanwhile; nothing is dropped)."""
+        if self._dlq is None:
+            return
+        self.count()
+        if self._dlq.over_budget:
+            await self._dlq.wait_for_room(stopping)
+
+    async def flush(self) -> None:
+        """Wait until every dead letter is acknowledged; re-send failures and raise, so that no
+        checkpoint covers an event whose dead letter is not on the broker."""
+        self.count()
+        if self._dlq is not None:
+            await self._dlq.flush()
+
+
+class Ingest:
+    """Processes fetched batches into the models' states.
+
+    Parameters
+    ----------
+    settings : daemon.settings.Settings
+    registry : daemon.registry.ModelRegistry
+        Where events go; a model seen for the first time is created there.
+    partitions : daemon.partitions.PartitionTable
+        Per input partition: the next offset, the gap guard, the sample rates.
+    parser : daemon.events.EventParser
+    metrics : daemon.metrics.DaemonMetrics
+    clients : daemon.clients.KafkaClients
+        Its consumer seeks back to a hole in the offsets.
+    deadletters : DeadLetters
+    clock : callable, default ``time.monotonic``
+        The time of the offset-gap guard's grace period.
+    """
+
+    def __init__(self, settings, registry, partitions, parser, metrics, clients, deadletters, *,
+                 clock: Callable[[], float] = time.monotonic):
+        self.registry, self.partitions, self.parser = registry, partitions, parser
+        self.metrics, self.clients, self.deadletters = metrics, clients, deadletters
+        self.clock = clock
         # the configured models with a rate < 1, which the prefilter samples on any partition
         # until they are placed (see _sample_out)
         self._hot: dict[str, float] = {
             m: float(ms.sample_rate) for m, ms in settings.configured_models.items()
             if float(getattr(ms, "sample_rate", 1.0)) < 1.0}
 
-    def _topic_kind(self, topic: str) -> str:
-        """The ``topic`` label of an input topic's metrics: predictions | outcomes."""
-        return "predictions" if topic == self.t_pred else "outcomes"
-
-    def _up_to_hole(self, tp: TopicPartition, msgs):
+    def up_to_hole(self, tp: TopicPartition, msgs):
         """``msgs``, or (policy ``refetch``) the records before the first hole in their offsets,
         with the partition sought back to the hole (:mod:`daemon.offset_gaps`)."""
-        key = (tp.topic, tp.partition)
-        v = self.gaps.check(key, self.positions.get(key), msgs[0].offset, msgs[-1].offset,
-                            len(msgs), lambda: [m.offset for m in msgs], time.monotonic())
+        ps = self.partitions.ensure(tp.partition)
+        gaps = ps.gaps
+        v = gaps.check(tp.topic, ps.positions.get(tp.topic), msgs[0].offset, msgs[-1].offset,
+                       len(msgs), lambda: [m.offset for m in msgs], self.clock())
         if v.hole is None and v.closed is None:
             return msgs
-        kind = self._topic_kind(tp.topic)
+        kind = self.clients.topic_kind(tp.topic)
         if v.closed is not None:
             self.metrics.inc_offset_gap(kind, "filled")
             log.info("%s[%d]: offsets %d..%d, skipped by a fetch, arrived on reading again",
                      tp.topic, tp.partition, v.closed.start, v.closed.end - 1)
         if v.skipped:
             self.metrics.inc_offset_gap(kind, "skipped")
-            log.log(logging.WARNING if self.gaps.refetch else logging.DEBUG,
+            log.log(logging.WARNING if gaps.refetch else logging.DEBUG,
                     "%s[%d]: offsets %d..%d were not delivered; going on without them",
                     tp.topic, tp.partition, v.hole.start, v.hole.end - 1)
         if v.seek is None:
             return msgs
-        self.consumer.seek(tp, v.seek)
+        self.clients.consumer.seek(tp, v.seek)
         return msgs[:v.keep]
 
-    def _process(self, tp: TopicPartition, msgs) -> None:
+    def process(self, tp: TopicPartition, msgs) -> None:
         """Ingest one partition's batch.
 
         The cyclic garbage collector is paused meanwhile: the batch allocates many short-lived
@@ -104,15 +160,15 @@ class Ingest:
         if paused:
             gc.disable()
         try:
-            topic_kind = self._topic_kind(tp.topic)
+            topic_kind = self.clients.topic_kind(tp.topic)
             end = msgs[-1].offset + 1
             self.metrics.inc_consumed(topic_kind, len(msgs))
-            sampled = self.registry.sampled
-            rates = sampled.get(tp.partition)
+            ps = self.partitions.ensure(tp.partition)
+            rates = ps.sampled
             if (rates or self._hot) and native.KERNELS.sample_records is not None:
-                msgs, values = self._sample_out(topic_kind, msgs, rates or {})
+                msgs, values = self._sample_out(topic_kind, msgs, rates)
                 if not msgs:
-                    self.positions[(tp.topic, tp.partition)] = end
+                    ps.positions[tp.topic] = end
                     return
             else:
                 values = list(map(attrgetter("value"), msgs))
@@ -120,18 +176,20 @@ class Ingest:
                 values = [v or b"" for v in values]
             n = len(msgs)
             pb = self.parser.parse_batch(values, RecordTimestamps(msgs))
+            deadletter = self.deadletters.put
             for i, bad in pb.invalid:
-                self._deadletter(tp, msgs[i], bad.reason)
+                deadletter(tp, msgs[i], bad.reason)
             offset_of = attrgetter("offset")
             lowest = msgs[0].offset  # a partition's records come in offset order
             offsets = None
             dirty = self.registry.dirty
             for model, mb in pb.by_model.items():
-                st = self._state_for(model, mb, tp)
-                if st is None:
+                slot = self._slot_for(model, mb, tp)
+                if slot is None:
                     for i in mb.index.tolist():
-                        self._deadletter(tp, msgs[i], WRONG_PARTITION)
+                        deadletter(tp, msgs[i], WRONG_PARTITION)
                     continue
+                st = slot.state
                 floor = st.offsets.get(tp.topic, {}).get(tp.partition, -1)
                 if lowest < floor:  # replay after a restore: some events are in the checkpoint
                     if offsets is None:
@@ -142,13 +200,14 @@ class Ingest:
                         if not len(mb):
                             continue
                 res = st.offer(mb)
-                self.event_time[model] = max(self.event_time.get(model, -math.inf),
-                                             float(mb.ts.max()))
+                t = float(mb.ts.max())
+                if slot.event_time is None or t > slot.event_time:
+                    slot.event_time = t
                 dirty.add(model)
                 if res.sampled_out:
                     self.metrics.inc_sampled_out(model, topic_kind, res.sampled_out)
                 if st.sample_rate < 1.0:
-                    sampled.setdefault(tp.partition, {})[model] = st.sample_rate
+                    rates[model] = st.sample_rate
                 if res.joined:
                     self.metrics.inc_joined(model, res.joined)
                 if res.sealed_early:
@@ -163,7 +222,7 @@ class Ingest:
                 for kind, k in res.unmatched.items():
                     if k:
                         self.metrics.inc_unmatched(model, kind, k)
-            self.positions[(tp.topic, tp.partition)] = end
+            ps.positions[tp.topic] = end
         finally:
             if paused:
                 gc.enable()
@@ -190,45 +249,14 @@ class Ingest:
             self.metrics.inc_sampled_out(model, topic_kind, k)
         return kept, values
 
-    def _state_for(self, model: str, mb: ModelBatch, tp: TopicPartition) -> ModelState | None:
+    def _slot_for(self, model: str, mb: ModelBatch, tp: TopicPartition) -> ModelSlot | None:
+        """``model``'s slot if it lives on ``tp``'s partition (created on its first event),
+        else None (its events are dead-lettered)."""
         slot = self.registry.get(model)
         if slot is not None:
-            return slot.state if slot.partition == tp.partition else None
+            return slot if slot.partition == tp.partition else None
         # k = 0: outcomes before the first prediction of a model whose k is learned; they
         # wait in its join buffer
         k = mb.k or self.parser.k.get(model) or 0
-        return self.registry.create(model, int(k), tp.partition)
-
-    # ------------------------------------------------------------------ dead letters
-    def _deadletter(self, tp: TopicPartition, msg, reason: str) -> None:
-        """Queue ``msg`` for the dead-letter topic with its reason: produced in batches and
-        pipelined by :class:`daemon.kafka.deadletter.DeadLetterQueue`. Counted in the metrics per
-        batch (:meth:`_count_deadletters`, before the main loop awaits anything)."""
-        headers = [(DLQ_REASON, reason.encode()),
-                   (DLQ_SOURCE_TOPIC, tp.topic.encode()),
-                   (DLQ_SOURCE_PARTITION, str(tp.partition).encode()),
-                   (DLQ_SOURCE_OFFSET, str(msg.offset).encode())]
-        if self._dlq is None:
-            self._dlq = DeadLetterQueue(self.producer, self.s.kafka.topics.deadletter)
-        self._dlq.put(tp.partition, msg.key, bytes(msg.value or b""), headers)
-        self._dl_reasons[reason] = self._dl_reasons.get(reason, 0) + 1
-
-    def _count_deadletters(self) -> None:
-        if self._dl_reasons:
-            reasons, self._dl_reasons = self._dl_reasons, {}
-            self.metrics.inc_invalid_many(reasons)
-            self.metrics.inc_deadletter(sum(reasons.values()))
-
-    async def _deadletters_after_batch(self) -> None:
-        """Count the batch's dead letters; backpressure: while the unsent dead letters fill
-        their byte budget, wait (nothing is fetched meanwhile; nothing is dropped)."""
-        self._count_deadletters()
-        if self._dlq.over_budget:
-            await self._dlq.wait_for_room(self.stopping)
-
-    async def _flush_deadletters(self) -> None:
-        """Wait until every dead letter is acknowledged; re-send failures and raise, so that no
-        checkpoint covers an event whose dead letter is not on the broker."""
-        self._count_deadletters()
-        if self._dlq is not None:
-            await self._dlq.flush()
+        self.registry.create(model, int(k), tp.partition)
+        return self.registry.get(model)

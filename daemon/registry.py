@@ -2,9 +2,10 @@
 
 A slot holds everything the daemon keeps about one model besides the input positions: its
 :class:`~daemon.model_state.ModelState`, the input partition it lives on, the fit in flight, the
-count of prefitted epochs (see ``Daemon._adopt_published_binmaps``) and the time its gauges were
-last exported. Two marks are kept as sets of model ids, since they are work lists the daemon
-walks on every poll: ``dirty`` (changed since its last checkpoint) and ``gauges_due`` (gauges
+count of prefitted epochs (see
+:meth:`daemon.checkpoint.restorer.Restorer.adopt_published_binmaps`), the latest event time
+seen and the time its gauges were last exported. Two marks are kept as sets of model ids, since
+they are work lists the daemon walks on every poll: ``dirty`` (changed since its last checkpoint) and ``gauges_due`` (gauges
 changed since their last export).
 
 Models come and go only through the registry's operations, which keep the join budget, the
@@ -21,18 +22,17 @@ of one unit of assignment in one object, its operations next to it):
   partitions come back and the parked state is further along than the checkpoint restored.
 
 ``create`` and ``release`` end with :meth:`ModelRegistry.rebudget` (the join buffers' shares);
-``restore`` and ``unpark`` run for many models at once, and :mod:`daemon.restore` rebudgets once
-after them. The registry also keeps, per input partition, the sample rates of its sampled
-models (``sampled``, for the raw-bytes prefilter of :mod:`daemon.ingest`).
+``restore`` and ``unpark`` run for many models at once, and the restore
+(:class:`daemon.checkpoint.restorer.Restorer`) rebudgets once after them. What the daemon keeps
+per input partition (positions, sample rates) is in :mod:`daemon.partitions`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from daemon.model_state import ModelState
 from lpcal.pools import PoolSet
@@ -59,6 +59,7 @@ class ModelSlot:
     inflight: Inflight | None = None
     prefitted: int = 0  # sealed epochs to come whose bin maps were already published
     gauges_at: float = 0.0  # time.monotonic() of its last gauge export
+    event_time: float | None = None  # the latest event time seen (None: no event yet)
 
     def covered(self) -> int:
         """Sum of the input offsets its state covers (a parked state further along wins)."""
@@ -74,52 +75,6 @@ class ModelInfo(NamedTuple):
     fit_in_flight: bool
 
 
-class _View(Mapping):
-    """A ``{model: field}`` mapping over the slots (the daemon's compatibility attributes
-    ``models``, ``partition_of``, ``inflight``, ``prefitted``), read-only."""
-
-    def __init__(self, slots: dict[str, ModelSlot], field: str, skip_none: bool = False):
-        self._slots, self._field, self._skip_none = slots, field, skip_none
-
-    def __getitem__(self, model: str) -> Any:
-        value = getattr(self._slots[model], self._field)
-        if value is None and self._skip_none:
-            raise KeyError(model)
-        return value
-
-    def __iter__(self) -> Iterator[str]:
-        if not self._skip_none:
-            return iter(self._slots)
-        return (m for m, s in self._slots.items() if getattr(s, self._field) is not None)
-
-    def __len__(self) -> int:
-        if not self._skip_none:
-            return len(self._slots)
-        return sum(1 for s in self._slots.values() if getattr(s, self._field) is not None)
-
-    def __contains__(self, model: object) -> bool:
-        slot = self._slots.get(model)  # type: ignore[arg-type]
-        return slot is not None and not (self._skip_none and getattr(slot, self._field) is None)
-
-    def __repr__(self) -> str:
-        return repr(dict(self.items()))
-
-
-class _PlacingView(_View):
-    """A :class:`_View` of ``state`` or ``partition`` that also places a model directly
-    (``models[m] = st`` then ``partition_of[m] = p``), without metrics or budgets: how tests
-    and tools put a prepared state in place; the daemon itself uses the registry's operations."""
-
-    def __setitem__(self, model: str, value: Any) -> None:
-        slot = self._slots.get(model)
-        if slot is not None:
-            setattr(slot, self._field, value)
-        elif self._field == "state":
-            self._slots[model] = ModelSlot(value, -1)  # its partition is set next
-        else:
-            raise KeyError(f"no model {model!r} to place on partition {value!r}")
-
-
 class ModelRegistry:
     """The owned models, their slots and the operations that add and remove them."""
 
@@ -130,13 +85,6 @@ class ModelRegistry:
         self.gauges_due: set[str] = set()  # gauges changed since their last export
         # slots of revoked partitions whose checkpoint failed (broker down): model -> slot
         self.parked: dict[str, ModelSlot] = {}
-        # per input partition: {model: sample_rate} of its models with a rate < 1 (the
-        # raw-bytes prefilter of ingest, see daemon.ingest)
-        self.sampled: dict[int, dict[str, float]] = {}
-        self.models = _PlacingView(self.slots, "state")
-        self.partition_of = _PlacingView(self.slots, "partition")
-        self.inflight = _View(self.slots, "inflight", skip_none=True)
-        self.prefitted = _View(self.slots, "prefitted")
         #: ``published(model)``: the latest verified bin map of ``model`` on the bin-map topic
         #: (a :class:`daemon.binmap_view.Served`) or None; set by the daemon
         self.published = None
@@ -158,6 +106,12 @@ class ModelRegistry:
         """The owned models, sorted by id (read-only; for the HTTP API)."""
         return [ModelInfo(m, slot.state, slot.partition, slot.inflight is not None)
                 for m, slot in sorted(self.slots.items())]
+
+    def info(self, model: str) -> ModelInfo | None:
+        """One owned model (read-only; for the HTTP API), or None."""
+        slot = self.slots.get(model)
+        return None if slot is None else ModelInfo(model, slot.state, slot.partition,
+                                                   slot.inflight is not None)
 
     # ------------------------------------------------------------------ operations
     def create(self, model: str, k: int, partition: int) -> ModelState:
@@ -190,8 +144,6 @@ class ModelRegistry:
         self.parser.admit(model, st.k)
         self.metrics.register_model(model, restored=True)
         st.sample_rate = sample_rate
-        if sample_rate < 1.0:
-            self.sampled.setdefault(partition, {})[model] = sample_rate
         if dirty:
             self.dirty.add(model)
         self.gauges_due.add(model)  # its pools and join buffer, before any new event
@@ -231,8 +183,24 @@ class ModelRegistry:
             self.gauges_due.discard(model)
             self.metrics.remove_model(model)
         self.rebudget()
-        for p in parts:
-            self.sampled.pop(p, None)
+
+    def place(self, model: str, st: ModelState, partition: int) -> ModelSlot:
+        """Put a prepared state in place on input ``partition`` without metrics or budgets
+        (tests and tools; the daemon itself uses :meth:`create` and :meth:`restore`)."""
+        slot = self.slots.get(model)
+        if slot is None:
+            slot = self.slots[model] = ModelSlot(st, partition)
+        else:
+            slot.state, slot.partition = st, partition
+        return slot
+
+    def fitting(self) -> dict[str, Inflight]:
+        """``{model: fit in flight}`` (a copy)."""
+        return {m: slot.inflight for m, slot in self.slots.items() if slot.inflight is not None}
+
+    def states(self) -> dict[str, ModelState]:
+        """``{model: state}`` of the owned models (a copy)."""
+        return {m: slot.state for m, slot in self.slots.items()}
 
     def rebudget(self) -> None:
         """Give every model its shares of the replica's byte budgets:

@@ -6,14 +6,17 @@ fetching, let fits in flight finish for up to half the grace period, checkpoint 
 commit, leave the group, close), all within ``shutdown_grace_seconds``. SIGTERM/SIGINT start the
 shutdown; a second signal exits at once.
 
-Code map: this module holds the lifecycle and the rebalance callbacks; the owned models live in
-a :class:`~daemon.registry.ModelRegistry` (one slot per model; ``models``, ``partition_of``,
-``inflight``, ``prefitted`` and ``dirty`` are its views); the rest of :class:`Daemon` is mixed
-in from :mod:`daemon.clients` (producer, topics, consumer options, broker probe),
-:mod:`daemon.ingest` (batches, parsing, dead letters), :mod:`daemon.fitting` (triggers, fits,
-publishing, backpressure), :mod:`daemon.gauges`, :mod:`daemon.checkpointing` (writing
-checkpoints; the exactly-once accounting) and :mod:`daemon.restore` (restoring an assignment);
-broker calls are retried by :mod:`daemon.retry`.
+Code map (docs/development.md, "Architecture"): this module holds the lifecycle and the
+rebalance callbacks and composes the objects that do the work, each receiving what it uses:
+:class:`~daemon.clients.KafkaClients` (producer, topics, consumer, broker probe),
+:class:`~daemon.registry.ModelRegistry` (one slot per owned model),
+:class:`~daemon.partitions.PartitionTable` (one state per assigned input partition),
+:class:`~daemon.ingest.Ingest` (batches, parsing, dead letters), :class:`~daemon.fitting.Fitter`
+(triggers, fits, publishing, backpressure), :class:`~daemon.gauges.GaugeExporter`,
+:class:`~daemon.checkpoint.checkpointer.Checkpointer` (writing checkpoints; the exactly-once
+accounting) and :class:`~daemon.checkpoint.restorer.Restorer` (restoring an assignment); broker
+calls are retried by :mod:`daemon.retry`. :class:`~daemon.http_api.HttpServer` reads a
+:class:`~daemon.http_api.DaemonStatus`.
 
 Co-partitioning: events are keyed by model id and both input topics have the same partition
 count, so partition ``n`` of both topics holds the same models; the range assignor gives both to
@@ -36,34 +39,33 @@ from aiokafka import ConsumerRebalanceListener, TopicPartition
 
 from daemon import heap, retry
 from daemon.binmap_view import BinMapView, settings_fit
-from daemon.checkpoint_store import CheckpointStore
-from daemon.checkpointing import (  # noqa: F401 - re-exported (tests write envelopes)
-    CHECKPOINT_BATCH_BYTES,
-    ENVELOPE_FORMAT,
-    Checkpointing,
-    state_topic_config,
-)
+from daemon.checkpoint.checkpointer import Checkpointer
+from daemon.checkpoint.restorer import Restorer
+from daemon.checkpoint.store import CheckpointStore, ConfiguredStore
 from daemon.clients import KafkaClients
 from daemon.events import EventParser
-from daemon.fitting import Fitting, fit_seed  # noqa: F401 - fit_seed: re-exported
-from daemon.gauges import _GAUGE_EVERY, Gauges  # noqa: F401 - _GAUGE_EVERY: re-exported
-from daemon.ingest import WRONG_PARTITION, Ingest, subset  # noqa: F401 - re-exported
+from daemon.fitting import PUBLISH_RETRY, FitFunction, Fitter, RetryPolicy
+from daemon.gauges import GaugeExporter
+from daemon.http_api import DaemonStatus, HttpServer
+from daemon.ingest import DeadLetters, Ingest
 from daemon.kafka.clients import make_consumer
 from daemon.metrics import DaemonMetrics
-from daemon.registry import Inflight, ModelRegistry  # noqa: F401 - Inflight: re-exported
-from daemon.restore import ASSIGN_UNHEALTHY_SECONDS, Restore
-from lpcal.calibrate import fit_pools  # noqa: F401 - daemon.fitting calls it here (tests patch)
+from daemon.partitions import PartitionTable
+from daemon.registry import ModelRegistry
+from lpcal.calibrate import fit_pools
 
 log = logging.getLogger("lpcal.daemon")
 
-_PUBLISH_RETRY_FIRST, _PUBLISH_RETRY_MAX = 0.5, 30.0  # seconds between bin-map publish attempts
 RESTORE_ABANDON_SECONDS = 2.0  # shutdown: how long a restore still running may hold the close
 #: shutdown: how long a consumer-group join in progress may hold the consumer's close (aiokafka
 #: waits for the join to finish, seconds on a slow coordinator); nothing is assigned to save
 JOIN_ABANDON_SECONDS = 1.0
+_ASSIGN_RETRY_FIRST, _ASSIGN_RETRY_MAX = 0.5, 10.0  # seconds between assignment retries
+#: An assignment whose restore keeps failing this long makes /healthz fail (pod restarted)
+ASSIGN_UNHEALTHY_SECONDS = 120.0
 
 
-#: a stop signal arrived while startup was still retrying (``Daemon._retry``, daemon.clients)
+#: a stop signal arrived while startup was still retrying (``KafkaClients.retry``)
 StartupStopped = retry.Stopped
 
 
@@ -78,71 +80,89 @@ class _Rebalance(ConsumerRebalanceListener):
         await self.d.on_assigned(set(assigned))
 
 
-class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
-    """One replica of the calibration service (see the module docstring)."""
+class Daemon:
+    """One replica of the calibration service (see the module docstring).
+
+    Parameters
+    ----------
+    settings : daemon.settings.Settings
+    metrics : DaemonMetrics, optional
+    store : CheckpointStore, optional
+        Default: the store of ``state.backend``, opened at startup.
+    consumer_options : dict, optional
+        Options of the input consumer over those of the settings (tests).
+    fit : callable, optional
+        ``fit(pools, spec, *, seed, model_id, version) -> BinMap`` (default
+        :func:`lpcal.calibrate.fit_pools`).
+    retry_policy : daemon.fitting.RetryPolicy, optional
+        Delays between bin-map publish attempts.
+    """
 
     def __init__(self, settings, *, metrics: DaemonMetrics | None = None,
-                 store: CheckpointStore | None = None, consumer_options: dict | None = None):
+                 store: CheckpointStore | None = None, consumer_options: dict | None = None,
+                 fit: FitFunction = fit_pools, retry_policy: RetryPolicy = PUBLISH_RETRY):
         self.s = settings
-        self.t_pred, self.t_out = settings.kafka.topics.predictions, settings.kafka.topics.outcomes
         self.metrics = metrics or DaemonMetrics(max_models=settings.max_models)
-        self.parser = EventParser.from_settings(settings)
-        self.registry = ModelRegistry(settings, self.metrics, self.parser)
-        self.assigned: set[TopicPartition] = set()
-        self._store = store
-        self._consumer_options = consumer_options or {}
-        self.producer = self.consumer = self.http = None
         self.stopping = asyncio.Event()
         self.stop_requested_at: float | None = None  # time.monotonic() of the stop signal
         self._stop_waiter: asyncio.Future | None = None  # stopping.wait(), in main_loop
+        self.clients = KafkaClients(settings, self.metrics, self.stopping, consumer_options)
+        self.parser = EventParser.from_settings(settings)
+        self.registry = ModelRegistry(settings, self.metrics, self.parser)
+        self.partitions = PartitionTable.from_settings(settings)
+        self.store = store if store is not None else ConfiguredStore(settings)
+        self.deadletters = DeadLetters(self.clients, self.metrics,
+                                       settings.kafka.topics.deadletter)
+        self.ingest = Ingest(settings, self.registry, self.partitions, self.parser,
+                             self.metrics, self.clients, self.deadletters)
+        self.gauges = GaugeExporter(self.registry, self.partitions, self.metrics, self.clients)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpcal-fit")
+        self.fitter = Fitter(settings, self.registry, self.partitions, self.clients,
+                             self.metrics, self.gauges, self.stopping, self.executor, fit=fit,
+                             retry_policy=retry_policy)
+        self.checkpointer = Checkpointer(self.store, self.registry, self.partitions,
+                                         self.deadletters, self.clients, self.metrics)
+        self.restorer = Restorer(settings, self.store, self.registry, self.partitions,
+                                 self.clients, self.fitter, self.gauges, lambda: self.binmaps,
+                                 self.metrics, self.stopping)
+        self.http = None
         #: every model's latest verified bin map, from the bin-map topic (see startup)
         self.binmaps: BinMapView | None = None
-        self.restored = self.broker_ok = self.started = False
+        self.restored = self.started = False
         self.last_poll = time.monotonic()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpcal-fit")
-        self._last_ckpt = time.monotonic()
-        self._publishing: set[asyncio.Task] = set()  # bin-map publishes (with their retries)
-        self._last_lag = 0.0
-        # partitions paused because a model on them is backlogged (see _apply_backpressure)
-        self.throttled: set[int] = set()
-        self._probe_task: asyncio.Task | None = None
         # a failed assignment restore, retried in the background (see on_assigned)
         self._assign_task: asyncio.Task | None = None
         self.assign_failing_since: float | None = None
         self.assign_unhealthy_after = ASSIGN_UNHEALTHY_SECONDS
-        # restore: model -> (where its record was, its snapshot's saved_at or None)
-        self._restored_from: dict[str, tuple[str, float | None]] = {}
-        self._init_ingest(settings)
 
-    # the registry's views, under the names the daemon always had (read-only)
-    models = property(lambda self: self.registry.models)
-    partition_of = property(lambda self: self.registry.partition_of)
-    inflight = property(lambda self: self.registry.inflight)
-    prefitted = property(lambda self: self.registry.prefitted)
-    dirty = property(lambda self: self.registry.dirty)
-    _gauges_due = property(lambda self: self.registry.gauges_due)
-    _sampled = property(lambda self: self.registry.sampled)
+    def status(self) -> DaemonStatus:
+        """The read-only view of this daemon that the HTTP API serves."""
+        return DaemonStatus(
+            settings=self.s, exposition=self.metrics.exposition,
+            lifecycle=lambda: (self.started, self.restored, self.clients.broker_ok, self.ready),
+            last_poll=lambda: self.last_poll,
+            assignment_unhealthy=lambda: self.assignment_unhealthy,
+            assigned=lambda: sorted((tp.topic, tp.partition)
+                                    for tp in self.partitions.assigned),
+            paused=self.partitions.paused, models=self.registry.snapshot,
+            model=self.registry.info, binmaps=lambda: self.binmaps,
+            request_recalibration=self.fitter.request_recalibration)
 
     # ================================================================== lifecycle
     async def startup(self) -> None:
-        from daemon.http_api import HttpServer
-
-        self.http = HttpServer(self)
+        self.http = HttpServer(self.status())
         await self.http.start()
         if hasattr(self.s, "redacted"):  # served at GET /v1/config too
             log.info("effective settings (secrets redacted): %s",
                      orjson.dumps(self.s.redacted(), option=orjson.OPT_SORT_KEYS).decode())
         k = self.s.kafka
-        await self._start_producer()  # and the topics: created (if configured) and checked
+        clients = self.clients
+        await clients.start_producer()  # and the topics: created (if configured) and checked
         self._start_binmap_view()
-        await self._open_store()
-        self.consumer = make_consumer(
-            k.bootstrap_servers, group_id=k.group_id, security=k, client_id=k.client_id,
-            **self.consumer_options())
-        await self._retry("consumer start", self.consumer.start)
-        self.consumer.subscribe([self.t_pred, self.t_out], listener=_Rebalance(self))
-        self.broker_ok = True
-        self._probe_task = asyncio.create_task(self._probe_broker())
+        if isinstance(self.store, ConfiguredStore):
+            await self.store.open(clients.producer)
+        await clients.start_consumer(_Rebalance(self))
+        clients.start_probe(self._report_ready)
         # a long-lived service with a large, stable heap: move start-up objects out of the
         # collector's view and collect young objects less often (ingest allocates many short-
         # lived ones; measured about +30% ingest throughput, see tests/bench/bench_ingest.py)
@@ -152,8 +172,8 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
             log.info("state.release_heap: this C library has no malloc_trim; freed heap "
                      "memory stays resident until reused")
         self.started = True
-        log.info("lpcal daemon started: group %s, topics %s/%s", k.group_id, self.t_pred,
-                 self.t_out)
+        log.info("lpcal daemon started: group %s, topics %s/%s", k.group_id, clients.t_pred,
+                 clients.t_out)
 
     def _start_binmap_view(self) -> None:
         """Follow the bin-map topic: every model's latest verified map, served over HTTP and
@@ -169,7 +189,7 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
         self.binmaps = BinMapView(
             consumer, public_keys=self.s.signing.keyring(), metrics=self.metrics,
             # the models of the whole group: input partitions x max_models
-            max_models=self.s.max_models * max(1, getattr(self, "input_partitions", 1)),
+            max_models=self.s.max_models * max(1, self.clients.input_partitions),
             max_record_bytes=k.max_message_bytes, fits=settings_fit(self.s))
         self.registry.published = self.binmaps.get
         self.binmaps.start()
@@ -178,7 +198,8 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
         """One ``getmany``, cut short by a stop request: aiokafka's fetch waits while the
         consumer group is (re)joining, seconds on a slow coordinator, and a stop must not
         (two futures per poll: microseconds, against a batch of up to 5000 records)."""
-        fetch = asyncio.ensure_future(self.consumer.getmany(timeout_ms=250, max_records=5000))
+        fetch = asyncio.ensure_future(
+            self.clients.consumer.getmany(timeout_ms=250, max_records=5000))
         if self._stop_waiter is None:
             self._stop_waiter = asyncio.ensure_future(self.stopping.wait())
         await asyncio.wait((fetch, self._stop_waiter), return_when=asyncio.FIRST_COMPLETED)
@@ -206,17 +227,20 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
                 batch = {}
             self.last_poll = time.monotonic()
             self.metrics.mark_poll()
+            assigned, ingest = self.partitions.assigned, self.ingest
             for tp, msgs in batch.items():
-                if msgs and tp in self.assigned:
-                    msgs = self._up_to_hole(tp, msgs)
+                if msgs and tp in assigned:
+                    msgs = ingest.up_to_hole(tp, msgs)
                     if msgs:
-                        self._process(tp, msgs)
-            self._after_batch()
-            if self._dlq is not None:
-                await self._deadletters_after_batch()
-            if time.monotonic() - self._last_ckpt >= self.s.state.checkpoint_interval_seconds:
+                        ingest.process(tp, msgs)
+            now = time.monotonic()
+            self.fitter.after_batch(now)
+            self.gauges.after_batch(now)
+            await self.deadletters.after_batch(self.stopping)
+            interval = self.s.state.checkpoint_interval_seconds
+            if time.monotonic() - self.checkpointer.last_at >= interval:
                 try:
-                    await self.checkpoint()
+                    await self.checkpointer.commit()
                 except Exception as e:  # noqa: BLE001 - broker trouble: keep the state, retry
                     log.warning("checkpoint failed (%s: %s); state kept, retrying in %.0f s",
                                 type(e).__name__, e, self.s.state.checkpoint_interval_seconds)
@@ -230,30 +254,31 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
         t0 = time.monotonic()
         # the close ends the group membership: a join still in progress (nothing assigned
         # yet, or since a revocation) is abandoned after JOIN_ABANDON_SECONDS
-        joining = not self.assigned
+        clients, assigned = self.clients, self.partitions.assigned
+        joining = not assigned
         # fits in flight get half the grace period to finish and publish; the rest stay in
         # flight in the final checkpoint
-        pending = [i.task for i in self.inflight.values() if i.task is not None]
+        pending = self.fitter.pending()
         if pending:
             await asyncio.wait(pending, timeout=grace / 2)
             await asyncio.sleep(0)  # their done callbacks start the publishes
-        if self._publishing:
-            await asyncio.wait(set(self._publishing),
+        publishing = self.fitter.publishing()
+        if publishing:
+            await asyncio.wait(publishing,
                                timeout=max(0.0, grace / 2 - (time.monotonic() - t0)))
         try:
-            if self.consumer is not None and self.assigned:
+            if clients.consumer is not None and self.partitions.assigned:
                 left = max(1.0, grace - (time.monotonic() - t0) - 2.0)
-                await asyncio.wait_for(self.checkpoint(commit=True), timeout=left)
+                await asyncio.wait_for(self.checkpointer.commit(), timeout=left)
         except Exception as e:  # noqa: BLE001
             log.error("final checkpoint failed: %s: %s", type(e).__name__, e)
-        if self._probe_task:
-            self._probe_task.cancel()
+        clients.stop_probe()
         self._cancel_assignment_retry()
         # a restore still running (assignment phase) holds aiokafka's close, which waits for
         # the rebalance listener: it is abandoned after RESTORE_ABANDON_SECONDS (its
         # partitions are paused until restored, so nothing was processed that needs saving)
-        restoring = bool(self.assigned) and not self.restored
-        for name, closer in (("consumer", self.consumer), ("producer", self.producer)):
+        restoring = bool(self.partitions.assigned) and not self.restored
+        for name, closer in (("consumer", clients.consumer), ("producer", clients.producer)):
             if closer is not None:
                 left = max(0.5, grace - (time.monotonic() - t0))
                 if name == "consumer" and restoring:
@@ -274,7 +299,7 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
             await self.binmaps.stop(timeout=1.0)
         if self.http is not None:
             await self.http.stop()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.executor.shutdown(wait=False, cancel_futures=True)
         now = time.monotonic()
         if self.stop_requested_at is not None:
             log.info("lpcal daemon stopped in %.1f s (from the stop signal; shutdown %.1f s)",
@@ -334,7 +359,10 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
 
     @property
     def ready(self) -> bool:
-        return self.started and self.restored and self.broker_ok
+        return self.started and self.restored and self.clients.broker_ok
+
+    def _report_ready(self) -> None:
+        self.metrics.set_ready(self.ready)
 
     # ================================================================== rebalance
     async def on_assigned(self, tps: set[TopicPartition]) -> None:
@@ -344,26 +372,26 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
         a backoff (:meth:`_retry_assignment`); the partitions stay paused until it succeeds,
         and ``/healthz`` fails once it has kept failing for ``assign_unhealthy_after`` s."""
         self._cancel_assignment_retry()
+        consumer = self.clients.consumer
         if self.stopping.is_set():  # a join that finished during shutdown: nothing to restore
             if tps:
-                self.consumer.pause(*tps)
+                consumer.pause(*tps)
             return
         self.restored = False
-        new = {tp for tp in tps if tp not in self.assigned}
+        new = self.partitions.assign(tps)
         kept = set(tps) - new
-        self.assigned = set(tps)
         # aiokafka keeps fetching while this callback awaits the restore: pause the partitions
         # so no record is processed before its model's checkpoint is restored and the
         # partition is positioned (else checkpointed samples would be lost, others doubled)
         if tps:
-            self.consumer.pause(*tps)
+            consumer.pause(*tps)
         try:
             # partitions kept across a rejoin (e.g. after the coordinator was lost): aiokafka
             # may have reset their fetch position to the committed offset; continue where we are
             for tp in kept:
-                pos = self.positions.get((tp.topic, tp.partition))
+                pos = self.partitions.position(tp.topic, tp.partition)
                 if pos is not None:
-                    self.consumer.seek(tp, pos)
+                    consumer.seek(tp, pos)
             await self._restore_assignment(set(tps), new)
         except Exception as e:  # noqa: BLE001 - retried; never lost in aiokafka's listener
             self._assignment_failed(e)
@@ -371,6 +399,13 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
                 self._retry_assignment(set(tps), new), name="lpcal-assignment-retry")
         else:
             self.assign_failing_since = None
+
+    async def _restore_assignment(self, tps: set[TopicPartition],
+                                  new: set[TopicPartition]) -> None:
+        await self.restorer.restore(tps, new)
+        self.restored = True
+        self.metrics.set_ready(self.ready)
+        log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in tps))
 
     async def on_revoked(self, tps: set[TopicPartition]) -> None:
         self._cancel_assignment_retry()
@@ -380,16 +415,56 @@ class Daemon(KafkaClients, Ingest, Fitting, Gauges, Checkpointing, Restore):
             self.restored = False  # not ready again until the new assignment is restored
             self.metrics.set_ready(False)
         saved = True
-        if parts and self.consumer is not None:
+        if parts and self.clients.consumer is not None:
             try:
-                await self.checkpoint(parts, commit=True)
+                await self.checkpointer.commit(parts)
             except Exception as e:  # noqa: BLE001
                 saved = False
                 log.error("checkpoint on revoke failed (%s: %s): keeping the state of "
                           "partitions %s in memory in case they come back", type(e).__name__,
                           e, sorted(parts))
         self.registry.release(parts, park=not saved)  # parked: the state further along wins
-        for tp in tps:
-            self.positions.pop((tp.topic, tp.partition), None)
-            self.gaps.forget((tp.topic, tp.partition))
-        self.assigned -= set(tps)
+        self.partitions.release(tps)
+
+    # ------------------------------------------------------------------ assignment retries
+    def _assignment_failed(self, e: BaseException) -> None:
+        if self.assign_failing_since is None:
+            self.assign_failing_since = time.monotonic()
+        log.error("assignment of partitions %s failed (%s: %s); partitions stay paused, "
+                  "retrying (failing for %.1f s; /healthz fails after %.0f s)",
+                  sorted(self.partitions.numbers()), type(e).__name__, e,
+                  time.monotonic() - self.assign_failing_since, self.assign_unhealthy_after)
+
+    async def _retry_assignment(self, tps: set[TopicPartition],
+                                new: set[TopicPartition]) -> None:
+        """Restore ``tps`` again with a backoff until it succeeds, a stop is requested or the
+        assignment changes."""
+        async def attempt() -> bool:
+            if self.partitions.assigned != tps:
+                return False
+            await self._restore_assignment(tps, new)
+            return True
+
+        try:
+            restored = await retry.retry(
+                "assignment", attempt, stop=self.stopping, first=_ASSIGN_RETRY_FIRST,
+                cap=_ASSIGN_RETRY_MAX, wait_first=True,
+                on_error=lambda e, _delay: self._assignment_failed(e))
+        except retry.Stopped:
+            return
+        if restored:
+            log.info("assignment restored after failing for %.1f s",
+                     time.monotonic() - (self.assign_failing_since or time.monotonic()))
+            self.assign_failing_since = None
+
+    def _cancel_assignment_retry(self) -> None:
+        if self._assign_task is not None:
+            self._assign_task.cancel()
+            self._assign_task = None
+
+    @property
+    def assignment_unhealthy(self) -> bool:
+        """True once restoring the assignment has kept failing for ``assign_unhealthy_after``
+        seconds: ``/healthz`` then fails, so that Kubernetes restarts the pod."""
+        since = self.assign_failing_since
+        return since is not None and time.monotonic() - since > self.assign_unhealthy_after

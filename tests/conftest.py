@@ -6,12 +6,14 @@
   topic); a test that needs an outage starts its own broker.
 * ``topic_prefix`` (function): a unique, Kafka-legal prefix per test (``it-`` for integration,
   ``rel-`` for reliability tests), so tests sharing the broker never see each other's topics or
-  consumer groups.
+  consumer groups;
+* ``deployment`` (function, :mod:`tests.support.fixtures`): the broker, this test's topics, a
+  daemon config and its settings.
 
 Under pytest-xdist (``make test`` runs all but the ``serial`` tests with ``-n 2 --dist
 loadscope``, then the ``serial`` ones in a plain run) every worker has its own session broker,
 the modules are ordered for the workers (see :func:`pytest_collection_modifyitems`), and the
-figures the reliability tests record (:func:`tests.reliability.harness.record_figures`) travel
+figures the reliability tests record (:func:`tests.support.reliability.record_figures`) travel
 from the workers to the controller in the reports' ``user_properties``, to be printed in the
 terminal summary as in a run without xdist.
 """
@@ -26,6 +28,8 @@ import uuid
 import pytest
 
 from daemon.tools.embedded_broker import EmbeddedBroker
+
+pytest_plugins = ["tests.support.fixtures"]
 
 _SUITE_PREFIX = {"integration": "it", "reliability": "rel"}
 
@@ -77,7 +81,7 @@ def _attach_new_figures(rep) -> None:
     """Worker: figures recorded since the last report go to the controller with this one
     (values as text: what the summary prints, and always serializable)."""
     global _figures_sent
-    harness = sys.modules.get("tests.reliability.harness")
+    harness = sys.modules.get("tests.support.reliability")
     figures = getattr(harness, "FIGURES", ())
     for name, mode, values in figures[_figures_sent:]:
         rep.user_properties.append(
@@ -96,7 +100,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
-    from tests.reliability.harness import write_figures
+    from tests.support.reliability import write_figures
 
     write_figures(terminalreporter, _worker_figures)
 

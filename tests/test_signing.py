@@ -16,15 +16,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import numpy as np
 import orjson
 import pytest
-from aiokafka import TopicPartition
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from daemon.kafka import readers as kafka_readers
 from lpcal import cli
 from lpcal.binmap import MAX_VERSION, BinMap
 from lpcal.calibrate import fit
@@ -321,26 +322,20 @@ def test_settings_refuse_a_bad_key_and_warn_when_unsigned(tmp_path, keys):
 
 
 @pytest.fixture
-def daemon_factory(tmp_path, monkeypatch):
-    from daemon import service
-    from daemon.service import Daemon
-    from tests.daemon.daemon_stubs import RecordingConsumer
+def daemon_factory(tmp_path):
+    from tests.support.daemon_stubs import broker_free_daemon
 
-    monkeypatch.setattr(service, "_PUBLISH_RETRY_FIRST", 0.01)
     made = []
 
     def make(priv: bytes | None):
         s = _settings(tmp_path, _secrets(tmp_path, priv) if priv else None)
-        d = Daemon(s)
-        d.consumer = RecordingConsumer()
-        d.assigned = {TopicPartition(s.kafka.topics.predictions, 0),
-                      TopicPartition(s.kafka.topics.outcomes, 0)}
+        d = broker_free_daemon(s)
         made.append(d)
         return d
 
     yield make
     for d in made:
-        d._executor.shutdown(wait=True)
+        d.executor.shutdown(wait=True)
 
 
 def _rejected(d, reason: str) -> float:
@@ -349,11 +344,11 @@ def _rejected(d, reason: str) -> float:
 
 
 def _state(d, n_sealed=0):
-    from tests.daemon.daemon_stubs import MODEL as M
-    from tests.daemon.daemon_stubs import state_with_sealed
+    from tests.support.daemon_stubs import MODEL as M
+    from tests.support.daemon_stubs import state_with_sealed
 
     st = state_with_sealed(d.s, n_sealed)
-    d.models[M], d.partition_of[M] = st, 0
+    d.registry.place(M, st, 0)
     return st
 
 
@@ -372,9 +367,9 @@ def test_daemon_rejects_maps_with_the_wrong_k_or_lambda(daemon_factory):
     the wrong k was adopted, and the first joined sample then ended the process."""
     d = daemon_factory(None)
     st = _state(d)
-    assert d.verify_binmap(_map_for(st).to_json(), st.model) is not None
-    assert d.verify_binmap(_map_for(st, k=st.k + 1).to_json(), st.model) is None
-    assert d.verify_binmap(_map_for(st, lam=st.lam + 1).to_json(), st.model) is None
+    assert d.restorer.verify_binmap(_map_for(st).to_json(), st.model) is not None
+    assert d.restorer.verify_binmap(_map_for(st, k=st.k + 1).to_json(), st.model) is None
+    assert d.restorer.verify_binmap(_map_for(st, lam=st.lam + 1).to_json(), st.model) is None
     assert _rejected(d, "config") == 2
 
 
@@ -382,9 +377,9 @@ def test_daemon_with_a_key_accepts_only_its_own_signatures(daemon_factory, keys)
     d = daemon_factory(keys.a.priv)
     st = _state(d)
     bm = _map_for(st)
-    assert d.verify_binmap(bm.to_json(signer=Signer(keys.a.priv)), st.model) is not None
-    assert d.verify_binmap(bm.to_json(), st.model) is None
-    assert d.verify_binmap(bm.to_json(signer=Signer(keys.b.priv)), st.model) is None
+    assert d.restorer.verify_binmap(bm.to_json(signer=Signer(keys.a.priv)), st.model) is not None
+    assert d.restorer.verify_binmap(bm.to_json(), st.model) is None
+    assert d.restorer.verify_binmap(bm.to_json(signer=Signer(keys.b.priv)), st.model) is None
     assert _rejected(d, "signature") == 2
 
 
@@ -393,11 +388,11 @@ async def test_daemon_signs_what_it_publishes(daemon_factory, keys):
     from tests.support.daemon_harness import wait_until
 
     d = daemon_factory(keys.a.priv)
-    d.producer = FlakyProducer(failures=0)
+    d.clients.producer = FlakyProducer(failures=0)
     _state(d, n_sealed=1)
-    d._after_batch()
-    await wait_until(lambda: d.producer.sent, 20.0, "a bin map published", interval=0.01)
-    _, _, value, _ = d.producer.sent[0]
+    d.fitter.after_batch(time.monotonic())
+    await wait_until(lambda: d.clients.producer.sent, 20.0, "a bin map published", interval=0.01)
+    _, _, value, _ = d.clients.producer.sent[0]
     bm = verify_artifact(value, public_keys=[keys.a.pub])
     assert bm.verified_by == key_id(keys.a.pub) and bm.version == 1
 
@@ -405,8 +400,7 @@ async def test_daemon_signs_what_it_publishes(daemon_factory, keys):
 async def test_forged_version_on_the_topic_does_not_skip_fits(daemon_factory, keys, monkeypatch):
     """The daemon adopted a forged version 1003 and then skipped every fit
     until version 1003. Maps not signed by the daemon's own key never set its version."""
-    from daemon.kafka import readers
-    from tests.daemon.daemon_stubs import MODEL as M
+    from tests.support.daemon_stubs import MODEL as M
 
     d = daemon_factory(keys.a.priv)
     st = _state(d, n_sealed=2)
@@ -415,9 +409,9 @@ async def test_forged_version_on_the_topic_does_not_skip_fits(daemon_factory, ke
     for name, data in forged.items():
         async def latest(*a, _data=data, **kw):
             return {M: _data}
-        monkeypatch.setattr(readers, "read_compacted_latest", latest)
-        await d._adopt_published_binmaps({0})
-        assert st.binmap_version == 0 and d.prefitted.get(M, 0) == 0, name
+        monkeypatch.setattr(kafka_readers, "read_compacted_latest", latest)
+        await d.restorer.adopt_published_binmaps({0})
+        assert st.binmap_version == 0 and d.registry.slots[M].prefitted == 0, name
         assert len(st.sealed) == 2, name
     assert _rejected(d, "signature") == 2
     # its own signed map of a later version is adopted (a crash between publish and checkpoint)
@@ -425,7 +419,7 @@ async def test_forged_version_on_the_topic_does_not_skip_fits(daemon_factory, ke
 
     async def latest_own(*a, **kw):
         return {M: own}
-    monkeypatch.setattr(readers, "read_compacted_latest", latest_own)
-    await d._adopt_published_binmaps({0})
+    monkeypatch.setattr(kafka_readers, "read_compacted_latest", latest_own)
+    await d.restorer.adopt_published_binmaps({0})
     assert st.binmap_version == 1
     await asyncio.sleep(0)

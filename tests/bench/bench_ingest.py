@@ -277,7 +277,7 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
     state = {"n": 0, "t0": None, "t1": None, "busy": 0.0, "cpu": 0.0, "c0": 0.0, "c1": 0.0}
     polls: list[float] = []
     fits: list[list[float]] = []
-    process, mark_poll, launch = d._process, d.metrics.mark_poll, d._launch_fit
+    process, mark_poll, launch = d.ingest.process, d.metrics.mark_poll, d.fitter.launch
 
     def timed_process(tp, msgs):
         if state["t0"] is None:
@@ -305,7 +305,7 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
         launch(model, inf)
         inf.task.add_done_callback(lambda _f: span.__setitem__(1, time.perf_counter()))
 
-    d._process, d.metrics.mark_poll, d._launch_fit = timed_process, timed_poll, timed_launch
+    d.ingest.process, d.metrics.mark_poll, d.fitter.launch = timed_process, timed_poll, timed_launch
     task = asyncio.create_task(d.serve(install_signals=False))
     try:
         waiter = asyncio.create_task(done.wait())

@@ -39,6 +39,8 @@ import time
 import uuid
 from pathlib import Path
 
+from daemon.kafka.clients import make_producer
+from daemon.kafka.topics import TopicSpec, ensure_topics
 from tests.bench.common import Table
 
 K = 10
@@ -103,12 +105,12 @@ async def replica(spec: dict) -> None:
     go = Path(spec["go"])
     joined = {"n": 0}
     state = {"done": False}
-    on_assigned, process = d.on_assigned, d._process
+    on_assigned, process = d.on_assigned, d.ingest.process
 
     async def timed_assigned(tps):
         t0 = time.monotonic()
         loaded = {}
-        store_load = d._store.load_all
+        store_load = d.store.load_all
 
         async def counting_load():
             recs = await store_load()
@@ -117,32 +119,32 @@ async def replica(spec: dict) -> None:
             loaded["t"] = time.monotonic() - t0
             return recs
 
-        d._store.load_all = counting_load
+        d.store.load_all = counting_load
         try:
             await on_assigned(tps)
         finally:
-            d._store.load_all = store_load
+            d.store.load_all = store_load
         report(event="assigned", partitions=sorted({tp.partition for tp in tps}),
                seconds=time.monotonic() - t0, read_seconds=loaded.get("t"),
                bytes=loaded.get("bytes"), records=loaded.get("records"),
-               models=len(d.models))
+               models=len(d.registry.states()))
 
     def counting_process(tp, msgs):
         process(tp, msgs)
         if state["done"]:
             return
-        mine = [(tp.topic, tp.partition) for tp in d.assigned]
-        if mine and all(d.positions.get(key, 0) >= ends.get(key, 0) for key in mine):
+        mine = [(tp.topic, tp.partition) for tp in d.partitions.assigned]
+        if mine and all((d.partitions.position(*key) or 0) >= ends.get(key, 0) for key in mine):
             state["done"] = True
-            n = sum(st.samples_total for st in d.models.values())
+            n = sum(st.samples_total for st in d.registry.states().values())
             report(event="done", joined=n, partitions=sorted({p for _, p in mine}))
 
-    d.on_assigned, d._process = timed_assigned, counting_process
+    d.on_assigned, d.ingest.process = timed_assigned, counting_process
     task = asyncio.create_task(d.serve(install_signals=True))
-    while d.consumer is None and not task.done():
+    while d.clients.consumer is None and not task.done():
         await asyncio.sleep(0.05)
     if not task.done():
-        getmany = d.consumer.getmany
+        getmany = d.clients.consumer.getmany
 
         async def gated(*a, **kw):
             if not go.exists():
@@ -150,7 +152,7 @@ async def replica(spec: dict) -> None:
                 return {}
             return await getmany(*a, **kw)
 
-        d.consumer.getmany = gated
+        d.clients.consumer.getmany = gated
     del joined
     await task
 
@@ -289,9 +291,9 @@ def _envelopes(n_models: int) -> tuple[dict[str, bytes], int]:
     import numpy as np
     import orjson
 
-    from daemon.checkpoint_store import encode_value
+    from daemon.checkpoint.envelope import ENVELOPE_FORMAT
+    from daemon.checkpoint.store import encode_value
     from daemon.model_state import ModelState
-    from daemon.service import ENVELOPE_FORMAT
     from daemon.settings import Settings
 
     s = Settings(defaults={"k": K})
@@ -312,9 +314,7 @@ def _envelopes(n_models: int) -> tuple[dict[str, bytes], int]:
 
 
 async def _populate_state(bootstrap: str, topic: str, n_models: int) -> tuple[int, int]:
-    from daemon.kafka.clients import make_producer
-    from daemon.kafka.topics import TopicSpec, ensure_topics
-    from daemon.service import state_topic_config
+    from daemon.checkpoint.store import state_topic_config
 
     await ensure_topics(
         bootstrap, [TopicSpec(topic, 1, configs=state_topic_config(1 << 20))])

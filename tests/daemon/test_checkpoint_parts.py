@@ -12,8 +12,8 @@ import os
 import orjson
 import pytest
 
-from daemon import checkpoint_store as cs
-from daemon.checkpoint_store import CHUNKED, PART, KafkaCheckpointStore, decode_value
+from daemon.checkpoint import store as cs
+from daemon.checkpoint.store import CHUNKED, PART, KafkaCheckpointStore, decode_value
 
 LIMIT = 64 * 1024
 

@@ -12,8 +12,8 @@ import zlib
 import orjson
 import pytest
 
-from daemon import checkpoint_store as cs
-from daemon.checkpoint_store import (
+from daemon.checkpoint import store as cs
+from daemon.checkpoint.store import (
     COMPRESS_MIN_BYTES,
     COMPRESSED,
     KafkaCheckpointStore,

@@ -13,7 +13,7 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 
 from daemon.kafka.deadletter import DLQ_REASON, DLQ_SOURCE_OFFSET, DeadLetterQueue
 from daemon.service import Daemon
-from tests.daemon.daemon_stubs import small_settings
+from tests.support.daemon_stubs import small_settings
 
 TOPIC = "dlq"
 
@@ -163,9 +163,10 @@ async def test_backpressure_resends_failures_when_nothing_is_in_flight():
 
 
 async def test_daemon_dead_letters_through_the_queue_counted_per_batch():
-    d = Daemon(small_settings())
-    d.producer = StandInProducer()
-    d.s.kafka.topics.deadletter = TOPIC
+    s = small_settings()
+    s.kafka.topics.deadletter = TOPIC
+    d = Daemon(s)
+    d.clients.producer = StandInProducer()
 
     class Msg:
         def __init__(self, offset):
@@ -173,11 +174,11 @@ async def test_daemon_dead_letters_through_the_queue_counted_per_batch():
 
     tp = TopicPartition("preds", 1)
     for i in range(300):
-        d._deadletter(tp, Msg(i), "bad_json")
-    await d._deadletters_after_batch()
+        d.deadletters.put(tp, Msg(i), "bad_json")
+    await d.deadletters.after_batch(d.stopping)
     assert d.metrics.events_invalid.labels(reason="bad_json")._value.get() == 300
     assert d.metrics.deadletter_published._value.get() == 300
-    await d._flush_deadletters()
-    assert not d._dlq
-    delivered = d.producer.delivered()
+    await d.deadletters.flush()
+    assert not d.deadletters.queue
+    delivered = d.clients.producer.delivered()
     assert len(delivered) == 300 and {p for p, _ in delivered} == {1}

@@ -15,24 +15,26 @@ broker: the producer is a stand-in that fails a given number of times, the fits 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import orjson
 import pytest
-from aiokafka import TopicPartition
 from aiokafka.errors import KafkaConnectionError
 
-from daemon import service
+from daemon.checkpoint.envelope import encode_envelope
+from daemon.fitting import RetryPolicy
+from daemon.gauges import _GAUGE_EVERY
 from daemon.service import Daemon
 from lpcal.client import verify_artifact
 from lpcal.errors import LpcalError
-from tests.daemon.daemon_stubs import (
+from tests.support.daemon_harness import wait_until
+from tests.support.daemon_stubs import (
     MODEL,
-    RecordingConsumer,
+    broker_free_daemon,
     offer_samples,
     small_settings,
     state_with_sealed,
 )
-from tests.support.daemon_harness import wait_until
 
 
 class FlakyProducer:
@@ -52,15 +54,30 @@ class FlakyProducer:
 
 
 @pytest.fixture
-def daemon(monkeypatch):
-    monkeypatch.setattr(service, "_PUBLISH_RETRY_FIRST", 0.01)
-    s = small_settings()
-    d = Daemon(s)
-    d.consumer = RecordingConsumer()
-    d.assigned = {TopicPartition(s.kafka.topics.predictions, 0),
-                  TopicPartition(s.kafka.topics.outcomes, 0)}
-    yield d
-    d._executor.shutdown(wait=True)
+def make_daemon():
+    """``make_daemon(**kw)``: a broker-free daemon of :func:`small_settings` (``kw``: its
+    constructor's, e.g. ``fit`` or ``retry_policy``)."""
+    made = []
+
+    def make(**kw) -> Daemon:
+        made.append(broker_free_daemon(small_settings(), **kw))
+        return made[-1]
+
+    yield make
+    for d in made:
+        d.executor.shutdown(wait=True)
+
+
+@pytest.fixture
+def daemon(make_daemon):
+    return make_daemon()
+
+
+def after_batch(d: Daemon) -> None:
+    """What the main loop does after a batch: the fits, then the gauges."""
+    now = time.monotonic()
+    d.fitter.after_batch(now)
+    d.gauges.after_batch(now)
 
 
 def sample(d: Daemon, name: str, **labels) -> float | None:
@@ -78,19 +95,19 @@ async def until(cond, what: str) -> None:
 
 def with_sealed(d: Daemon, n: int):
     st = state_with_sealed(d.s, n)
-    d.models[MODEL], d.partition_of[MODEL] = st, 0
+    d.registry.place(MODEL, st, 0)
     return st
 
 
 async def test_failed_publish_is_counted_and_retried_until_it_lands(daemon):
     st = with_sealed(daemon, 1)
-    daemon.producer = FlakyProducer(failures=3)
-    daemon._after_batch()
-    assert daemon.inflight[MODEL].version == 1
-    await until(lambda: MODEL not in daemon.inflight, "the fit to be published")
-    assert daemon.producer.attempts == 4 and len(daemon.producer.sent) == 1
+    daemon.clients.producer = FlakyProducer(failures=3)
+    after_batch(daemon)
+    assert daemon.registry.slots[MODEL].inflight.version == 1
+    await until(lambda: MODEL not in daemon.registry.fitting(), "the fit to be published")
+    assert daemon.clients.producer.attempts == 4 and len(daemon.clients.producer.sent) == 1
     assert failures(daemon) == 3
-    topic, key, value, headers = daemon.producer.sent[0]
+    topic, key, value, headers = daemon.clients.producer.sent[0]
     assert (topic, key, headers) == (daemon.s.kafka.topics.binmaps, MODEL.encode(),
                                      {"lpcal.version": b"1"})
     bm = verify_artifact(value)
@@ -101,41 +118,41 @@ async def test_failed_publish_is_counted_and_retried_until_it_lands(daemon):
 
 async def test_publish_failing_at_shutdown_stays_in_flight_for_the_checkpoint(daemon):
     st = with_sealed(daemon, 1)
-    daemon.producer = FlakyProducer(failures=None)
-    daemon._after_batch()
-    inf = daemon.inflight[MODEL]
-    await until(lambda: daemon.producer.attempts >= 2, "a retried publish")
+    daemon.clients.producer = FlakyProducer(failures=None)
+    after_batch(daemon)
+    inf = daemon.registry.slots[MODEL].inflight
+    await until(lambda: daemon.clients.producer.attempts >= 2, "a retried publish")
     daemon.stopping.set()
-    await until(lambda: not daemon._publishing, "the publish to give up")
-    assert daemon.inflight.get(MODEL) is inf and st.binmap_version == 0
-    envelope = orjson.loads(daemon._envelope(MODEL))
+    await until(lambda: not daemon.fitter.publishing(), "the publish to give up")
+    assert daemon.registry.fitting().get(MODEL) is inf and st.binmap_version == 0
+    envelope = orjson.loads(encode_envelope(MODEL, daemon.registry.slots[MODEL]))
     assert envelope["inflight"]["version"] == 1
     assert envelope["inflight"]["pools"] == inf.pools.to_dict()
     # the attempts before the shutdown count as failures; the one cut short by it does not
-    assert failures(daemon) == daemon.producer.attempts - 1
+    assert failures(daemon) == daemon.clients.producer.attempts - 1
 
 
-async def test_publish_backs_off_doubling_to_its_cap(daemon, monkeypatch, caplog):
-    monkeypatch.setattr(service, "_PUBLISH_RETRY_MAX", 0.04)
+async def test_publish_backs_off_doubling_to_its_cap(make_daemon, caplog):
+    daemon = make_daemon(retry_policy=RetryPolicy(first=0.01, cap=0.04))
     with_sealed(daemon, 1)
-    daemon.producer = FlakyProducer(failures=5)
+    daemon.clients.producer = FlakyProducer(failures=5)
     with caplog.at_level("WARNING", logger="lpcal.daemon"):
-        daemon._after_batch()
-        await until(lambda: MODEL not in daemon.inflight, "the fit to be published")
+        after_batch(daemon)
+        await until(lambda: MODEL not in daemon.registry.fitting(), "the fit to be published")
     retried = [r for r in caplog.records if "publishing bin map version 1 failed" in r.message]
     assert [r.args[-1] for r in retried] == [0.01, 0.02, 0.04, 0.04, 0.04]
     assert all("KafkaConnectionError" in r.message for r in retried)
-    assert daemon.producer.attempts == 6 and failures(daemon) == 5
+    assert daemon.clients.producer.attempts == 6 and failures(daemon) == 5
 
 
 async def test_publish_requested_during_shutdown_is_still_attempted(daemon):
     """Shutdown lets fits in flight finish and publish: a stop prevents no attempt."""
     st = with_sealed(daemon, 1)
-    daemon.producer = FlakyProducer(failures=0)
+    daemon.clients.producer = FlakyProducer(failures=0)
     daemon.stopping.set()
-    daemon._after_batch()
-    await until(lambda: MODEL not in daemon.inflight, "the fit to be published")
-    assert len(daemon.producer.sent) == 1 and st.binmap_version == 1
+    after_batch(daemon)
+    await until(lambda: MODEL not in daemon.registry.fitting(), "the fit to be published")
+    assert len(daemon.clients.producer.sent) == 1 and st.binmap_version == 1
 
 
 class GatedProducer:
@@ -151,47 +168,47 @@ class GatedProducer:
         raise KafkaConnectionError("broker unreachable (stand-in)")
 
 
-async def test_publish_failing_after_a_stop_ends_without_a_backoff(daemon, monkeypatch, caplog):
-    monkeypatch.setattr(service, "_PUBLISH_RETRY_FIRST", 30.0)
+async def test_publish_failing_after_a_stop_ends_without_a_backoff(make_daemon, caplog):
+    daemon = make_daemon(retry_policy=RetryPolicy(first=30.0))
     with_sealed(daemon, 1)
-    daemon.producer = GatedProducer()
-    daemon._after_batch()
-    inf = daemon.inflight[MODEL]
-    await until(lambda: daemon.producer.attempts == 1, "a publish attempt")
+    daemon.clients.producer = GatedProducer()
+    after_batch(daemon)
+    inf = daemon.registry.slots[MODEL].inflight
+    await until(lambda: daemon.clients.producer.attempts == 1, "a publish attempt")
     daemon.stopping.set()
-    daemon.producer.gate.set()
+    daemon.clients.producer.gate.set()
     t0 = asyncio.get_running_loop().time()
     with caplog.at_level("INFO", logger="lpcal.daemon"):
-        await until(lambda: not daemon._publishing, "the publish to give up")
+        await until(lambda: not daemon.fitter.publishing(), "the publish to give up")
     assert asyncio.get_running_loop().time() - t0 < 5.0  # not after the 30 s backoff
-    assert daemon.producer.attempts == 1 and not failures(daemon)
-    assert daemon.inflight.get(MODEL) is inf
+    assert daemon.clients.producer.attempts == 1 and not failures(daemon)
+    assert daemon.registry.fitting().get(MODEL) is inf
     assert any("not published before shutdown (KafkaConnectionError)" in r.message
                for r in caplog.records)
 
 
 async def test_publish_of_a_revoked_model_stops_retrying(daemon):
     with_sealed(daemon, 1)
-    daemon.producer = FlakyProducer(failures=None)
-    daemon._after_batch()
-    await until(lambda: daemon.producer.attempts >= 2, "a retried publish")
+    daemon.clients.producer = FlakyProducer(failures=None)
+    after_batch(daemon)
+    await until(lambda: daemon.clients.producer.attempts >= 2, "a retried publish")
     daemon.registry.slots[MODEL].inflight = None  # as when the model's partition is revoked
-    await until(lambda: not daemon._publishing, "the publish to give up")
-    attempts = daemon.producer.attempts
+    await until(lambda: not daemon.fitter.publishing(), "the publish to give up")
+    attempts = daemon.clients.producer.attempts
     await asyncio.sleep(0.1)  # ten retry periods
-    assert daemon.producer.attempts == attempts and not daemon.producer.sent
+    assert daemon.clients.producer.attempts == attempts and not daemon.clients.producer.sent
 
 
-async def test_fit_that_raises_is_counted_and_its_epoch_dropped(daemon, monkeypatch):
+async def test_fit_that_raises_is_counted_and_its_epoch_dropped(make_daemon):
     def broken_fit(*a, **kw):
         raise LpcalError("fit failed (stand-in)")
 
-    monkeypatch.setattr(service, "fit_pools", broken_fit)
+    daemon = make_daemon(fit=broken_fit)
     st = with_sealed(daemon, 1)
-    daemon.producer = FlakyProducer(failures=0)
-    daemon._after_batch()
-    await until(lambda: MODEL not in daemon.inflight, "the failed fit")
-    assert failures(daemon) == 1 and daemon.producer.attempts == 0
+    daemon.clients.producer = FlakyProducer(failures=0)
+    after_batch(daemon)
+    await until(lambda: MODEL not in daemon.registry.fitting(), "the failed fit")
+    assert failures(daemon) == 1 and daemon.clients.producer.attempts == 0
     assert st.binmap_version == 0 and not st.sealed
 
 
@@ -205,36 +222,33 @@ def pool_totals(st) -> dict[str, int]:
 
 def test_gauges_of_a_model_that_turns_idle_are_exported(daemon):
     st = with_sealed(daemon, 0)
-    daemon.dirty.add(MODEL)
-    daemon._after_batch()
+    daemon.registry.dirty.add(MODEL)
+    after_batch(daemon)
     exported = pool_gauges(daemon, st)
     assert exported == pool_totals(st)
     # a change within the same gauge period: due, but rate-limited
     offer_samples(daemon.s, st, 10_000, 20)
-    daemon.dirty.add(MODEL)
-    daemon._after_batch()
+    daemon.registry.dirty.add(MODEL)
+    after_batch(daemon)
     assert pool_gauges(daemon, st) == exported != pool_totals(st)
     # a checkpoint clears the model's dirty mark, and no event arrives any more
-    daemon.dirty.clear()
-    daemon.registry.slots[MODEL].gauges_at -= 2 * service._GAUGE_EVERY  # one gauge period later
-    daemon._after_batch()
+    daemon.registry.dirty.clear()
+    daemon.registry.slots[MODEL].gauges_at -= 2 * _GAUGE_EVERY  # one gauge period later
+    after_batch(daemon)
     assert pool_gauges(daemon, st) == pool_totals(st)
-    assert not daemon._gauges_due
+    assert not daemon.registry.gauges_due
 
 
 @pytest.fixture
-def certified_daemon(monkeypatch):
+def certified_daemon():
     """The certified default, with small epochs (warm-up 200, held out 300)."""
     from daemon.settings import Settings
 
     s = Settings(defaults={"pool": 40, "mu_pool": 80, "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0,
                            "holdout": 300, "warmup": 200}, models={MODEL: {"k": 3}})
-    d = Daemon(s)
-    d.consumer = RecordingConsumer()
-    d.assigned = {TopicPartition(s.kafka.topics.predictions, 0),
-                  TopicPartition(s.kafka.topics.outcomes, 0)}
+    d = broker_free_daemon(s)
     yield d
-    d._executor.shutdown(wait=True)
+    d.executor.shutdown(wait=True)
 
 
 async def test_certified_fit_publishes_a_certificate_and_exports_it(certified_daemon):
@@ -244,10 +258,10 @@ async def test_certified_fit_publishes_a_certificate_and_exports_it(certified_da
     st = with_sealed(daemon, 1)
     temperature = st.pools.temperature
     assert st.fit_spec.mode == "certified" and temperature is not None
-    daemon.producer = FlakyProducer(failures=0)
-    daemon._after_batch()
-    await until(lambda: MODEL not in daemon.inflight, "the fit to be published")
-    bm = verify_artifact(daemon.producer.sent[0][2])
+    daemon.clients.producer = FlakyProducer(failures=0)
+    after_batch(daemon)
+    await until(lambda: MODEL not in daemon.registry.fitting(), "the fit to be published")
+    bm = verify_artifact(daemon.clients.producer.sent[0][2])
     assert bm.mode == "certified" and bm.temperature == temperature
     cert = bm.certificate
     assert cert.n_holdout >= 300
@@ -256,11 +270,11 @@ async def test_certified_fit_publishes_a_certificate_and_exports_it(certified_da
     for name, est in cert.estimates.items():
         assert sample(daemon, "lpcal_certificate_estimate", candidate=name) == est.err_p
     # the warm-up and held-out share are pool gauges too
-    daemon.dirty.add(MODEL)
-    daemon._after_batch()
+    daemon.registry.dirty.add(MODEL)
+    after_batch(daemon)
     assert sample(daemon, "lpcal_pool_samples", pool="warmup") is not None
     # GET /v1/models summarises the installed map's certificate
-    resp = await HttpServer(daemon).models(None)
+    resp = await HttpServer(daemon.status()).models(None)
     view = orjson.loads(resp.body)["models"][0]
     assert view["mode"] == "certified"
     assert view["certificate"] == {"selected": cert.selected, "certified": cert.certified,

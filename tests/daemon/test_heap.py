@@ -92,15 +92,15 @@ class _IdleConsumer:
 @pytest.mark.parametrize("release", [True, False])
 async def test_main_loop_releases_the_heap_after_each_checkpoint(monkeypatch, release):
     d = Daemon(Settings(state={"checkpoint_interval_seconds": 0.01, "release_heap": release}))
-    d.consumer = _IdleConsumer(d, polls=6)
+    d.clients.consumer = _IdleConsumer(d, polls=6)
     events: list[str] = []
-    checkpoint = d.checkpoint
+    checkpoint = d.checkpointer.commit
 
     async def counted_checkpoint(*a, **kw):
         events.append("checkpoint")
         return await checkpoint(*a, **kw)
 
-    monkeypatch.setattr(d, "checkpoint", counted_checkpoint)
+    monkeypatch.setattr(d.checkpointer, "commit", counted_checkpoint)
     monkeypatch.setattr(heap, "release_free_heap", lambda: events.append("release") or True)
     await d.main_loop()
     assert events.count("checkpoint") == 6    # every poll: the 0.01 s interval has passed

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from daemon.checkpoint_store import LocalCheckpointStore
+from daemon.checkpoint.store import LocalCheckpointStore
 
 NAMES = ["a", "fraud v3/€", "m" * 255, "é" * 255, "/" * 255, "%" * 200 + "x" * 55,
          "m" * 254 + "n"]

@@ -269,7 +269,7 @@ async def test_v1_config_serves_the_effective_settings_with_secrets_redacted(iso
         '[models."fraud-v3"]\nk = 3\neps = 0.05\n')
     settings = load_settings(isolated / "c.toml")
     assert settings.signing.signer() is not None
-    http = HttpServer(Daemon(settings))
+    http = HttpServer(Daemon(settings).status())
     await http.start()
     try:
         async with aiohttp.ClientSession() as session:

@@ -19,7 +19,7 @@ from aiokafka.structs import ConsumerRecord
 from daemon.offset_gaps import Hole, OffsetGapGuard, find_hole
 from daemon.service import Daemon
 from daemon.settings import Settings
-from tests.daemon.daemon_stubs import MODEL, K, RecordingConsumer
+from tests.support.daemon_stubs import MODEL, K, RecordingConsumer
 
 # ------------------------------------------------------------------ the pure guard
 
@@ -144,11 +144,11 @@ def run_loop(policy: str, hidden_for: int, grace: float = 2.0) -> tuple[Daemon, 
                  models={MODEL: {"k": K}})
     d = Daemon(s)
     tp = TopicPartition(s.kafka.topics.predictions, 0)
-    d.consumer = ScriptedLog(d, tp, hidden_for)
-    d.assigned = {tp}
-    d.positions[(tp.topic, 0)] = 0
+    d.clients.consumer = ScriptedLog(d, tp, hidden_for)
+    d.partitions.assign({tp})
+    d.partitions.ensure(0).seek(tp.topic, 0)
     asyncio.run(asyncio.wait_for(d.main_loop(), 10))
-    return d, d.consumer
+    return d, d.clients.consumer
 
 
 def gaps(d: Daemon, resolution: str) -> float:
@@ -159,22 +159,73 @@ def gaps(d: Daemon, resolution: str) -> float:
 def test_refetch_reads_the_hidden_batch_again_and_loses_nothing():
     d, c = run_loop("refetch", hidden_for=1)
     assert c.seeks == [10]                       # back to the hole, once
-    assert d.models[MODEL].samples_total == N    # every sample...
+    assert d.registry.slots[MODEL].state.samples_total == N    # every sample...
     assert not d.metrics.registry.get_sample_value(  # ...none offered twice (20..29)
         "lpcal_join_unmatched_total", {"model": MODEL, "kind": "duplicate"})
     assert (gaps(d, "filled"), gaps(d, "skipped")) == (1, 0)
-    assert d.positions[(c.tp.topic, 0)] == N
+    assert d.partitions.position(c.tp.topic, 0) == N
 
 
 def test_refetch_gives_up_on_a_hole_that_never_fills():
     d, c = run_loop("refetch", hidden_for=10**9, grace=0.05)
     assert len(c.seeks) >= 2 and set(c.seeks) == {10}
-    assert d.models[MODEL].samples_total == N - len(HIDDEN)
+    assert d.registry.slots[MODEL].state.samples_total == N - len(HIDDEN)
     assert (gaps(d, "filled"), gaps(d, "skipped")) == (0, 1)
 
 
 def test_count_policy_goes_on_and_counts_the_hole():
     d, c = run_loop("count", hidden_for=1)
     assert c.seeks == []
-    assert d.models[MODEL].samples_total == N - len(HIDDEN)  # what a broker fault costs
+    assert d.registry.slots[MODEL].state.samples_total == N - len(HIDDEN)  # what a broker fault costs
     assert (gaps(d, "filled"), gaps(d, "skipped")) == (0, 1)
+
+
+# ------------------------------------------------------------------ Ingest with a given clock
+
+def test_ingest_reads_a_hole_again_until_its_grace_period_ends_on_the_given_clock():
+    """``Ingest.up_to_hole`` with the offset-gap guard's time from an injected clock: before
+    the grace period it seeks back to the hole and keeps the records before it; after it, it
+    goes on with the whole batch and counts the hole as skipped."""
+    import asyncio
+
+    from daemon.clients import KafkaClients
+    from daemon.events import EventParser
+    from daemon.ingest import DeadLetters, Ingest
+    from daemon.metrics import DaemonMetrics
+    from daemon.partitions import PartitionTable
+    from daemon.registry import ModelRegistry
+
+    s = Settings(kafka={"offset_gaps": "refetch", "offset_gap_grace_seconds": 2.0})
+    metrics = DaemonMetrics(max_models=s.max_models)
+    parser = EventParser.from_settings(s)
+    clients = KafkaClients(s, metrics, asyncio.Event())
+    seeks = []
+
+    class Seeking(RecordingConsumer):
+        def seek(self, tp, offset):
+            seeks.append(offset)
+
+    clients.consumer = Seeking()
+    table = PartitionTable.from_settings(s)
+    now = [100.0]
+    ingest = Ingest(s, ModelRegistry(s, metrics, parser), table, parser, metrics, clients,
+                    DeadLetters(clients, metrics, "dl"), clock=lambda: now[0])
+    tp = TopicPartition(s.kafka.topics.predictions, 0)
+    table.ensure(0).seek(tp.topic, 0)
+
+    class Rec:
+        def __init__(self, offset):
+            self.offset = offset
+
+    batch = [Rec(o) for o in (0, 1, 2, 6, 7)]  # 3..5 missing
+    assert [r.offset for r in ingest.up_to_hole(tp, batch)] == [0, 1, 2] and seeks == [3]
+    now[0] += 1.9  # within the grace period: read again
+    assert [r.offset for r in ingest.up_to_hole(tp, batch)] == [0, 1, 2] and seeks == [3, 3]
+    now[0] += 0.2  # past it: go on without 3..5
+    assert ingest.up_to_hole(tp, batch) is batch and seeks == [3, 3]
+    assert gaps_of(metrics, "skipped") == 1
+
+
+def gaps_of(metrics, resolution: str) -> float:
+    return metrics.registry.get_sample_value(
+        "lpcal_input_offset_gaps_total", {"topic": "predictions", "resolution": resolution})

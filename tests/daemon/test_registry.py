@@ -11,7 +11,7 @@ from daemon import retry
 from daemon.events import EventParser
 from daemon.metrics import DaemonMetrics
 from daemon.registry import Inflight, ModelRegistry
-from tests.daemon.daemon_stubs import MODEL, K, small_settings, state_with_sealed
+from tests.support.daemon_stubs import MODEL, K, small_settings, state_with_sealed
 
 
 @pytest.fixture
@@ -22,11 +22,21 @@ def reg():
 
 def test_views_follow_the_slots(reg):
     st = reg.create(MODEL, K, 2)
-    assert reg.models[MODEL] is st and reg.partition_of == {MODEL: 2}
-    assert MODEL not in reg.inflight and not reg.inflight and reg.prefitted[MODEL] == 0
-    reg.slots[MODEL].inflight = inf = Inflight(st.pools, "manual", 1)
-    assert reg.inflight == {MODEL: inf} and [i.model for i in reg.snapshot()] == [MODEL]
+    slot = reg.get(MODEL)
+    assert reg.states() == {MODEL: st} and slot.partition == 2
+    assert not reg.fitting() and slot.prefitted == 0 and slot.event_time is None
+    slot.inflight = inf = Inflight(st.pools, "manual", 1)
+    assert reg.fitting() == {MODEL: inf} and [i.model for i in reg.snapshot()] == [MODEL]
     assert reg.snapshot()[0].fit_in_flight
+
+
+def test_place_puts_a_prepared_state_without_metrics(reg):
+    st = state_with_sealed(reg.s, 0)
+    slot = reg.place(MODEL, st, 3)
+    assert reg.get(MODEL) is slot and (slot.state, slot.partition) == (st, 3)
+    assert not reg.dirty and not reg.gauges_due
+    other = state_with_sealed(reg.s, 1)
+    assert reg.place(MODEL, other, 1) is slot and (slot.state, slot.partition) == (other, 1)
 
 
 def exported(reg, st) -> None:
@@ -44,7 +54,7 @@ def test_park_then_unpark_keeps_the_state_further_along(reg):
     older.advance_offsets("p", 1, 5)
     reg.restore(MODEL, older, 1, sample_rate=1.0, inflight=None, prefitted=0, dirty=False)
     reg.unpark({1})
-    assert reg.models[MODEL] is st and MODEL in reg.dirty and not reg.parked
+    assert reg.get(MODEL).state is st and MODEL in reg.dirty and not reg.parked
 
 
 def test_release_without_park_drops(reg):

@@ -160,9 +160,9 @@ def _daemon_run(s: Settings, values: dict[str, list[bytes]]):
     d = Daemon(s)
     for topic, vals in values.items():
         tp = TopicPartition(topic, 0)
-        d.assigned.add(tp)
+        d.partitions.assigned.add(tp)
         for lo in range(0, len(vals), 500):  # several batches: the prefilter takes over
-            d._process(tp, [Msg(v, lo + i) for i, v in enumerate(vals[lo:lo + 500])])
+            d.ingest.process(tp, [Msg(v, lo + i) for i, v in enumerate(vals[lo:lo + 500])])
     return d
 
 
@@ -187,7 +187,7 @@ def test_daemon_counts_sampled_out_events_per_topic(path):
                                     {"model": MODEL, "topic": topic}) == dropped
     assert reg.get_sample_value("lpcal_joined_samples_total", {"model": MODEL}) == \
         len(ids) - dropped
-    st = d.models[MODEL]
+    st = d.registry.slots[MODEL].state
     assert st.join.pending(MODEL) == 0
     # the same pools on both paths and against the reference (ModelState.offer alone)
     ref = state(s)
@@ -195,7 +195,7 @@ def test_daemon_counts_sampled_out_events_per_topic(path):
         for mb in EventParser.from_settings(s).parse_batch(vals).by_model.values():
             ref.offer(mb)
     assert st.filling.to_dict() == ref.filling.to_dict()
-    assert d._sampled == {0: {MODEL: RATE}}
+    assert d.partitions.get(0).sampled == {MODEL: RATE}
 
 
 def _window(rate: float, events: int, seed: int = 7):
@@ -321,12 +321,12 @@ def test_configured_hot_model_sampled_from_its_first_batch_and_only_on_its_parti
         parse = d.parser.parse_batch
         d.parser.parse_batch = lambda values, ts=None: parsed.append(len(values)) or parse(values,
                                                                                           ts)
-        d._deadletter = lambda tp, msg, reason: dead.append((tp.partition, msg.offset, reason))
+        d.deadletters.put = lambda tp, msg, reason: dead.append((tp.partition, msg.offset, reason))
         tp0, tp1 = TopicPartition(s.kafka.topics.predictions, 0), \
             TopicPartition(s.kafka.topics.outcomes, 1)
-        d.assigned |= {tp0, tp1}
-        d._process(tp0, [Msg(v, i) for i, v in enumerate(preds)])
-        d._process(tp1, [Msg(v, i) for i, v in enumerate(stray)])
+        d.partitions.assigned |= {tp0, tp1}
+        d.ingest.process(tp0, [Msg(v, i) for i, v in enumerate(preds)])
+        d.ingest.process(tp1, [Msg(v, i) for i, v in enumerate(stray)])
         return d, parsed, dead
 
     if path == "python":
@@ -341,6 +341,6 @@ def test_configured_hot_model_sampled_from_its_first_batch_and_only_on_its_parti
                                 {"model": MODEL, "topic": "predictions"}) == dropped
     assert not reg.get_sample_value("lpcal_events_sampled_out_total",
                                     {"model": MODEL, "topic": "outcomes"})
-    assert d.partition_of == {MODEL: 0} and d.models[MODEL].join.pending(MODEL) == \
-        len(ids) - dropped
+    assert {m: slot.partition for m, slot in d.registry.slots.items()} == {MODEL: 0}
+    assert d.registry.slots[MODEL].state.join.pending(MODEL) == len(ids) - dropped
     assert dead == [(1, i, "bad_schema") for i in range(len(stray))]

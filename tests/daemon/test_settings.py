@@ -240,14 +240,14 @@ def test_consumer_settings_reach_the_input_consumer(isolated):
 
     s = Settings(kafka={"session_timeout_ms": 4000, "heartbeat_interval_ms": 500,
                         "fetch_max_wait_ms": 37, "max_message_bytes": 4 << 20})
-    opts = Daemon(s).consumer_options()
+    opts = Daemon(s).clients.consumer_options()
     assert (opts["session_timeout_ms"], opts["heartbeat_interval_ms"],
             opts["fetch_max_wait_ms"]) == (4000, 500, 37)
     assert opts["max_partition_fetch_bytes"] == 4 << 20
     assert opts["partition_assignment_strategy"] == (RangePartitionAssignor,)
     d = Settings().kafka
-    assert Daemon(Settings()).consumer_options()["fetch_max_wait_ms"] == d.fetch_max_wait_ms
-    assert Daemon(s, consumer_options={"session_timeout_ms": 2000}).consumer_options()[
+    assert Daemon(Settings()).clients.consumer_options()["fetch_max_wait_ms"] == d.fetch_max_wait_ms
+    assert Daemon(s, consumer_options={"session_timeout_ms": 2000}).clients.consumer_options()[
         "session_timeout_ms"] == 2000
 
 

@@ -245,7 +245,7 @@ async def test_read_compacted_latest_missing_topic(broker, topic_prefix):
 @integration
 async def test_read_compacted_latest_reports_where_each_value_was_read(broker, topic_prefix):
     """The checkpoint store's reader (positions for its log lines) is this same read."""
-    from daemon.checkpoint_store import read_latest_with_positions
+    from daemon.checkpoint.store import read_latest_with_positions
 
     topic = f"{topic_prefix}.state"
     await ensure_topics(broker.bootstrap, [TopicSpec(topic, 1, configs=COMPACT)])

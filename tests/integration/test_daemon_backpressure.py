@@ -8,7 +8,7 @@ its oldest entry was dropped, so the restarted run published 7 versions where th
 run published 8, and versions 4-7 differed.
 
 Here a backlog of many epochs is on the topic before the daemon starts and every fit is slowed
-(``daemon.service.fit_pools`` wrapped with a sleep in the worker thread), so ingest is far
+(the daemon's ``fit`` wrapped with a sleep in the worker thread), so ingest is far
 faster than fits. The published versions must be exactly 1..E for the E epochs an offline
 :class:`daemon.model_state.ModelState` seals from the same stream, each equal to the offline fit
 of that epoch; the partition must have been paused, the waiting queue bounded, and ingest
@@ -26,15 +26,12 @@ import time
 import orjson
 import pytest
 
-from daemon import service
 from daemon.events import EventParser
+from daemon.fitting import fit_seed
 from daemon.model_state import MAX_SEALED, ModelState
 from lpcal.calibrate import fit_pools
 from tests.support.daemon_harness import (
     EventProducer,
-    TopicNames,
-    build_settings,
-    create_topics,
     daemon_config,
     free_port,
     metric_value,
@@ -68,14 +65,13 @@ def _offline_epochs(settings, values: list[bytes]) -> list:
 
 
 async def test_backlog_faster_than_fits_pauses_ingest_and_fits_every_epoch(
-        broker, topic_prefix, tmp_path, monkeypatch):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, partitions=1)
+        deployment, broker, monkeypatch):
+    names = await deployment.topics(1)
     cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=1,
                         defaults={"pool": POOL, "mu_pool": 2 * POOL, "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0,
                                   "mode": "paper"},  # about backpressure, not the fit mode
                         models={MODEL: {"k": K}})
-    settings = build_settings(cfg, tmp_path)
+    settings = deployment.settings(cfg)
     per_epoch = sum(ModelState.create(MODEL, K, settings.model_settings(MODEL),
                                       settings.join).layout.targets.values())
     ids, probs, labels = synth_samples(per_epoch * (3 * MAX_SEALED + 2), K, 7, MODEL)
@@ -88,55 +84,52 @@ async def test_backlog_faster_than_fits_pauses_ingest_and_fits_every_epoch(
             await prod.raw(names.predictions, v, MODEL)
         await prod.flush()
 
-    real_fit = service.fit_pools
-
     def slow_fit(*a, **kw):
         time.sleep(FIT_DELAY)
-        return real_fit(*a, **kw)
+        return fit_pools(*a, **kw)
 
-    monkeypatch.setattr(service, "fit_pools", slow_fit)
     seen = {"max_waiting": 0, "paused": False, "restored_waiting": 0}
 
     def watcher(d, first: bool):
         async def watch():
             while True:
-                st = d.models.get(MODEL)
+                st = d.registry.states().get(MODEL)
                 if st is not None:
                     if not first and not seen["restored_waiting"]:
                         seen["restored_waiting"] = len(st.sealed)
                     seen["max_waiting"] = max(seen["max_waiting"], len(st.sealed))
-                    seen["paused"] |= bool(d.throttled)
+                    seen["paused"] |= bool(d.partitions.paused())
                 await asyncio.sleep(0.005)
         return asyncio.create_task(watch())
 
     # 1) stop (like SIGTERM) while paused with a backlog of sealed epochs: they are checkpointed
-    async with running_daemon(settings) as rd:
+    async with running_daemon(settings, fit=slow_fit) as rd:
         d = rd.daemon
         w = watcher(d, True)
         try:
-            await wait_until(lambda: d.throttled and 1 <= d.models[MODEL].binmap_version
-                             < len(epochs) - MAX_SEALED, 60, "paused with epochs waiting",
-                             diag=rd.describe)
+            await wait_until(lambda: d.partitions.paused() and 1 <= d.registry.slots[
+                MODEL].state.binmap_version < len(epochs) - MAX_SEALED, 60,
+                "paused with epochs waiting", diag=rd.describe)
         finally:
             w.cancel()
     # 2) a new daemon restores that backlog on a paused partition (no new events arrive to
     #    wake the model up) and must still fit every epoch, then resume
-    async with running_daemon(settings) as rd:
+    async with running_daemon(settings, fit=slow_fit) as rd:
         d = rd.daemon
         w = watcher(d, False)
         try:
             def done():
-                st = d.models.get(MODEL)
+                st = d.registry.states().get(MODEL)
                 return (st is not None and st.samples_total == len(values)
-                        and st.binmap_version == len(epochs) and MODEL not in d.inflight)
+                        and st.binmap_version == len(epochs) and MODEL not in d.registry.fitting())
             await wait_until(done, 60 + 2 * FIT_DELAY * len(epochs),
                              f"{len(values)} samples and {len(epochs)} bin maps",
                              diag=rd.describe)
             await asyncio.sleep(0.3)  # a surplus fit would have started by now
-            st = d.models[MODEL]
+            st = d.registry.slots[MODEL].state
             assert st.binmap_version == len(epochs) and not st.sealed
-            assert MODEL not in d.inflight
-            assert not d.throttled  # resumed once the fits caught up
+            assert MODEL not in d.registry.fitting()
+            assert not d.partitions.paused()  # resumed once the fits caught up
             # the gauge follows within a gauge period (1 s), though the model is idle now
 
             async def gauge_drained():
@@ -161,7 +154,7 @@ async def test_backlog_faster_than_fits_pauses_ingest_and_fits_every_epoch(
     assert sorted(published) == list(range(1, len(epochs) + 1))
     spec = ModelState.create(MODEL, K, settings.model_settings(MODEL), settings.join).fit_spec
     for v, pools in enumerate(epochs, start=1):
-        bm = fit_pools(pools, spec, seed=service.fit_seed(MODEL, v), model_id=MODEL, version=v)
+        bm = fit_pools(pools, spec, seed=fit_seed(MODEL, v), model_id=MODEL, version=v)
         want = orjson.loads(bm.to_json())
         for key in ("created_at", "checksum"):
             want.pop(key)

@@ -15,11 +15,6 @@ import pytest
 
 from tests.support.daemon_harness import (
     EventProducer,
-    TopicNames,
-    build_settings,
-    create_topics,
-    daemon_config,
-    free_port,
     metric_value,
     read_deadletters,
     running_daemon,
@@ -39,14 +34,11 @@ def _alive(rd):
         raise RuntimeError("daemon ended")
 
 
-async def test_future_ts_is_dead_lettered_and_pending_joins_survive(broker, topic_prefix,
-                                                                    tmp_path):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(),
-                        defaults={"k": 3, "pool": 10 ** 6, "mu_pool": 10 ** 6,
-                                  "window_seconds": 3600.0})
-    settings = build_settings(cfg, tmp_path)
+async def test_future_ts_is_dead_lettered_and_pending_joins_survive(deployment, broker):
+    names = await deployment.topics(1)
+    cfg = deployment.config(defaults={"k": 3, "pool": 10 ** 6, "mu_pool": 10 ** 6,
+                                      "window_seconds": 3600.0})
+    settings = deployment.settings(cfg)
     ids, probs, labels = synth_samples(N, 3, 5, "m")
     poison = orjson.dumps({"model": "m", "id": "poison", "ts": 1e12,
                            "probs": [0.2, 0.3, 0.5], "label": 1})
@@ -58,18 +50,18 @@ async def test_future_ts_is_dead_lettered_and_pending_joins_survive(broker, topi
 
             def consumed():
                 _alive(rd)
-                return rd.daemon.positions.get((names.predictions, 0)) == N + 1
+                return rd.daemon.partitions.position(names.predictions, 0) == N + 1
             await wait_until(consumed, 30, "predictions and the poison consumed",
                              diag=rd.describe)
-            assert rd.daemon.models["m"].join.pending("m") == N
+            assert rd.daemon.registry.slots["m"].state.join.pending("m") == N
             await prod.samples(names, "m", ids, probs, labels, ts0=TS0, predictions=False)
             await prod.flush()
 
         def joined():
             _alive(rd)
-            return rd.daemon.models["m"].samples_total == N
+            return rd.daemon.registry.slots["m"].state.samples_total == N
         await wait_until(joined, 30, f"{N} samples joined", diag=rd.describe)
-        st = rd.daemon.models["m"]
+        st = rd.daemon.registry.slots["m"].state
         samples = await scrape_metrics(rd.url)
         assert metric_value(samples, "lpcal_events_invalid_total",
                             reason="ts_out_of_range") == 1
@@ -79,20 +71,18 @@ async def test_future_ts_is_dead_lettered_and_pending_joins_survive(broker, topi
                             model="m", reason="ttl") == 0
         assert st.monitor.window_size() == N
         bound = TS0 + N + 60
-        assert rd.daemon.event_time["m"] <= bound
+        assert rd.daemon.registry.slots["m"].event_time <= bound
         assert max(st.join.clock, *st.join.wm, st.monitor.clock) <= bound
     dls = await read_deadletters(broker.bootstrap, names.deadletter)
     assert [(d.reason, d.source_offset) for d in dls] == [("ts_out_of_range", N)]
 
 
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned_k", "learned_k"])
-async def test_outcomes_first_join_across_a_restart(broker, topic_prefix, tmp_path, pinned):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(),
-                        defaults={"k": 3 if pinned else None, "pool": 10 ** 6,
-                                  "mu_pool": 10 ** 6})
-    settings = build_settings(cfg, tmp_path)
+async def test_outcomes_first_join_across_a_restart(deployment, broker, pinned):
+    names = await deployment.topics(1)
+    cfg = deployment.config(defaults={"k": 3 if pinned else None, "pool": 10 ** 6,
+                                      "mu_pool": 10 ** 6})
+    settings = deployment.settings(cfg)
     n = 300
     ids, probs, labels = synth_samples(n, 3, 9, "o")
     async with running_daemon(settings) as rd:
@@ -102,21 +92,21 @@ async def test_outcomes_first_join_across_a_restart(broker, topic_prefix, tmp_pa
 
         def waiting():
             _alive(rd)
-            st = rd.daemon.models.get("m")
+            st = rd.daemon.registry.states().get("m")
             return st is not None and st.join.pending("m") == n
         await wait_until(waiting, 30, f"{n} outcomes waiting", diag=rd.describe)
-        assert rd.daemon.models["m"].k == (3 if pinned else 0)
+        assert rd.daemon.registry.slots["m"].state.k == (3 if pinned else 0)
     async with running_daemon(settings) as rd:  # restored from the shutdown checkpoint
-        assert rd.daemon.models["m"].join.pending("m") == n
+        assert rd.daemon.registry.slots["m"].state.join.pending("m") == n
         async with EventProducer(broker.bootstrap) as prod:
             await prod.samples(names, "m", ids, probs, labels, ts0=TS0, outcomes=False)
             await prod.flush()
 
         def joined():
             _alive(rd)
-            return rd.daemon.models["m"].samples_total == n
+            return rd.daemon.registry.slots["m"].state.samples_total == n
         await wait_until(joined, 30, f"{n} samples joined", diag=rd.describe)
-        st = rd.daemon.models["m"]
+        st = rd.daemon.registry.slots["m"].state
         assert st.k == 3 and st.join.pending("m") == 0
         samples = await scrape_metrics(rd.url)
         assert metric_value(samples, "lpcal_joined_samples_total", model="m") == n

@@ -15,11 +15,6 @@ from daemon.model_state import ModelState
 from lpcal.binmap import BinMap
 from tests.support.daemon_harness import (
     EventProducer,
-    TopicNames,
-    build_settings,
-    create_topics,
-    daemon_config,
-    free_port,
     http_get,
     http_post,
     metric_value,
@@ -58,15 +53,13 @@ def _one_epoch_samples(settings, model: str, seed: int):
     raise AssertionError(f"no sample count gives exactly one epoch for {st.layout.targets}")
 
 
-async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
-        broker, topic_prefix, tmp_path):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, partitions=2)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
-                        admin_token=TOKEN, defaults={"pool": POOL, "mu_pool": POOL,
-                                                     "holdout": HOLDOUT, "warmup": WARMUP},
-                        models={"flow-a": {"k": 3}, "flow-b": {"k": 4}})
-    settings = build_settings(cfg, tmp_path)
+async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(deployment, broker):
+    names = await deployment.topics(2)
+    cfg = deployment.config(partitions=2, admin_token=TOKEN,
+                            defaults={"pool": POOL, "mu_pool": POOL, "holdout": HOLDOUT,
+                                      "warmup": WARMUP},
+                            models={"flow-a": {"k": 3}, "flow-b": {"k": 4}})
+    settings = deployment.settings(cfg)
     assert settings.defaults.mode == "certified"  # the default mode, end to end
     data = {m: _one_epoch_samples(settings, m, seed) for seed, m in enumerate(("flow-a",
                                                                              "flow-b"))}
@@ -88,9 +81,9 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
             await prod.flush()
 
         def done():
-            ms = rd.daemon.models
+            ms = rd.daemon.registry.states()
             return all(m in ms and ms[m].samples_total == n[m] and ms[m].binmap_version >= 1
-                       and m not in rd.daemon.inflight for m in data)
+                       and m not in rd.daemon.registry.fitting() for m in data)
         await wait_until(done, 30, f"{n} joined samples and bin map v1 for both models",
                          diag=rd.describe)
 
@@ -158,9 +151,9 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
         async with EventProducer(broker.bootstrap) as prod:
             await prod.samples(names, "flow-a", ids, probs, labels)
             await prod.flush()
-        await wait_until(lambda: rd.daemon.models["flow-a"].samples_total == n["flow-a"]
+        await wait_until(lambda: rd.daemon.registry.slots["flow-a"].state.samples_total == n["flow-a"]
                          + len(ids), 30, "the extra samples of flow-a", diag=rd.describe)
-        assert not rd.daemon.models["flow-a"].filling.warming
+        assert not rd.daemon.registry.slots["flow-a"].state.filling.warming
 
         # ---- manual trigger: bearer token required
         path = "/v1/models/flow-a/recalibrate"
@@ -176,7 +169,7 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(
         st, body = await http_post(url, path, headers={"Authorization": f"Bearer {TOKEN}"})
         assert st == 202, body
 
-        await wait_until(lambda: rd.daemon.models["flow-a"].binmap_version == 2, 15,
+        await wait_until(lambda: rd.daemon.registry.slots["flow-a"].state.binmap_version == 2, 15,
                          "manual recalibration of flow-a -> version 2", diag=rd.describe)
         maps2 = await wait_until(
             lambda: _maps_with(broker, names, {"flow-a": 2, "flow-b": 1}), 15,
@@ -227,15 +220,14 @@ def _bad_events(k: int) -> list[tuple[str, bytes, str]]:
 
 
 async def test_malformed_events_are_deadlettered_with_reason_and_valid_ones_joined(
-        broker, topic_prefix, tmp_path):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, partitions=2)
+        deployment, broker):
+    names = await deployment.topics(2)
     big = 10 ** 6  # no fit in this test
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
-                        defaults={"pool": big, "mu_pool": big, "normalize": "reject"},
-                        models={"dl-a": {"k": 3}, "dl-b": {"k": 2}},
-                        unknown_models="reject", kafka={"max_message_bytes": 1024})
-    settings = build_settings(cfg, tmp_path)
+    cfg = deployment.config(partitions=2,
+                            defaults={"pool": big, "mu_pool": big, "normalize": "reject"},
+                            models={"dl-a": {"k": 3}, "dl-b": {"k": 2}}, unknown_models="reject",
+                            kafka={"max_message_bytes": 1024})
+    settings = deployment.settings(cfg)
     bad = _bad_events(3)
     assert len(bad[9][1]) > 1024
     n = 240
@@ -264,7 +256,7 @@ async def test_malformed_events_are_deadlettered_with_reason_and_valid_ones_join
         assert j >= len(bad)
 
         def joined():
-            ms = rd.daemon.models
+            ms = rd.daemon.registry.states()
             return all(m in ms and ms[m].samples_total >= n for m in data)
         await wait_until(joined, 30, f"{n} joined samples per model", diag=rd.describe)
         want = sum(expected.values())
@@ -291,26 +283,23 @@ async def test_malformed_events_are_deadlettered_with_reason_and_valid_ones_join
         assert sum(v for (nm, _), v in mx.items() if nm == "lpcal_events_invalid_total") == want
         assert metric_value(mx, "lpcal_deadletter_published_total") == want
         for m in data:
-            assert rd.daemon.models[m].samples_total == n
+            assert rd.daemon.registry.slots[m].state.samples_total == n
             assert metric_value(mx, "lpcal_joined_samples_total", model=m) == n
-        assert "nobody" not in rd.daemon.models
+        assert "nobody" not in rd.daemon.registry.states()
 
 
-async def test_backlog_present_at_start_is_consumed_exactly_once(broker, topic_prefix,
-                                                                 tmp_path):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, partitions=1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(),
-                        defaults={"pool": 10 ** 6, "mu_pool": 10 ** 6})
-    settings = build_settings(cfg, tmp_path)
+async def test_backlog_present_at_start_is_consumed_exactly_once(deployment, broker):
+    names = await deployment.topics(1)
+    cfg = deployment.config(defaults={"pool": 10 ** 6, "mu_pool": 10 ** 6})
+    settings = deployment.settings(cfg)
     n = 3000
     ids, probs, labels = synth_samples(n, 3, 3, "bl")
     async with EventProducer(broker.bootstrap) as prod:
         await prod.samples(names, "bl", ids, probs, labels)
         await prod.flush()
     async with running_daemon(settings) as rd:
-        await wait_until(lambda: "bl" in rd.daemon.models
-                         and rd.daemon.models["bl"].samples_total >= n, 20,
+        await wait_until(lambda: "bl" in rd.daemon.registry.states()
+                         and rd.daemon.registry.slots["bl"].state.samples_total >= n, 20,
                          "backlog joined", diag=rd.describe)
         await asyncio.sleep(1.0)
         mx = await scrape_metrics(rd.url)
@@ -318,5 +307,5 @@ async def test_backlog_present_at_start_is_consumed_exactly_once(broker, topic_p
                     for t in ("predictions", "outcomes")}
         dup = metric_value(mx, "lpcal_join_unmatched_total", model="bl", kind="duplicate",
                            default=0.0)
-        assert rd.daemon.models["bl"].samples_total == n
+        assert rd.daemon.registry.slots["bl"].state.samples_total == n
         assert consumed == {"predictions": n, "outcomes": n} and dup == 0, (consumed, dup)

@@ -18,10 +18,6 @@ from tests.support.daemon_harness import (
     EventProducer,
     RunningDaemon,
     TopicNames,
-    build_settings,
-    create_topics,
-    daemon_config,
-    free_port,
     read_state,
     start_daemon,
     synth_samples,
@@ -41,11 +37,11 @@ def partition_of(model: str) -> int:
 
 
 def _owned(rd: RunningDaemon) -> dict[str, int]:
-    return {m: st.samples_total for m, st in rd.daemon.models.items()}
+    return {m: st.samples_total for m, st in rd.daemon.registry.states().items()}
 
 
 def _parts(rd: RunningDaemon) -> set[tuple[str, int]]:
-    return {(tp.topic, tp.partition) for tp in rd.daemon.assigned}
+    return {(tp.topic, tp.partition) for tp in rd.daemon.partitions.assigned}
 
 
 class Traffic:
@@ -82,15 +78,13 @@ class Traffic:
                     await asyncio.sleep(pause)
 
 
-async def _run(broker, topic_prefix, tmp_path, *, quiescent: bool) -> None:
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, PARTITIONS)
+async def _run(deployment, *, quiescent: bool) -> None:
+    names = await deployment.topics(PARTITIONS)
     assert {partition_of(m) for m in MODELS} == set(range(PARTITIONS))
-    group = f"{topic_prefix}-group"
-    settings = [build_settings(daemon_config(
-        broker.bootstrap, names, http_port=free_port(), group_id=group, partitions=PARTITIONS,
-        defaults={"pool": 10 ** 6, "mu_pool": 10 ** 6},
-        state={"checkpoint_interval_seconds": 1.0}), tmp_path, f"replica-{r}") for r in "AB"]
+    group = f"{names.predictions}-group"
+    settings = [deployment.settings(deployment.config(
+        group_id=group, partitions=PARTITIONS, defaults={"pool": 10 ** 6, "mu_pool": 10 ** 6},
+        state={"checkpoint_interval_seconds": 1.0}), f"replica-{r}") for r in "AB"]
     traffic = Traffic(names)
     all_parts = {(t, p) for t in (names.predictions, names.outcomes) for p in range(PARTITIONS)}
     a = await start_daemon(settings[0])
@@ -110,12 +104,12 @@ async def _run(broker, topic_prefix, tmp_path, *, quiescent: bool) -> None:
 
         # ---- phase 1 with A alone, then B joins (rebalance)
         if quiescent:
-            await traffic.send_phase(broker.bootstrap)
+            await traffic.send_phase(deployment.bootstrap)
             await wait_until(lambda: totals_match(a), 20, "A consumed phase 1", diag=diag)
             await asyncio.sleep(1.5)  # a checkpoint with everything
             b = await start_daemon(settings[1])
         else:  # B joins while phase 1 streams in (~5 s of small bursts)
-            sending = asyncio.create_task(traffic.send_phase(broker.bootstrap, chunks=25,
+            sending = asyncio.create_task(traffic.send_phase(deployment.bootstrap, chunks=25,
                                                              pause=0.2))
             await asyncio.sleep(1.0)
             b = await start_daemon(settings[1])
@@ -129,7 +123,7 @@ async def _run(broker, topic_prefix, tmp_path, *, quiescent: bool) -> None:
         await wait_until(lambda: totals_match(a, b), 20, "phase 1 joined across A and B",
                          diag=diag)
         # ---- phase 2 while both run: the models are split between A and B
-        await traffic.send_phase(broker.bootstrap)
+        await traffic.send_phase(deployment.bootstrap)
         await wait_until(lambda: totals_match(a, b), 20, "phase 2 joined across A and B",
                          diag=diag)
         owned_a, owned_b = set(_owned(a)), set(_owned(b))
@@ -137,14 +131,14 @@ async def _run(broker, topic_prefix, tmp_path, *, quiescent: bool) -> None:
         assert owned_a | owned_b == set(MODELS), diag()
         for rd, owned in ((a, owned_a), (b, owned_b)):
             assert {partition_of(m) for m in owned} == {p for _, p in _parts(rd)}, diag()
-            assert all(rd.daemon.partition_of[m] == partition_of(m) for m in owned)
+            assert all(rd.daemon.registry.slots[m].partition == partition_of(m) for m in owned)
 
         # ---- A leaves (rebalance back to B), phase 3 goes to B alone
         if quiescent:
             await asyncio.sleep(1.5)
             await a.stop(30)
         else:  # A leaves while phase 3 streams in
-            sending = asyncio.create_task(traffic.send_phase(broker.bootstrap, last=True,
+            sending = asyncio.create_task(traffic.send_phase(deployment.bootstrap, last=True,
                                                              chunks=25, pause=0.2))
             await asyncio.sleep(1.0)
             await a.stop(30)
@@ -152,15 +146,15 @@ async def _run(broker, topic_prefix, tmp_path, *, quiescent: bool) -> None:
         await wait_until(lambda: _parts(b) == all_parts and b.daemon.ready, 30,
                          "B owns every partition after A left", diag=diag)
         if quiescent:
-            await traffic.send_phase(broker.bootstrap, last=True)
+            await traffic.send_phase(deployment.bootstrap, last=True)
         await wait_until(lambda: totals_match(b), 20, "phase 3 joined by B", diag=diag)
         assert set(_owned(b)) == set(MODELS)
         for m in MODELS:
-            st = b.daemon.models[m]
+            st = b.daemon.registry.slots[m].state
             assert st.samples_total == traffic.joined[m] == 3 * PER_PHASE
             assert st.filling.total == 3 * PER_PHASE and st.join.pending(m) == 0
         await b.stop(30)
-        final = await read_state(broker.bootstrap, names.state)
+        final = await read_state(deployment.bootstrap, names.state)
         for m in MODELS:
             assert final.models[m].samples_total == 3 * PER_PHASE, final.summary()
             assert final.envelopes[m]["partition"] == partition_of(m)
@@ -174,14 +168,12 @@ async def _run(broker, topic_prefix, tmp_path, *, quiescent: bool) -> None:
                     rd.task.cancel()
 
 
-async def test_two_replicas_split_models_and_hand_over_when_idle(broker, topic_prefix,
-                                                                 tmp_path):
+async def test_two_replicas_split_models_and_hand_over_when_idle(deployment):
     """Rebalances while no input is pending: a replica joins, then one leaves."""
-    await _run(broker, topic_prefix, tmp_path, quiescent=True)
+    await _run(deployment, quiescent=True)
 
 
-async def test_two_replicas_split_models_and_hand_over_under_load(broker, topic_prefix,
-                                                                  tmp_path):
+async def test_two_replicas_split_models_and_hand_over_under_load(deployment):
     """Rebalances while input is pending: B joins right after phase 1 is produced, and
     phase 3 is produced while A is leaving."""
-    await _run(broker, topic_prefix, tmp_path, quiescent=False)
+    await _run(deployment, quiescent=False)

@@ -23,15 +23,14 @@ import orjson
 import pytest
 from aiokafka.partitioner import murmur2
 
-from daemon.checkpoint_store import COMPRESSED
+from daemon.checkpoint.envelope import ENVELOPE_FORMAT
+from daemon.checkpoint.store import COMPRESSED
 from daemon.model_state import ModelState
-from daemon.service import ENVELOPE_FORMAT
 from tests.support.daemon_harness import (
     EventProducer,
     SubprocessDaemon,
     TopicNames,
     build_settings,
-    create_topics,
     daemon_config,
     free_port,
     http_get,
@@ -74,12 +73,11 @@ async def _send(names: TopicNames, bootstrap: str, model: str, n: int, k: int = 
 
 
 async def test_checkpoint_under_another_models_key_is_skipped_not_a_crash_loop(
-        broker, topic_prefix, tmp_path, caplog):
+        deployment, broker, caplog):
     """Model ``ma``'s valid checkpoint stored under ``model/mb``."""
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), defaults={"k": 3})
-    settings = build_settings(cfg, tmp_path)
+    names = await deployment.topics(1)
+    cfg = deployment.config(defaults={"k": 3})
+    settings = deployment.settings(cfg)
     async with EventProducer(broker.bootstrap) as prod:
         await prod.raw(names.state, _envelope(_state(settings, "ma", 40)), "model/mb")
         await prod.flush()
@@ -91,11 +89,11 @@ async def test_checkpoint_under_another_models_key_is_skipped_not_a_crash_loop(
             if rd.task.done():
                 rd.task.result()
                 raise RuntimeError("daemon ended")
-            st = rd.daemon.models.get("mb")
+            st = rd.daemon.registry.states().get("mb")
             return st is not None and st.samples_total == 30
         await wait_until(consumed, 30, "mb's 30 samples joined", diag=rd.describe)
-        st = rd.daemon.models["mb"]
-        assert st.model == "mb" and "ma" not in rd.daemon.models
+        st = rd.daemon.registry.slots["mb"].state
+        assert st.model == "mb" and "ma" not in rd.daemon.registry.states()
         samples = await scrape_metrics(rd.url)
         assert _restores(samples, "wrong_model") == 1
         assert not rd.task.done()
@@ -103,14 +101,12 @@ async def test_checkpoint_under_another_models_key_is_skipped_not_a_crash_loop(
     assert f"{names.state}[0]@0" in text and "'ma'" in text, text[-3000:]
 
 
-async def test_unusable_state_values_and_manifests_cost_only_their_record(
-        broker, topic_prefix, tmp_path):
+async def test_unusable_state_values_and_manifests_cost_only_their_record(deployment, broker):
     """A state value ``[]``, a manifest offset that is not an integer, and other
     shapes; the good model on the same partition is restored and the partition consumed."""
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), defaults={"k": 3})
-    settings = build_settings(cfg, tmp_path)
+    names = await deployment.topics(1)
+    cfg = deployment.config(defaults={"k": 3})
+    settings = deployment.settings(cfg)
     good = _state(settings, "good", 25)
     bad_values = {"model/list": b"[]", "model/null": b"null", "model/str": b'"x"',
                   "model/num": b"1e999", "model/bytes": b"\xff\xfe",
@@ -131,7 +127,7 @@ async def test_unusable_state_values_and_manifests_cost_only_their_record(
     rd = await start_daemon(settings, ready_timeout=40)
     try:
         await _send(names, broker.bootstrap, "good", 20)
-        await wait_until(lambda: rd.daemon.models["good"].samples_total == 45, 30,
+        await wait_until(lambda: rd.daemon.registry.slots["good"].state.samples_total == 45, 30,
                          "good restored (25) and 20 more joined", diag=rd.describe)
         samples = await scrape_metrics(rd.url)
         assert _restores(samples, "restored") == 1
@@ -147,7 +143,7 @@ async def test_unusable_state_values_and_manifests_cost_only_their_record(
         await prod.raw(names.state, b"[]", "partition/0")
         await prod.flush()
     async with running_daemon(settings, ready_timeout=40) as rd:
-        assert rd.daemon.models["good"].samples_total >= 45
+        assert rd.daemon.registry.slots["good"].state.samples_total >= 45
 
 
 def _models_on_distinct_partitions(n: int, partitions: int) -> list[str]:
@@ -160,12 +156,11 @@ def _models_on_distinct_partitions(n: int, partitions: int) -> list[str]:
     return [out[p] for p in sorted(out)]
 
 
-async def test_rolling_update_restores_more_models_than_max_models(broker, topic_prefix,
-                                                                   tmp_path):
+async def test_rolling_update_restores_more_models_than_max_models(
+        deployment, broker, topic_prefix, tmp_path):
     """Failover: 2 replicas, 4 models, ``max_models = 2``; one replica leaves and
     the survivor restores all 4 (restored models are always admitted) and keeps consuming."""
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 4)
+    names = await deployment.topics(4)
     models = _models_on_distinct_partitions(4, 4)
     group = f"{topic_prefix}-g"
     settings = [build_settings(daemon_config(
@@ -178,8 +173,8 @@ async def test_rolling_update_restores_more_models_than_max_models(broker, topic
         b = await start_daemon(settings[1])
 
         def split():
-            pa = {tp.partition for tp in a.daemon.assigned}
-            pb = {tp.partition for tp in b.daemon.assigned}
+            pa = {tp.partition for tp in a.daemon.partitions.assigned}
+            pb = {tp.partition for tp in b.daemon.partitions.assigned}
             return (a.daemon.ready and b.daemon.ready and len(pa) == 2 and len(pb) == 2
                     and not pa & pb)
         await wait_until(split, 40, "A and B own 2 partitions each",
@@ -188,20 +183,20 @@ async def test_rolling_update_restores_more_models_than_max_models(broker, topic
             await _send(names, broker.bootstrap, m, 20)
 
         def all_seen():
-            owned = {**{m: s.samples_total for m, s in a.daemon.models.items()},
-                     **{m: s.samples_total for m, s in b.daemon.models.items()}}
+            owned = {**{m: s.samples_total for m, s in a.daemon.registry.states().items()},
+                     **{m: s.samples_total for m, s in b.daemon.registry.states().items()}}
             return owned == {m: 20 for m in models}
         await wait_until(all_seen, 30, "each replica joined its 2 models",
                          diag=lambda: f"A {a.describe()}\nB {b.describe()}")
-        assert len(a.daemon.models) == 2 and len(b.daemon.models) == 2
+        assert len(a.daemon.registry.states()) == 2 and len(b.daemon.registry.states()) == 2
         await asyncio.sleep(1.5)  # a periodic checkpoint
         await b.stop(30)
-        await wait_until(lambda: len(a.daemon.assigned) == 8 and a.daemon.ready, 40,
+        await wait_until(lambda: len(a.daemon.partitions.assigned) == 8 and a.daemon.ready, 40,
                          "A owns every partition and is ready after B left",
                          diag=a.describe)
         for m in models:
             await _send(names, broker.bootstrap, m, 10, seed=2, prefix="late")
-        await wait_until(lambda: {m: s.samples_total for m, s in a.daemon.models.items()}
+        await wait_until(lambda: {m: s.samples_total for m, s in a.daemon.registry.states().items()}
                          == {m: 30 for m in models}, 30, "A consumes all 4 models",
                          diag=a.describe)
         samples = await scrape_metrics(a.url)
@@ -213,7 +208,7 @@ async def test_rolling_update_restores_more_models_than_max_models(broker, topic
             s = await scrape_metrics(a.url)
             return metric_value(s, "lpcal_events_invalid_total", reason="unknown_model") >= 10
         await wait_until(refused, 30, "the new model's 10 events refused", diag=a.describe)
-        assert "roll-new" not in a.daemon.models
+        assert "roll-new" not in a.daemon.registry.states()
     finally:
         for rd in (a, b):
             if rd is not None and not rd.task.done():
@@ -224,30 +219,28 @@ async def test_rolling_update_restores_more_models_than_max_models(broker, topic
                     rd.task.cancel()
 
 
-async def test_failing_assignment_is_retried_then_healthz_fails(broker, topic_prefix,
-                                                                tmp_path):
+async def test_failing_assignment_is_retried_then_healthz_fails(deployment):
     """Invariant: an assignment that fails anyway is retried with backoff (the partitions
     stay paused meanwhile) and, while it keeps failing past a bound, ``/healthz`` is 503."""
     from daemon.service import Daemon
     from tests.support.daemon_harness import FAST_CONSUMER, RunningDaemon
 
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), defaults={"k": 3})
-    settings = build_settings(cfg, tmp_path)
+    await deployment.topics(1)
+    cfg = deployment.config(defaults={"k": 3})
+    settings = deployment.settings(cfg)
 
     for fail_times, healthy in ((2, True), (10 ** 6, False)):
         d = Daemon(settings, consumer_options=dict(FAST_CONSUMER))
         d.assign_unhealthy_after = 3.0
         calls = {"n": 0}
-        real = d._adopt_published_binmaps
+        real = d.restorer.adopt_published_binmaps
 
         async def flaky(parts, real=real, calls=calls, fail_times=fail_times):
             calls["n"] += 1
             if calls["n"] <= fail_times:
                 raise RuntimeError("injected assignment failure")
             await real(parts)
-        d._adopt_published_binmaps = flaky
+        d.restorer.adopt_published_binmaps = flaky
         rd = RunningDaemon(d, asyncio.create_task(d.serve(install_signals=False)), settings)
         try:
             if healthy:
@@ -268,12 +261,10 @@ async def test_failing_assignment_is_retried_then_healthz_fails(broker, topic_pr
             await asyncio.wait_for(rd.task, 30)
 
 
-async def test_zlib_bomb_on_the_state_topic_keeps_memory_bounded(broker, topic_prefix,
-                                                                  tmp_path):
+async def test_zlib_bomb_on_the_state_topic_keeps_memory_bounded(deployment, broker, tmp_path):
     """1 MiB records that inflate to 1 GiB each, under a model key and a manifest
     key; the daemon (a subprocess) becomes ready, counts them, and its peak RSS stays low."""
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
+    names = await deployment.topics(1)
     bomb = COMPRESSED + zlib.compress(b"0" * (1 << 30), 9)
     assert len(bomb) < 1.1 * (1 << 20)
     async with EventProducer(broker.bootstrap) as prod:
@@ -281,7 +272,7 @@ async def test_zlib_bomb_on_the_state_topic_keeps_memory_bounded(broker, topic_p
             await prod.raw(names.state, bomb, key)
         await prod.flush()
     del bomb
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), defaults={"k": 3})
+    cfg = deployment.config(defaults={"k": 3})
     d = SubprocessDaemon(cfg, tmp_path).start()
     try:
         await d.wait_ready(90)
@@ -299,11 +290,10 @@ async def test_zlib_bomb_on_the_state_topic_keeps_memory_bounded(broker, topic_p
         d.stop_quietly()
 
 
-async def test_changed_k_and_eps_on_restore(broker, topic_prefix, tmp_path):
+async def test_changed_k_and_eps_on_restore(deployment, broker, tmp_path):
     """k 3 -> 4 discards the restored pools (no event dead-lettered as
     ``wrong_length``); then eps 0.1 -> 0.05 starts a new epoch with the new config."""
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
+    names = await deployment.topics(1)
     port = free_port()
 
     def settings(k: int, eps: float, name: str):
@@ -313,30 +303,30 @@ async def test_changed_k_and_eps_on_restore(broker, topic_prefix, tmp_path):
 
     async with running_daemon(settings(3, 0.1, "k3")) as rd:
         await _send(names, broker.bootstrap, "mk", 40, k=3)
-        await wait_until(lambda: "mk" in rd.daemon.models
-                         and rd.daemon.models["mk"].samples_total == 40, 30, "k=3 joined",
+        await wait_until(lambda: "mk" in rd.daemon.registry.states()
+                         and rd.daemon.registry.slots["mk"].state.samples_total == 40, 30, "k=3 joined",
                          diag=rd.describe)
         await asyncio.sleep(1.5)
     async with running_daemon(settings(4, 0.1, "k4")) as rd:
-        st = rd.daemon.models["mk"]
+        st = rd.daemon.registry.slots["mk"].state
         assert st.k == 4 and st.filling.total == 0 and st.binmap is None
         assert rd.daemon.parser.k["mk"] == 4
         await _send(names, broker.bootstrap, "mk", 30, k=4, seed=3, prefix="k4")
-        await wait_until(lambda: rd.daemon.models["mk"].filling.total == 30, 30,
+        await wait_until(lambda: rd.daemon.registry.slots["mk"].state.filling.total == 30, 30,
                          "k=4 events joined", diag=rd.describe)
         samples = await scrape_metrics(rd.url)
         assert metric_value(samples, "lpcal_events_invalid_total", reason="wrong_length") == 0
         assert _restores(samples, "k_changed") == 1
         await asyncio.sleep(1.5)
     async with running_daemon(settings(4, 0.05, "eps")) as rd:
-        st = rd.daemon.models["mk"]
+        st = rd.daemon.registry.slots["mk"].state
         assert st.k == 4 and st.fit_spec.eps == 0.05
         assert st.filling.total == 0 and st.fill_epoch >= 1
         assert st.filling.layout.lam == st.lam
         samples = await scrape_metrics(rd.url)
         assert _restores(samples, "config_changed") == 1
         await _send(names, broker.bootstrap, "mk", 10, k=4, seed=4, prefix="eps")
-        await wait_until(lambda: rd.daemon.models["mk"].filling.total == 10, 30,
+        await wait_until(lambda: rd.daemon.registry.slots["mk"].state.filling.total == 10, 30,
                          "events joined after the eps change", diag=rd.describe)
         samples = await scrape_metrics(rd.url)
         assert metric_value(samples, "lpcal_events_invalid_total", reason="wrong_length") == 0

@@ -33,9 +33,7 @@ from daemon.tools.simulate.traffic import TrafficGenerator
 from lpcal.binmap import BinMap
 from tests.support.daemon_harness import (
     RunningDaemon,
-    TopicNames,
     build_settings,
-    create_topics,
     daemon_config,
     free_port,
     metric_value,
@@ -71,9 +69,8 @@ async def _get(url: str, path: str, headers: dict | None = None
         return r.status, r.headers.copy(), await r.read()
 
 
-async def test_every_replica_serves_every_model(broker, topic_prefix, tmp_path):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, PARTITIONS)
+async def test_every_replica_serves_every_model(deployment, broker, topic_prefix, tmp_path):
+    names = await deployment.topics(PARTITIONS)
     group = f"{topic_prefix}-group"
     settings = [build_settings(daemon_config(
         broker.bootstrap, names, http_port=free_port(), group_id=group, partitions=PARTITIONS,
@@ -91,8 +88,8 @@ async def test_every_replica_serves_every_model(broker, topic_prefix, tmp_path):
             return "\n".join(rd.describe() for rd in replicas)
 
         def split():
-            pa = {tp.partition for tp in a.daemon.assigned}
-            pb = {tp.partition for tp in b.daemon.assigned}
+            pa = {tp.partition for tp in a.daemon.partitions.assigned}
+            pb = {tp.partition for tp in b.daemon.partitions.assigned}
             return (a.daemon.ready and b.daemon.ready and pa and pb and not pa & pb
                     and pa | pb == set(range(PARTITIONS)))
         await wait_until(split, 40, "A and B split the partitions", diag=diag)
@@ -107,11 +104,11 @@ async def test_every_replica_serves_every_model(broker, topic_prefix, tmp_path):
                        idempotence=False, create_topics=False)
 
         def published():
-            owners = {m: rd for rd in replicas for m, st in rd.daemon.models.items()}
+            owners = {m: rd for rd in replicas for m, st in rd.daemon.registry.states().items()}
             return set(owners) == set(MODELS) and all(
-                owners[m].daemon.models[m].binmap_version >= 1 for m in MODELS)
+                owners[m].daemon.registry.slots[m].state.binmap_version >= 1 for m in MODELS)
         await wait_until(published, 60, "version 1 of every model published", diag=diag)
-        owned = {rd.url: set(rd.daemon.models) for rd in replicas}
+        owned = {rd.url: set(rd.daemon.registry.states()) for rd in replicas}
         assert all(0 < len(ms) < len(MODELS) for ms in owned.values()), owned
 
         # ---- every replica answers for every model (the view follows the topic)

@@ -25,10 +25,6 @@ from lpcal.client import BinMapStore
 from tests.support.daemon_harness import (
     EventProducer,
     SubprocessDaemon,
-    TopicNames,
-    create_topics,
-    daemon_config,
-    free_port,
     http_get,
     metric_value,
     read_records,
@@ -73,14 +69,12 @@ async def _samples_total(url: str, model: str) -> int:
     return {e["model"]: e["samples_total"] for e in orjson.loads(body)["models"]}.get(model, 0)
 
 
-async def test_wrong_k_map_on_the_topic_does_not_crash_loop_the_daemon(broker, topic_prefix,
-                                                                       tmp_path):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, partitions=1)
+async def test_wrong_k_map_on_the_topic_does_not_crash_loop_the_daemon(
+        deployment, broker, tmp_path):
+    names = await deployment.topics(1)
     model, k, n = "wk", 3, 60
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(),
-                        defaults={"pool": 10 ** 6, "mu_pool": 10 ** 6},
-                        models={model: {"k": k}}, shutdown_grace_seconds=10)
+    cfg = deployment.config(defaults={"pool": 10 ** 6, "mu_pool": 10 ** 6},
+                            models={model: {"k": k}}, shutdown_grace_seconds=10)
     d = SubprocessDaemon(cfg, tmp_path, "wrong-k")
     ids, probs, labels = synth_samples(3 * n, k, 1, model)
 
@@ -133,22 +127,20 @@ async def test_wrong_k_map_on_the_topic_does_not_crash_loop_the_daemon(broker, t
 
 
 async def test_signed_daemon_publishes_verified_maps_and_ignores_forged_versions(
-        broker, topic_prefix, tmp_path):
+        deployment, broker, topic_prefix, tmp_path):
     from lpcal.signing import Signer, key_id
 
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, partitions=1)
+    names = await deployment.topics(1)
     priv, pub = _pem_pair()
     other_priv, _ = _pem_pair()
     secrets = tmp_path / "secrets"
     secrets.mkdir()
     (secrets / "signing__private_key").write_bytes(priv)
     model, k = "sg", 3
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(),
-                        group_id=f"{topic_prefix}-g",
-                        defaults={"pool": 100, "mu_pool": 100, "mode": "paper",
-                                  "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
-                        models={model: {"k": k}})
+    cfg = deployment.config(group_id=f"{topic_prefix}-g",
+                            defaults={"pool": 100, "mu_pool": 100, "mode": "paper",
+                                      "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
+                            models={model: {"k": k}})
     settings = load_settings(write_config(cfg, tmp_path / "lpcal.toml"), secrets_dir=secrets)
     assert settings.signing.signer().key_id == key_id(pub)
     ids, probs, labels = synth_samples(8000, k, 3, model)
@@ -160,12 +152,12 @@ async def test_signed_daemon_publishes_verified_maps_and_ignores_forged_versions
             await prod.flush()
 
     def version(rd) -> int:
-        st = rd.daemon.models.get(model)
+        st = rd.daemon.registry.states().get(model)
         return 0 if st is None else st.binmap_version
 
     async with running_daemon(settings) as rd:
         await feed(0, 3000)
-        await wait_until(lambda: version(rd) >= 1 and not rd.daemon.inflight, 90,
+        await wait_until(lambda: version(rd) >= 1 and not rd.daemon.registry.fitting(), 90,
                          "a published bin map", diag=rd.describe)
         status, body = await http_get(rd.url, f"/v1/models/{model}/binmap")
         assert status == 200
@@ -173,12 +165,12 @@ async def test_signed_daemon_publishes_verified_maps_and_ignores_forged_versions
         assert served.verified_by == key_id(pub)
     published = version(rd)
     # forged maps of higher versions: unsigned, then signed by a key the daemon does not trust
-    forged = _map(model, k, rd.daemon.models[model].lam, 1003)
+    forged = _map(model, k, rd.daemon.registry.slots[model].state.lam, 1003)
     await _publish(broker.bootstrap, names.binmaps, model, forged.to_json())
     await _publish(broker.bootstrap, names.binmaps, model,
                    forged.with_version(1004).to_json(signer=Signer(other_priv)))
     async with running_daemon(settings) as rd2:
-        await wait_until(lambda: rd2.daemon.models.get(model) is not None, 30, "restored")
+        await wait_until(lambda: rd2.daemon.registry.states().get(model) is not None, 30, "restored")
         assert version(rd2) == published  # the forgery did not set the version
         mx = await scrape_metrics(rd2.url)
         assert metric_value(mx, "lpcal_binmaps_rejected_total", reason="signature") == 1

@@ -20,19 +20,15 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from daemon.checkpoint.envelope import ENVELOPE_FORMAT
 from daemon.kafka.clients import make_consumer
 from daemon.model_state import ModelState
-from daemon.service import ENVELOPE_FORMAT
 from lpcal.binmap import BinMap
 from lpcal.client import BinMapFollower, BinMapStore
 from tests.support.daemon_harness import (
     EventProducer,
     RunningDaemon,
     TopicNames,
-    build_settings,
-    create_topics,
-    daemon_config,
-    free_port,
     http_get,
     read_records,
     running_daemon,
@@ -66,16 +62,16 @@ class Traffic:
 async def _publish_until(rd: RunningDaemon, traffic: Traffic, version: int) -> int:
     """Send traffic until ``vm`` has published ``version`` (or more); its version."""
     for _ in range(12):
-        st = rd.daemon.models.get(MODEL)
+        st = rd.daemon.registry.states().get(MODEL)
         if st is not None and st.binmap_version >= version:
             break
         before = 0 if st is None else st.samples_total
         await traffic.send(500)
         def consumed(before=before):
-            st = rd.daemon.models.get(MODEL)
-            return st is not None and st.samples_total >= before + 500 and not rd.daemon.inflight
+            st = rd.daemon.registry.states().get(MODEL)
+            return st is not None and st.samples_total >= before + 500 and not rd.daemon.registry.fitting()
         await wait_until(consumed, 30, "the chunk consumed and fitted", diag=rd.describe)
-    st = rd.daemon.models[MODEL]
+    st = rd.daemon.registry.slots[MODEL].state
     assert st.binmap_version >= version, rd.describe()
     return st.binmap_version
 
@@ -86,15 +82,13 @@ async def _topic_versions(bootstrap: str, topic: str) -> list[int]:
             if r.key == MODEL.encode() and r.value is not None]
 
 
-async def _first_run(broker, topic_prefix, tmp_path):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
-    settings = build_settings(daemon_config(broker.bootstrap, names, http_port=free_port(),
-                                            defaults=SMALL_EPOCHS), tmp_path)
-    traffic = Traffic(names, broker.bootstrap)
+async def _first_run(deployment):
+    names = await deployment.topics(1)
+    settings = deployment.settings(deployment.config(defaults=SMALL_EPOCHS))
+    traffic = Traffic(names, deployment.bootstrap)
     async with running_daemon(settings) as rd:
         v = await _publish_until(rd, traffic, 3)
-    assert await _topic_versions(broker.bootstrap, names.binmaps) == list(range(1, v + 1))
+    assert await _topic_versions(deployment.bootstrap, names.binmaps) == list(range(1, v + 1))
     return names, settings, traffic, v
 
 
@@ -113,15 +107,15 @@ async def _follow(bootstrap: str, topic: str) -> dict[str, int]:
 
 
 async def test_a_model_whose_state_record_is_lost_continues_after_the_topics_version(
-        broker, topic_prefix, tmp_path):
-    names, settings, traffic, v = await _first_run(broker, topic_prefix, tmp_path)
+        deployment, broker, topic_prefix, tmp_path):
+    names, settings, traffic, v = await _first_run(deployment)
     await _replace_state_record(broker.bootstrap, names, b"\x00 not a checkpoint")
     async with running_daemon(settings) as rd:
-        assert MODEL not in rd.daemon.models  # the record could not be used
+        assert MODEL not in rd.daemon.registry.states()  # the record could not be used
         await traffic.send(300)
-        await wait_until(lambda: MODEL in rd.daemon.models, 30, "vm seen", diag=rd.describe)
+        await wait_until(lambda: MODEL in rd.daemon.registry.states(), 30, "vm seen", diag=rd.describe)
         # no state: it starts after the latest verified version on the topic
-        assert rd.daemon.models[MODEL].binmap_version == v
+        assert rd.daemon.registry.slots[MODEL].state.binmap_version == v
         new = await _publish_until(rd, traffic, v + 1)
         assert new == v + 1
         status, body = await http_get(rd.url, f"/v1/models/{MODEL}/binmap")
@@ -131,28 +125,28 @@ async def test_a_model_whose_state_record_is_lost_continues_after_the_topics_ver
 
 
 async def test_versions_adopted_from_before_the_checkpoint_are_not_fitted_epochs(
-        broker, topic_prefix, tmp_path):
-    names, settings, traffic, v = await _first_run(broker, topic_prefix, tmp_path)
+        deployment, broker, topic_prefix, tmp_path):
+    names, settings, traffic, v = await _first_run(deployment)
     fresh = ModelState.create(MODEL, 3, settings.model_settings(MODEL), settings.join)
     assert fresh.binmap_version == 0
     await _replace_state_record(broker.bootstrap, names, orjson.dumps({
         "format": ENVELOPE_FORMAT, "model": MODEL, "partition": 0,
         "state": orjson.Fragment(fresh.to_checkpoint()), "inflight": None, "prefitted": 0}))
     async with running_daemon(settings) as rd:
-        st = rd.daemon.models[MODEL]  # restored from the fresh checkpoint ...
+        st = rd.daemon.registry.slots[MODEL].state  # restored from the fresh checkpoint ...
         assert st.binmap_version == v  # ... and version v adopted from the topic,
-        assert rd.daemon.prefitted[MODEL] == 0  # but no epoch counted as fitted
+        assert rd.daemon.registry.slots[MODEL].prefitted == 0  # but no epoch counted as fitted
         new = await _publish_until(rd, traffic, v + 1)  # the next epoch is published
         assert new == v + 1
     assert await _topic_versions(broker.bootstrap, names.binmaps) == list(range(1, v + 2))
 
 
 async def test_versions_published_after_the_checkpoint_are_fitted_epochs(
-        broker, topic_prefix, tmp_path):
+        deployment, broker, topic_prefix, tmp_path):
     """The positive control: a map published after the checkpoint was written (a crash between
     a publish and the next checkpoint) stands for an epoch that was filling at the checkpoint;
     the replay seals it again and it is not fitted a second time."""
-    names, settings, _, v = await _first_run(broker, topic_prefix, tmp_path)
+    names, settings, _, v = await _first_run(deployment)
     last = [r for r in await read_records(broker.bootstrap, names.binmaps)
             if r.key == MODEL.encode()][-1]
     async with EventProducer(broker.bootstrap) as prod:  # after the final checkpoint
@@ -160,5 +154,5 @@ async def test_versions_published_after_the_checkpoint_are_fitted_epochs(
                        .to_json(), MODEL)
         await prod.flush()
     async with running_daemon(settings) as rd:
-        assert rd.daemon.models[MODEL].binmap_version == v + 1
-        assert rd.daemon.prefitted[MODEL] == 1
+        assert rd.daemon.registry.slots[MODEL].state.binmap_version == v + 1
+        assert rd.daemon.registry.slots[MODEL].prefitted == 1

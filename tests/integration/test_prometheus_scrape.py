@@ -86,7 +86,7 @@ async def test_prometheus_scrapes_calibrated_err_p(broker, topic_prefix, tmp_pat
                 await prod.flush()
 
                 def published():
-                    st = rd.daemon.models.get("m1")
+                    st = rd.daemon.registry.states().get("m1")
                     return st is not None and st.binmap_version >= 1
 
                 await wait_until(published, 60, "a published bin map", diag=rd.describe)
@@ -95,7 +95,7 @@ async def test_prometheus_scrapes_calibrated_err_p(broker, topic_prefix, tmp_pat
                                    y[half:], ts0=1_764_100_000.0)
                 await prod.flush()
 
-            await wait_until(lambda: rd.daemon.models["m1"].monitor.window_size("calibrated"),
+            await wait_until(lambda: rd.daemon.registry.slots["m1"].state.monitor.window_size("calibrated"),
                              60, "a calibrated monitoring window", diag=rd.describe)
             promql = 'lpcal_calibration_error{model="m1",predictor="calibrated"}'
 

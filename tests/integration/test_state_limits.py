@@ -12,17 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from daemon.checkpoint_store import PART, RecordLimitError
+from daemon.checkpoint.store import PART, RecordLimitError
 from daemon.events import KIND_PREDICTION
 from daemon.join import JoinStore
+from daemon.kafka import topics as kafka_topics
 from daemon.kafka.clients import make_producer
-from daemon.kafka.topics import TopicSpec, ensure_topics
 from tests.support.daemon_harness import (
-    TopicNames,
     build_settings,
-    create_topics,
-    daemon_config,
-    free_port,
     metric_value,
     read_records,
     read_state,
@@ -72,12 +68,10 @@ async def _send_predictions(bootstrap: str, topic: str, n: int) -> None:
 
 
 async def test_large_checkpoints_are_split_into_records_the_broker_accepts(
-        broker, topic_prefix, tmp_path):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, 1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(),
-                        defaults={"k": K, "normalize": "renormalize"})
-    settings = build_settings(cfg, tmp_path)
+        deployment, broker, tmp_path):
+    names = await deployment.topics(1)
+    cfg = deployment.config(defaults={"k": K, "normalize": "renormalize"})
+    settings = deployment.settings(cfg)
     assert settings.state.max_record_bytes == MIB  # the default under test
     cap = _expected_capacity(settings)
     sent = cap + 1_000
@@ -116,7 +110,7 @@ async def test_large_checkpoints_are_split_into_records_the_broker_accepts(
     async with running_daemon(settings2) as rd2:
         mx = await scrape_metrics(rd2.url)
         assert metric_value(mx, "lpcal_state_restores_total", outcome="restored") == 1
-        assert rd2.daemon.models[MODEL].join.pending(MODEL) == cap
+        assert rd2.daemon.registry.slots[MODEL].state.join.pending(MODEL) == cap
 
         async def gauge():
             mx = await scrape_metrics(rd2.url)
@@ -127,19 +121,17 @@ async def test_large_checkpoints_are_split_into_records_the_broker_accepts(
 
 
 async def test_a_state_topic_with_a_lower_record_limit_stops_startup(
-        broker, topic_prefix, tmp_path):
+        deployment):
     """``state.max_record_bytes`` above the topic's ``max.message.bytes``: one clear error."""
-    base = TopicNames.for_prefix(topic_prefix)
-    names = base.with_state(base.state + ".small")
-    await ensure_topics(broker.bootstrap, [TopicSpec(
+    names = deployment.names.with_state(deployment.names.state + ".small")
+    await kafka_topics.ensure_topics(deployment.bootstrap, [kafka_topics.TopicSpec(
         names.state, 1, configs={"cleanup.policy": "compact",
                                  "max.message.bytes": str(512 * 1024)})])
-    await create_topics(broker.bootstrap, names, 1)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port())
+    await deployment.topics(1, names)
+    cfg = deployment.config(names=names)
     with pytest.raises(RecordLimitError, match=r"max.message.bytes.*state.max_record_bytes"):
-        async with running_daemon(build_settings(cfg, tmp_path)):
+        async with running_daemon(deployment.settings(cfg)):
             pass
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(),
-                        state={"max_record_bytes": 512 * 1024})
-    async with running_daemon(build_settings(cfg, tmp_path, name="fits")) as rd:
+    cfg = deployment.config(names=names, state={"max_record_bytes": 512 * 1024})
+    async with running_daemon(deployment.settings(cfg, name="fits")) as rd:
         assert rd.daemon.ready

@@ -6,7 +6,7 @@ with ``LPCAL_SOAK=1`` (``make soak`` runs ``pytest -m soak`` with it).
   suites; the outage test starts its own);
 * ``figures``: ``figures("name", {...})`` records a test's measured figures: they are printed
   in the terminal summary of every run (``-q`` included) and, in a soak run, written to
-  ``docs/reliability.md`` (see :mod:`tests.reliability.harness`).
+  ``docs/reliability.md`` (see :mod:`tests.support.reliability`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tests.reliability.harness import FIGURES, record_figures, write_figures
+from tests.support.reliability import FIGURES, record_figures, write_figures
 
 SOAK = os.environ.get("LPCAL_SOAK", "") == "1"
 

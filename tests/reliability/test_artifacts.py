@@ -9,7 +9,7 @@ three bad ones and keep version 1 in force, and adopt the valid one:
 * the client: :class:`lpcal.client.BinMapStore` fed by a :class:`lpcal.client.BinMapFollower`
   that reads the whole topic (``rejections`` counted by reason);
 * the daemon, restarted so that it re-reads the topic on assignment
-  (``Daemon._adopt_published_binmaps``): ``GET /v1/models/{m}/binmap`` returns the same bytes
+  (``Restorer.adopt_published_binmaps``): ``GET /v1/models/{m}/binmap`` returns the same bytes
   as before and ``lpcal_binmaps_rejected_total{reason}`` counts each rejection.
 """
 
@@ -25,17 +25,13 @@ from daemon.tools.simulate.model import SyntheticModel
 from daemon.tools.simulate.traffic import TrafficGenerator
 from lpcal.binmap import BinMap
 from lpcal.client import BinMapFollower, BinMapStore
-from tests.reliability.harness import FastDaemon, models_view
 from tests.support.daemon_harness import (
-    TopicNames,
-    create_topics,
-    daemon_config,
-    free_port,
     http_get,
     metric_value,
     scrape_metrics,
     wait_until,
 )
+from tests.support.reliability import FastDaemon, models_view
 
 pytestmark = pytest.mark.integration
 
@@ -59,13 +55,12 @@ def _bad_artifacts(good: dict[str, bytes]) -> dict[str, bytes]:
 
 
 async def test_bad_binmaps_rejected_by_client_and_daemon_previous_map_stays(
-        broker, topic_prefix, tmp_path, figures):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, partitions=2)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
-                        defaults={"pool": 100, "mu_pool": 100, "warmup": 100, "holdout": 50,
-                                  "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
-                        models={m: {"k": k} for m, k in MODELS.items()})
+        deployment, broker, tmp_path, figures):
+    names = await deployment.topics(2)
+    cfg = deployment.config(partitions=2,
+                            defaults={"pool": 100, "mu_pool": 100, "warmup": 100, "holdout": 50,
+                                      "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
+                            models={m: {"k": k} for m, k in MODELS.items()})
     daemon = FastDaemon(cfg, tmp_path, name="art").start()
     try:
         await daemon.wait_ready(60)

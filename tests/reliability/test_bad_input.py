@@ -1,6 +1,6 @@
 """Bad input: fuzzed malformed events interleaved with a valid stream.
 
-The fuzzer (:mod:`tests.reliability.fuzz`) makes events with one defect each, so the expected
+The fuzzer (:mod:`tests.support.fuzz`) makes events with one defect each, so the expected
 dead-letter reason is known by construction. They are interleaved at seeded random positions
 (and topics) with a valid two-model stream and played into a subprocess daemon. Checks: the
 daemon never dies; every malformed event is on the dead-letter topic with its reason and its
@@ -21,12 +21,9 @@ from daemon.events import REASONS, EventParser
 from daemon.kafka.clients import make_producer
 from daemon.tools.simulate.model import SyntheticModel
 from daemon.tools.simulate.traffic import TrafficGenerator
-from tests.reliability.fuzz import LEARNED_K_MODEL, TS, malformed_events
-from tests.reliability.harness import FastDaemon, wait_settled
 from tests.support.daemon_harness import (
     TopicNames,
     build_settings,
-    create_topics,
     daemon_config,
     free_port,
     metric_value,
@@ -34,6 +31,8 @@ from tests.support.daemon_harness import (
     scrape_metrics,
     wait_until,
 )
+from tests.support.fuzz import LEARNED_K_MODEL, TS, malformed_events
+from tests.support.reliability import FastDaemon, wait_settled
 
 MODELS = {"bad-a": 3, "bad-b": 4}
 MAX_BYTES = 4096
@@ -66,11 +65,10 @@ def test_fuzzer_reasons_match_the_parser(tmp_path, soak):
 @pytest.mark.integration
 @pytest.mark.soak
 async def test_malformed_events_dead_lettered_by_reason_valid_ones_all_joined(
-        broker, topic_prefix, tmp_path, soak, figures):
+        deployment, broker, tmp_path, soak, figures):
     n_bad = 100_000 if soak else 2_000
     n_valid = 100_000 if soak else 4_000
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, partitions=2)
+    names = await deployment.topics(2)
     gen = TrafficGenerator([SyntheticModel(m, k, T=0.4, scale=4.0, seed=j)
                             for j, (m, k) in enumerate(MODELS.items())], n_valid,
                            event_rate=500.0, delay=5.0, seed=21, decimals=6)

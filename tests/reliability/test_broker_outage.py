@@ -4,7 +4,7 @@ again on the same port, and check the daemon rides it out without losing or doub
 Storage: the broker keeps its data across the outage, as a real Kafka broker would. The embedded
 Tansu binary is built without its PostgreSQL storage (``FeatureNotEnabled``: checked in
 ``test_bundled_tansu_has_no_postgres_storage``), so the broker runs with Tansu's S3 storage on a
-local S3 server (:mod:`tests.reliability.s3_server`, moto). Topics, records, committed offsets,
+local S3 server (:mod:`tests.support.s3_server`, moto). Topics, records, committed offsets,
 consumer groups and the daemon's state topic all survive the restart; nothing is recreated or
 replayed by the test.
 
@@ -37,8 +37,6 @@ from daemon.kafka.topics import partition_counts
 from daemon.tools.embedded_broker import EmbeddedBroker
 from daemon.tools.simulate.model import SyntheticModel
 from daemon.tools.simulate.traffic import TrafficGenerator
-from tests.reliability.harness import FastDaemon, models_view, record_figures, wait_settled
-from tests.reliability.s3_server import LocalS3
 from tests.support.daemon_harness import (
     TopicNames,
     binmap_contents,
@@ -50,6 +48,8 @@ from tests.support.daemon_harness import (
     read_records,
     scrape_metrics,
 )
+from tests.support.reliability import FastDaemon, models_view, record_figures, wait_settled
+from tests.support.s3_server import LocalS3
 
 # serial: /healthz and /readyz probes with 1.5 s timeouts: `make test` runs it alone
 pytestmark = [pytest.mark.integration, pytest.mark.soak, pytest.mark.serial]

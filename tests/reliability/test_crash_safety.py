@@ -54,7 +54,6 @@ from daemon.monitor import WindowMonitor
 from daemon.tools.simulate.driver import simulate
 from daemon.tools.simulate.model import SyntheticModel
 from daemon.tools.simulate.traffic import TrafficGenerator
-from tests.reliability.harness import FastDaemon, run_names, wait_settled
 from tests.support.daemon_harness import (
     EventProducer,
     TopicNames,
@@ -69,6 +68,7 @@ from tests.support.daemon_harness import (
     scrape_metrics,
     synth_samples,
 )
+from tests.support.reliability import FastDaemon, run_names, wait_settled
 
 pytestmark = [
     pytest.mark.integration, pytest.mark.soak,

@@ -27,7 +27,6 @@ import pytest
 from daemon.http_api import HttpServer
 from daemon.service import Daemon
 from daemon.settings import load_settings
-from tests.reliability.harness import FastDaemon
 from tests.support.daemon_harness import (
     TopicNames,
     daemon_config,
@@ -37,6 +36,7 @@ from tests.support.daemon_harness import (
     to_toml,
     wait_until,
 )
+from tests.support.reliability import FastDaemon
 
 # serial: times connects, /healthz answers and server-side timeouts: `make test` runs the
 # module alone, not on pytest-xdist workers
@@ -51,7 +51,7 @@ async def _serve(tmp_path, **http):
                         admin_token=TOKEN, http=http)
     path = tmp_path / "hh.toml"
     path.write_text(to_toml(cfg))
-    server = HttpServer(Daemon(load_settings(path)))
+    server = HttpServer(Daemon(load_settings(path)).status())
     await server.start()
     return server, f"http://127.0.0.1:{server.port}"
 

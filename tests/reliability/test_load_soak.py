@@ -41,8 +41,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from daemon.tools.simulate.driver import simulate
 from daemon.tools.simulate.model import SyntheticModel
 from daemon.tools.simulate.traffic import TrafficGenerator
-from tests.reliability.harness import FastDaemon, models_view, rss_kib
-from tests.support.daemon_harness import TopicNames, create_topics, daemon_config, free_port
+from tests.support.daemon_harness import daemon_config, free_port
+from tests.support.reliability import FastDaemon, models_view, rss_kib
 
 # serial: measures poll gaps and lag: `make test` runs it alone, not on xdist workers
 pytestmark = [pytest.mark.integration, pytest.mark.soak, pytest.mark.serial]
@@ -79,11 +79,10 @@ def _fit_windows(log: str) -> list[tuple[float, float]]:
 
 
 async def test_sustained_rate_bounded_memory_and_lag_no_poll_gap(
-        broker, topic_prefix, tmp_path, soak, figures):
+        deployment, broker, tmp_path, soak, figures):
     duration = 1800.0 if soak else 60.0
     n_events = int(RATE * duration)
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, partitions=2)
+    names = await deployment.topics(2)
     cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
                         defaults={"pool": 400, "mu_pool": 400, "warmup": 400, "holdout": 400,
                                   "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},

@@ -33,16 +33,13 @@ import numpy as np
 import pytest
 
 from daemon.kafka.clients import make_producer
-from tests.reliability.harness import FastDaemon, rss_kib
 from tests.support.daemon_harness import (
     TopicNames,
-    create_topics,
-    daemon_config,
-    free_port,
     metric_value,
     scrape_metrics,
     wait_until,
 )
+from tests.support.reliability import FastDaemon, rss_kib
 
 pytestmark = [pytest.mark.integration, pytest.mark.soak]
 
@@ -147,9 +144,8 @@ async def _produce(bootstrap: str, names: TopicNames, models: int, per_model: in
 
 
 async def test_worst_traffic_keeps_peak_memory_within_the_budget(
-        broker, topic_prefix, tmp_path, soak, figures):
-    names = TopicNames.for_prefix(topic_prefix)
-    await create_topics(broker.bootstrap, names, partitions=2)
+        deployment, broker, tmp_path, soak, figures):
+    names = await deployment.topics(2)
     if soak:  # the shipped defaults
         join: dict = {}
         state: dict = {}
@@ -162,10 +158,9 @@ async def test_worst_traffic_keeps_peak_memory_within_the_budget(
         state = {"max_bytes_total": state_total, "max_bytes_per_model": state_total}
         models, per_model, names_count = 6, 8_000, 20_000
         dense = (1, 6_000)
-    cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
-                        defaults={"k": None}, join=join,
-                        kafka={"max_message_bytes": 2 * MIB},
-                        state={"checkpoint_interval_seconds": 5.0, **state})
+    cfg = deployment.config(partitions=2, defaults={"k": None}, join=join,
+                            kafka={"max_message_bytes": 2 * MIB},
+                            state={"checkpoint_interval_seconds": 5.0, **state})
     daemon = FastDaemon(cfg, tmp_path, name="memory").start()
     try:
         await daemon.wait_ready(60)

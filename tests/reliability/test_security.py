@@ -35,7 +35,6 @@ from daemon.kafka import topics as kafka_topics
 from daemon.service import Daemon
 from daemon.settings import load_settings
 from lpcal.errors import InputError
-from tests.reliability.harness import FastDaemon, wait_settled
 from tests.support.daemon_harness import (
     EventProducer,
     TopicNames,
@@ -48,6 +47,7 @@ from tests.support.daemon_harness import (
     to_toml,
     wait_until,
 )
+from tests.support.reliability import FastDaemon, wait_settled
 
 TOKEN = "adm-7f3c9e1b5d-SECRET-token"
 PASSWORD = "sasl-pw-4e8a2c6f0b-SECRET"
@@ -127,18 +127,18 @@ async def test_daemon_aiokafka_clients_receive_sasl_ssl_settings(tmp_path, monke
     d.s.kafka.create_topics = True
     await d.startup()
     try:
-        _check_client(d.producer.client, "producer")
-        _check_client(d.consumer._client, "consumer")
+        _check_client(d.clients.producer.client, "producer")
+        _check_client(d.clients.consumer._client, "consumer")
         assert calls["ensure_topics"] is settings.kafka
         assert calls["partition_counts"] is settings.kafka
-        assert d._store.security is settings.kafka  # checkpoint reads (admin/consumer)
-        kw = kafka_clients.client_kwargs(d._store.security)
+        assert d.store.backend.security is settings.kafka  # checkpoint reads (admin/consumer)
+        kw = kafka_clients.client_kwargs(d.store.backend.security)
         assert kw["sasl_plain_password"] == PASSWORD and kw["security_protocol"] == "SASL_SSL"
         await asyncio.sleep(2.5)  # the broker probe runs (and fails: nothing listens)
     finally:
-        d._probe_task.cancel()
+        d.clients.stop_probe()
         await d.http.stop()
-        await d.producer.stop()
+        await d.clients.producer.stop()
     # a client key that does not belong to the certificate is refused, naming the settings
     with pytest.raises(InputError, match="ssl_certfile/ssl_keyfile"):
         kafka_clients.client_kwargs({"security_protocol": "SSL", "ssl_cafile": files["ca.pem"],
@@ -156,7 +156,7 @@ async def _serve(tmp_path, admin_token, max_body=1024):
                         admin_token=admin_token, http={"max_body_bytes": max_body})
     path = tmp_path / "adm.toml"
     path.write_text(to_toml(cfg))
-    http = HttpServer(Daemon(load_settings(path)))
+    http = HttpServer(Daemon(load_settings(path)).status())
     await http.start()
     return http, f"http://127.0.0.1:{http.port}"
 

@@ -1,8 +1,8 @@
 """The in-flight pools are shared by two threads (found by the long crash test).
 
-``Daemon._launch_fit`` hands the sealed epoch's :class:`lpcal.pools.PoolSet` to the fit worker
-thread (``fit_pools`` reads it) and keeps it in ``Daemon.inflight``; every checkpoint
-serialises it on the event-loop thread (``Daemon._envelope`` -> ``PoolSet.to_dict``). Reads of
+``Fitter.launch`` hands the sealed epoch's :class:`lpcal.pools.PoolSet` to the fit worker
+thread (``fit_pools`` reads it) and keeps it in its model's ``ModelSlot.inflight``; every checkpoint
+serialises it on the event-loop thread (``encode_envelope`` -> ``PoolSet.to_dict``). Reads of
 a :class:`lpcal.pools.CountTable` are not read-only: they first merge the table's pending rows
 (``_compact``), which mutates it. In the long crash test a subprocess daemon died from this
 (``ValueError: need at least one array to concatenate`` in ``_compact`` under

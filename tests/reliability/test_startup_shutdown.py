@@ -29,7 +29,6 @@ from daemon.kafka import clients as kafka_clients
 from daemon.kafka import topics as kafka_topics
 from daemon.service import Daemon
 from daemon.settings import load_settings
-from tests.reliability.harness import FastDaemon
 from tests.support.daemon_harness import (
     TopicNames,
     create_topics,
@@ -39,6 +38,7 @@ from tests.support.daemon_harness import (
     to_toml,
     wait_until,
 )
+from tests.support.reliability import FastDaemon
 
 # serial: the exits must come within 3 s (5 s): `make test` runs the module alone, not on
 # pytest-xdist workers

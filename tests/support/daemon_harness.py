@@ -23,7 +23,7 @@ Usage::
     async with running_daemon(build_settings(cfg, tmp_path)) as rd:
         async with EventProducer(broker.bootstrap) as prod:
             await prod.prediction(names.predictions, "m1", "e1", [0.2, 0.3, 0.5], ts=1.0)
-        await wait_until(lambda: rd.daemon.models.get("m1") is not None, 10, "model m1 seen")
+        await wait_until(lambda: "m1" in rd.daemon.registry, 10, "model m1 seen")
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import orjson
 from aiokafka import TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.checkpoint_store import decode_value, reassemble
+from daemon.checkpoint.store import decode_value, reassemble
 from daemon.kafka.clients import make_consumer, make_producer
 from daemon.kafka.deadletter import deadletter_info
 from daemon.kafka.topics import COMPACT, TopicSpec, ensure_topics
@@ -244,10 +244,10 @@ class RunningDaemon:
     def describe(self) -> str:
         d = self.daemon
         return (f"daemon group={self.settings.kafka.group_id} ready={d.ready} "
-                f"started={d.started} restored={d.restored} broker_ok={d.broker_ok} "
-                f"assigned={sorted((tp.topic, tp.partition) for tp in d.assigned)} "
-                f"models={ {m: repr(s) for m, s in d.models.items()} } "
-                f"inflight={sorted(d.inflight)} task_done={self.task.done()}")
+                f"started={d.started} restored={d.restored} broker_ok={d.clients.broker_ok} "
+                f"assigned={sorted((tp.topic, tp.partition) for tp in d.partitions.assigned)} "
+                f"models={ {m: repr(s) for m, s in d.registry.states().items()} } "
+                f"inflight={sorted(d.registry.fitting())} task_done={self.task.done()}")
 
     async def stop(self, timeout: float = 30.0) -> None:
         if self.task.done():
@@ -258,18 +258,20 @@ class RunningDaemon:
 
 
 async def start_daemon(settings: Settings, *, consumer_options: Mapping | None = None,
-                       ready_timeout: float = 30.0, wait_ready: bool = True) -> RunningDaemon:
-    """Start an in-process daemon (``serve(install_signals=False)``); wait for ``/readyz``."""
+                       ready_timeout: float = 30.0, wait_ready: bool = True,
+                       **daemon_kw: Any) -> RunningDaemon:
+    """Start an in-process daemon (``serve(install_signals=False)``); wait for ``/readyz``.
+    ``daemon_kw`` go to :class:`daemon.service.Daemon` (e.g. a ``fit`` stand-in)."""
     from daemon.service import Daemon
 
-    d = Daemon(settings, consumer_options=dict(consumer_options or FAST_CONSUMER))
+    d = Daemon(settings, consumer_options=dict(consumer_options or FAST_CONSUMER), **daemon_kw)
     rd = RunningDaemon(d, asyncio.create_task(d.serve(install_signals=False)), settings)
     if wait_ready:
         async def ready():
             if rd.task.done():
                 rd.task.result()  # raise the daemon's startup error
                 raise RuntimeError("daemon task ended during startup")
-            return d.ready and d.assigned
+            return d.ready and d.partitions.assigned
         try:
             await wait_until(ready, ready_timeout, "in-process daemon ready",
                              diag=rd.describe)

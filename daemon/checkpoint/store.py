@@ -2,8 +2,8 @@
 
 A checkpoint is a set of records ``key -> bytes``:
 
-* ``model/<id>``: one model's envelope (see :mod:`daemon.service`): its ``ModelState`` (pools,
-  monitor sums, pending joins, bin map, offsets covered) plus any fit in flight;
+* ``model/<id>``: one model's envelope (:mod:`daemon.checkpoint.envelope`): its ``ModelState``
+  (pools, monitor sums, pending joins, bin map, offsets covered) plus any fit in flight;
 * ``partition/<n>``: the manifest of input partition ``n``, written *after* the model records of
   that partition: the input offsets every model of the partition covers at least.
 
@@ -107,10 +107,51 @@ def decode_value(value: bytes, limit: int | None = None) -> bytes:
     return out
 
 
+def state_topic_config(max_record_bytes: int) -> dict[str, str]:
+    """Configs of the state topic the daemon creates: compacted, records up to the size the
+    daemon writes (``state.max_record_bytes``; larger checkpoints are split into parts)."""
+    return {"cleanup.policy": "compact", "max.message.bytes": str(int(max_record_bytes))}
+
+
 class CheckpointStore(Protocol):
+    """What the daemon needs of a store: read every record, save some, say where a record
+    was read from (for logs)."""
+
     async def load_all(self) -> dict[str, bytes]: ...
 
     async def save(self, records: Mapping[str, bytes]) -> None: ...
+
+    def where(self, key: str) -> str: ...
+
+
+class ConfiguredStore:
+    """The store of ``state.backend``, opened at startup (:meth:`open`, once the producer
+    runs): a :class:`LocalCheckpointStore` or a :class:`KafkaCheckpointStore` whose state
+    topic must accept records of ``state.max_record_bytes``."""
+
+    def __init__(self, settings):
+        self.s = settings
+        self.backend: LocalCheckpointStore | KafkaCheckpointStore | None = None
+
+    async def open(self, producer) -> None:
+        k, state = self.s.kafka, self.s.state
+        if state.backend == "local":
+            self.backend = LocalCheckpointStore(state.local_dir)
+        else:
+            await check_record_limit(k.bootstrap_servers, k.topics.state,
+                                     state.max_record_bytes, security=k)
+            self.backend = KafkaCheckpointStore(
+                producer, k.bootstrap_servers, k.topics.state, security=k,
+                max_record_bytes=state.max_record_bytes)
+
+    async def load_all(self) -> dict[str, bytes]:
+        return await self.backend.load_all()
+
+    async def save(self, records: Mapping[str, bytes]) -> None:
+        await self.backend.save(records)
+
+    def where(self, key: str) -> str:
+        return key if self.backend is None else self.backend.where(key)
 
 
 def reassemble(latest: dict[str, bytes]) -> tuple[dict[str, bytes], dict[str, set[str]]]:

@@ -1,5 +1,6 @@
-"""Stand-ins shared by the broker-free tests of :class:`daemon.service.Daemon`: a consumer that
-records pause/resume, small settings and a model state with sealed epochs."""
+"""Stand-ins shared by the broker-free tests of :class:`daemon.service.Daemon` and its
+components: a consumer that records pause/resume, a daemon wired to it, small settings and a
+model state with sealed epochs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import orjson
 from aiokafka import TopicPartition
 
 from daemon.events import EventParser
+from daemon.fitting import RetryPolicy
 from daemon.model_state import ModelState
 from daemon.settings import Settings
 
@@ -31,6 +33,21 @@ class RecordingConsumer:
 
     def highwater(self, tp):
         return None
+
+
+def broker_free_daemon(settings: Settings, partitions=(0,), **kw):
+    """A :class:`daemon.service.Daemon` of ``settings`` without a broker: its consumer is a
+    :class:`RecordingConsumer`, input ``partitions`` of both topics are assigned, bin-map
+    publishes are retried every 10 ms (``retry_policy``); ``kw`` go to the constructor."""
+    from daemon.service import Daemon
+
+    kw.setdefault("retry_policy", RetryPolicy(first=0.01))
+    d = Daemon(settings, **kw)
+    d.clients.consumer = RecordingConsumer()
+    t = settings.kafka.topics
+    d.partitions.assign({TopicPartition(topic, p) for p in partitions
+                         for topic in (t.predictions, t.outcomes)})
+    return d
 
 
 def small_settings() -> Settings:
