@@ -199,7 +199,7 @@ class StateSettings(Strict):
     max_record_bytes: Annotated[int, Field(ge=64 * 1024, le=1 << 30)] = MIB
     """Largest record the daemon writes to the state topic (value and key). A model's
     checkpoint that is larger (compressed) is split into records of at most this size, written
-    before the record that names them (see :mod:`daemon.checkpoint_store`). At startup the
+    before the record that names them (see :mod:`daemon.checkpoint.store`). At startup the
     daemon reads the topic's ``max.message.bytes`` and refuses to start if it is lower.
     The default fits a Kafka broker's default message limit (1 MiB)."""
     max_state_bytes: Annotated[int, Field(ge=1024, le=1 << 31)] = 128 * MIB
