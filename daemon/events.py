@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +126,7 @@ MAX_MODEL_LEN = 255
 MAX_K = 100_000          # largest k the parser can be configured for (``max_k`` setting)
 OTHER_POLICIES = 4096    # policies cached for models that are not admitted
 _UNKNOWN = object()
+_TIMESTAMP = attrgetter("timestamp")
 _NUM = (int, float)
 
 
@@ -624,18 +626,18 @@ class EventParser:
         ``matrix``: the vectors already stacked as float64 rows, all numeric (``vecs`` unused)."""
         m = len(ids)
         keep = np.ones(m, dtype=bool)
-        index_l = index.tolist()
+        index_of = index.item  # an event's input position (only for the invalid ones)
         if k == 0:
             probs = np.zeros((m, 0), dtype=np.float64)
         else:
             # labels of events accepted before k was learned in this batch
-            bad_lab = np.flatnonzero(labels >= k)
-            for j in bad_lab.tolist():
-                keep[j] = False
-                invalid.append((index_l[j], Invalid(
-                    LABEL_OUT_OF_RANGE, f"label {int(labels[j])} outside [0, {k})", model)))
-            probs = np.zeros((m, k), dtype=np.float64)
+            if labels.size and labels.max() >= k:
+                for j in np.flatnonzero(labels >= k).tolist():
+                    keep[j] = False
+                    invalid.append((index_of(j), Invalid(
+                        LABEL_OUT_OF_RANGE, f"label {int(labels[j])} outside [0, {k})", model)))
             nvec = len(matrix) if matrix is not None else len(vecs or ())
+            probs = None
             if nvec:
                 if matrix is not None:
                     rows, ok = matrix, np.ones(nvec, dtype=bool)
@@ -645,13 +647,18 @@ class EventParser:
                     logit = np.zeros(nvec, dtype=bool)
                 for r in np.flatnonzero(~ok).tolist():
                     keep[vidx[r]] = False
-                    invalid.append((index_l[vidx[r]], Invalid(
+                    invalid.append((index_of(int(vidx[r])), Invalid(
                         BAD_SCHEMA, "vector entries must be numbers", model)))
                 reasons = _validate_rows(rows, logit, ok, policy)
                 for r, (reason, detail) in reasons.items():
                     keep[vidx[r]] = False
-                    invalid.append((index_l[vidx[r]], Invalid(reason, detail, model)))
-                probs[vidx] = rows
+                    invalid.append((index_of(int(vidx[r])), Invalid(reason, detail, model)))
+                if nvec == m and rows.flags.c_contiguous and rows.flags.writeable:
+                    probs = rows  # every event has a vector, in order: no copy (vidx = 0..m-1)
+            if probs is None:
+                probs = np.zeros((m, k), dtype=np.float64)
+                if nvec:
+                    probs[vidx] = rows
         sel = None if keep.all() else np.flatnonzero(keep)
         if sel is not None:
             if sel.size == 0:
@@ -675,10 +682,15 @@ def _record_times(timestamps: Sequence[Any]) -> np.ndarray:
     """Record timestamps in seconds as float64; ``inf`` where a message has none (a missing or
     negative Kafka timestamp), so that it is not bounded."""
     if isinstance(timestamps, RecordTimestamps):
-        raw = [r.timestamp for r in timestamps.records]
-        t = np.array([-1.0 if x is None else x for x in raw], dtype=np.float64) / 1000.0
+        raw = list(map(_TIMESTAMP, timestamps.records))  # C-level passes, no Python loop
+        scale = 1000.0
     else:
-        t = np.array([-1.0 if x is None else x for x in timestamps], dtype=np.float64)
+        raw, scale = list(timestamps), 1.0
+    if None in raw:
+        raw = [-1.0 if x is None else x for x in raw]
+    t = np.array(raw, dtype=np.float64)
+    if scale != 1.0:
+        t /= scale
     t[~(t >= 0)] = math.inf
     return t
 

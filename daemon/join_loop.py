@@ -133,7 +133,10 @@ class _ModelJoin:
         O(1) per join: they pile up behind an old entry that waits long for its partner)."""
         q = self.queue
         if len(q) > 2 * len(self.pending) + _COMPACT_SLACK:
-            self.queue = deque(compress(q, map(KIND_DEAD.__ne__, map(_KIND, q))))
+            if not self.pending:  # every entry left (a batch joined them all)
+                q.clear()
+            else:
+                self.queue = deque(compress(q, map(KIND_DEAD.__ne__, map(_KIND, q))))
 
 
 if not set(MODEL_JOIN_ATTRS) <= set(_ModelJoin.__slots__):  # what the C loop reads by name
