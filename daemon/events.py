@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -562,9 +562,17 @@ class EventParser:
             return None
         # per model: its rows and the matrix of its vectors (None: not all numeric/length k)
         parts = []
+        if codes is not None:  # each model's rows, in input order: one stable sort, O(n log n)
+            order = np.argsort(codes, kind="stable")
+            bounds = np.searchsorted(codes[order], np.arange(len(umodels) + 1)).tolist()
+            ids_of = itemgetter(*order.tolist()) if n > 1 else None
+            ordered_ids = list(ids_of(ids)) if ids_of is not None else list(ids)
         for c, model in enumerate(umodels):
-            sel = np.arange(n) if codes is None else np.flatnonzero(codes == c)
-            m_ids = ids if codes is None else [ids[i] for i in sel.tolist()]
+            if codes is None:
+                sel, m_ids = np.arange(n), ids
+            else:
+                a, b = bounds[c], bounds[c + 1]
+                sel, m_ids = order[a:b], ordered_ids[a:b]
             vrows = sel[hv[sel]]
             mat = cols.matrix(vrows, ks[c]) if vrows.size else None
             if vrows.size and mat is None:
