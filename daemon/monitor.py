@@ -687,6 +687,10 @@ class WindowMonitor:
         #: samples dropped from the window, oldest first, to keep it within ``max_bytes``
         self.trimmed = 0
         self._cache: dict[float, dict[str, WindowStats | None]] = {}  # z -> stats, until changed
+        # merged sums of the buckets before the newest (see sums): predictor -> (key, sums);
+        # _older_changes counts changes to those buckets that their ids do not show
+        self._older: dict[str, tuple] = {}
+        self._older_changes = 0
         #: the change test of the calibrated predictor (None: none), fed in blocks of its
         #: ``block_samples`` calibrated samples counted from the last :meth:`reset`
         self.change = change
@@ -901,6 +905,8 @@ class WindowMonitor:
              feed: bool = False) -> None:
         """Add the samples ``sel`` (non-empty) of a batch to bucket ``bk``; ``feed``: to the
         change test's current block too (``sel`` then lies within it)."""
+        if self.buckets and bk is not self.buckets[next(reversed(self.buckets))]:
+            self._older_changes += 1  # a late sample of a time window, in an older bucket
         if type(rows) is _Small:
             y = rows.y[sel]
             bk.n += y.shape[0]
@@ -957,13 +963,29 @@ class WindowMonitor:
             return
         if predictor not in PREDICTORS:
             raise InputError(f"unknown predictor {predictor!r}")
+        self._older_changes += 1
         for bk in self.buckets.values():
             bk.drop(predictor)
 
     # ---------------------------------------------------------------- reading
     def sums(self, predictor: str = "raw") -> CellSums:
-        """Merged sums of ``predictor`` over the window."""
-        return CellSums.merge_all([bk.sums(predictor, self.k) for bk in self.buckets.values()],
+        """Merged sums of ``predictor`` over the window (never modify them: they may be cached
+        or a bucket's own).
+
+        The buckets before the newest change only when one is dropped, closed or reset (or, in
+        a time window, takes a late sample), so their merge is cached under that state and an
+        evaluation merges two parts, not ``n_buckets``."""
+        ids = list(self.buckets)
+        if len(ids) <= 2:
+            return CellSums.merge_all([self.buckets[b].sums(predictor, self.k) for b in ids],
+                                      self.k)
+        key = (ids[0], ids[-2], len(ids), self._older_changes)
+        cached = self._older.get(predictor)
+        if cached is None or cached[0] != key:
+            older = CellSums.merge_all([self.buckets[b].sums(predictor, self.k)
+                                        for b in ids[:-1]], self.k)
+            self._older[predictor] = cached = (key, older)
+        return CellSums.merge_all([cached[1], self.buckets[ids[-1]].sums(predictor, self.k)],
                                   self.k)
 
     def classwise(self, predictor: str = "calibrated") -> Classwise | None:

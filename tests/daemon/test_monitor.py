@@ -322,3 +322,31 @@ def test_reset_drops_waiting_calibrated_rows():
     mon.reset("calibrated")
     assert mon.evaluate()["calibrated"] is None and mon.evaluate()["raw"].n == 50
     assert mon.to_dict()["change"]["block_n"] == 0
+
+
+@pytest.mark.parametrize("window", [{"window_samples": 600}, {"window_seconds": 30.0}])
+def test_cached_merge_of_older_buckets_equals_merging_every_bucket(window):
+    """sums() caches the merge of the buckets before the newest; after updates (small and
+    large, late samples in a time window), resets, trims and expiry it equals merging every
+    bucket."""
+    x, y = data(6000, k=4, seed=7)
+    rng = np.random.default_rng(2)
+    mon = WindowMonitor(4, 8, 2.0, n_buckets=6, change=_change(50), **window)
+    a, t = 0, 0.0
+    for step in range(300):
+        b = min(len(y), a + int(rng.choice([1, 3, 70, 150])))
+        ts = t + rng.uniform(-8, 1, size=b - a)  # some late samples
+        t += 0.3
+        mon.update(x[a:b], y[a:b], ts, calibrated=x[a:b])
+        a = b % 5000
+        if step % 37 == 0:
+            mon.reset("calibrated")
+        if step % 53 == 0:
+            mon.set_max_bytes(int(rng.integers(20_000, 200_000)))
+        for name in ("raw", "calibrated"):
+            got = mon.sums(name)
+            want = CellSums.merge_all([bk.sums(name, 4) for bk in mon.buckets.values()], 4)
+            assert got.n == want.n
+            assert np.array_equal(got.hashes, want.hashes)
+            assert np.array_equal(got.counts, want.counts)
+            assert np.allclose(got.s, want.s) and np.allclose(got.q, want.q)
