@@ -63,12 +63,10 @@ import base64
 import binascii
 import math
 import sys
-import weakref
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
-from operator import itemgetter
+from itertools import repeat
 from typing import Any
 
 import numpy as np

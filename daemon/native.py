@@ -168,6 +168,11 @@ def _choose() -> Kernels:
 
 
 _PYTHON: Kernels | None = None
+#: the kernels this process runs, chosen on first use (:func:`_kernels`; rebound only by
+#: :func:`pure_python`), and the pure-Python path (every kernel its reference): both are
+#: module attributes served by ``__getattr__`` until then
+KERNELS: Kernels
+PYTHON: Kernels
 
 
 def _python() -> Kernels:
