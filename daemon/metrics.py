@@ -618,6 +618,9 @@ class DaemonMetrics:
         self.registry = registry
         self.max_models = max_models
         self._models: set[str] = set()
+        # the per-model counter children counted every batch (labels() is a lookup, a lock and
+        # label checks per call); dropped with the model
+        self._joined: dict[str, object] = {}
 
         def make(name: str):
             kind, labels, doc = _SPEC[name]
@@ -747,6 +750,7 @@ class DaemonMetrics:
                 except KeyError:
                     pass  # that child was never created
         self.model_gauges.discard(model)
+        self._joined.pop(model, None)
         self._models.discard(model)
 
     # ------------------------------------------------------------------ ingest
@@ -773,7 +777,11 @@ class DaemonMetrics:
 
     def inc_joined(self, model: str, n: int = 1) -> None:
         """Count ``n`` joined (prediction, outcome) samples of ``model``."""
-        self.joined_samples.labels(model=self._model(model)).inc(_count(n, "n"))
+        n = _count(n, "n")
+        child = self._joined.get(model)
+        if child is None:
+            child = self._joined[model] = self.joined_samples.labels(model=self._model(model))
+        child.inc(n)
 
     def inc_sampled_out(self, model: str, topic: str, n: int = 1) -> None:
         """Count ``n`` events of ``model`` from ``topic`` (predictions | outcomes) dropped by
