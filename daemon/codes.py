@@ -17,6 +17,10 @@ constants, ``[kind, deadline, ts, payload, id]``:
   that call's batch;
 * ``id``: the event id (str), the key of the pending dict.
 
+**The per-model join state** (:class:`daemon.join_loop._ModelJoin`): the C loop reads its
+attributes by name; :data:`MODEL_JOIN_ATTRS` are those names, shared with C as the ``MJ_*``
+string constants.
+
 A list rather than a class with ``__slots__``: the C join loop creates, reads and marks entries
 with the list macros (no attribute look-up or call per event), and the memory bound of the
 join (``daemon.join.PENDING_ENTRY_BYTES``) is measured on this layout.
@@ -37,6 +41,7 @@ __all__ = [
     "KIND_OUTCOME",
     "KIND_PREDICTION",
     "KIND_SAMPLE",
+    "MODEL_JOIN_ATTRS",
     "SHARED_WITH_C",
 ]
 
@@ -50,10 +55,19 @@ JOINED, EXPIRED = 0, 1
 E_KIND, E_DEADLINE, E_TS, E_PAYLOAD, E_ID = 0, 1, 2, 3, 4
 ENTRY_LEN = 5
 
+#: the attributes of a model's join state that the C join loop reads by name
+MJ_PENDING, MJ_QUEUE, MJ_RECENT, MJ_RECENT_ORDER = "pending", "queue", "recent", "recent_order"
+MJ_CAP_PENDING, MJ_CAP_RECENT = "cap_pending", "cap_recent"
+MODEL_JOIN_ATTRS: tuple[str, ...] = (MJ_PENDING, MJ_QUEUE, MJ_RECENT, MJ_RECENT_ORDER,
+                                     MJ_CAP_PENDING, MJ_CAP_RECENT)
+
 #: every code the C kernels define too (their module exports each under the same name)
-SHARED_WITH_C: dict[str, int] = {
+SHARED_WITH_C: dict[str, int | str] = {
     "KIND_PREDICTION": KIND_PREDICTION, "KIND_OUTCOME": KIND_OUTCOME,
     "KIND_SAMPLE": KIND_SAMPLE, "KIND_DEAD": KIND_DEAD, "JOINED": JOINED, "EXPIRED": EXPIRED,
     "E_KIND": E_KIND, "E_DEADLINE": E_DEADLINE, "E_TS": E_TS, "E_PAYLOAD": E_PAYLOAD,
     "E_ID": E_ID, "ENTRY_LEN": ENTRY_LEN,
+    "MJ_PENDING": MJ_PENDING, "MJ_QUEUE": MJ_QUEUE, "MJ_RECENT": MJ_RECENT,
+    "MJ_RECENT_ORDER": MJ_RECENT_ORDER, "MJ_CAP_PENDING": MJ_CAP_PENDING,
+    "MJ_CAP_RECENT": MJ_CAP_RECENT,
 }

@@ -7,9 +7,9 @@ as columns when *every* event has the common shape: a JSON object with a str ``m
 returns None and :class:`daemon.events.EventParser` runs its general per-message loop, which
 judges each event on its own. Types are exact: a bool is not an int here.
 
-Two implementations with one result: the C kernel ``scan`` (one pass over the dicts, reached
-through ``daemon.native.KERNELS``) and :func:`columns_python`, the reference, built from C-level
-``map`` passes. ``tests/daemon/test_native.py`` holds them equal on random and adversarial batches.
+Two implementations with one result, reached through ``daemon.native.KERNELS.scan``: the C
+kernel (one pass over the dicts) and :func:`scan_python` / :func:`columns_python`, the
+reference, built from C-level ``map`` passes. ``tests/daemon/test_native.py`` holds them equal on random and adversarial batches.
 Both leave to the general path what NumPy's conversion would treat specially: vector entries
 that are ints beyond 2**53, and labels beyond int64.
 """
@@ -25,7 +25,8 @@ import orjson
 
 from daemon import native
 
-__all__ = ["Columns", "columns", "columns_python", "parse_columns"]
+__all__ = ["Columns", "columns", "columns_python", "native_columns", "parse_columns",
+           "scan_python"]
 
 _EXACT = 2.0**53
 
@@ -68,27 +69,31 @@ def parse_columns(values: list, max_bytes: int, max_model_len: int, max_id_len: 
     ``max_bytes`` bytes holding JSON that ``orjson.loads`` parses to an event of the common
     shape. The C kernel parses, reads and drops one message at a time, so that the parsed
     batch is never alive as a whole (as in a plain ``loads`` loop: its memory stays in cache)."""
-    scan = native.KERNELS.scan
-    if scan is not None and type(values) is list:
-        return _native_columns(scan(values, max_model_len, max_id_len, orjson.loads, max_bytes))
-    if set(map(type, values)) != {bytes} or max(map(len, values)) > max_bytes:
-        return None
-    try:
-        ds = list(map(orjson.loads, values))
-    except orjson.JSONDecodeError:
-        return None
-    return columns(ds, max_model_len, max_id_len)
+    return native.KERNELS.scan(values, max_model_len, max_id_len, orjson.loads, max_bytes)
 
 
 def columns(ds: list, max_model_len: int, max_id_len: int) -> Columns | None:
     """:class:`Columns` of the dicts ``ds``, or None unless every event has the common shape."""
-    scan = native.KERNELS.scan
-    if scan is None:
-        return columns_python(ds, max_model_len, max_id_len)
-    return _native_columns(scan(ds, max_model_len, max_id_len))
+    return native.KERNELS.scan(ds, max_model_len, max_id_len)
 
 
-def _native_columns(cols: tuple | None) -> Columns | None:
+def scan_python(items: list, max_model_len: int, max_id_len: int, loads=None,
+                max_bytes: int | None = None) -> Columns | None:
+    """Reference of the kernel ``scan`` (``daemon.native.KERNELS.scan``): :func:`columns_python`
+    of the dicts ``items``, or, with ``loads``, of the message values ``items`` parsed by it
+    (None unless every value is bytes of at most ``max_bytes`` bytes that parses)."""
+    if loads is not None:
+        if set(map(type, items)) != {bytes} or max(map(len, items)) > max_bytes:
+            return None
+        try:
+            items = list(map(loads, items))
+        except ValueError:  # orjson.JSONDecodeError
+            return None
+    return columns_python(items, max_model_len, max_id_len)
+
+
+def native_columns(cols: tuple | None) -> Columns | None:
+    """:class:`Columns` of the C kernel ``scan``'s result (byte buffers read as arrays)."""
     if cols is None:
         return None
     models, ids, ts, labels, vlen, flat = cols

@@ -63,6 +63,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -124,6 +125,7 @@ REASONS: tuple[str, ...] = (
 
 OTHER_POLICIES = 4096    # policies cached for models that are not admitted
 _UNKNOWN = object()
+_TIMESTAMP = attrgetter("timestamp")
 _NUM = (int, float)
 
 
@@ -557,9 +559,27 @@ class EventParser:
             return None
         # per model: its rows and the matrix of its vectors (None: not all numeric/length k)
         parts = []
+        if codes is not None:  # each model's rows, in input order: one stable sort, O(n log n)
+            order = np.argsort(codes, kind="stable")
+            bounds = np.searchsorted(codes[order], np.arange(len(umodels) + 1)).tolist()
+            ids_of = itemgetter(*order.tolist()) if n > 1 else None
+            ordered_ids = list(ids_of(ids)) if ids_of is not None else list(ids)
+            if len(set(ks)) == 1 and len(set(pols)) == 1:  # one k and policy: validate once
+                vall = np.flatnonzero(hv)
+                mat = cols.matrix(vall, ks[0]) if vall.size else None
+                if vall.size and mat is None:
+                    return None
+                self.admitted.update(new_models)
+                for model, pol in uncached:  # as self._policy(model) would have
+                    self._cache_policy(model, pol)
+                return self._finish_grouped(cols, umodels, ks[0], pols[0], kind, order, bounds,
+                                            ordered_ids, vall, mat)
         for c, model in enumerate(umodels):
-            sel = np.arange(n) if codes is None else np.flatnonzero(codes == c)
-            m_ids = ids if codes is None else [ids[i] for i in sel.tolist()]
+            if codes is None:
+                sel, m_ids = np.arange(n), ids
+            else:
+                a, b = bounds[c], bounds[c + 1]
+                sel, m_ids = order[a:b], ordered_ids[a:b]
             vrows = sel[hv[sel]]
             mat = cols.matrix(vrows, ks[c]) if vrows.size else None
             if vrows.size and mat is None:
@@ -578,6 +598,58 @@ class EventParser:
                 out.by_model[model] = mb
         if len(out.invalid) > 1:
             out.invalid.sort(key=lambda t: t[0])
+        return out
+
+    @staticmethod
+    def _finish_grouped(cols: Any, umodels: list[str], k: int, policy: ModelPolicy,
+                        kind: np.ndarray, order: np.ndarray, bounds: list[int],
+                        ordered_ids: list[str], vall: np.ndarray, mat: np.ndarray | None
+                        ) -> ParsedBatch:
+        """The end of :meth:`_parse_uniform` for a batch of several models sharing one ``k``
+        and one policy: the vectors of the whole batch are validated in one pass
+        (:func:`_validate_rows`), the columns are put in model order once (``order``: a stable
+        sort by model, ``bounds``: each model's range in it), and each model's
+        :class:`ModelBatch` is slices of them. The same records and invalid events as the
+        per-model validation of :meth:`_finish_columns`, at a cost per batch instead of a few
+        dozen array operations per model."""
+        n = order.shape[0]
+        out = ParsedBatch(n)
+        models = cols.models
+        reasons = {} if mat is None else _validate_rows(
+            mat, np.zeros(mat.shape[0], dtype=bool), np.ones(mat.shape[0], dtype=bool), policy)
+        ts = cols.ts
+        bad_ts = ~np.isfinite(ts)
+        pos = np.empty(n, dtype=np.int64)  # position of each event in model order
+        pos[order] = np.arange(n)
+        probs = np.zeros((n, k), dtype=np.float64)
+        if mat is not None:
+            probs[pos[vall]] = mat
+        kind_s, ts_s, lab_s = kind[order], ts[order], cols.labels[order]
+        keep_s = None
+        if reasons or bad_ts.any():
+            keep = np.ones(n, dtype=bool)
+            for r, (reason, detail) in reasons.items():
+                i = int(vall[r])
+                keep[i] = False
+                out.invalid.append((i, Invalid(reason, detail, models[i])))
+            for i in np.flatnonzero(bad_ts & keep).tolist():
+                keep[i] = False
+                out.invalid.append((i, Invalid(NON_FINITE, "non-finite 'ts'", models[i])))
+            keep_s = keep[order]
+            if len(out.invalid) > 1:
+                out.invalid.sort(key=lambda t: t[0])
+        by_model = out.by_model
+        for c, model in enumerate(umodels):
+            a, b = bounds[c], bounds[c + 1]
+            if keep_s is None or keep_s[a:b].all():
+                by_model[model] = ModelBatch(model, k, kind_s[a:b], ordered_ids[a:b], ts_s[a:b],
+                                             probs[a:b], lab_s[a:b], order[a:b])
+                continue
+            idx = a + np.flatnonzero(keep_s[a:b])
+            if idx.size:
+                by_model[model] = ModelBatch(model, k, kind_s[idx],
+                                             [ordered_ids[j] for j in idx.tolist()], ts_s[idx],
+                                             probs[idx], lab_s[idx], order[idx])
         return out
 
     def _start_model(self, model: str) -> _Acc | Invalid:
@@ -621,18 +693,18 @@ class EventParser:
         ``matrix``: the vectors already stacked as float64 rows, all numeric (``vecs`` unused)."""
         m = len(ids)
         keep = np.ones(m, dtype=bool)
-        index_l = index.tolist()
+        index_of = index.item  # an event's input position (only for the invalid ones)
         if k == 0:
             probs = np.zeros((m, 0), dtype=np.float64)
         else:
             # labels of events accepted before k was learned in this batch
-            bad_lab = np.flatnonzero(labels >= k)
-            for j in bad_lab.tolist():
-                keep[j] = False
-                invalid.append((index_l[j], Invalid(
-                    LABEL_OUT_OF_RANGE, f"label {int(labels[j])} outside [0, {k})", model)))
-            probs = np.zeros((m, k), dtype=np.float64)
+            if labels.size and labels.max() >= k:
+                for j in np.flatnonzero(labels >= k).tolist():
+                    keep[j] = False
+                    invalid.append((index_of(j), Invalid(
+                        LABEL_OUT_OF_RANGE, f"label {int(labels[j])} outside [0, {k})", model)))
             nvec = len(matrix) if matrix is not None else len(vecs or ())
+            probs = None
             if nvec:
                 if matrix is not None:
                     rows, ok = matrix, np.ones(nvec, dtype=bool)
@@ -642,13 +714,18 @@ class EventParser:
                     logit = np.zeros(nvec, dtype=bool)
                 for r in np.flatnonzero(~ok).tolist():
                     keep[vidx[r]] = False
-                    invalid.append((index_l[vidx[r]], Invalid(
+                    invalid.append((index_of(int(vidx[r])), Invalid(
                         BAD_SCHEMA, "vector entries must be numbers", model)))
                 reasons = _validate_rows(rows, logit, ok, policy)
                 for r, (reason, detail) in reasons.items():
                     keep[vidx[r]] = False
-                    invalid.append((index_l[vidx[r]], Invalid(reason, detail, model)))
-                probs[vidx] = rows
+                    invalid.append((index_of(int(vidx[r])), Invalid(reason, detail, model)))
+                if nvec == m and rows.flags.c_contiguous and rows.flags.writeable:
+                    probs = rows  # every event has a vector, in order: no copy (vidx = 0..m-1)
+            if probs is None:
+                probs = np.zeros((m, k), dtype=np.float64)
+                if nvec:
+                    probs[vidx] = rows
         sel = None if keep.all() else np.flatnonzero(keep)
         if sel is not None:
             if sel.size == 0:
@@ -672,10 +749,15 @@ def _record_times(timestamps: Sequence[Any]) -> np.ndarray:
     """Record timestamps in seconds as float64; ``inf`` where a message has none (a missing or
     negative Kafka timestamp), so that it is not bounded."""
     if isinstance(timestamps, RecordTimestamps):
-        raw = [r.timestamp for r in timestamps.records]
-        t = np.array([-1.0 if x is None else x for x in raw], dtype=np.float64) / 1000.0
+        raw = list(map(_TIMESTAMP, timestamps.records))  # C-level passes, no Python loop
+        scale = 1000.0
     else:
-        t = np.array([-1.0 if x is None else x for x in timestamps], dtype=np.float64)
+        raw, scale = list(timestamps), 1.0
+    if None in raw:
+        raw = [-1.0 if x is None else x for x in raw]
+    t = np.array(raw, dtype=np.float64)
+    if scale != 1.0:
+        t /= scale
     t[~(t >= 0)] = math.inf
     return t
 

@@ -63,12 +63,10 @@ import base64
 import binascii
 import math
 import sys
-import weakref
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
-from operator import itemgetter
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -87,18 +85,18 @@ from daemon.codes import (
     KIND_PREDICTION,
     KIND_SAMPLE,
 )
+from daemon.join_loop import (
+    EVICTION_REASONS,
+    UNMATCHED_KINDS,
+    _ModelJoin,
+    _zero,
+    expire,
+    remember,
+)
 from lpcal.errors import InputError
 
 __all__ = ["KIND_OUTCOME", "KIND_PREDICTION", "KIND_SAMPLE", "JoinResult", "JoinStore"]
 
-EVICTION_REASONS = ("ttl", "capacity")
-UNMATCHED_KINDS = ("late", "duplicate", "orphan")
-
-
-_KIND = itemgetter(E_KIND)  # of a pending entry (layout: daemon.codes)
-if (E_KIND, E_DEADLINE, E_TS, E_PAYLOAD, E_ID) != (0, 1, 2, 3, 4):  # the list literals below
-    raise ImportError("daemon.join builds pending entries as [kind, deadline, ts, payload, id]")
-_COMPACT_SLACK = 1024
 #: bytes per pending entry besides its id and row: the entry list, its floats, its dict and
 #: deque slots, the (block, row) tuple (measured: ~290 on CPython 3.11, x86-64), plus one
 #: joined entry that ``queue`` may still hold (up to one per pending entry + 1024, ~150 each)
@@ -109,27 +107,6 @@ RECENT_ENTRY_BYTES = 128
 ROW_SLACK_BYTES = 256 * 1024
 MAX_ROW_WIDTH = 1 << 20  # sanity bound of a snapshot's k (the daemon's max_k is far lower)
 _getsizeof = sys.getsizeof
-
-
-class _RowBytes:
-    """Bytes of the row blocks of one model that are still allocated (a block is released,
-    by ``weakref.finalize``, when its last pending row has left)."""
-
-    __slots__ = ("__weakref__", "nbytes")
-
-    def __init__(self):
-        self.nbytes = 0
-
-    def track(self, block: np.ndarray) -> None:
-        self.nbytes += block.nbytes
-        weakref.finalize(block, self.release, block.nbytes)
-
-    def release(self, nbytes: int) -> None:
-        self.nbytes -= nbytes
-
-
-def _zero(keys: Iterable[str]) -> dict[str, int]:
-    return {k: 0 for k in keys}
 
 
 @dataclass
@@ -145,67 +122,6 @@ class JoinResult:
 
     def __len__(self) -> int:
         return len(self.ids)
-
-
-class _ModelJoin:
-    """Pending + recent state of one model.
-
-    ``pending[id]`` is a pending entry ``[kind, deadline, ts, payload, id]``, indexed by the
-    ``E_*`` constants of :mod:`daemon.codes` (which documents it), with ``payload`` the label
-    (outcomes) or ``(block, row)`` (predictions: row ``row`` of the 2-D array ``block``, a
-    compact copy shared by the predictions of one batch). A plain dict keeps its entries in
-    arrival order, which is deadline order; ``queue`` holds the same entries in the same order,
-    for the oldest one in O(1): an entry that leaves ``pending`` by a join gets kind
-    ``KIND_DEAD`` and is dropped from ``queue`` once it reaches the front (or by
-    :meth:`compact`). An OrderedDict did this at twice the cost per event (a linked node per
-    entry). The C join loop (``offer_loop``) reads the attributes of this object by name."""
-
-    __slots__ = ("cap_pending", "cap_recent", "evicted", "id_bytes", "joined", "k", "pending",
-                 "queue", "recent", "recent_order", "rows", "unmatched")
-
-    def __init__(self, cap_pending: int = 1, cap_recent: int = 0):
-        #: the count bounds in force (the store's, lowered by its byte budget)
-        self.cap_pending, self.cap_recent = cap_pending, cap_recent
-        self.id_bytes = 0          # largest ``sys.getsizeof`` of an id of this model so far
-        self.k = 0                 # width of its probability rows
-        self.rows = _RowBytes()
-        self.pending: dict[str, list] = {}
-        self.queue: deque[list] = deque()
-        self.recent: dict[str, int] = {}          # id -> JOINED | EXPIRED
-        self.recent_order: deque[str] = deque()   # ids of ``recent``, oldest first
-        self.evicted = _zero(EVICTION_REASONS)
-        self.unmatched = _zero(UNMATCHED_KINDS)
-        self.joined = 0
-
-    def oldest(self) -> list | None:
-        """The oldest pending entry (dropping joined ones from the front of ``queue``)."""
-        q = self.queue
-        while q:
-            e = q[0]
-            if e[E_KIND] != KIND_DEAD:
-                return e
-            q.popleft()
-        return None
-
-    def pop_oldest(self) -> tuple[str, int]:
-        """Remove the oldest pending entry (``pending`` must not be empty); return its id and
-        kind (the entry itself is marked ``KIND_DEAD``)."""
-        self.oldest()
-        e = self.queue.popleft()
-        del self.pending[e[E_ID]]
-        kind, e[E_KIND] = e[E_KIND], KIND_DEAD
-        return e[E_ID], kind
-
-    def add(self, eid: str, e: list) -> None:
-        self.pending[eid] = e
-        self.queue.append(e)
-
-    def compact(self) -> None:
-        """Drop joined entries from ``queue`` once they outnumber the pending ones (amortised
-        O(1) per join: they pile up behind an old entry that waits long for its partner)."""
-        q = self.queue
-        if len(q) > 2 * len(self.pending) + _COMPACT_SLACK:
-            self.queue = deque(compress(q, map(KIND_DEAD.__ne__, map(_KIND, q))))
 
 
 class JoinStore:
@@ -353,27 +269,10 @@ class JoinStore:
 
     # ---------------------------------------------------------------- expiry
     def _expire(self, m: _ModelJoin, clock: float, ev: dict, um: dict) -> None:
-        while True:
-            entry = m.oldest()
-            if entry is None or entry[E_DEADLINE] >= clock:
-                break
-            eid, kind = m.pop_oldest()
-            ev["ttl"] += 1
-            if kind == KIND_OUTCOME:
-                um["orphan"] += 1
-            self._remember(m, eid, EXPIRED)
+        expire(m, clock, ev, um)
 
     def _remember(self, m: _ModelJoin, eid: str, state: int) -> None:
-        """Remember ``eid`` (a re-remembered id keeps its place in the forgetting order)."""
-        if m.cap_recent == 0:
-            return
-        rec = m.recent
-        if eid not in rec:
-            order = m.recent_order
-            order.append(eid)
-            if len(order) > m.cap_recent:
-                del rec[order.popleft()]
-        rec[eid] = state
+        remember(m, eid, state)
 
     def advance(self, now: float) -> JoinResult:
         """Move the clock to ``now`` (if later) and expire what the TTL allows, in every model."""
@@ -437,142 +336,18 @@ class JoinStore:
 
     def _offer(self, m: _ModelJoin, kind_l: list, ids: Sequence[str], ts_l: list,
                probs: np.ndarray | None, lab_l: list, event_time: bool) -> JoinResult:
-        """The event loop of :meth:`offer`: the C kernel ``offer_loop`` when the process runs
-        it (``daemon.native.KERNELS``), else the loop below, its reference."""
-        offer_loop = native.KERNELS.offer_loop
-        if offer_loop is not None:
-            return self._offer_native(offer_loop, m, kind_l, ids, ts_l, probs, lab_l,
-                                      event_time)
-        n = len(kind_l)
-        ev, um = _zero(EVICTION_REASONS), _zero(UNMATCHED_KINDS)
-        pend, recent, ttl, cap = m.pending, m.recent, self.ttl, m.cap_pending
-        # joined samples; their rows come from this batch (b_*) or from pending blocks (p_*)
-        out_ids: list[str] = []
-        out_ts: list[float] = []
-        out_lab: list[int] = []
-        b_out: list[int] = []
-        b_idx: list[int] = []
-        p_out: list[int] = []
-        p_src: list[tuple[np.ndarray, int]] = []
-        new_pending: list[tuple[list, int]] = []  # prediction entries whose row is in this batch
-        clock = self.clock
-        wm0, wm1 = self.wm
-        remember = self._remember
-        inf = math.inf
-        # lower bound on the earliest pending deadline (deadlines are appended in order, and
-        # removing entries can only raise the true minimum), so the check below is exact
-        e0 = m.oldest()
-        front = inf if e0 is None else e0[E_DEADLINE]
-        for i in range(n):
-            t = ts_l[i]
-            kd = kind_l[i]
-            if event_time:
-                if kd != KIND_OUTCOME and t > wm0:
-                    wm0 = t
-                if kd != KIND_PREDICTION and t > wm1:
-                    wm1 = t
-                # comparisons, not min()/max(): this runs once per event
-                c = wm0 if wm0 < wm1 else wm1  # noqa: FURB136
-                if c > clock:  # noqa: PLR1730
-                    clock = c
-            if front < clock:
-                self.clock = clock
-                self._expire(m, clock, ev, um)
-                e0 = m.oldest()
-                front = inf if e0 is None else e0[E_DEADLINE]
-            eid = ids[i]
-            entry = pend.get(eid)
-            if kd == KIND_SAMPLE:
-                if entry is not None or eid in recent:
-                    um["duplicate"] += 1
-                    continue
-                b_out.append(len(out_ids))
-                b_idx.append(i)
-                out_ids.append(eid)
-                out_ts.append(t)
-                out_lab.append(lab_l[i])
-                remember(m, eid, JOINED)
-                continue
-            if entry is not None:
-                if entry[E_KIND] == kd:
-                    um["duplicate"] += 1
-                    continue
-                del pend[eid]
-                entry[E_KIND] = KIND_DEAD
-                if kd == KIND_PREDICTION:
-                    b_out.append(len(out_ids))
-                    b_idx.append(i)
-                    out_lab.append(entry[E_PAYLOAD])
-                else:
-                    src = entry[E_PAYLOAD]
-                    if type(src) is int:   # a prediction of this batch
-                        b_out.append(len(out_ids))
-                        b_idx.append(src)
-                    else:
-                        p_out.append(len(out_ids))
-                        p_src.append(src)
-                    out_lab.append(lab_l[i])
-                out_ids.append(eid)
-                out_ts.append(max(entry[E_TS], t))
-                remember(m, eid, JOINED)
-                continue
-            state = recent.get(eid)
-            if state is not None:
-                if kd == KIND_OUTCOME or state == EXPIRED:
-                    um["late"] += 1
-                else:
-                    um["duplicate"] += 1
-                continue
-            deadline = ((clock if clock > t else t) if event_time else clock) + ttl  # noqa: FURB136
-            # a pending entry, [E_KIND, E_DEADLINE, E_TS, E_PAYLOAD, E_ID] (daemon.codes)
-            if kd == KIND_PREDICTION:
-                e = [kd, deadline, t, i, eid]
-                new_pending.append((e, i))
-            else:
-                e = [kd, deadline, t, lab_l[i], eid]
-            if not pend:
-                front = e[E_DEADLINE]
-            m.add(eid, e)
-            if len(pend) > cap:
-                old_id, _kind = m.pop_oldest()
-                ev["capacity"] += 1
-                self._remember(m, old_id, EXPIRED)
-        self.clock = clock
-        self.wm = [wm0, wm1]
-        live = [(e, i) for e, i in new_pending if e[E_KIND] != KIND_DEAD]
-        groups: dict[int, tuple[np.ndarray, list[int], list[int]]] = {}
-        for j, (blk, r) in zip(p_out, p_src):
-            g = groups.get(id(blk))
-            if g is None:
-                g = groups[id(blk)] = (blk, [], [])
-            g[1].append(j)
-            g[2].append(r)
-        return self._finish_offer(m, probs, out_ids, out_ts, out_lab, b_out, b_idx,
-                                  list(groups.values()), [e for e, _ in live],
-                                  [i for _, i in live], ev, um)
-
-    def _offer_native(self, offer_loop: Any, m: _ModelJoin, kind_l: list, ids: Sequence[str],
-                      ts_l: list, probs: np.ndarray | None, lab_l: list, event_time: bool
-                      ) -> JoinResult:
-        """:meth:`offer` with its event loop in C (``offer_loop`` of ``daemon._speedups``, a
-        line-by-line port of the Python loop above: it updates ``m``'s ``pending``, ``queue``,
-        ``recent`` and ``recent_order`` in place, within ``m.cap_pending`` and
-        ``m.cap_recent``, with the codes of :mod:`daemon.codes`)."""
+        """The event loop of :meth:`offer`, ``daemon.native.KERNELS.offer_loop``: the C kernel
+        or its reference :func:`daemon.join_loop.offer_loop` (one signature, one result)."""
         (clock, wm0, wm1, counts, out_ids, out_ts, out_lab, b_out, b_idx, p_groups, live_e,
-         live_r) = offer_loop(m, self.ttl, event_time, self.clock, self.wm[0], self.wm[1],
-                              kind_l, ids if type(ids) is list else list(ids), ts_l, lab_l)
+         live_r) = native.KERNELS.offer_loop(
+            m, self.ttl, event_time, self.clock, self.wm[0], self.wm[1], kind_l,
+            ids if type(ids) is list else list(ids), ts_l, lab_l)
         self.clock = clock
         self.wm = [wm0, wm1]
         ev = dict(zip(EVICTION_REASONS, counts[:2]))
         um = dict(zip(UNMATCHED_KINDS, counts[2:]))
-        i64 = np.int64
-        return self._finish_offer(
-            m, probs, out_ids, np.frombuffer(out_ts, dtype=np.float64),
-            np.frombuffer(out_lab, dtype=i64), np.frombuffer(b_out, dtype=i64),
-            np.frombuffer(b_idx, dtype=i64),
-            [(blk, np.frombuffer(js, dtype=i64), np.frombuffer(rs, dtype=i64))
-             for blk, js, rs in p_groups],
-            live_e, np.frombuffer(live_r, dtype=i64), ev, um)
+        return self._finish_offer(m, probs, out_ids, out_ts, out_lab, b_out, b_idx, p_groups,
+                                  live_e, live_r, ev, um)
 
     def _finish_offer(self, m: _ModelJoin, probs: np.ndarray | None, out_ids: list[str],
                       out_ts: Sequence[float], out_lab: Sequence[int], b_out: Sequence[int],
@@ -595,12 +370,7 @@ class JoinStore:
         if live_e:
             block = probs[live_r]  # fancy indexing copies
             m.rows.track(block)
-            attach_rows = native.KERNELS.attach_rows
-            if attach_rows is not None:
-                attach_rows(live_e, block)
-            else:
-                for r, e in enumerate(live_e):
-                    e[E_PAYLOAD] = (block, r)
+            native.KERNELS.attach_rows(live_e, block)
         m.joined += len(out_ids)
         m.compact()
         _acc(m, ev, um)

@@ -46,6 +46,16 @@ about the model (the raw model's own bound already meets it), else 0;
 candidate: ``raw`` (the model as-is, reported only), ``precalibrator``
 (temperature scaling alone) and ``corrected`` (Algorithm 2's map on the temperature-scaled bins).
 
+**Per-model gauges at scrape time.** The gauges in :data:`MODEL_GAUGES` (pool fill, join
+buffer, state bytes, epochs waiting, windowed quality and statistics, drift score and
+threshold) are not ``Gauge`` objects set through ``labels()``: a
+:class:`ModelGaugeCollector` (a client_python custom collector) reads one :class:`ModelGauges`
+row per model from a *provider* when Prometheus scrapes, and yields their families. By default
+the provider is the metrics' own :class:`ModelGaugeTable`, which the ``set_*`` methods of these
+gauges write (a dict update, no ``labels()`` child); :meth:`DaemonMetrics.read_model_gauges`
+replaces it with one that reads the models' state directly, so that nothing about these gauges
+runs per batch. Names, types, labels and help are those of :data:`_SPEC`.
+
 Names in :data:`METRIC_NAMES` are the names used in PromQL: counters with their ``_total``
 suffix, histograms by family name (their samples add ``_bucket``/``_sum``/``_count``); use
 :func:`family_of` to map an exposed sample name back to its entry.
@@ -56,7 +66,8 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from importlib import metadata
 
@@ -68,6 +79,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -83,6 +95,7 @@ __all__ = [
     "METRIC_LABELS",
     "METRIC_NAMES",
     "METRIC_TYPES",
+    "MODEL_GAUGES",
     "POOL_NAME_RE",
     "BinMapSkipReason",
     "Candidate",
@@ -91,6 +104,9 @@ __all__ = [
     "EvictionReason",
     "GapResolution",
     "InvalidReason",
+    "ModelGaugeCollector",
+    "ModelGaugeTable",
+    "ModelGauges",
     "Predictor",
     "RejectReason",
     "RestoreOutcome",
@@ -387,6 +403,16 @@ METRIC_TYPES: Mapping[str, str] = {name: spec[0] for name, spec in _SPEC.items()
 #: Label names of each metric in :data:`METRIC_NAMES`.
 METRIC_LABELS: Mapping[str, tuple[str, ...]] = {name: spec[1] for name, spec in _SPEC.items()}
 
+#: The per-model gauges exported at scrape time by :class:`ModelGaugeCollector`.
+MODEL_GAUGES: tuple[str, ...] = (
+    "lpcal_join_pending", "lpcal_join_buffer_bytes", "lpcal_join_buffer_budget_bytes",
+    "lpcal_model_state_bytes", "lpcal_model_state_budget_bytes", "lpcal_pool_samples",
+    "lpcal_pool_fill_ratio", "lpcal_epochs_waiting", "lpcal_calibration_error",
+    "lpcal_top_label_ece", "lpcal_brier_score", "lpcal_accuracy_ratio", "lpcal_drift_threshold",
+    "lpcal_window_samples", "lpcal_calibration_statistic", "lpcal_calibration_statistic_stderr",
+    "lpcal_drift_change_score",
+)
+
 _SAMPLE_SUFFIXES = ("_bucket", "_sum", "_count", "_created")
 
 
@@ -404,6 +430,130 @@ def family_of(sample_name: str) -> str | None:
         if suffix == "_created" and METRIC_TYPES.get(base + "_total") == "counter":
             return base + "_total"
     return None
+
+
+# --------------------------------------------------------------------------- per-model gauges
+
+
+@dataclass(slots=True)
+class ModelGauges:
+    """One model's per-model gauge values (:data:`MODEL_GAUGES`), a row of a gauge provider.
+
+    A field left None exports no series. ``pools``: ``{pool: (count, target)}`` as
+    :meth:`lpcal.pools.PoolSet.fill` returns it (samples and their ratio to the target);
+    ``quality``: ``{predictor: (err_p, ece, brier, accuracy)}``; ``statistics``:
+    ``{predictor: {statistic: (value, stderr)}}`` (a non-finite value or stderr exports no
+    series). Enum labels (pool, predictor, statistic) outside their sets are skipped at scrape
+    time, never raised: a scrape never fails on one model's values."""
+
+    model: str
+    join_pending: float | None = None
+    join_buffer_bytes: float | None = None
+    join_buffer_budget: float | None = None
+    state_bytes: float | None = None
+    state_budget: float | None = None
+    epochs_waiting: float | None = None
+    window_samples: float | None = None
+    drift_threshold: float | None = None
+    drift_change_score: float | None = None
+    pools: Mapping[str, tuple[int, int]] | None = None
+    quality: Mapping[str, tuple[float, float, float, float]] | None = None
+    statistics: Mapping[str, Mapping[str, tuple[float, float]]] | None = None
+
+
+#: ModelGauges scalar fields -> their metric
+_SCALAR_GAUGES = (
+    ("join_pending", "lpcal_join_pending"),
+    ("join_buffer_bytes", "lpcal_join_buffer_bytes"),
+    ("join_buffer_budget", "lpcal_join_buffer_budget_bytes"),
+    ("state_bytes", "lpcal_model_state_bytes"),
+    ("state_budget", "lpcal_model_state_budget_bytes"),
+    ("epochs_waiting", "lpcal_epochs_waiting"),
+    ("window_samples", "lpcal_window_samples"),
+    ("drift_threshold", "lpcal_drift_threshold"),
+    ("drift_change_score", "lpcal_drift_change_score"),
+)
+_QUALITY_GAUGES = ("lpcal_calibration_error", "lpcal_top_label_ece", "lpcal_brier_score",
+                   "lpcal_accuracy_ratio")
+_PREDICTORS = frozenset(p.value for p in Predictor)
+_STATISTICS = frozenset(s.value for s in Statistic)
+
+
+def _family(name: str) -> GaugeMetricFamily:
+    _, labels, doc = _SPEC[name]
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+class ModelGaugeCollector:
+    """A client_python custom collector of the per-model gauges: at every scrape it calls
+    ``provider()``, an iterable of :class:`ModelGauges` (one per model), and yields the
+    :data:`MODEL_GAUGES` families (all of them, empty ones too) with their :data:`_SPEC`
+    names, labels and help. The work is O(series) per scrape and nothing between scrapes."""
+
+    def __init__(self, provider: Callable[[], Iterable[ModelGauges]]):
+        self.provider = provider
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        """The families, without samples (the registry checks their names at registration)."""
+        return [_family(name) for name in MODEL_GAUGES]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fam = {name: _family(name) for name in MODEL_GAUGES}
+        scalars = [(field, fam[name].add_metric) for field, name in _SCALAR_GAUGES]
+        quality = [fam[name].add_metric for name in _QUALITY_GAUGES]
+        pool_samples = fam["lpcal_pool_samples"].add_metric
+        pool_ratio = fam["lpcal_pool_fill_ratio"].add_metric
+        stat_value = fam["lpcal_calibration_statistic"].add_metric
+        stat_se = fam["lpcal_calibration_statistic_stderr"].add_metric
+        isfinite = math.isfinite
+        for row in self.provider():
+            model = row.model
+            labels = [model]
+            for field, add in scalars:
+                v = getattr(row, field)
+                if v is not None:
+                    add(labels, float(v))
+            if row.pools:
+                for pool, (count, target) in row.pools.items():
+                    if target > 0 and POOL_NAME_RE.match(pool):
+                        pool_samples([model, pool], float(count))
+                        pool_ratio([model, pool], count / target)
+            if row.quality:
+                for pred, values in row.quality.items():
+                    if pred in _PREDICTORS:
+                        for add, v in zip(quality, values):
+                            add([model, pred], float(v))
+            if row.statistics:
+                for pred, stats in row.statistics.items():
+                    if pred not in _PREDICTORS:
+                        continue
+                    for name, (v, se) in stats.items():
+                        if name in _STATISTICS and isfinite(v) and isfinite(se) and se >= 0:
+                            stat_value([model, pred, name], float(v))
+                            stat_se([model, pred, name], float(se))
+        yield from fam.values()
+
+
+class ModelGaugeTable:
+    """The default provider of :class:`ModelGaugeCollector`: per-model rows that the ``set_*``
+    methods of :class:`DaemonMetrics` fill (a dict update per call, no ``labels()``)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        self.rows: dict[str, ModelGauges] = {}
+
+    def __call__(self) -> Iterable[ModelGauges]:
+        return list(self.rows.values())
+
+    def row(self, model: str) -> ModelGauges:
+        r = self.rows.get(model)
+        if r is None:
+            r = self.rows[model] = ModelGauges(model)
+        return r
+
+    def discard(self, model: str) -> None:
+        self.rows.pop(model, None)
 
 
 def _check(value: str, enum: type[StrEnum], what: str) -> str:
@@ -468,7 +618,9 @@ class DaemonMetrics:
         self.registry = registry
         self.max_models = max_models
         self._models: set[str] = set()
-        self._pools: dict[str, set[str]] = {}
+        # the per-model counter children counted every batch (labels() is a lookup, a lock and
+        # label checks per call); dropped with the model
+        self._joined: dict[str, object] = {}
 
         def make(name: str):
             kind, labels, doc = _SPEC[name]
@@ -486,16 +638,8 @@ class DaemonMetrics:
         self.join_evictions = make("lpcal_join_evictions_total")
         self.join_unmatched = make("lpcal_join_unmatched_total")
         self.events_sampled_out = make("lpcal_events_sampled_out_total")
-        self.join_pending = make("lpcal_join_pending")
-        self.join_buffer_bytes = make("lpcal_join_buffer_bytes")
-        self.join_buffer_budget = make("lpcal_join_buffer_budget_bytes")
-        self.model_state_bytes = make("lpcal_model_state_bytes")
-        self.model_state_budget = make("lpcal_model_state_budget_bytes")
         self.sealed_early = make("lpcal_epochs_sealed_early_total")
         self.window_trimmed = make("lpcal_window_trimmed_samples_total")
-        self.pool_samples = make("lpcal_pool_samples")
-        self.pool_fill_ratio = make("lpcal_pool_fill_ratio")
-        self.epochs_waiting = make("lpcal_epochs_waiting")
         self.calibrations = make("lpcal_calibrations_total")
         self.calibration_failures = make("lpcal_calibration_failures_total")
         self.fit_duration = make("lpcal_fit_duration_seconds")
@@ -511,15 +655,6 @@ class DaemonMetrics:
         self.certificate_estimate = make("lpcal_certificate_estimate")
         self.certificate_target = make("lpcal_certificate_target")
         self.certificate_vacuous = make("lpcal_certificate_vacuous")
-        self.calibration_error = make("lpcal_calibration_error")
-        self.top_label_ece = make("lpcal_top_label_ece")
-        self.brier_score = make("lpcal_brier_score")
-        self.accuracy_ratio = make("lpcal_accuracy_ratio")
-        self.drift_threshold = make("lpcal_drift_threshold")
-        self.window_samples = make("lpcal_window_samples")
-        self.calibration_statistic = make("lpcal_calibration_statistic")
-        self.calibration_statistic_se = make("lpcal_calibration_statistic_stderr")
-        self.drift_change_score = make("lpcal_drift_change_score")
         self.consumer_lag = make("lpcal_consumer_lag_messages")
         self.last_poll = make("lpcal_last_poll_timestamp_seconds")
         self.checkpoints = make("lpcal_checkpoints_total")
@@ -527,6 +662,11 @@ class DaemonMetrics:
         self.state_restores = make("lpcal_state_restores_total")
         self.ready = make("lpcal_ready")
         self.build_info = make("lpcal_build_info")
+        #: the per-model gauges (MODEL_GAUGES): read at scrape time from a provider, by default
+        #: this table, which the set_* methods of those gauges write
+        self.model_gauges = ModelGaugeTable()
+        self.model_gauge_collector = ModelGaugeCollector(self.model_gauges)
+        registry.register(self.model_gauge_collector)
 
         self.build_info.labels(version=version or _default_version(),
                                ingest_path=native.describe()).set(1)
@@ -559,7 +699,6 @@ class DaemonMetrics:
                     f"metrics: model={model!r} would exceed max_models={self.max_models} "
                     "distinct model label values")
             self._models.add(model)
-            self._pools[model] = set()
             for trigger in Trigger:
                 self.calibrations.labels(model=model, trigger=trigger.value)
             self.calibration_failures.labels(model=model)
@@ -579,38 +718,30 @@ class DaemonMetrics:
         admitted under the cap by the replica that created it (see :class:`DaemonMetrics`)."""
         self._model(model, restored)
 
+    def read_model_gauges(self, provider: Callable[[], Iterable[ModelGauges]]) -> None:
+        """Export the per-model gauges (:data:`MODEL_GAUGES`) from ``provider`` at scrape time
+        instead of the values the ``set_*`` methods wrote (which are dropped): ``provider()``
+        returns one :class:`ModelGauges` per model, e.g. read from the daemon's registry."""
+        self.model_gauges.rows.clear()
+        self.model_gauge_collector.provider = provider
+
     def remove_model(self, model: str) -> None:
         """Drop every series of ``model`` (call when a model is removed from the config)."""
         if model not in self._models:
             return
         only = ((),)  # metrics whose only label is ``model``
         per_model = [
-            (self.joined_samples, only), (self.join_pending, only),
-            (self.join_buffer_bytes, only), (self.join_buffer_budget, only),
-            (self.model_state_bytes, only), (self.model_state_budget, only),
-            (self.sealed_early, only), (self.window_trimmed, only),
-            (self.epochs_waiting, only), (self.calibration_failures, only),
-            (self.fit_duration, only), (self.fit_iterations, only),
-            (self.high_probability_bins, only), (self.binmap_version, only),
-            (self.binmap_published, only), (self.drift_threshold, only),
-            (self.window_samples, only), (self.certificate_bound, only),
-            (self.drift_change_score, only),
-            (self.calibration_statistic, tuple((p.value, s.value) for p in Predictor
-                                               for s in Statistic)),
-            (self.calibration_statistic_se, tuple((p.value, s.value) for p in Predictor
-                                                  for s in Statistic)),
-            (self.certificate_target, only), (self.certificate_vacuous, only),
+            (self.joined_samples, only), (self.sealed_early, only), (self.window_trimmed, only),
+            (self.calibration_failures, only), (self.fit_duration, only),
+            (self.fit_iterations, only), (self.high_probability_bins, only),
+            (self.binmap_version, only), (self.binmap_published, only),
+            (self.certificate_bound, only), (self.certificate_target, only),
+            (self.certificate_vacuous, only),
             (self.certificate_estimate, tuple((c.value,) for c in Candidate)),
             (self.join_evictions, tuple((r.value,) for r in EvictionReason)),
             (self.join_unmatched, tuple((k.value,) for k in UnmatchedKind)),
             (self.events_sampled_out, tuple((t.value,) for t in Topic)),
             (self.calibrations, tuple((t.value,) for t in Trigger)),
-            (self.calibration_error, tuple((p.value,) for p in Predictor)),
-            (self.top_label_ece, tuple((p.value,) for p in Predictor)),
-            (self.brier_score, tuple((p.value,) for p in Predictor)),
-            (self.accuracy_ratio, tuple((p.value,) for p in Predictor)),
-            (self.pool_samples, tuple((p,) for p in self._pools.get(model, ()))),
-            (self.pool_fill_ratio, tuple((p,) for p in self._pools.get(model, ()))),
         ]
         for metric, rests in per_model:  # rests: the label values after ``model``
             for rest in rests:
@@ -618,8 +749,9 @@ class DaemonMetrics:
                     metric.remove(model, *rest)
                 except KeyError:
                     pass  # that child was never created
+        self.model_gauges.discard(model)
+        self._joined.pop(model, None)
         self._models.discard(model)
-        self._pools.pop(model, None)
 
     # ------------------------------------------------------------------ ingest
 
@@ -645,7 +777,11 @@ class DaemonMetrics:
 
     def inc_joined(self, model: str, n: int = 1) -> None:
         """Count ``n`` joined (prediction, outcome) samples of ``model``."""
-        self.joined_samples.labels(model=self._model(model)).inc(_count(n, "n"))
+        n = _count(n, "n")
+        child = self._joined.get(model)
+        if child is None:
+            child = self._joined[model] = self.joined_samples.labels(model=self._model(model))
+        child.inc(n)
 
     def inc_sampled_out(self, model: str, topic: str, n: int = 1) -> None:
         """Count ``n`` events of ``model`` from ``topic`` (predictions | outcomes) dropped by
@@ -667,22 +803,26 @@ class DaemonMetrics:
 
     def set_join_pending(self, model: str, n: int) -> None:
         """Set the number of events of ``model`` waiting in the join buffer."""
-        self.join_pending.labels(model=self._model(model)).set(_count(n, "pending"))
+        self.model_gauges.row(self._model(model)).join_pending = _count(n, "pending")
 
     def set_join_buffer(self, model: str, nbytes: int, budget: int | None) -> None:
         """Set the estimated bytes of ``model``'s join buffer and its budget (None: none)."""
-        label = self._model(model)
-        self.join_buffer_bytes.labels(model=label).set(_count(nbytes, "bytes"))
+        nbytes = _count(nbytes, "bytes")
+        budget = None if budget is None else _count(budget, "budget")
+        row = self.model_gauges.row(self._model(model))
+        row.join_buffer_bytes = nbytes
         if budget is not None:
-            self.join_buffer_budget.labels(model=label).set(_count(budget, "budget"))
+            row.join_buffer_budget = budget
 
     def set_model_state(self, model: str, nbytes: int, budget: int | None) -> None:
         """Set the bytes of ``model``'s pools, held-out sums and window, and their budget
         (None: none)."""
-        label = self._model(model)
-        self.model_state_bytes.labels(model=label).set(_count(nbytes, "bytes"))
+        nbytes = _count(nbytes, "bytes")
+        budget = None if budget is None else _count(budget, "budget")
+        row = self.model_gauges.row(self._model(model))
+        row.state_bytes = nbytes
         if budget is not None:
-            self.model_state_budget.labels(model=label).set(_count(budget, "budget"))
+            row.state_budget = budget
 
     def inc_sealed_early(self, model: str, n: int = 1) -> None:
         """Count ``n`` epochs of ``model`` sealed before full, at the byte budget."""
@@ -696,7 +836,7 @@ class DaemonMetrics:
 
     def set_epochs_waiting(self, model: str, n: int) -> None:
         """Set the number of sealed epochs of ``model`` waiting for their fit."""
-        self.epochs_waiting.labels(model=self._model(model)).set(_count(n, "epochs"))
+        self.model_gauges.row(self._model(model)).epochs_waiting = _count(n, "epochs")
 
     def set_pool_fill(self, model: str, fill: Mapping[str, tuple[int, int]]) -> None:
         """Export ``PoolSet.fill()``: ``{pool: (count, target)}`` -> samples and count/target.
@@ -704,7 +844,7 @@ class DaemonMetrics:
         The ratio is not clipped: a value above 1 means the pool holds more than its target.
         """
         self._model(model)
-        rows = []
+        rows = {}
         for pool, pair in fill.items():
             if not isinstance(pool, str) or not POOL_NAME_RE.match(pool):
                 raise InputError(
@@ -715,11 +855,9 @@ class DaemonMetrics:
             target = _count(target, f"fill[{pool!r}].target")
             if target <= 0:
                 raise InputError(f"metrics: fill[{pool!r}].target={pair[1]!r} must be > 0")
-            rows.append((pool, count, count / target))
-        for pool, count, ratio in rows:
-            self.pool_samples.labels(model=model, pool=pool).set(count)
-            self.pool_fill_ratio.labels(model=model, pool=pool).set(ratio)
-            self._pools[model].add(pool)
+            rows[pool] = (count, target)
+        row = self.model_gauges.row(model)
+        row.pools = rows if row.pools is None else {**row.pools, **rows}
 
     # ------------------------------------------------------------------ calibration
 
@@ -838,20 +976,17 @@ class DaemonMetrics:
             _finite(brier, "brier", 0.0, 2.0),
             _finite(acc, "acc", 0.0, 1.0),
         )
-        self._model(model)
-        gauges = (self.calibration_error, self.top_label_ece, self.brier_score,
-                  self.accuracy_ratio)
-        for gauge, value in zip(gauges, values):
-            gauge.labels(model=model, predictor=pred).set(value)
+        row = self.model_gauges.row(self._model(model))
+        row.quality = {**(row.quality or {}), pred: values}
 
     def set_drift_threshold(self, model: str, threshold: float) -> None:
         """Set the calibrated Err_p threshold of ``model`` above which drift is declared."""
         value = _finite(threshold, "threshold")
-        self.drift_threshold.labels(model=self._model(model)).set(value)
+        self.model_gauges.row(self._model(model)).drift_threshold = value
 
     def set_window_samples(self, model: str, n: int) -> None:
         """Set the number of labelled samples in ``model``'s evaluation window."""
-        self.window_samples.labels(model=self._model(model)).set(_count(n, "window samples"))
+        self.model_gauges.row(self._model(model)).window_samples = _count(n, "window samples")
 
     def set_statistics(self, model: str, predictor: str,
                        stats: Mapping[str, tuple[float, float]]) -> None:
@@ -860,23 +995,16 @@ class DaemonMetrics:
         pred = _check(predictor, Predictor, "predictor")
         rows = [(_check(name, Statistic, "statistic"), float(v), float(se))
                 for name, (v, se) in stats.items()]
-        self._model(model)
-        for name, v, se in rows:
-            if math.isfinite(v) and math.isfinite(se) and se >= 0:
-                self.calibration_statistic.labels(model=model, predictor=pred, statistic=name
-                                                  ).set(v)
-                self.calibration_statistic_se.labels(model=model, predictor=pred,
-                                                     statistic=name).set(se)
-            else:
-                for gauge in (self.calibration_statistic, self.calibration_statistic_se):
-                    try:
-                        gauge.remove(model, pred, name)
-                    except KeyError:
-                        pass
+        row = self.model_gauges.row(self._model(model))
+        stats_of = dict(row.statistics or {})
+        mine = dict(stats_of.get(pred, {}))
+        mine.update((name, (v, se)) for name, v, se in rows)  # non-finite: not exported
+        stats_of[pred] = mine
+        row.statistics = stats_of
 
     def set_drift_change_score(self, model: str, score: float) -> None:
         """Set the change test's score of ``model`` (>= 1: drift declared)."""
-        self.drift_change_score.labels(model=self._model(model)).set(_finite(score, "score"))
+        self.model_gauges.row(self._model(model)).drift_change_score = _finite(score, "score")
 
     # ------------------------------------------------------------------ consumer / process
 

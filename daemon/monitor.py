@@ -50,6 +50,17 @@ early (its samples are placed by time), and one that alone exceeds the budget is
 window without a budget is unbounded in samples. Evaluating merges the buckets into one more
 copy of the window's sums, transiently.
 
+**Small updates** (fewer than :data:`SMALL_UPDATE` samples, as when a batch spreads over many
+models) do not pay the fixed cost of computing sums (a few dozen NumPy calls, whatever the
+sample count): their rows are copied into their bucket (and the change test's block) and summed
+in one vectorised pass once :data:`FLUSH_ROWS` of them wait there, when a block completes (so
+the change test sees every block as it completes), or when anything reads the sums
+(evaluation, snapshot, trimming). The bytes of the waiting rows (at most ``16 k + 32`` per
+sample) count in :attr:`WindowMonitor.nbytes`, within :func:`sample_bytes`. Sums are additive,
+so the result is the same as summing each update at once, up to float rounding; under a byte
+budget a bucket closes at half of it counting the waiting rows' bytes, so where it closes may
+differ (as it already depends on how updates are sliced).
+
 State is the buckets' sums: ``to_dict``/``from_dict`` round-trip it exactly (arrays
 are stored as base64 of their little-endian bytes). Bins are identified by their 64-bit row hash
 (collision probability ~ bins^2 / 2^64; a collision would merge two bins' sums).
@@ -72,7 +83,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -88,6 +99,11 @@ __all__ = ["CLASSWISE_MAX_K", "PREDICTORS", "CellSums", "Classwise", "WindowMoni
 PREDICTORS = ("raw", "calibrated")
 ECE_BINS = 15
 _COMPACT_PARTS = 32
+#: an update of fewer samples is buffered as rows (copies) in its bucket and the change test's
+#: block; their sums are computed at once when :data:`FLUSH_ROWS` rows wait there, or when the
+#: sums are read (see "Small updates" in the module docstring)
+SMALL_UPDATE = 64
+FLUSH_ROWS = 512
 
 
 # --------------------------------------------------------------------------- array codec
@@ -156,6 +172,17 @@ class _Rows:
 
 
 _ECE_INNER = np.linspace(0.0, 1.0, ECE_BINS + 1)[1:-1]
+
+
+class _Small(NamedTuple):
+    """The rows of a small update (copies): raw ``x``, labels ``y``, the raw rows' bin hashes
+    ``h``/``pair`` if the caller gave them, and the calibrated rows ``cal`` (or None)."""
+
+    x: np.ndarray
+    y: np.ndarray
+    h: np.ndarray | None
+    pair: np.ndarray | None
+    cal: np.ndarray | None
 
 
 def _cell_stats(r: _Rows, sel: slice | np.ndarray):
@@ -519,16 +546,80 @@ def window_stats(sums: CellSums, p: float, z: float,
 # --------------------------------------------------------------------------- window
 
 
-class _Bucket:
-    __slots__ = ("cw", "merged", "n", "nbytes", "parts")
+class _Rowbuf:
+    """Rows of small updates waiting to be summed: ``(x, y, h, pair)`` pieces (``h``/``pair``
+    None when not known: computed when summed) and their total count and bytes."""
+
+    __slots__ = ("nbytes", "nrows", "pieces")
 
     def __init__(self):
+        self.pieces: list[tuple] = []
+        self.nrows = 0
+        self.nbytes = 0
+
+    def add(self, x: np.ndarray, y: np.ndarray, h: np.ndarray | None = None,
+            pair: np.ndarray | None = None) -> int:
+        """Add a piece; returns its bytes."""
+        self.pieces.append((x, y, h, pair))
+        nb = x.nbytes + y.nbytes + (0 if h is None else h.nbytes + pair.nbytes)
+        self.nrows += y.shape[0]
+        self.nbytes += nb
+        return nb
+
+    def take(self, lam: int) -> _Rows | None:
+        """The waiting rows as one :class:`_Rows` (None if none); empties the buffer."""
+        pieces = self.pieces
+        if not pieces:
+            return None
+        self.pieces, self.nrows, self.nbytes = [], 0, 0
+        if len(pieces) == 1:
+            x, y, h, pair = pieces[0]
+        else:
+            xs, ys, hs, pairs = zip(*pieces)
+            x, y = np.concatenate(xs), np.concatenate(ys)
+            h = None if any(v is None for v in hs) else np.concatenate(hs)
+            pair = None if h is None else np.concatenate(pairs)
+        return _Rows(x, y, lam, None if h is None or pair is None else (h, pair))
+
+
+class _Bucket:
+    __slots__ = ("cw", "k", "lam", "merged", "n", "nbytes", "parts", "waiting")
+
+    def __init__(self, k: int = 0, lam: int = 1):
+        self.k, self.lam = k, lam
         self.n = 0                                   # samples (raw predictor) in this bucket
-        self.nbytes = 0                              # bytes of all the sums held
+        self.nbytes = 0                              # bytes of all the sums and waiting rows
         self.parts: dict[str, list[CellSums]] = {name: [] for name in PREDICTORS}
         self.merged: dict[str, CellSums | None] = {name: None for name in PREDICTORS}
         # classwise sums of the bucket, accumulated in place (counted once in nbytes)
         self.cw: dict[str, Classwise | None] = {name: None for name in PREDICTORS}
+        # rows of small updates not summed yet
+        self.waiting: dict[str, _Rowbuf] = {name: _Rowbuf() for name in PREDICTORS}
+
+    def add_rows(self, name: str, x: np.ndarray, y: np.ndarray, h: np.ndarray | None = None,
+                 pair: np.ndarray | None = None) -> None:
+        """Add the rows of a small update to be summed later (:data:`FLUSH_ROWS`)."""
+        buf = self.waiting[name]
+        self.nbytes += buf.add(x, y, h, pair)
+        if buf.nrows >= FLUSH_ROWS:
+            self.flush(name)
+
+    def flush(self, name: str) -> None:
+        """Sum the rows waiting for predictor ``name``."""
+        buf = self.waiting[name]
+        if not buf.pieces:
+            return
+        self.nbytes -= buf.nbytes
+        r = buf.take(self.lam)
+        cw = None
+        if name == "calibrated" and self.k <= CLASSWISE_MAX_K:
+            cw = Classwise(self.k)
+            cw.add(r, slice(None))
+        self.add(name, CellSums.from_rows(r, slice(None)), self.k, cw)
+
+    def classwise(self, name: str) -> Classwise | None:
+        self.flush(name)
+        return self.cw[name]
 
     def add(self, name: str, s: CellSums, k: int, cw: Classwise | None = None) -> None:
         """Add the sums ``s`` of some samples (never modified: the change test's block may hold
@@ -544,6 +635,7 @@ class _Bucket:
             self.sums(name, k)
 
     def sums(self, name: str, k: int) -> CellSums:
+        self.flush(name)
         parts = self.parts[name]
         if parts or self.merged[name] is None:
             old = self.merged[name]
@@ -559,8 +651,9 @@ class _Bucket:
         """Forget the sums of one predictor."""
         m, cw = self.merged[name], self.cw[name]
         self.nbytes -= (sum(p.nbytes for p in self.parts[name]) + (m.nbytes if m else 0)
-                        + (cw.nbytes if cw else 0))
+                        + (cw.nbytes if cw else 0) + self.waiting[name].nbytes)
         self.parts[name], self.merged[name], self.cw[name] = [], None, None
+        self.waiting[name] = _Rowbuf()
 
 
 class WindowMonitor:
@@ -594,12 +687,17 @@ class WindowMonitor:
         #: samples dropped from the window, oldest first, to keep it within ``max_bytes``
         self.trimmed = 0
         self._cache: dict[float, dict[str, WindowStats | None]] = {}  # z -> stats, until changed
+        # merged sums of the buckets before the newest (see sums): predictor -> (key, sums);
+        # _older_changes counts changes to those buckets that their ids do not show
+        self._older: dict[str, tuple] = {}
+        self._older_changes = 0
         #: the change test of the calibrated predictor (None: none), fed in blocks of its
         #: ``block_samples`` calibrated samples counted from the last :meth:`reset`
         self.change = change
         self._block: list[CellSums] = []   # the current block's sums, in parts
-        self._block_n = 0
+        self._block_n = 0                  # samples in the current block (parts and rows)
         self._block_cw: Classwise | None = None
+        self._block_rows = _Rowbuf()       # calibrated rows of small updates, not summed yet
 
     # ---------------------------------------------------------------- updating
     def update(self, probs: np.ndarray, labels: np.ndarray, ts: np.ndarray | None = None,
@@ -624,13 +722,21 @@ class WindowMonitor:
         self._cache.clear()
         if hashes is not None and hashes[0].shape != (n,):
             raise InputError(f"monitor: hashes must be given for all {n} rows")
-        rows = (_Rows(x, y, self.lam, hashes),
-                None if calibrated is None else
-                _Rows(np.asarray(calibrated, dtype=np.float64), y, self.lam))
-        feed = rows[1] is not None and self.change is not None
+        rows: Any
+        if n < SMALL_UPDATE:  # copies, summed later with other small updates (see above)
+            rows = _Small(x.copy(), y.copy(),
+                          None if hashes is None else np.array(hashes[0]),
+                          None if hashes is None else np.array(hashes[1]),
+                          None if calibrated is None
+                          else np.array(calibrated, dtype=np.float64))
+        else:
+            rows = (_Rows(x, y, self.lam, hashes),
+                    None if calibrated is None else
+                    _Rows(np.asarray(calibrated, dtype=np.float64), y, self.lam))
+        feed = calibrated is not None and self.change is not None
         if self.by_time:
             if feed:  # blocks follow arrival order, buckets event time: computed apart
-                self._feed_change(rows[1])  # type: ignore[arg-type]
+                self._feed_change(rows)
             if ts is None:
                 raise InputError("monitor: a time window needs ts")
             t = np.asarray(ts, dtype=np.float64)
@@ -679,6 +785,7 @@ class WindowMonitor:
         """Use the change test ``change`` from the next calibrated sample on (a new baseline)."""
         self.change = change
         self._block, self._block_n, self._block_cw = [], 0, None
+        self._block_rows = _Rowbuf()
 
     def _classwise(self, cal: _Rows, sel: slice | np.ndarray) -> Classwise | None:
         if self.k > CLASSWISE_MAX_K:
@@ -687,27 +794,56 @@ class WindowMonitor:
         cw.add(cal, sel)
         return cw
 
-    def _feed_change(self, cal: _Rows) -> None:
+    def _feed_change(self, rows: Any) -> None:
         """Add calibrated rows to the change test's blocks (time windows; a sample window
-        shares its pieces with the buckets, see :meth:`update`)."""
-        n, a = cal.y.shape[0], 0
+        shares its pieces with the buckets, see :meth:`update`). ``rows``: a :class:`_Small`
+        or the ``(raw, calibrated)`` :class:`_Rows` of :meth:`update`."""
+        small = type(rows) is _Small
+        n, a = rows.y.shape[0] if small else rows[1].y.shape[0], 0
         while a < n:
             sl = slice(a, a + min(n - a, self.change.block_samples - self._block_n))  # type: ignore
-            self._block_add(CellSums.from_rows(cal, sl), self._classwise(cal, sl))
+            if small:
+                self._block_add_rows(rows.cal[sl], rows.y[sl])
+            else:
+                cal = rows[1]
+                self._block_add(CellSums.from_rows(cal, sl), self._classwise(cal, sl))
             a = sl.stop
 
     def _block_add(self, part: CellSums, cw: Classwise | None) -> None:
         """Add the sums of the next calibrated samples (within the current block) to the change
         test's block; a completed block of ``change.block_samples`` samples is one observation
         of the test."""
-        det = self.change
+        self._block_part(part, cw)
+        self._block_n += part.n
+        self._block_check()
+
+    def _block_add_rows(self, x: np.ndarray, y: np.ndarray) -> None:
+        """:meth:`_block_add` for the rows of a small update (summed when the block completes,
+        or when :data:`FLUSH_ROWS` rows wait)."""
+        self._block_rows.add(x, y)
+        self._block_n += y.shape[0]
+        if self._block_rows.nrows >= FLUSH_ROWS:
+            self._block_flush()
+        self._block_check()
+
+    def _block_flush(self) -> None:
+        """Sum the block's waiting rows into one part."""
+        r = self._block_rows.take(self.lam)
+        if r is not None:
+            self._block_part(CellSums.from_rows(r, slice(None)), self._classwise(r, slice(None)))
+
+    def _block_part(self, part: CellSums, cw: Classwise | None) -> None:
         self._block.append(part)
         if cw is not None:
             if self._block_cw is None:
                 self._block_cw = Classwise(self.k)
             self._block_cw.iadd(cw)
-        self._block_n += part.n
+
+    def _block_check(self) -> None:
+        """Observe the block once complete (``change.block_samples`` samples)."""
+        det = self.change
         if self._block_n >= det.block_samples:  # type: ignore[union-attr]
+            self._block_flush()
             merged = CellSums.merge_all(self._block, self.k)
             stats = block_statistics(merged, self.p, self._block_cw, reliability=False)
             self._block, self._block_n, self._block_cw = [], 0, None
@@ -721,7 +857,7 @@ class WindowMonitor:
         """Bytes of the window's sums: ``16 k + 16`` per (bucket, predictor, bin), so at most
         :func:`sample_bytes` per sample in the window."""
         return (sum(bk.nbytes for bk in self.buckets.values())
-                + sum(s.nbytes for s in self._block)
+                + sum(s.nbytes for s in self._block) + self._block_rows.nbytes
                 + (self._block_cw.nbytes if self._block_cw is not None else 0))
 
     def set_max_bytes(self, max_bytes: int | None) -> int:
@@ -754,7 +890,7 @@ class WindowMonitor:
     def _bucket(self, b: int) -> _Bucket:
         bk = self.buckets.get(b)
         if bk is None:
-            bk = self.buckets[b] = _Bucket()
+            bk = self.buckets[b] = _Bucket(self.k, self.lam)
             if len(self.buckets) > 1 and b < next(reversed(self.buckets)):
                 self.buckets = OrderedDict(sorted(self.buckets.items()))
         return bk
@@ -769,6 +905,20 @@ class WindowMonitor:
              feed: bool = False) -> None:
         """Add the samples ``sel`` (non-empty) of a batch to bucket ``bk``; ``feed``: to the
         change test's current block too (``sel`` then lies within it)."""
+        if self.buckets and bk is not self.buckets[next(reversed(self.buckets))]:
+            self._older_changes += 1  # a late sample of a time window, in an older bucket
+        if type(rows) is _Small:
+            y = rows.y[sel]
+            bk.n += y.shape[0]
+            h = rows.h
+            bk.add_rows("raw", rows.x[sel], y, None if h is None else h[sel],
+                        None if h is None else rows.pair[sel])
+            if rows.cal is not None:
+                cal_x = rows.cal[sel]
+                bk.add_rows("calibrated", cal_x, y)
+                if feed:
+                    self._block_add_rows(cal_x, y)
+            return
         raw, cal = rows
         bk.n += raw.y[sel].shape[0]
         bk.add("raw", CellSums.from_rows(raw, sel), self.k)
@@ -805,6 +955,7 @@ class WindowMonitor:
         self._cache.clear()
         if predictor in (None, "calibrated"):
             self._block, self._block_n, self._block_cw = [], 0, None
+            self._block_rows = _Rowbuf()
             if self.change is not None:
                 self.change.reset()
         if predictor is None:
@@ -812,18 +963,34 @@ class WindowMonitor:
             return
         if predictor not in PREDICTORS:
             raise InputError(f"unknown predictor {predictor!r}")
+        self._older_changes += 1
         for bk in self.buckets.values():
             bk.drop(predictor)
 
     # ---------------------------------------------------------------- reading
     def sums(self, predictor: str = "raw") -> CellSums:
-        """Merged sums of ``predictor`` over the window."""
-        return CellSums.merge_all([bk.sums(predictor, self.k) for bk in self.buckets.values()],
+        """Merged sums of ``predictor`` over the window (never modify them: they may be cached
+        or a bucket's own).
+
+        The buckets before the newest change only when one is dropped, closed or reset (or, in
+        a time window, takes a late sample), so their merge is cached under that state and an
+        evaluation merges two parts, not ``n_buckets``."""
+        ids = list(self.buckets)
+        if len(ids) <= 2:
+            return CellSums.merge_all([self.buckets[b].sums(predictor, self.k) for b in ids],
+                                      self.k)
+        key = (ids[0], ids[-2], len(ids), self._older_changes)
+        cached = self._older.get(predictor)
+        if cached is None or cached[0] != key:
+            older = CellSums.merge_all([self.buckets[b].sums(predictor, self.k)
+                                        for b in ids[:-1]], self.k)
+            self._older[predictor] = cached = (key, older)
+        return CellSums.merge_all([cached[1], self.buckets[ids[-1]].sums(predictor, self.k)],
                                   self.k)
 
     def classwise(self, predictor: str = "calibrated") -> Classwise | None:
         """Merged classwise sums of ``predictor`` over the window (None: not kept)."""
-        return Classwise.merge_all([bk.cw[predictor] for bk in self.buckets.values()])
+        return Classwise.merge_all([bk.classwise(predictor) for bk in self.buckets.values()])
 
     def window_size(self, predictor: str = "raw") -> int:
         return sum(bk.sums(predictor, self.k).n for bk in self.buckets.values())
@@ -841,6 +1008,10 @@ class WindowMonitor:
 
     # ---------------------------------------------------------------- snapshots
     def to_dict(self) -> dict[str, Any]:
+        self._block_flush()
+        for bk in self.buckets.values():
+            for name in PREDICTORS:
+                bk.flush(name)
         return {
             "k": self.k, "lam": self.lam, "p": "inf" if math.isinf(self.p) else self.p,
             "window_samples": self.window_samples, "window_seconds": self.window_seconds,
@@ -876,7 +1047,7 @@ class WindowMonitor:
                 if last is not None and b <= last:
                     raise ValueError("bucket ids must increase")
                 last = b
-                bk = _Bucket()
+                bk = _Bucket(mon.k, mon.lam)
                 bk.n = int(bd["n"])
                 for name in PREDICTORS:
                     s = CellSums.from_dict(bd[name], f"{where}.buckets[{i}].{name}")

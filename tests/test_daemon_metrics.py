@@ -429,3 +429,87 @@ def test_family_of_maps_suffixes():
     assert m.family_of("lpcal_ready") == "lpcal_ready"
     assert m.family_of("lpcal_ready_bucket") is None
     assert m.family_of("lpcal_nope") is None
+
+
+# --------------------------------------------------------------------------- per-model gauges
+
+
+def test_model_gauges_come_from_the_provider_at_scrape_time(dm, registry):
+    """read_model_gauges: the collector reads the provider at every scrape (no state kept in
+    between), with the _SPEC names, labels and help; values the set_* methods wrote before are
+    dropped."""
+    dm.set_join_pending("old", 5)
+    rows = [m.ModelGauges(
+        "a", join_pending=3, join_buffer_bytes=100, join_buffer_budget=1000, state_bytes=7,
+        state_budget=70, epochs_waiting=1, window_samples=50, drift_threshold=0.05,
+        drift_change_score=0.4, pools={"mu": (10, 40), "P0": (4, 4)},
+        quality={"raw": (0.2, 0.1, 0.5, 0.7), "calibrated": (0.05, 0.02, 0.4, 0.7)},
+        statistics={"calibrated": {"ece_top": (0.02, 0.004), "err_p": (float("nan"), 0.1)}})]
+    calls = []
+
+    def provider():
+        calls.append(1)
+        return list(rows)
+
+    dm.read_model_gauges(provider)
+    g = lambda name, **kw: sample_value(registry, name, **kw)
+    assert g("lpcal_join_pending", model="old") is None
+    assert g("lpcal_join_pending", model="a") == 3
+    assert g("lpcal_join_buffer_budget_bytes", model="a") == 1000
+    assert g("lpcal_model_state_budget_bytes", model="a") == 70
+    assert g("lpcal_pool_fill_ratio", model="a", pool="mu") == 0.25
+    assert g("lpcal_pool_samples", model="a", pool="P0") == 4
+    assert g("lpcal_calibration_error", model="a", predictor="calibrated") == 0.05
+    assert g("lpcal_accuracy_ratio", model="a", predictor="raw") == 0.7
+    assert g("lpcal_calibration_statistic_stderr", model="a", predictor="calibrated",
+             statistic="ece_top") == 0.004
+    # a non-finite statistic exports no series
+    assert g("lpcal_calibration_statistic", model="a", predictor="calibrated",
+             statistic="err_p") is None
+    assert g("lpcal_drift_change_score", model="a") == 0.4
+    # the provider is read again at the next scrape: a changed row shows, a removed one goes
+    rows[0] = m.ModelGauges("b", join_pending=9)
+    assert g("lpcal_join_pending", model="b") == 9
+    assert g("lpcal_join_pending", model="a") is None
+    assert calls
+    # the exposition keeps the contract: HELP from _SPEC, gauge type
+    text = dm.exposition().decode()
+    help_line = f"# HELP lpcal_join_pending {m._SPEC['lpcal_join_pending'][2]}"
+    assert help_line in text and "# TYPE lpcal_join_pending gauge" in text
+
+
+def test_values_outside_the_label_sets_are_skipped_at_scrape_time(dm, registry):
+    """A scrape never fails on one model's values: unknown pools, predictors and statistics,
+    and pools with no target, are left out."""
+    dm.read_model_gauges(lambda: [m.ModelGauges(
+        "a", pools={"mu": (1, 2), "bogus": (1, 2), "P0": (1, 0)},
+        quality={"smoothed": (0.1, 0.1, 0.1, 0.5)},
+        statistics={"raw": {"made_up": (0.1, 0.01)}, "other": {"ece_top": (0.1, 0.01)}})])
+    text = dm.exposition().decode()
+    assert 'pool="mu"' in text
+    assert 'pool="bogus"' not in text and 'pool="P0"' not in text
+    assert "smoothed" not in text and "made_up" not in text and 'predictor="other"' not in text
+
+
+def test_the_gauge_table_is_the_default_provider_and_remove_model_clears_it(dm, registry):
+    dm.set_pool_fill("a", {"mu": (1, 4)})
+    dm.set_pool_fill("a", {"P0": (2, 4)})  # merged with the pools set before
+    dm.set_statistics("a", "raw", {"ece_top": (0.1, 0.01)})
+    dm.set_statistics("a", "calibrated", {"ece_top": (0.2, 0.02)})
+    g = lambda name, **kw: sample_value(registry, name, **kw)
+    assert g("lpcal_pool_samples", model="a", pool="mu") == 1
+    assert g("lpcal_pool_fill_ratio", model="a", pool="P0") == 0.5
+    assert g("lpcal_calibration_statistic", model="a", predictor="raw", statistic="ece_top") == 0.1
+    dm.remove_model("a")
+    assert 'model="a"' not in dm.exposition().decode()
+    assert dm.model_gauges() == []
+
+
+def test_model_gauges_are_exported_by_one_collector_not_labels_children(dm, registry):
+    """The per-model gauge families are the collector's: setting them creates no child of a
+    labelled Gauge (what cost a labels() call per model and batch)."""
+    from prometheus_client import Gauge
+
+    gauges = {c._name for c in registry._collector_to_names if isinstance(c, Gauge)}
+    assert not gauges & set(m.MODEL_GAUGES)
+    assert set(m.MODEL_GAUGES) <= set(dm.exported_names())

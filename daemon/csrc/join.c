@@ -6,7 +6,7 @@
 #include <math.h>
 
 static PyObject *s_append, *s_popleft;
-/* attributes of a daemon.join._ModelJoin, read once per call */
+/* attributes of a daemon.join_loop._ModelJoin, read once per call */
 static PyObject *s_pending, *s_queue, *s_recent, *s_recent_order, *s_cap_recent, *s_cap_pending;
 static PyObject *o_joined, *o_expired, *o_dead; /* JOINED, EXPIRED, KIND_DEAD as Python ints */
 
@@ -268,7 +268,7 @@ PyDoc_STRVAR(offer_loop_doc,
 "-> (clock, wm0, wm1, counts, out_ids, out_ts, out_lab, b_out, b_idx, p_groups,\n"
 "    live_entries, live_rows)\n\n"
 "The event loop of JoinStore.offer (see daemon/join.py, whose Python loop is the reference)\n"
-"on the state m of one model (a daemon.join._ModelJoin): updates m.pending, m.queue,\n"
+"on the state m of one model (a daemon.join_loop._ModelJoin): updates m.pending, m.queue,\n"
 "m.recent and m.recent_order in place, within m.cap_pending and m.cap_recent, and returns\n"
 "what the Python loop leaves in its locals, its number lists as bytearrays (out_ts\n"
 "float64; the rest int64). kind, ids, ts, labels: lists. counts: (ttl, capacity,\n"
@@ -512,11 +512,11 @@ int
 speedups_add_join(PyObject *module)
 {
     if (speedups_intern(&s_append, "append") < 0 || speedups_intern(&s_popleft, "popleft") < 0 ||
-        speedups_intern(&s_pending, "pending") < 0 || speedups_intern(&s_queue, "queue") < 0 ||
-        speedups_intern(&s_recent, "recent") < 0 ||
-        speedups_intern(&s_recent_order, "recent_order") < 0 ||
-        speedups_intern(&s_cap_recent, "cap_recent") < 0 ||
-        speedups_intern(&s_cap_pending, "cap_pending") < 0)
+        speedups_intern(&s_pending, MJ_PENDING) < 0 || speedups_intern(&s_queue, MJ_QUEUE) < 0 ||
+        speedups_intern(&s_recent, MJ_RECENT) < 0 ||
+        speedups_intern(&s_recent_order, MJ_RECENT_ORDER) < 0 ||
+        speedups_intern(&s_cap_recent, MJ_CAP_RECENT) < 0 ||
+        speedups_intern(&s_cap_pending, MJ_CAP_PENDING) < 0)
         return -1;
     if (!(o_joined = PyLong_FromLong(JOINED)) || !(o_expired = PyLong_FromLong(EXPIRED)) ||
         !(o_dead = PyLong_FromLong(KIND_DEAD)))

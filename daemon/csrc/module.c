@@ -17,11 +17,11 @@
  *                                              bytes (reference: ModelState.sample)
  *   offer_loop(m, ttl, event_time, clock, wm0, wm1, kind, ids, ts, labels)
  *                                              the per-event join loop of JoinStore.offer, on
- *                                              the model's state m (a daemon.join._ModelJoin)
+ *                                              the model's state m (a daemon.join_loop._ModelJoin)
  *   attach_rows(entries, block)                entry[E_PAYLOAD] = (block, r) for each entry
  *
- * Constants: the codes of speedups.h (KIND_*, JOINED, EXPIRED, E_*, ENTRY_LEN), whose Python
- * definitions are in daemon/codes.py.
+ * Constants: the codes of speedups.h (KIND_*, JOINED, EXPIRED, E_*, ENTRY_LEN, and the MJ_*
+ * attribute names of a model's join state), whose Python definitions are in daemon/codes.py.
  *
  * No NumPy C API: arrays cross the boundary as bytearrays (np.frombuffer on the Python side),
  * so the module builds with nothing but a C compiler and the Python headers.
@@ -38,6 +38,14 @@ static const struct {
              {"E_TS", E_TS},                       {"E_PAYLOAD", E_PAYLOAD},
              {"E_ID", E_ID},                       {"ENTRY_LEN", ENTRY_LEN}};
 
+/* the attribute names of a model's join state that join.c reads (daemon.codes MJ_*) */
+static const struct {
+    const char *name;
+    const char *value;
+} names[] = {{"MJ_PENDING", MJ_PENDING},         {"MJ_QUEUE", MJ_QUEUE},
+             {"MJ_RECENT", MJ_RECENT},           {"MJ_RECENT_ORDER", MJ_RECENT_ORDER},
+             {"MJ_CAP_PENDING", MJ_CAP_PENDING}, {"MJ_CAP_RECENT", MJ_CAP_RECENT}};
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "daemon._speedups",
                                     "Optional native kernels of the lpcal daemon's ingest path.",
                                     -1, NULL};
@@ -52,6 +60,9 @@ PyInit__speedups(void)
         goto fail;
     for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++)
         if (PyModule_AddIntConstant(m, codes[i].name, codes[i].value) < 0)
+            goto fail;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (PyModule_AddStringConstant(m, names[i].name, names[i].value) < 0)
             goto fail;
     return m;
 fail:

@@ -27,6 +27,13 @@ int speedups_add_join(PyObject *module);    /* join.c: offer_loop, attach_rows *
 #define E_PAYLOAD 3
 #define E_ID 4
 #define ENTRY_LEN 5
+/* attributes of a model's join state (daemon.join_loop._ModelJoin) the join loop reads by name */
+#define MJ_PENDING "pending"
+#define MJ_QUEUE "queue"
+#define MJ_RECENT "recent"
+#define MJ_RECENT_ORDER "recent_order"
+#define MJ_CAP_PENDING "cap_pending"
+#define MJ_CAP_RECENT "cap_recent"
 
 /* The interned str of a C string, kept for the life of the process; NULL on error. */
 static inline int

@@ -59,6 +59,7 @@ import cProfile
 import gc
 import io
 import logging
+import math
 import pstats
 import statistics
 import sys
@@ -72,9 +73,10 @@ from tests.bench.common import Table, yes_no
 MODEL_COUNTS = (1, 100, 1_000, 10_000)
 QUICK_MODEL_COUNTS = (1, 20)
 EVENTS = 50_000
-# at 10,000 models today's daemon ingests a few hundred messages per second: fewer events and
+# at 10,000 models the daemon ingests a few hundred messages per second until the registry,
+# fitting and gauges read the per-model work lists (see docs/scaling.md): fewer events and
 # one repetition keep the run within minutes (the table states both)
-EVENTS_10K = 20_000
+EVENTS_10K = 10_000
 QUICK_EVENTS = 2_000
 REPEATS = 3
 REPEATS_10K = 1
@@ -412,7 +414,54 @@ def render(res: dict) -> list[Table]:
     if 10 in idle and 100 in idle and abs(idle[100]["state"] / idle[10]["state"] - 1) < 0.1:
         mem.notes.append("An idle model allocates nothing k-wide (its sums, tables and window "
                          "come with its first samples): k = 100 takes about what k = 10 takes.")
-    return [tab, mem]
+    sizing = sizing_table(res)
+    return [tab, mem] if sizing is None else [tab, mem, sizing]
+
+
+#: the deployment docs/scaling.md sizes: models, messages per second (events: predictions and
+#: outcomes), headroom factor on a replica's measured rate (fits, checkpoints, bursts)
+PLAN_MODELS, PLAN_RATE, PLAN_HEADROOM = 10_000, 1_000_000, 2.0
+
+
+def sizing_table(res: dict) -> Table | None:
+    """Replicas and partitions for :data:`PLAN_MODELS` models at :data:`PLAN_RATE` messages/s,
+    from the rates measured in this run at each model count (None unless 100+ models ran)."""
+    counts = [m for m in res["counts"] if m >= 100]
+    if not counts:
+        return None
+    tab = Table(f"Sizing {PLAN_MODELS:,} models at {PLAN_RATE:,} messages/s from this run",
+                ["models per replica M", "msgs/s of one replica at M models, R_M (median)",
+                 f"replicas to hold the models, {PLAN_MODELS:,} / M",
+                 f"replicas for the rate, ceil({PLAN_HEADROOM:g} x {PLAN_RATE:,} / R_M)",
+                 "replicas needed (the larger)", "input partitions (power of 2 >= 2 x replicas)",
+                 "peak RSS at M models, MiB (growth)"], key="models_sizing")
+    for m in counts:
+        rs = [r for r, _, _ in res["runs"][m]]
+        rate = statistics.median(r.rate for r in rs)
+        hold = math.ceil(PLAN_MODELS / m)
+        need_rate = math.ceil(PLAN_HEADROOM * PLAN_RATE / max(rate, 1e-9))
+        need = max(hold, need_rate)
+        parts = 1 << max(0, math.ceil(math.log2(2 * need)))
+        peaks = [(p, g) for _, p, g in res["runs"][m] if p is not None]
+        rss = (f"{_mib(statistics.median(p for p, _ in peaks))} "
+               f"({_mib(statistics.median(g for _, g in peaks))})" if peaks else "n/a")
+        tab.add(f"{m:,}", f"{rate:,.0f}", f"{hold:,}", f"{need_rate:,}", f"**{need:,}**",
+                f"{parts:,}", rss)
+    tab.notes += [
+        (f"Each row assumes the {PLAN_MODELS:,} models spread evenly, M per replica, and that "
+         "a replica at M models sustains the rate measured here at M models (its messages "
+         f"spread over its models as in this benchmark), divided by {PLAN_HEADROOM:g} for "
+         "fits, checkpoints and bursts; the replicas needed are the larger of the two counts "
+         "(a replica holding fewer than M models is at least as fast, so the count is an upper "
+         "bound at that density). Partitions: at least one per replica (the range assignor), "
+         "doubled so replicas can be added without repartitioning (keys map models to "
+         "partitions)."),
+        ("Memory: the peak RSS of the benchmark process at M models (the raw reader's buffers "
+         "included; the broker is another process) plus, under load, up to the state and join "
+         "budgets (`state.max_bytes_total`, `join.max_bytes_total`), which are per replica, "
+         "whatever the model count."),
+    ]
+    return tab
 
 
 def run(quick: bool = False, events: int | None = None, repeats: int | None = None,

@@ -358,3 +358,49 @@ def test_fast_path_admits_new_models_and_rejects_bools_in_vectors():
     assert q._parse_uniform(two) is None and q.admitted == set()
     recs = q.parse_batch(two).records()
     assert isinstance(recs[0], Outcome) and reason(recs[1]) == "unknown_model"
+
+
+# several models with one k and one policy: the batch is validated once and split by model
+shared_event = st.fixed_dictionaries(
+    {"model": st.sampled_from(["a", "b", "c"]), "id": st.text(min_size=1, max_size=3),
+     "ts": st.floats(0, 2e9)},
+).flatmap(lambda d: st.one_of(
+    st.builds(lambda v: {**d, "probs": v}, vec3),
+    st.builds(lambda y: {**d, "label": y}, st.integers(0, 2)),
+    st.builds(lambda v, y: {**d, "probs": v, "label": y}, vec3, st.integers(0, 2))))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(shared_event.map(orjson.dumps), min_size=2, max_size=12),
+       st.sampled_from(["renormalize", "reject"]), st.sampled_from([None, 2]))
+def test_grouped_fast_path_equals_general_loop(raws, normalize, max_models):
+    """Models sharing k and policy take the grouped fast path (one validation per batch, each
+    model's batch a slice of the columns in model order): the same records, invalid events
+    (negative, not normalized, non-finite entries) and parser state as the per-message loop."""
+    pol = ModelPolicy(k=3, normalize=normalize)
+    fast = EventParser(lambda m: pol, max_bytes=2000, max_models=max_models)
+    slow = _GeneralOnly(lambda m: pol, max_bytes=2000, max_models=max_models)
+    for _ in range(2):
+        a, b = fast.parse_batch(raws), slow.parse_batch(raws)
+        ra, rb = a.records(), b.records()
+        assert all(_same(x, y) for x, y in zip(ra, rb)), (ra, rb)
+        assert [(i, x.reason, x.detail) for i, x in a.invalid] == \
+            [(i, x.reason, x.detail) for i, x in b.invalid]
+        assert list(a.by_model) == list(b.by_model)
+        for model, mb in a.by_model.items():
+            assert mb.index.tolist() == b.by_model[model].index.tolist()
+        assert _parser_state(fast) == _parser_state(slow)
+
+
+def test_grouped_fast_path_is_taken_and_splits_in_input_order():
+    pol = ModelPolicy(k=2)
+    p = EventParser(lambda m: pol, max_bytes=2000)
+    raws = [orjson.dumps({"model": m, "id": str(i), "ts": float(i), "probs": [0.25, 0.75]})
+            for i, m in enumerate(["b", "a", "b", "c", "a"])]
+    raws.append(orjson.dumps({"model": "a", "id": "x", "ts": 9.0, "probs": [-0.5, 1.5]}))
+    out = p._parse_uniform(raws)
+    assert out is not None and list(out.by_model) == ["b", "a", "c"]
+    assert out.by_model["a"].index.tolist() == [1, 4]   # the negative row is invalid
+    assert out.by_model["b"].ids == ["0", "2"] and out.by_model["c"].ids == ["3"]
+    assert [(i, bad.reason, bad.model) for i, bad in out.invalid] == [(5, "negative", "a")]
+    assert out.by_model["b"].probs.tolist() == [[0.25, 0.75], [0.25, 0.75]]

@@ -230,3 +230,123 @@ def test_snapshots_written_before_the_ece_sums_restore():
     d["buckets"][0]["classwise"]["calibrated"]["n"]["b64"] = "AAAA"
     with pytest.raises(InputError, match="bytes"):
         WindowMonitor.from_dict(d)
+
+
+# --------------------------------------------------------------------------- small updates
+
+
+def _change(block=200):
+    from daemon.drift import ChangeDetector
+
+    return ChangeDetector(false_alarm_rate=0.01, baseline_samples=2 * block, min_shift=0.02,
+                          block_samples=block)
+
+
+def _stats_close(a, b):
+    for name in ("raw", "calibrated"):
+        sa, sb = a[name], b[name]
+        assert sa.n == sb.n
+        assert sa.n_bins == sb.n_bins
+        for f in ("err_p", "ece", "brier", "accuracy", "ece_debiased", "ece_classwise",
+                  "brier_reliability", "confidence_gap"):
+            va, vb = getattr(sa, f), getattr(sb, f)
+            assert (va is None) == (vb is None), f
+            if va is not None:
+                assert va == pytest.approx(vb, rel=1e-9, abs=1e-12), f
+
+
+@pytest.mark.parametrize("window", [{"window_samples": 3000}, {"window_seconds": 40.0}])
+def test_small_updates_give_the_sums_of_one_update(window):
+    """Updates of 1..5 samples (buffered as rows, summed later) give the window, the change
+    test's blocks and the snapshot counts of the same samples offered at once."""
+    from daemon.monitor import SMALL_UPDATE
+
+    n = 4000
+    x, y = data(n, k=5, seed=3)
+    cal = np.sqrt(x) / np.sqrt(x).sum(axis=1, keepdims=True)
+    ts = np.linspace(0, 100, n)
+    whole = WindowMonitor(5, 10, 2.0, change=_change(), **window)
+    pieces = WindowMonitor(5, 10, 2.0, change=_change(), **window)
+    whole.update(x, y, ts, calibrated=cal)
+    a, rng = 0, np.random.default_rng(1)
+    while a < n:
+        b = min(n, a + int(rng.integers(1, 6)))
+        assert b - a < SMALL_UPDATE
+        pieces.update(x[a:b], y[a:b], ts[a:b], calibrated=cal[a:b])
+        a = b
+    # the change test saw the same completed blocks, as they completed
+    assert pieces.change.blocks == whole.change.blocks > 0
+    for name in whole.change.cusum:
+        assert pieces.change.cusum[name] == pytest.approx(whole.change.cusum[name], abs=1e-9)
+    _stats_close(pieces.evaluate(), whole.evaluate())
+    dw, dp = whole.to_dict(), pieces.to_dict()
+    assert [bk["n"] for bk in dp["buckets"]] == [bk["n"] for bk in dw["buckets"]]
+    assert dp["change"]["block_n"] == dw["change"]["block_n"]
+    if "window_samples" in window:  # a time window counts what was in it on arrival
+        assert pieces.total_samples == whole.total_samples
+
+
+def test_waiting_rows_count_in_the_bytes_and_are_summed_when_read():
+    x, y = data(300, k=6, seed=4)
+    mon = WindowMonitor(6, 10, math.inf, window_samples=10_000)
+    empty = mon.nbytes
+    for i in range(100):  # 100 rows wait: below FLUSH_ROWS
+        mon.update(x[i:i + 1], y[i:i + 1], calibrated=x[i:i + 1])
+    waiting = mon.nbytes - empty
+    assert waiting >= 100 * 2 * (8 * 6 + 8)  # raw and calibrated rows and labels
+    from daemon.monitor import sample_bytes
+    assert waiting <= 100 * sample_bytes(6)
+    assert mon.window_size() == 100  # reading sums the rows
+    assert mon.sums("calibrated").n == 100 and mon.classwise().total == 100
+
+
+def test_snapshot_with_waiting_rows_round_trips_and_continues_identically():
+    x, y = data(700, k=4, seed=5)
+    a = WindowMonitor(4, 8, 2.0, window_samples=400, change=_change(100))
+    for i in range(0, 333, 3):
+        a.update(x[i:i + 3], y[i:i + 3], calibrated=x[i:i + 3])
+    b = WindowMonitor.from_dict(orjson.loads(orjson.dumps(a.to_dict())))
+    assert b == a
+    for i in range(333, 700, 2):
+        for m in (a, b):
+            m.update(x[i:i + 2], y[i:i + 2], calibrated=x[i:i + 2])
+    assert b == a
+    assert a.evaluate() == b.evaluate()
+
+
+def test_reset_drops_waiting_calibrated_rows():
+    x, y = data(50, k=4, seed=6)
+    mon = WindowMonitor(4, 8, 2.0, window_samples=1000, change=_change(100))
+    for i in range(50):
+        mon.update(x[i:i + 1], y[i:i + 1], calibrated=x[i:i + 1])
+    mon.reset("calibrated")
+    assert mon.evaluate()["calibrated"] is None and mon.evaluate()["raw"].n == 50
+    assert mon.to_dict()["change"]["block_n"] == 0
+
+
+@pytest.mark.parametrize("window", [{"window_samples": 600}, {"window_seconds": 30.0}])
+def test_cached_merge_of_older_buckets_equals_merging_every_bucket(window):
+    """sums() caches the merge of the buckets before the newest; after updates (small and
+    large, late samples in a time window), resets, trims and expiry it equals merging every
+    bucket."""
+    x, y = data(6000, k=4, seed=7)
+    rng = np.random.default_rng(2)
+    mon = WindowMonitor(4, 8, 2.0, n_buckets=6, change=_change(50), **window)
+    a, t = 0, 0.0
+    for step in range(300):
+        b = min(len(y), a + int(rng.choice([1, 3, 70, 150])))
+        ts = t + rng.uniform(-8, 1, size=b - a)  # some late samples
+        t += 0.3
+        mon.update(x[a:b], y[a:b], ts, calibrated=x[a:b])
+        a = b % 5000
+        if step % 37 == 0:
+            mon.reset("calibrated")
+        if step % 53 == 0:
+            mon.set_max_bytes(int(rng.integers(20_000, 200_000)))
+        for name in ("raw", "calibrated"):
+            got = mon.sums(name)
+            want = CellSums.merge_all([bk.sums(name, 4) for bk in mon.buckets.values()], 4)
+            assert got.n == want.n
+            assert np.array_equal(got.hashes, want.hashes)
+            assert np.array_equal(got.counts, want.counts)
+            assert np.allclose(got.s, want.s) and np.allclose(got.q, want.q)

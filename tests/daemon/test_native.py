@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import daemon.columns
 import daemon.events
 import daemon.join
+import daemon.join_loop
 import daemon.native
 from daemon import codes
 from daemon.columns import columns, columns_python
@@ -55,8 +56,9 @@ def test_pure_python_switches_every_user_and_restores():
     reference, ``native.KERNELS``, which no user copies into its own namespace."""
     c = daemon.native.KERNELS
     assert c.path == "c" and c.module is NATIVE
-    assert all(getattr(c, f) is getattr(NATIVE, f) for f in daemon.native._FUNCTIONS)
-    for mod in (daemon.columns, daemon.join, daemon.events):
+    for f in ("attach_rows", "sample_out", "sample_records"):  # used as they are
+        assert getattr(c, f) is getattr(NATIVE, f)
+    for mod in (daemon.columns, daemon.join, daemon.join_loop, daemon.events):
         assert not {"SPEEDUPS", "KERNELS"} & set(vars(mod)), mod
     store = daemon.join.JoinStore(10, 10.0)
     with pure_python():
@@ -68,6 +70,36 @@ def test_pure_python_switches_every_user_and_restores():
         assert store._models["m"].pending["a"][codes.E_PAYLOAD][1] == 0  # (block, row) in Python
     assert daemon.native.KERNELS is c and daemon.native.SPEEDUPS is NATIVE
     assert columns([{"model": "m", "id": "a", "ts": 1.0, "label": 1}], 255, 256).vecs is None
+
+
+def test_every_kernel_has_its_python_reference():
+    """No field of either path is None: users never branch on which path runs."""
+    py = daemon.native.PYTHON
+    fields = ("scan", "offer_loop", "attach_rows", "route_uniform", "sample_out",
+              "sample_records")
+    assert py.path == "python" and py.module is None
+    assert all(callable(getattr(py, f)) for f in fields)
+    assert py.offer_loop is daemon.join_loop.offer_loop
+    assert py.scan is daemon.columns.scan_python
+    if NATIVE is not None:
+        c = daemon.native.Kernels.of_module(NATIVE)
+        assert all(callable(getattr(c, f)) for f in fields)
+    # the references decide nothing on raw bytes: every record is kept for the parser
+    recs = [types.SimpleNamespace(value=b'{"model":"m"}'), types.SimpleNamespace(value=b"x")]
+    kept, values, counts = py.sample_records(recs, {"m": 0.5}, 1 << 20, 256)
+    assert kept == recs and values == [b'{"model":"m"}', b"x"] and counts == {}
+    mask, counts = py.sample_out([b"a", b"b"], {"m": 0.5}, 1 << 20, 256)
+    assert mask == b"\0\0" and counts == {}
+
+
+def test_the_join_state_has_the_attributes_the_c_loop_reads():
+    """The names the C join loop reads (MJ_* of daemon.codes, exported by the module) are
+    attributes of the per-model join state."""
+    names = {v for k, v in codes.SHARED_WITH_C.items() if k.startswith("MJ_")}
+    assert names == set(codes.MODEL_JOIN_ATTRS)
+    assert names <= set(daemon.join_loop._ModelJoin.__slots__)
+    m = daemon.join_loop._ModelJoin()
+    assert all(hasattr(m, n) for n in names)
 
 
 def test_kind_codes_are_defined_once():
