@@ -26,9 +26,9 @@ the headline is the median over the repetitions of the per-pair ratio lpcal / ra
 **Sampled model**: the same stream read by daemons whose model has
 ``sample_rate = 0.01`` and ``1``, alternating (each pair next to a raw read). Reported:
 end-to-end messages/s, and the daemon's own ingest cost per message (wall time, and CPU time
-of the event-loop thread, inside ``Daemon._process``: prefilter, parse, join, pools, monitor),
+of the event-loop thread, inside ``Ingest.process``: prefilter, parse, join, pools, monitor),
 whose ratio is the target (>= 5). The end-to-end ratio cannot reach it: every message still
-costs ``g`` outside ``_process`` (aiokafka's fetch, decode and record objects, the poll loop),
+costs ``g`` outside ``Ingest.process`` (aiokafka's fetch, decode and record objects, the poll loop),
 so even a free ingest path would give at most ``T1 / g`` (``T1``: the time per message at
 rate 1); the table reports ``g`` and that ceiling from the same runs. Measured here (2 shared
 cores, 200,000 events, 5 pairs; docs/scaling.md): own cost 2.03 us CPU at rate 1 against 0.33 us at rate 0.01,
@@ -94,8 +94,8 @@ class Run:
     seconds: float
     polls: list[float] = field(default_factory=list)      # monotonic time of every poll
     fits: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each fit
-    busy: float = 0.0  # seconds inside Daemon._process (the daemon's own ingest path)
-    cpu: float = 0.0   # CPU seconds of the event-loop thread inside Daemon._process
+    busy: float = 0.0  # seconds inside Ingest.process (the daemon's own ingest path)
+    cpu: float = 0.0   # CPU seconds of the event-loop thread inside Ingest.process
     proc_cpu: float = 0.0  # CPU seconds of the whole process over ``seconds`` (all threads)
 
     @property
@@ -358,7 +358,7 @@ def stage_costs(events: int, rounds: int = 3) -> dict[str, float]:
 
     On the batches of :func:`_batches`; each round runs the whole path on a fresh
     :class:`~daemon.model_state.ModelState` with the garbage collector paused (as in
-    ``Daemon._process``). Minimum over ``rounds``."""
+    ``Ingest.process``). Minimum over ``rounds``."""
     import gc
 
     from daemon.events import EventParser
@@ -615,7 +615,7 @@ def _malformed_lines(res: dict) -> list[str]:
 def _sampled_lines(res: dict, raw_rate: float) -> list[str]:
     """The sampled-model table.
 
-    ``g``: the time per message outside ``Daemon._process`` (run time minus the time inside it:
+    ``g``: the time per message outside ``Ingest.process`` (run time minus the time inside it:
     aiokafka's fetch, decode and record objects, the poll loop, waits for the broker) in the
     rate-0.01 runs, paid for every message at any rate. A run at rate 1 takes ``T1`` per
     message, so an ingest path costing nothing at rate 0.01 would be ``T1 / g`` times faster end
@@ -653,7 +653,7 @@ def _sampled_lines(res: dict, raw_rate: float) -> list[str]:
          f"{len(full)} alternating pairs)"),
         "",
         ("| model setting | msgs/s end to end (median) | of raw | us / message in "
-         "`Daemon._process`, wall (median) | CPU us / message there (median) | ratio to rate 1 |"),
+         "`Ingest.process`, wall (median) | CPU us / message there (median) | ratio to rate 1 |"),
         "|---|---|---|---|---|---|",
         row("sample_rate = 1", full, cost[0], cpu[0], "1.00"),
         row(f"sample_rate = {SAMPLED_RATE}", hot, cost[1], cpu[1],
@@ -661,12 +661,12 @@ def _sampled_lines(res: dict, raw_rate: float) -> list[str]:
             f"({ratios(path_ratios)}): >= {TARGET_SAMPLED:.0f}x: {verdict}; end to end "
             f"{er:.2f}x ({', '.join(f'{x:.2f}' for x in e2e_ratios)})"),
         "",
-        ("Wall time inside `_process` includes the time the process waits for a core; on a "
+        ("Wall time inside `Ingest.process` includes the time the process waits for a core; on a "
          "machine shared with other work the CPU time of the event-loop thread there "
          "(`time.thread_time`) is the steadier measure of the same cost."),
         "",
         (f"The daemon's own cost (everything it does with a fetched batch) is the target. End to "
-         f"end, every message still costs g = {g * 1e6:.2f} us outside `_process` at rate "
+         f"end, every message still costs g = {g * 1e6:.2f} us outside `Ingest.process` at rate "
          f"{SAMPLED_RATE} (aiokafka's fetch, decode and record objects, the poll loop; median), "
          f"at any rate: even an ingest path costing nothing at rate {SAMPLED_RATE} would be at "
          f"most **{ceiling:.2f}x** faster end to end (rate-1 time per message / g, median of the "

@@ -29,7 +29,7 @@ the reader's code to the last one processed, as in the ingest benchmark), the me
 per-repetition ratios to the 1-model run and to the raw run of the same repetition, CPU time of
 the whole process per message over the same span (all threads: aiokafka's fetch and decode,
 the daemon's poll loop and its per-batch work; the raw reader's for comparison), CPU time of the
-event-loop thread inside ``Daemon._process`` per message, and the peak resident set size
+event-loop thread inside ``Ingest.process`` per message, and the peak resident set size
 during the run (``VmHWM``, reset before each run through ``/proc/self/clear_refs``) with its
 growth over the resident size before the run (freed heap released first); one process runs
 every reader, so RSS is indicative: the broker is another process and is not counted.
@@ -184,7 +184,7 @@ def idle_settings(models: int):
 
 def admit(registry, model: str, k: int):
     """``registry.create`` a model, then export its gauges once as the daemon does after the
-    model's first batch (the gauges of :meth:`daemon.gauges.Gauges._export_gauges` an idle
+    model's first batch (the gauges of :meth:`daemon.gauges.GaugeExporter.export_model` an idle
     model has: no window statistics yet)."""
     metrics = registry.metrics
     st = registry.create(model, k, 0)
@@ -343,7 +343,7 @@ def render(res: dict) -> list[Table]:
         f"Ingest from 1 to {counts[-1]:,} models (k = 10 JSON events, real broker)",
         ["models", "events (messages)", "msgs/s (median)", "per repetition",
          "of 1-model rate", "of raw aiokafka", "CPU us / msg, process",
-         "CPU us / msg, `_process`", "peak RSS MiB (growth)", "target", "met"],
+         "CPU us / msg, `Ingest.process`", "peak RSS MiB (growth)", "target", "met"],
         key="models")
     tab.add("raw aiokafka reader (1-model stream)",
             f"{res['events'][one]:,} ({res['messages'][one]:,})",
@@ -386,8 +386,8 @@ def render(res: dict) -> list[Table]:
          "the share of each model shrinks at every admission, and every admission re-sets "
          "every model's budgets."),
         ("CPU per message: CPU time of the whole process (all threads) from the first message "
-         "to the last, over the messages; `_process`: the event-loop thread inside "
-         "`Daemon._process` only (parse, join, pools, monitor), without the per-batch work "
+         "to the last, over the messages; `Ingest.process`: the event-loop thread inside "
+         "`Ingest.process` only (parse, join, pools, monitor), without the per-batch work "
          "after it (triggers, fills, gauges) and the checkpoints."),
         ("Peak RSS: `VmHWM` of the benchmark process during the run (reset before it), and its "
          "growth over the resident size before it; the broker runs in another process."),
