@@ -43,7 +43,7 @@ import numpy as np
 
 from lpcal.binmap import BinMap, scale_temperature
 from lpcal.metrics import brier, classwise_ece, nll, top_label_ece
-from lpcal.online import OnlineCalibrator, OnlineConfig, fit_window_pools, index_uniforms
+from lpcal.online import OnlineCalibrator, OnlineConfig, fit_window_pools, index_uniforms, run_fit
 from lpcal.pools import PoolSet
 from lpcal.precalibrate import TemperatureGrid
 from lpcal.spec import FitSpec
@@ -278,14 +278,14 @@ def run(quick: bool = False) -> list[Table]:
             sp = Split(name, s, *((12_000, 12_000) if quick else ()))
             k = sp.k
             res["online"].append(run_stream(
-                sp, lambda kk: OnlineCalibrator(kk),
+                sp, lambda kk: OnlineCalibrator(kk, fit=run_fit),
                 lambda cal, a, x, y, d=sp.drift_at: online_feed(cal, a, x, y, d)))
             res["fixed"].append(run_stream(sp, FixedSchedule,
                                            lambda cal, a, x, y: cal.feed(x, y)))
             res["ts"].append({"start": ts_samples(sp, False), "drift": ts_samples(sp, True)})
             up = Split(name, s, *((12_000, 12_000) if quick else (UP_AT, UP_AT)), SCALE_UP)
             res["up"].append(run_stream(
-                up, lambda kk: OnlineCalibrator(kk),
+                up, lambda kk: OnlineCalibrator(kk, fit=run_fit),
                 lambda cal, a, x, y, d=up.drift_at: online_feed(cal, a, x, y, d))["drift"])
             res["up_ts"].append(ts_samples(up, True))
         col = {m: {ph: [r[ph] for r in res[m]] for ph in ("start", "drift")}
