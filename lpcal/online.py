@@ -581,10 +581,7 @@ class OnlineCalibrator:
         pools = self.window.pools()
         if pools is None or sum(t.total for t in pools.tables.values()) < self.config.pools_from:
             return []
-        if len([b for b in self.window.buckets if b.pools is not None
-                and b.temperature == self.window.temperature]) == 1:
-            pools = PoolSet.from_dict(pools.to_dict())  # the open bucket's: snapshot it
-        pools.compact()
+        pools.compact()  # a new object (SlidingWindow.pools): the frozen snapshot
         self.requests_issued += 1
         req = FitRequest(self.requests_issued, self.n_seen, self.n_seen + self.config.fit_delay,
                          self.n_seen, self.version + 1, self.model_id, pools, self.config)
