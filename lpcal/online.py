@@ -302,7 +302,8 @@ class Update:
 class Event:
     """Something the calibrator did at sample ``n``: ``kind`` is ``"warmup_end"``,
     ``"published"``, ``"kept"`` (a candidate lost its test), ``"shadow"`` (a corrected map is
-    now tested prospectively), ``"fit_requested"`` (``request``: run it), ``"fit_done"`` (a
+    now tested prospectively), ``"fit_requested"`` (``request``: run it), ``"fit_scheduled"``
+    (:meth:`OnlineCalibrator.request_fit`), ``"fit_done"`` (a
     request's result took effect; ``detail`` says whether it was a corrected map) or
     ``"drift"``; ``version`` and ``temperature`` of the map concerned, the test's
     :class:`Decision` (if any), and ``binmap`` when published."""
@@ -465,6 +466,13 @@ class OnlineCalibrator:
     def _live_apply(self, x: np.ndarray) -> np.ndarray:
         return x if self.live is None else self.live.apply(x, check=False)
 
+    def set_max_bytes(self, max_bytes: int | None) -> None:
+        """Bound the bytes of the window's sealed buckets (None: no bound); trims at once."""
+        if max_bytes is not None and max_bytes <= 0:
+            raise InputError(f"max_bytes must be > 0 or None, got {max_bytes!r}")
+        self.config = dataclasses.replace(self.config, max_bytes=max_bytes)
+        self._trim()
+
     def _trim(self) -> None:
         """Drop the oldest sealed buckets beyond ``max_bytes`` (sealed buckets are compacted:
         their size depends on their content only, so trimming is replay-deterministic)."""
@@ -618,6 +626,17 @@ class OnlineCalibrator:
             return [self._publish(bm, dec)]
         self.shadow_next_test = 2 * acc.n
         return [Event(self.n_seen, "kept", bm.version, bm.temperature, dec)]
+
+    def request_fit(self) -> list[Event]:
+        """A manual request: the next decision point (the next multiple of ``step``) fits and
+        tests candidates as a scheduled refit does, so champion/challenger still decides what
+        is published. Nothing while the warm-up runs (no pool temperature yet)."""
+        if self.warm is not None:
+            return []
+        step = self.config.step
+        at = ((self.n_seen - self.regime_start) // step + 1) * step
+        self.next_fit_at = at if self.next_fit_at is None else min(self.next_fit_at, at)
+        return [Event(self.n_seen, "fit_scheduled", detail=f"at {self.regime_start + at}")]
 
     # ------------------------------------------------------------------ drift
     def notify_drift(self) -> Event:
