@@ -672,3 +672,16 @@ def test_online_settings_are_validated(kw, match):
 
     with pytest.raises(ValidationError, match=match):
         settings(**kw)
+
+
+def test_online_checkpoint_with_mismatched_calibrator_settings_is_refused():
+    st, p = new_state(**ONLINE), parser()
+    feed_online(st, p, traffic(1000, seed=11))
+    d = orjson.loads(st.to_checkpoint())
+    d["recovery"]["challenger_alpha"] = 0.01
+    with pytest.raises(ArtifactError, match="online: .*settings do not match"):
+        ModelState.from_dict(d)
+    d = orjson.loads(st.to_checkpoint())
+    d["recovery"]["recovery"] = "epochs"
+    with pytest.raises(ArtifactError, match="recovery"):
+        ModelState.from_dict(d)
