@@ -83,7 +83,7 @@ from lpcal.levels import beta_for, lambda_for
 from lpcal.pools import PoolLayout, PoolSet, n_levels, pool_names
 from lpcal.spec import parse_p
 from lpcal.warmup import WarmupSums
-from lpcal.window import SlidingWindow
+from lpcal.window import PoolsSnapshot, SlidingWindow
 
 __all__ = ["Event", "FitRequest", "OnlineCalibrator", "OnlineConfig", "Update",
            "fit_window_pools", "index_uniforms", "run_fit"]
@@ -241,8 +241,9 @@ class FitRequest:
 
     ``id`` numbers the requests of one calibrator; ``n`` is the sample count at which it was
     requested and ``due`` (``n + fit_delay``) the one at which its result takes effect;
-    ``pools`` is a frozen snapshot of the window's pools (compacted; never modified again),
-    ``seed`` and ``version`` the fit's arguments. The fit is deterministic given these, so a
+    ``snapshot`` is a frozen snapshot of the window's pools
+    (:class:`lpcal.window.PoolsSnapshot`), merged into :attr:`pools` on first use, i.e. in the
+    thread that runs the fit; ``seed`` and ``version`` the fit's arguments. The fit is deterministic given these, so a
     restore re-issues the request and gets the same map."""
 
     id: int
@@ -251,8 +252,15 @@ class FitRequest:
     seed: int
     version: int
     model_id: str
-    pools: PoolSet = field(repr=False)
+    snapshot: PoolsSnapshot | PoolSet = field(repr=False)
     config: OnlineConfig = field(repr=False)
+
+    @property
+    def pools(self) -> PoolSet:
+        """The merged pools of the snapshot (built once, in the first thread that asks)."""
+        if isinstance(self.snapshot, PoolsSnapshot):
+            object.__setattr__(self, "snapshot", self.snapshot.build())
+        return self.snapshot
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "n": self.n, "due": self.due, "seed": self.seed,
@@ -586,13 +594,12 @@ class OnlineCalibrator:
         its result takes effect at ``n + fit_delay`` (:meth:`_apply_fit`)."""
         if self.pending is not None:
             return []
-        pools = self.window.pools()
-        if pools is None or sum(t.total for t in pools.tables.values()) < self.config.pools_from:
+        snap = self.window.snapshot()
+        if snap is None or snap.fit_samples < self.config.pools_from:
             return []
-        pools.compact()  # a new object (SlidingWindow.pools): the frozen snapshot
         self.requests_issued += 1
         req = FitRequest(self.requests_issued, self.n_seen, self.n_seen + self.config.fit_delay,
-                         self.n_seen, self.version + 1, self.model_id, pools, self.config)
+                         self.n_seen, self.version + 1, self.model_id, snap, self.config)
         self.pending, self.result = req, None
         if self.fit is not None:
             self.result = self.fit(req)

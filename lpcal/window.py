@@ -68,7 +68,7 @@ from lpcal.holdout import HoldoutSums
 from lpcal.pools import PoolLayout, PoolSet
 from lpcal.precalibrate import TemperatureGrid
 
-__all__ = ["Bucket", "SlidingWindow", "tree_sum"]
+__all__ = ["Bucket", "PoolsSnapshot", "SlidingWindow", "tree_sum"]
 
 
 def _b64(a: np.ndarray) -> str:
@@ -92,6 +92,44 @@ def tree_sum(items: Sequence[Any], add: Callable[[Any, Any], Any]) -> Any:
         level = [add(level[i], level[i + 1]) if i + 1 < len(level) else level[i]
                  for i in range(0, len(level), 2)]
     return level[0]
+
+
+class PoolsSnapshot:
+    """The window's pools at one moment, not yet merged: the sealed buckets' pool sets
+    (compacted; never written again), a copy of the open bucket's, and the held-out samples
+    (arrays never written again). :meth:`build` merges them into one :class:`PoolSet` with
+    its held-out sums (:meth:`SlidingWindow.pools`), in any thread: taking a snapshot costs
+    a copy of one bucket, the merge (hundreds of ms at k = 100) runs where the fit runs."""
+
+    __slots__ = ("held", "layout", "parts", "temperature")
+
+    def __init__(self, layout: PoolLayout, temperature: float, parts: list[PoolSet],
+                 held: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        self.layout, self.temperature, self.parts, self.held = layout, temperature, parts, held
+
+    @property
+    def fit_samples(self) -> int:
+        """Samples in Algorithm 2's pools."""
+        return sum(t.total for ps in self.parts for t in ps.tables.values())
+
+    def build(self) -> PoolSet:
+        """The merged pools and the held-out sums of ``g`` (binned at the temperature) and of
+        ``f`` (a new object; the parts are not modified)."""
+        out = tree_sum(self.parts, PoolSet.merge)
+        if out is self.parts[0]:
+            out = PoolSet(out.layout, {n: t.copy() for n, t in out.tables.items()},
+                          temperature=self.temperature)
+            out.holdout, out.holdout_raw = self.parts[0].holdout, self.parts[0].holdout_raw
+        if self.held:
+            from lpcal.binmap import scale_temperature
+
+            x = np.concatenate([h[0] for h in self.held])
+            y = np.concatenate([h[1] for h in self.held])
+            lay = self.layout
+            out.holdout = out.holdout.merge(
+                HoldoutSums(lay.k, lay.lam).update(scale_temperature(x, self.temperature), y))
+            out.holdout_raw = out.holdout_raw.merge(HoldoutSums(lay.k, lay.lam).update(x, y))
+        return out
 
 
 class Bucket:
@@ -331,28 +369,29 @@ class SlidingWindow:
     def pools(self, temperature: float | None = None) -> PoolSet | None:
         """Algorithm 2's pools and held-out sums over the window's buckets binned at
         ``temperature`` (default: the current pool temperature); None if there are none."""
+        snap = self.snapshot(temperature)
+        return None if snap is None else snap.build()
+
+    def snapshot(self, temperature: float | None = None) -> PoolsSnapshot | None:
+        """What :meth:`pools` merges, frozen now and merged later (:class:`PoolsSnapshot`);
+        None if no bucket has pools at ``temperature`` (default: the pool temperature)."""
         t = self.temperature if temperature is None else float(temperature)
         mine = [b for b in self.buckets if b.pools is not None and b.temperature == t]
         if t is None or not mine:
             return None
+        parts = []
         for b in mine:
             b.pools.compact()
-        out = tree_sum([b.pools for b in mine], PoolSet.merge)
-        if out is mine[0].pools:  # one bucket: a new object, never the bucket's own
-            out = PoolSet(out.layout, {n: tb.copy() for n, tb in out.tables.items()},
-                          temperature=t)
-            out.holdout, out.holdout_raw = mine[0].pools.holdout, mine[0].pools.holdout_raw
+            ps = b.pools
+            if b is self.open:  # still filling: copy it
+                ps = PoolSet(ps.layout, {n: tb.copy() for n, tb in ps.tables.items()},
+                             temperature=t)
+            else:  # sealed: a wrapper, so a later reset of its attributes is not seen
+                ps = PoolSet(ps.layout, dict(ps.tables), temperature=t)
+            ps.holdout, ps.holdout_raw = b.pools.holdout, b.pools.holdout_raw
+            parts.append(ps)
         held = [b.held_samples(self.layout.k) for b in mine if b.n_held]
-        if held:
-            from lpcal.binmap import scale_temperature
-
-            x = np.concatenate([h[0] for h in held])
-            y = np.concatenate([h[1] for h in held])
-            lay = self.layout
-            out.holdout = out.holdout.merge(
-                HoldoutSums(lay.k, lay.lam).update(scale_temperature(x, t), y))
-            out.holdout_raw = out.holdout_raw.merge(HoldoutSums(lay.k, lay.lam).update(x, y))
-        return out
+        return PoolsSnapshot(self.layout, t, parts, held)
 
     @property
     def nbytes(self) -> int:
