@@ -521,8 +521,9 @@ class ModelState:
             cal = self._calibrator(probs) if self._calibrator is not None else None
             self.monitor.update(probs, labels, ts, calibrated=cal)
 
-    def complete_fit(self, request: FitRequest, binmap: BinMap) -> IngestResult:
-        """Online mode: hand back a fit request's result (:func:`lpcal.online.run_fit`). If
+    def complete_fit(self, request: FitRequest, binmap: BinMap | None) -> IngestResult:
+        """Online mode: hand back a fit request's result (:func:`lpcal.online.run_fit`; None
+        if it raised: the request is done without a candidate, logged by the caller). If
         the calibrator was blocked on it, the decision that waited runs and the backlog is fed
         (it may block again on the next request): the result says what happened."""
         if self.online is None:

@@ -89,6 +89,8 @@ __all__ = ["Event", "FitRequest", "OnlineCalibrator", "OnlineConfig", "Update",
            "fit_window_pools", "index_uniforms", "run_fit"]
 
 _ROUTE_KEY = np.uint64(0x9E3779B97F4A7C15)
+#: The result of a fit request that failed (:meth:`OnlineCalibrator.complete` with None).
+_FAILED = object()
 
 
 def index_uniforms(start: int, n: int) -> np.ndarray:
@@ -435,15 +437,19 @@ class OnlineCalibrator:
         return (self.pending is not None and self.result is None
                 and self.n_seen >= self.pending.due)
 
-    def complete(self, request: FitRequest, binmap: BinMap) -> list[Event]:
-        """Hand back the result of ``request`` (its :func:`run_fit`). A result of a request no
-        longer outstanding (dropped by a drift, or completed before) is ignored. If the stream
-        was blocked waiting for it, the decision that waited runs now: returns its events."""
-        if self.pending is None or request.id != self.pending.id or self.result is not None:
+    def complete(self, request: FitRequest, binmap: BinMap | None) -> list[Event]:
+        """Hand back the result of ``request`` (its :func:`run_fit`; None: the fit failed, and
+        the request is done without a candidate, so a fit that raises never stalls the stream).
+        ``request`` must be the very object this calibrator handed out (or, after a restore,
+        one of :attr:`outstanding`): a result of a request no longer outstanding (dropped by a
+        drift, completed before, or of another calibrator) is ignored. If the stream was
+        blocked waiting for it, the decision that waited runs now: returns its events."""
+        if request is not self.pending or self.result is not None:
             return []
-        if not isinstance(binmap, BinMap):
-            raise InputError(f"complete: expected a BinMap, got {type(binmap).__name__}")
-        self.result = binmap
+        if binmap is not None and not isinstance(binmap, BinMap):
+            raise InputError(f"complete: expected a BinMap or None, got "
+                             f"{type(binmap).__name__}")
+        self.result = _FAILED if binmap is None else binmap
         if self.waiting:
             self.waiting = False
             return self._decide()
@@ -611,6 +617,8 @@ class OnlineCalibrator:
         scaling of the window is the candidate when the live map is a corrected one."""
         req, bm = self.pending, self.result
         self.pending, self.result = None, None
+        if bm is _FAILED:
+            return [Event(self.n_seen, "fit_done", req.version, detail="failed")]
         done = Event(self.n_seen, "fit_done", req.version, bm.temperature,
                      detail="corrected" if bm.n_bins else "pre-calibrator")
         if bm.n_bins:
@@ -688,7 +696,8 @@ class OnlineCalibrator:
             "waiting": self.waiting,
             "pending": None if self.pending is None else {
                 **self.pending.to_dict(),
-                "result": None if self.result is None else self.result.to_json().decode()},
+                "result": (None if self.result is None else "failed" if self.result is _FAILED
+                           else self.result.to_json().decode())},
             "shadow": None if self.shadow is None else {
                 "binmap": self.shadow[0].to_json().decode(),
                 "paired": self.shadow[1].to_dict(), "next_test": self.shadow_next_test},
@@ -721,7 +730,9 @@ class OnlineCalibrator:
             if pend is not None:
                 out.pending = FitRequest.from_dict(pend, model_id=out.model_id,
                                                    config=out.config)
-                if pend["result"] is not None:
+                if pend["result"] == "failed":
+                    out.result = _FAILED
+                elif pend["result"] is not None:
                     out.result = BinMap.from_json(pend["result"])
                 elif fit is not None:
                     out.result = fit(out.pending)

@@ -232,3 +232,22 @@ def test_published_maps_carry_their_held_out_evidence():
     assert ev["test"] == "paired-nll" and ev["champion_version"] == 0 and ev["significance"]
     assert ev["upper_bound"] < 0 and ev["mean_diff"] < 0 and ev["n_heldout"] >= 200
     assert ev["alpha"] <= CFG.alpha and ev["stderr"] > 0
+
+
+def test_a_failed_fit_completes_without_a_candidate_and_survives_a_checkpoint():
+    from tests.test_oracle import synth_class_dependent
+
+    f, _, y = synth_class_dependent(12000, 3, seed=2)
+    cfg = OnlineConfig(eps=0.1, pools_from=2000)
+    cal = OnlineCalibrator(3, cfg)
+    up = cal.update(f, y)
+    req = up.requests[0]
+    other = OnlineCalibrator(3, cfg).update(f, y).requests[0]   # same id, another calibrator
+    assert other.id == req.id and cal.complete(other, run_fit(other)) == [] and cal.blocked
+    back = OnlineCalibrator.from_dict(json.loads(json.dumps(cal.to_dict())))
+    ev = cal.complete(req, None)                 # the fit raised: no candidate, no stall
+    assert ev[0].kind == "fit_done" and ev[0].detail == "failed" and ev[0].n == req.due
+    assert not any(e.kind == "shadow" for e in ev) and not cal.blocked
+    assert trace(back.complete(back.outstanding[0], None)) == trace(ev)
+    assert json.loads(json.dumps(cal.to_dict()))["pending"] is None
+    assert cal.update(f[up.consumed:], y[up.consumed:]).consumed == 12000 - up.consumed
