@@ -245,8 +245,9 @@ class FitRequest:
     requested and ``due`` (``n + fit_delay``) the one at which its result takes effect;
     ``snapshot`` is a frozen snapshot of the window's pools
     (:class:`lpcal.window.PoolsSnapshot`), merged into :attr:`pools` on first use, i.e. in the
-    thread that runs the fit; ``seed`` and ``version`` the fit's arguments. The fit is deterministic given these, so a
-    restore re-issues the request and gets the same map."""
+    thread that runs the fit; ``seed`` and ``version`` the fit's arguments. The fit is
+    deterministic given these, so a restore re-issues the request and gets the same map (the
+    checkpoint holds the snapshot unmerged: :meth:`lpcal.window.PoolsSnapshot.to_dict`)."""
 
     id: int
     n: int
@@ -254,25 +255,27 @@ class FitRequest:
     seed: int
     version: int
     model_id: str
-    snapshot: PoolsSnapshot | PoolSet = field(repr=False)
+    snapshot: PoolsSnapshot = field(repr=False)
     config: OnlineConfig = field(repr=False)
+    _built: list = field(default_factory=list, repr=False)
 
     @property
     def pools(self) -> PoolSet:
         """The merged pools of the snapshot (built once, in the first thread that asks)."""
-        if isinstance(self.snapshot, PoolsSnapshot):
-            object.__setattr__(self, "snapshot", self.snapshot.build())
-        return self.snapshot
+        if not self._built:
+            self._built.append(self.snapshot.build())
+        return self._built[0]
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "n": self.n, "due": self.due, "seed": self.seed,
-                "version": self.version, "pools": self.pools.to_dict()}
+                "version": self.version, "snapshot": self.snapshot.to_dict()}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, model_id: str,
                   config: OnlineConfig) -> FitRequest:
         return cls(int(d["id"]), int(d["n"]), int(d["due"]), int(d["seed"]),
-                   int(d["version"]), model_id, PoolSet.from_dict(d["pools"]), config)
+                   int(d["version"]), model_id, PoolsSnapshot.from_dict(d["snapshot"]),
+                   config)
 
 
 def run_fit(request: FitRequest) -> BinMap:

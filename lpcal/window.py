@@ -131,6 +131,51 @@ class PoolsSnapshot:
             out.holdout_raw = out.holdout_raw.merge(HoldoutSums(lay.k, lay.lam).update(x, y))
         return out
 
+    def to_dict(self) -> dict[str, Any]:
+        """The parts (``PoolSet.to_dict``, their own held-out sums included) and the held-out
+        samples (little-endian base64), unmerged: no merge on the caller's loop."""
+        d: dict[str, Any] = {"layout": self.layout.to_dict(), "temperature": self.temperature,
+                             "parts": [ps.to_dict() for ps in self.parts], "held": None}
+        if self.held:
+            x = np.concatenate([h[0] for h in self.held])
+            y = np.concatenate([h[1] for h in self.held])
+            d["held"] = {"k": int(x.shape[1]), "x": _b64(x.astype("<f8")),
+                         "y": _b64(y.astype("<i8"))}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PoolsSnapshot:
+        """Inverse of :meth:`to_dict`; malformed input raises :class:`InputError`."""
+        try:
+            layout = PoolLayout.from_dict(d["layout"])
+            t = float(d["temperature"])
+            parts = [PoolSet.from_dict(p) for p in d["parts"]]
+            if not parts or any(p.layout != layout or p.temperature != t for p in parts):
+                raise ValueError("parts do not match the layout or the temperature")
+            held = []
+            if d["held"] is not None:
+                held = [_held_from_dict(d["held"], layout.k, None)]
+        except (KeyError, TypeError, ValueError, binascii.Error) as e:
+            raise InputError(f"malformed pools snapshot ({e})") from None
+        return cls(layout, t, parts, held)
+
+
+def _held_from_dict(hs: Mapping[str, Any], k_layout: int,
+                    limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Held-out samples of their base64 form (``ValueError`` naming what is wrong)."""
+    k = int(hs["k"])
+    xb = base64.b64decode(hs["x"], validate=True)
+    yb = base64.b64decode(hs["y"], validate=True)
+    if len(xb) % 8 or len(yb) % 8:
+        raise ValueError("held-out samples: truncated arrays")
+    x, y = np.frombuffer(xb, "<f8"), np.frombuffer(yb, "<i8")
+    if k != k_layout or x.size != k * y.size or (limit is not None and y.size > limit):
+        raise ValueError(f"held-out samples of shape ({x.size}, {y.size}) for k = {k} and "
+                         f"at most {limit} held-out samples")
+    if y.size and (y.min() < 0 or y.max() >= k or not np.isfinite(x).all() or x.min() < 0):
+        raise ValueError("held-out samples out of range")
+    return x.reshape(y.size, k).astype(np.float64), y.astype(np.int64)
+
 
 class Bucket:
     """The sums of one bucket: ``index`` (its number since the window was created), ``n``
@@ -201,19 +246,7 @@ class Bucket:
                 b.pools = PoolSet.from_dict(d["pools"])
             hs = d.get("held_samples")
             if hs is not None:
-                k = int(hs["k"])
-                xb = base64.b64decode(hs["x"], validate=True)
-                yb = base64.b64decode(hs["y"], validate=True)
-                if len(xb) % 8 or len(yb) % 8:
-                    raise ValueError("held-out samples: truncated arrays")
-                x, y = np.frombuffer(xb, "<f8"), np.frombuffer(yb, "<i8")
-                if k != layout.k or x.size != k * y.size or y.size > b.held.n:
-                    raise ValueError(f"held-out samples of shape ({x.size}, {y.size}) for "
-                                     f"k = {k} and {b.held.n} held-out samples")
-                if y.size and (y.min() < 0 or y.max() >= k or not np.isfinite(x).all()
-                               or x.min() < 0):
-                    raise ValueError("held-out samples out of range")
-                b.keep_held(x.reshape(y.size, k), y)
+                b.keep_held(*_held_from_dict(hs, layout.k, b.held.n))
         except (KeyError, TypeError, ValueError, binascii.Error) as e:
             raise InputError(f"malformed window bucket ({e})") from None
         if b.pools is not None and (b.pools.layout != layout
