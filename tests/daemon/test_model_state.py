@@ -685,3 +685,16 @@ def test_online_checkpoint_with_mismatched_calibrator_settings_is_refused():
     d["recovery"]["recovery"] = "epochs"
     with pytest.raises(ArtifactError, match="recovery"):
         ModelState.from_dict(d)
+
+
+def test_online_state_learns_k_from_its_first_prediction():
+    st = ModelState.create(MODEL, 0, settings(**ONLINE),
+                           JoinSettings(ttl_seconds=50, max_pending_per_model=5000))
+    assert st.online is None and not st.backlogged
+    blob = st.to_checkpoint()
+    assert orjson.loads(blob)["online"] is None
+    assert ModelState.from_checkpoint(blob).to_checkpoint() == blob
+    p = EventParser(lambda m: ModelPolicy(k=None))
+    feed_online(st, p, traffic(3000, seed=12))
+    assert st.k == K and st.online is not None and st.online.k == K
+    assert st.online.n_seen == st.samples_total > 0
