@@ -379,9 +379,8 @@ class ModelState:
         cal = OnlineCalibrator(self.k, self.online_spec.config(self.fit_spec,
                                                                self._online_budget()),
                                model_id=self.model)
-        if self.binmap is not None:
-            cal.live = BinMap.from_json(self.binmap)
-        cal.version = self.binmap_version
+        cal.install(None if self.binmap is None else BinMap.from_json(self.binmap),
+                    self.binmap_version)
         return cal
 
     def _new_monitor(self, k: int, max_bytes: int | None = None) -> WindowMonitor:
@@ -695,6 +694,9 @@ class ModelState:
         self._calibrator = self._factory(bytes(data))
         self.binmap = bytes(data)
         self.binmap_version = int(version)
+        if self.online is not None and self.online.version != self.binmap_version:
+            # installed from outside the online loop: it becomes the loop's champion
+            self.online.install(BinMap.from_json(self.binmap), self.binmap_version)
         self.monitor.reset("calibrated")
         self.triggers.recalibrated()
         self._last_eval = None

@@ -645,6 +645,16 @@ class OnlineCalibrator:
         self.shadow_next_test = 2 * acc.n
         return [Event(self.n_seen, "kept", bm.version, bm.temperature, dec)]
 
+    def install(self, binmap: BinMap | None, version: int) -> None:
+        """Make ``binmap`` the live map (the champion), with ``version``, from outside the loop
+        (a map restored or published by another path): the tests against the live map start
+        over and a shadow challenger is dropped; the next publication is ``version + 1``."""
+        self.live = binmap
+        self.version = int(version)
+        self.live_regime, self.live_fit_n = -1, 0
+        self.tests = 0
+        self.shadow = None
+
     def request_fit(self) -> list[Event]:
         """A manual request: the next decision point (the next multiple of ``step``) fits and
         tests candidates as a scheduled refit does, so champion/challenger still decides what

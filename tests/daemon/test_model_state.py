@@ -698,3 +698,19 @@ def test_online_state_learns_k_from_its_first_prediction():
     feed_online(st, p, traffic(3000, seed=12))
     assert st.k == K and st.online is not None and st.online.k == K
     assert st.online.n_seen == st.samples_total > 0
+
+
+def test_a_map_installed_from_outside_becomes_the_online_champion():
+    st, p = new_state(**ONLINE), parser()
+    feed_online(st, p, traffic(3000, seed=13))
+    bm = BinMap.from_json(st.binmap)
+    st.install_binmap(bm.to_json(), st.binmap_version + 5)   # e.g. restored from the topic
+    assert st.online.version == st.binmap_version == bm.version + 5
+    assert st.online.live is not None and st.online.tests == 0
+    v = st.online.version
+    out = feed_online(st, p, traffic(9000, seed=13)[len(traffic(3000, seed=13)):])
+    # the loop now tests its candidates against the installed map, which is as good as they
+    # are: kept (a refinement needs the loop's own live estimate, so none is published)
+    kept = [e for r in out for e in r.events if e.kind == "kept"]
+    assert kept and not [b for r in out for b in r.published]
+    assert st.online.version == st.binmap_version == v
