@@ -44,7 +44,9 @@ binned at another temperature, or opened before one was set, contribute their gr
 their pools (:meth:`SlidingWindow.pools`).
 
 Serialisation (:meth:`SlidingWindow.to_dict`) nests the existing formats unchanged
-(``PoolSet.to_dict``, ``TemperatureGrid.to_dict``) plus :meth:`LossGrid.to_dict`;
+(``PoolSet.to_dict``, ``TemperatureGrid.to_dict``) plus :meth:`LossGrid.to_dict` and a
+bucket's held-out samples (``held_samples``: little-endian float64 and int64, base64; exact);
+a window written with held-out sums in its buckets' pools still restores and counts them;
 :attr:`SlidingWindow.nbytes` is the bytes of the arrays held (the checkpoint's JSON is larger by
 the usual factor of text over int64).
 

@@ -1,5 +1,6 @@
 """Sliding window: buckets seal at exact counts, sums add, reset after a drift, round trips."""
 
+import base64
 import itertools
 import json
 
@@ -139,3 +140,26 @@ def test_malformed_held_out_samples_are_named():
     d["buckets"][0]["held_samples"]["y"] = d["buckets"][0]["held_samples"]["y"][:-8]
     with pytest.raises(InputError, match="held-out samples"):
         SlidingWindow.from_dict(d)
+
+
+def test_a_window_written_with_held_out_sums_in_its_buckets_still_counts_them():
+    from lpcal.binmap import scale_temperature
+    from lpcal.holdout import HoldoutSums
+
+    f, y = tempered(2500)
+    w = SlidingWindow(LAYOUT, bucket_size=1000, n_buckets=4)
+    w.set_temperature(2.0)
+    w.add(index_uniforms(0, 2500), f, y)
+    want = w.pools()
+    d = w.to_dict()
+    for b in d["buckets"]:           # the previous form: sums in the pools, no samples
+        hs = b.pop("held_samples")
+        x = np.frombuffer(base64.b64decode(hs["x"]), "<f8").reshape(-1, 10)
+        yy = np.frombuffer(base64.b64decode(hs["y"]), "<i8")
+        b["pools"]["holdout"] = HoldoutSums(10, LAYOUT.lam).update(
+            scale_temperature(x, 2.0), yy).to_dict()
+        b["pools"]["holdout_raw"] = HoldoutSums(10, LAYOUT.lam).update(x, yy).to_dict()
+    old = SlidingWindow.from_dict(json.loads(json.dumps(d)))
+    got = old.pools()
+    assert got.holdout == want.holdout and got.holdout_raw == want.holdout_raw
+    assert got.holdout.n > 0
