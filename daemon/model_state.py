@@ -51,6 +51,24 @@ counts) and :attr:`ModelState.monitor_spec`. The checkpoint stores both, flatten
 restores with the paper mode's values it ran with, one written before the change test with its
 defaults.
 
+Recovery modes (``recovery`` in the settings, :class:`daemon.specs.OnlineSpec`): the
+**epochs** default is all of the above. In the **online** mode the joined samples feed an
+:class:`lpcal.online.OnlineCalibrator` instead of the epochs' pools, with the same routing
+uniforms (``u / sample_rate``): it ends its warm-up when the temperature is determined, keeps
+pools and held-out samples over a sliding window and publishes a candidate only when held-out
+data says it beats the live map. The state installs every map the calibrator publishes at the
+exact sample it was published (the monitor's calibrated window restarts there) and
+:class:`IngestResult` carries the calibrator's events: ``published`` (maps for the caller to
+publish), ``fit_requests`` (:class:`lpcal.online.FitRequest`: run
+:func:`lpcal.online.run_fit` in a worker, then :meth:`ModelState.complete_fit`) and
+``blocked``. While blocked (the stream is at the sample where a requested fit takes effect and
+it is not back) the joined samples not yet consumed wait in ``backlog`` and
+:attr:`ModelState.backlogged` is true: pause the input until :meth:`ModelState.complete_fit`.
+A drift refill calls :meth:`ModelState.notify_drift` (only post-drift buckets count), a manual
+request :meth:`ModelState.request_fit` (the next decision point fits; champion/challenger still
+decides). The checkpoint of an online state is ``lpcal.model_state/4`` (the /3 document plus
+``recovery``, ``online`` and ``backlog``); epochs states keep writing /3, byte for byte.
+
 Usage::
 
     st = ModelState.create("fraud-v3", k=3, ms=settings.model_settings("fraud-v3"),
@@ -71,6 +89,7 @@ Usage::
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
@@ -83,11 +102,13 @@ import orjson
 from daemon.join import JoinResult, JoinStore
 from daemon.monitor import WindowMonitor, WindowStats
 from daemon.native import route_uniform_fast
-from daemon.specs import EpochSpec, MonitorSpec
+from daemon.specs import EpochSpec, MonitorSpec, OnlineSpec
 from daemon.state_budget import EPOCH_SHARE, MONITOR_SHARE, SEALED_SHARE
 from daemon.trigger import Firing, Triggers
+from lpcal.binmap import BinMap
 from lpcal.errors import ArtifactError, InputError
 from lpcal.levels import bin_rows
+from lpcal.online import Event, FitRequest, OnlineCalibrator
 from lpcal.pools import PoolLayout, PoolSet
 from lpcal.spec import FitSpec
 
@@ -95,12 +116,14 @@ __all__ = ["CHECKPOINT_FORMAT", "CONFIG_KEYS", "IngestResult", "ModelState",
            "binmap_calibrator"]
 
 CHECKPOINT_FORMAT = "lpcal.model_state/3"
+#: The format of an online-mode state: /3 plus ``recovery``, ``online`` and ``backlog``.
+ONLINE_CHECKPOINT_FORMAT = "lpcal.model_state/4"
 # /1 listed the join's recent ids as [id, state] pairs (/2: recent_ids + recent_expired); /3 adds
 # the fit mode keys and, in the pools, the warm-up grid, the temperature and the held-out sums.
 # All three restore (/1 and /2 as the paper's mode, which is what they ran). Earlier versions of
 # the daemon cannot read /3 and say so (format mismatch): a certified epoch is not a paper one.
 READABLE_CHECKPOINT_FORMATS = ("lpcal.model_state/1", "lpcal.model_state/2",
-                               CHECKPOINT_FORMAT)
+                               CHECKPOINT_FORMAT, ONLINE_CHECKPOINT_FORMAT)
 #: Sealed epochs waiting for their fit at which the daemon pauses the model's partition
 #: (backpressure). Epochs are never dropped: every sealed epoch is fitted, in order, so the
 #: published versions depend only on the input, not on how fast fits keep up.
@@ -130,6 +153,36 @@ def binmap_calibrator(data: bytes) -> Calibrator:
 
     bm = BinMap.from_json(data)
     return lambda probs: bm.apply(probs, check=False)
+
+
+def _b64(a: np.ndarray, dtype: str) -> str:
+    return base64.b64encode(np.ascontiguousarray(a, dtype=dtype).tobytes()).decode("ascii")
+
+
+def _encode_backlog(backlog: tuple) -> dict[str, Any]:
+    """The backlog's arrays, exact (little-endian base64)."""
+    probs, labels, u, ts = backlog
+    return {"n": int(labels.size), "probs": _b64(probs, "<f8"), "labels": _b64(labels, "<i8"),
+            "uniforms": _b64(u, "<f8"), "ts": None if ts is None else _b64(ts, "<f8")}
+
+
+def _decode_backlog(d: Mapping[str, Any], k: int) -> tuple:
+    """Inverse of :func:`_encode_backlog` (``ValueError`` naming what is wrong)."""
+    n = int(d["n"])
+
+    def arr(key: str, dtype: str, size: int) -> np.ndarray:
+        raw = base64.b64decode(d[key], validate=True)
+        if len(raw) != 8 * size:
+            raise ValueError(f"backlog {key}: {len(raw)} bytes, expected {8 * size}")
+        return np.frombuffer(raw, dtype).astype(dtype[1:]).copy()
+
+    probs = arr("probs", "<f8", n * k).reshape(n, k)
+    labels, u = arr("labels", "<i8", n), arr("uniforms", "<f8", n)
+    ts = None if d["ts"] is None else arr("ts", "<f8", n)
+    if n < 1 or labels.min() < 0 or labels.max() >= k or not (
+            (u >= 0) & (u < 1)).all() or not np.isfinite(probs).all():
+        raise ValueError("backlog: empty, or labels, uniforms or probabilities out of range")
+    return probs, labels, u, ts
 
 
 def config_of(epoch: EpochSpec, monitor: MonitorSpec) -> dict[str, Any]:
@@ -165,10 +218,25 @@ class IngestResult:
     sealed: int = 0                      # epochs sealed (pools became full) by this call
     sealed_early: int = 0                # of which sealed before full, at the byte budget
     window_trimmed: int = 0              # samples dropped from the window by its byte budget
+    #: online mode: the calibrator's events (lpcal.online.Event), in order
+    events: list[Event] = field(default_factory=list)
+    #: online mode: the stream waits at the sample where a requested fit takes effect
+    blocked: bool = False
 
     @property
     def pools_full(self) -> bool:
         return self.sealed > 0
+
+    @property
+    def published(self) -> list[BinMap]:
+        """Online mode: maps the calibrator published (already installed): publish them."""
+        return [e.binmap for e in self.events if e.kind == "published"]
+
+    @property
+    def fit_requests(self) -> list[FitRequest]:
+        """Online mode: fits to run (:func:`lpcal.online.run_fit`, off the event loop), then
+        hand back with :meth:`ModelState.complete_fit`."""
+        return [e.request for e in self.events if e.request is not None]
 
 
 #: ``k = 0``: a model whose ``k`` is learned from its first prediction, created by outcomes that
@@ -184,7 +252,7 @@ class ModelState:
                  layout: PoolLayout, join: JoinStore, *, monitor: WindowMonitor | None = None,
                  triggers: Triggers | None = None,
                  calibrator_factory: CalibratorFactory = binmap_calibrator,
-                 eval_interval: float = 1.0):
+                 eval_interval: float = 1.0, online_spec: OnlineSpec | None = None):
         self.model = model
         self.k = int(k)
         #: how the epochs are filled and fitted (:class:`daemon.specs.EpochSpec`)
@@ -227,6 +295,15 @@ class ModelState:
         #: byte budget of the pools, held-out sums and window (None: none; see
         #: :meth:`set_budget`)
         self.budget: int | None = None
+        #: how the model recovers (:class:`daemon.specs.OnlineSpec`)
+        self.online_spec = online_spec or OnlineSpec()
+        #: online mode: the calibrator (None in epochs mode, or until k is known)
+        self.online: OnlineCalibrator | None = None
+        #: online mode: joined samples the blocked calibrator has not consumed yet, in order:
+        #: ``(probs, labels, routing uniforms, ts or None)``
+        self.backlog: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None = None
+        if self.online_spec.online and self.k:
+            self.online = self._new_online()
 
     @classmethod
     def create(cls, model: str, k: int, ms: Any, join: Any, *,
@@ -240,7 +317,9 @@ class ModelState:
             raise InputError(f"model {model!r}: {e}") from None
         store = JoinStore(join.max_pending_per_model, join.ttl_seconds,
                           getattr(join, "recent_per_model", None))
-        st = cls(model, k, epoch, mon, layout, store, calibrator_factory=calibrator_factory)
+        online = ms.online_spec() if hasattr(ms, "online_spec") else None
+        st = cls(model, k, epoch, mon, layout, store, calibrator_factory=calibrator_factory,
+                 online_spec=online)
         st.sample_rate = float(getattr(ms, "sample_rate", 1.0))
         return st
 
@@ -291,6 +370,18 @@ class ModelState:
         self.sealed = []
         self.monitor = self._new_monitor(self.k, max_bytes=self._monitor_budget())
         self._last_eval = None
+        if self.online_spec.online:
+            self.online = self._new_online()
+
+    def _new_online(self) -> OnlineCalibrator:
+        """A fresh calibrator for this state's k, fit spec and byte budget, whose live map (the
+        champion) is the state's bin map, if any, with its version."""
+        cal = OnlineCalibrator(self.k, self.online_spec.config(self.fit_spec,
+                                                               self._online_budget()),
+                               model_id=self.model)
+        cal.install(None if self.binmap is None else BinMap.from_json(self.binmap),
+                    self.binmap_version)
+        return cal
 
     def _new_monitor(self, k: int, max_bytes: int | None = None) -> WindowMonitor:
         """An empty window for ``k`` classes, with the monitor spec's size and change test."""
@@ -346,7 +437,9 @@ class ModelState:
             ids = [ids[i] for i in keep.tolist()]
             probs, labels, u = probs[keep], labels[keep], u[keep]
             ts = None if ts is None else np.asarray(ts)[keep]
-        if labels.size:
+        if labels.size and self.online is not None:
+            self._ingest_online(res, probs, labels, u, ts)
+        elif labels.size:
             c, h, pair = bin_rows(probs, self.lam)  # shared by the pools and the monitor
             if self.filling.full:  # e.g. after a layout change
                 self.seal()
@@ -376,6 +469,97 @@ class ModelState:
         self.samples_total += res.joined
         return res
 
+    # ---------------------------------------------------------------- online mode
+    def _ingest_online(self, res: IngestResult, probs: np.ndarray, labels: np.ndarray,
+                       u: np.ndarray, ts: np.ndarray | None) -> None:
+        """Feed the calibrator (after any backlog, in order); what it does not consume (it
+        blocked) joins the backlog."""
+        if self.backlog is not None:
+            bp, bl, bu, bts = self.backlog
+            self.backlog = None
+            if bts is not None or ts is not None:
+                bts = np.full(bl.size, np.nan) if bts is None else bts
+                ts = np.concatenate([bts, np.full(labels.size, np.nan) if ts is None
+                                     else np.asarray(ts, dtype=np.float64)])
+            probs, labels, u = (np.concatenate([bp, probs]), np.concatenate([bl, labels]),
+                                np.concatenate([bu, u]))
+        self._feed_online(res, probs, labels, u, ts)
+
+    def _feed_online(self, res: IngestResult, probs: np.ndarray, labels: np.ndarray,
+                     u: np.ndarray, ts: np.ndarray | None) -> None:
+        cal = self.online
+        start = cal.n_seen
+        up = cal.update(probs, labels, uniforms=u)
+        m = up.consumed
+        self._take_events(res, up.events, start, probs[:m], labels[:m],
+                          None if ts is None else np.asarray(ts)[:m])
+        if m < labels.size:
+            self.backlog = (probs[m:].copy(), labels[m:].copy(), u[m:].copy(),
+                            None if ts is None else np.asarray(ts, dtype=np.float64)[m:])
+        res.blocked = cal.blocked
+
+    def _take_events(self, res: IngestResult, events: list[Event], start: int,
+                     probs: np.ndarray, labels: np.ndarray, ts: np.ndarray | None) -> None:
+        """Update the monitor with the consumed samples, installing each published map at the
+        exact sample it was published (the calibrated window restarts there)."""
+        a = 0
+        before = self.monitor.trimmed
+        for e in events:
+            if e.kind == "published":
+                b = e.n - start
+                self._monitor_rows(probs[a:b], labels[a:b], None if ts is None else ts[a:b])
+                a = b
+                self.install_binmap(e.binmap.to_json(), e.version)
+        self._monitor_rows(probs[a:], labels[a:], None if ts is None else ts[a:])
+        res.window_trimmed += self.monitor.trimmed - before
+        res.events.extend(events)
+
+    def _monitor_rows(self, probs: np.ndarray, labels: np.ndarray,
+                      ts: np.ndarray | None) -> None:
+        if labels.size:
+            cal = self._calibrator(probs) if self._calibrator is not None else None
+            self.monitor.update(probs, labels, ts, calibrated=cal)
+
+    def complete_fit(self, request: FitRequest, binmap: BinMap | None) -> IngestResult:
+        """Online mode: hand back a fit request's result (:func:`lpcal.online.run_fit`; None
+        if it raised: the request is done without a candidate, logged by the caller). If
+        the calibrator was blocked on it, the decision that waited runs and the backlog is fed
+        (it may block again on the next request): the result says what happened."""
+        if self.online is None:
+            raise InputError(f"model {self.model!r}: complete_fit needs recovery = 'online'")
+        res = IngestResult()
+        start = self.online.n_seen
+        events = self.online.complete(request, binmap)
+        self._take_events(res, events, start, np.zeros((0, self.k)), np.zeros(0, np.int64),
+                          None)
+        if self.backlog is not None and not self.online.blocked:
+            probs, labels, u, ts = self.backlog
+            self.backlog = None
+            self._feed_online(res, probs, labels, u, ts)
+        res.blocked = self.online.blocked
+        return res
+
+    @property
+    def fit_requests_outstanding(self) -> list[FitRequest]:
+        """Online mode: fit requests whose result is not back (after a restore: run them)."""
+        return [] if self.online is None else self.online.outstanding
+
+    def notify_drift(self) -> Event | None:
+        """The drift trigger's refill: online mode, only post-drift buckets count from now on
+        (:meth:`lpcal.online.OnlineCalibrator.notify_drift`; the live map stays until beaten);
+        epochs mode, :meth:`start_new_epoch`."""
+        if self.online is None:
+            self.start_new_epoch()
+            return None
+        return self.online.notify_drift()
+
+    def request_fit(self) -> list[Event]:
+        """Online mode: a manual request (:meth:`lpcal.online.OnlineCalibrator.request_fit`):
+        the next decision point fits; champion/challenger decides what is published."""
+        if self.online is None:
+            raise InputError(f"model {self.model!r}: request_fit needs recovery = 'online'")
+        return self.online.request_fit()
+
     # ---------------------------------------------------------------- lifecycle
     def advance_offsets(self, topic: str, partition: int, next_offset: int) -> None:
         """Record that input up to ``next_offset`` (exclusive) of ``topic[partition]`` is in."""
@@ -403,8 +587,10 @@ class ModelState:
             else:
                 stats = self.evaluate()
                 self._last_eval = (now, stats)
+        ready = (not self.online.warming if self.online is not None
+                 else bool(self.sealed) or not self.filling.warming)
         return self.triggers.check(now=now, pools_full=bool(self.sealed),
-                                   manual_ready=bool(self.sealed) or not self.filling.warming,
+                                   manual_ready=ready,
                                    stats=stats.get("calibrated"), busy=busy,
                                    change=self.change_alarm)
 
@@ -440,7 +626,11 @@ class ModelState:
         """True while :data:`MAX_SEALED` or more sealed epochs wait for their fit, or while they
         take a quarter of the byte budget or more (:mod:`daemon.state_budget`): stop feeding
         this model until fits catch up (one batch may seal several epochs, so the queue can
-        exceed the mark by what one batch holds)."""
+        exceed the mark by what one batch holds). Online mode: true while the calibrator is
+        blocked on a fit or joined samples wait in the backlog."""
+        if self.online_spec.online:
+            return self.backlog is not None or (self.online is not None
+                                                and self.online.blocked)
         if len(self.sealed) >= MAX_SEALED:
             return True
         return (self.budget is not None and bool(self.sealed)
@@ -453,11 +643,18 @@ class ModelState:
     def _epoch_budget(self) -> int | None:
         return None if self.budget is None else int(EPOCH_SHARE * self.budget)
 
+    def _online_budget(self) -> int | None:
+        """Online mode: the calibrator's window gets the epochs' and the sealed epochs' parts
+        (it has neither)."""
+        return None if self.budget is None else int((EPOCH_SHARE + SEALED_SHARE) * self.budget)
+
     def set_budget(self, budget: int | None) -> int:
         """Set the byte budget of the pools, held-out sums and monitoring window (None: none;
         split as :mod:`daemon.state_budget` describes); the window is trimmed to its part at
         once. Returns the samples trimmed from the window."""
         self.budget = None if budget is None else int(budget)
+        if self.online is not None:
+            self.online.set_max_bytes(self._online_budget())
         return self.monitor.set_max_bytes(self._monitor_budget())
 
     def _epoch_over_budget(self) -> bool:
@@ -472,8 +669,11 @@ class ModelState:
     def nbytes(self) -> int:
         """Bytes of the pools (filling and sealed epochs), held-out sums and window sums (the
         join buffer has its own budget: :meth:`daemon.join.JoinStore.memory_bytes`)."""
+        online = 0 if self.online is None else self.online.nbytes
+        if self.backlog is not None:
+            online += sum(a.nbytes for a in self.backlog if a is not None)
         return (self.filling.nbytes + sum(ps.nbytes for _, ps in self.sealed)
-                + self.monitor.nbytes)
+                + self.monitor.nbytes + online)
 
     def start_new_epoch(self, layout: PoolLayout | None = None) -> None:
         """Hand off :attr:`pools`: pop the oldest sealed epoch (its fit was launched) or, with
@@ -494,6 +694,9 @@ class ModelState:
         self._calibrator = self._factory(bytes(data))
         self.binmap = bytes(data)
         self.binmap_version = int(version)
+        if self.online is not None and self.online.version != self.binmap_version:
+            # installed from outside the online loop: it becomes the loop's champion
+            self.online.install(BinMap.from_json(self.binmap), self.binmap_version)
         self.monitor.reset("calibrated")
         self.triggers.recalibrated()
         self._last_eval = None
@@ -506,7 +709,7 @@ class ModelState:
     def to_dict(self) -> dict[str, Any]:
         cfg = config_of(self.epoch_spec, self.monitor_spec)
         cfg["p"] = "inf" if math.isinf(cfg["p"]) else cfg["p"]
-        return {
+        d = {
             "format": CHECKPOINT_FORMAT,
             "model": self.model,
             "k": self.k,
@@ -525,6 +728,13 @@ class ModelState:
             "dropped_labels": self.dropped_labels,
             "ts_limit": None if math.isinf(self.ts_limit) else self.ts_limit,
         }
+        if not self.online_spec.online:
+            return d
+        d["format"] = ONLINE_CHECKPOINT_FORMAT
+        d["recovery"] = self.online_spec.to_dict()
+        d["online"] = None if self.online is None else self.online.to_dict()
+        d["backlog"] = None if self.backlog is None else _encode_backlog(self.backlog)
+        return d
 
     def to_checkpoint(self) -> bytes:
         """The whole state as one orjson document (key: the model id)."""
@@ -581,9 +791,15 @@ class ModelState:
             join = JoinStore.from_dict(d["join"], where=f"{where}: join")
             part = "triggers"
             triggers = Triggers.from_dict(d["triggers"])
+            part = "recovery"
+            online = (OnlineSpec(**dict(d["recovery"])) if fmt == ONLINE_CHECKPOINT_FORMAT
+                      else None)
+            if online is not None and not online.online:
+                raise ValueError("a /4 checkpoint is an online-mode state")
             part = "header"
             st = cls(model, k, epoch, mon, pools.layout, join, monitor=monitor,
-                     triggers=triggers, calibrator_factory=calibrator_factory)
+                     triggers=triggers, calibrator_factory=calibrator_factory,
+                     online_spec=online)
             st.filling = pools
             for e, ps in sealed:
                 if (ps.layout.k, ps.layout.lam) != (k or _PROVISIONAL_K, st.lam):
@@ -610,6 +826,21 @@ class ModelState:
                 st._calibrator = calibrator_factory(d["binmap"].encode("utf-8"))
                 st.binmap = d["binmap"].encode("utf-8")
             st.binmap_version = int(d["binmap_version"])
+            if online is not None:
+                part = "online"
+                if d["online"] is not None:
+                    st.online = OnlineCalibrator.from_dict(d["online"])
+                    if (st.online.k, st.online.model_id) != (k, model):
+                        raise ValueError(f"calibrator of (k, model) = ({st.online.k}, "
+                                         f"{st.online.model_id!r})")
+                    want = online.config(st.fit_spec, st.online.config.max_bytes)
+                    if st.online.config != want:
+                        raise ValueError("the calibrator's settings do not match the "
+                                         "checkpoint's recovery and fit settings")
+                elif k:
+                    raise ValueError("no calibrator for a state with k")
+                part = "backlog"
+                st.backlog = None if d["backlog"] is None else _decode_backlog(d["backlog"], k)
         except (InputError, ArtifactError) as e:
             raise ArtifactError(f"{where}: {part}: {e}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -635,6 +866,12 @@ class ModelState:
           when a field of :data:`MonitorSpec.WINDOW` changed, new triggers and change test
           when one of :data:`MonitorSpec.DRIFT` did).
 
+        * ``recovery`` or an online knob (:class:`daemon.specs.OnlineSpec`) differs: a
+          switch between ``epochs`` and ``online`` starts a new epoch (fresh pools) and, to
+          online, a fresh calibrator; the live bin map and its version are kept (the
+          calibrator's champion). A changed knob of an online state starts a fresh calibrator
+          with the live map.
+
         ``detail`` names every changed setting with its old and new value.
 
         Raises :class:`InputError` for settings an epoch cannot run."""
@@ -642,16 +879,21 @@ class ModelState:
         if self.k == 0 and k:  # k pinned since: learn it, keeping the waiting outcomes
             self._learn_k(int(k))
         want_k = self.k if not k else int(k)
+        online = ms.online_spec() if hasattr(ms, "online_spec") else OnlineSpec()
         old_cfg, cfg = config_of(self.epoch_spec, self.monitor_spec), config_of(epoch_spec, mon)
-        changed = [key for key in CONFIG_KEYS if old_cfg[key] != cfg[key]]
-        if want_k == self.k and epoch_spec == self.epoch_spec and mon == self.monitor_spec:
+        old_cfg.update(self.online_spec.to_dict())
+        cfg.update(online.to_dict())
+        changed = [key for key in cfg if old_cfg[key] != cfg[key]]
+        if (want_k == self.k and epoch_spec == self.epoch_spec and mon == self.monitor_spec
+                and online == self.online_spec):
             return self, "restored", ""
+        keep_online = False
         if want_k != self.k:
             new_join = JoinStore(join.max_pending_per_model, join.ttl_seconds,
                                  getattr(join, "recent_per_model", None))
             st = ModelState(self.model, want_k, epoch_spec, mon, epoch_spec.layout(want_k),
                             new_join, calibrator_factory=self._factory,
-                            eval_interval=self.eval_interval)
+                            eval_interval=self.eval_interval, online_spec=online)
             outcome = "k_changed"
             detail = f"k {self.k} -> {want_k}" + (f"; {', '.join(changed)} changed"
                                                     if changed else "")
@@ -660,14 +902,19 @@ class ModelState:
             same_lam = lam == self.lam
             window = same_lam and mon.same(self.monitor_spec, MonitorSpec.WINDOW)
             drift = mon.same(self.monitor_spec, MonitorSpec.DRIFT)
-            epoch = epoch_spec != self.epoch_spec
+            epoch = (epoch_spec != self.epoch_spec
+                     or online.recovery != self.online_spec.recovery)
             layout = epoch_spec.layout(self.k) if epoch else self.layout
             st = ModelState(self.model, self.k, epoch_spec, mon, layout, self.join,
                             monitor=self.monitor if window else None,
                             triggers=self.triggers if drift else None,
-                            calibrator_factory=self._factory, eval_interval=self.eval_interval)
+                            calibrator_factory=self._factory, eval_interval=self.eval_interval,
+                            online_spec=online)
             if not epoch:
                 st.filling, st.sealed, st.fill_epoch = self.filling, self.sealed, self.fill_epoch
+            keep_online = not epoch and online == self.online_spec
+            if keep_online:
+                st.online, st.backlog = self.online, self.backlog
             if same_lam and self.binmap is not None:
                 st.binmap, st._calibrator = self.binmap, self._calibrator
             outcome = "config_changed"
@@ -679,6 +926,8 @@ class ModelState:
         if st.filling is not self.filling:
             st.fill_epoch = self.fill_epoch + len(self.sealed) + 1
         st.binmap_version = self.binmap_version
+        if st.online_spec.online and st.k and not keep_online:
+            st.online = st._new_online()  # its champion: the live map, with its version
         st.offsets = {t: dict(parts) for t, parts in self.offsets.items()}
         st.samples_total, st.dropped_labels = self.samples_total, self.dropped_labels
         st.sample_rate = self.sample_rate

@@ -13,23 +13,33 @@ and only rebuilds its window, change test or drift trigger when its :class:`Moni
   ``warmup`` samples that fit its temperature first. :meth:`EpochSpec.layout` is the epoch's
   :class:`lpcal.pools.PoolLayout`.
 * :class:`MonitorSpec`: the monitoring window, the absolute drift trigger and the change test.
+* :class:`OnlineSpec`: how a model recovers: fixed epochs (``recovery = "epochs"``, the
+  :class:`EpochSpec`) or the online loop (``"online"``, :class:`lpcal.online.OnlineCalibrator`:
+  warm-up until the temperature is determined, a sliding window, champion/challenger) with its
+  knobs; :meth:`OnlineSpec.config` is the calibrator's :class:`lpcal.online.OnlineConfig`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 from daemon.drift import ChangeDetector
 from daemon.trigger import DriftTrigger
 from lpcal.errors import InputError
+from lpcal.online import OnlineConfig
 from lpcal.pools import PoolLayout
 from lpcal.spec import FitSpec, Prescale, SizingRule
 
-__all__ = ["DEFAULT_POOL", "EpochSpec", "MonitorSpec"]
+__all__ = ["DEFAULT_POOL", "RECOVERY", "EpochSpec", "MonitorSpec", "OnlineSpec"]
 
 DEFAULT_POOL = 5_000
 """Samples per estimation pool of a practical epoch whose ``pool`` setting is unset."""
+
+
+#: The ``recovery`` choices: fixed epochs (default) or the online loop.
+RECOVERY = ("epochs", "online")
 
 
 def _count(name: str, value: object) -> int:
@@ -130,3 +140,71 @@ class MonitorSpec:
         """A fresh absolute drift trigger (:class:`daemon.trigger.DriftTrigger`)."""
         return DriftTrigger(self.drift_threshold, self.drift_sustain_seconds,
                             min_samples=self.drift_min_samples)
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineSpec:
+    """How a model recovers (``recovery``) and, for ``"online"``, the knobs of its
+    :class:`lpcal.online.OnlineCalibrator` (the model settings of the same names; the rest of
+    :class:`lpcal.online.OnlineConfig` keeps its defaults, ``eps``, ``p`` and ``delta`` come
+    from the fit spec).
+
+    Parameters
+    ----------
+    recovery : {"epochs", "online"}
+        Fixed epochs (each fitted when full, the next from nothing) or the online loop.
+    warmup_tol : float
+        The warm-up ends when the 95% interval of ``ln T`` is narrower than this (> 0).
+    bucket_size, window_buckets : int
+        The sliding window: ``window_buckets`` (>= 2) buckets of ``bucket_size`` samples (a
+        multiple of :data:`lpcal.online.OnlineConfig.step`, 250).
+    challenger_alpha : float
+        Total level of the champion/challenger tests against one live map, in (0, 0.5).
+    fit_delay : int
+        Samples after a fit request at which its result takes effect (a multiple of 250);
+        the model's input pauses there until the fit is back.
+
+    Raises
+    ------
+    InputError
+        A value out of range (the message names it).
+    """
+
+    recovery: str = "epochs"
+    warmup_tol: float = 0.05
+    bucket_size: int = 1_000
+    window_buckets: int = 32
+    challenger_alpha: float = 0.05
+    fit_delay: int = 1_000
+
+    def __post_init__(self) -> None:
+        if self.recovery not in RECOVERY:
+            raise InputError(f"recovery must be one of {RECOVERY}, got {self.recovery!r}")
+        step = OnlineConfig.step
+        bad = [f"{name} = {getattr(self, name)!r} ({why})" for name, ok, why in (
+            ("warmup_tol", self.warmup_tol > 0, "must be > 0"),
+            ("bucket_size", self.bucket_size >= step and self.bucket_size % step == 0,
+             f"must be a positive multiple of {step}"),
+            ("window_buckets", self.window_buckets >= 2, "must be >= 2"),
+            ("challenger_alpha", 0 < self.challenger_alpha < 0.5, "must be in (0, 0.5)"),
+            ("fit_delay", self.fit_delay >= step and self.fit_delay % step == 0,
+             f"must be a positive multiple of {step}"),
+        ) if not ok]
+        if bad:
+            raise InputError(f"online recovery: {'; '.join(bad)}")
+        self.config(FitSpec(eps=0.1, p=math.inf))  # anything else OnlineConfig refuses
+
+    @property
+    def online(self) -> bool:
+        return self.recovery == "online"
+
+    def config(self, fit: FitSpec, max_bytes: int | None = None) -> OnlineConfig:
+        """The calibrator's settings for fits ``fit`` (its ``eps``, ``p``, ``delta``) and a
+        byte bound on the window's sealed buckets."""
+        return OnlineConfig(eps=fit.eps, p=fit.p, delta=fit.delta,
+                            warmup_tol=self.warmup_tol, bucket_size=self.bucket_size,
+                            n_buckets=self.window_buckets, alpha=self.challenger_alpha,
+                            fit_delay=self.fit_delay, max_bytes=max_bytes)
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)

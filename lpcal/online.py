@@ -38,6 +38,22 @@ held-out data. So after a drift the first candidate comes as soon as the new tem
 determined, and a badly drifted live map is beaten by a wide margin, i.e. after few held-out
 samples.
 
+**Fits run off the caller's loop.** The calibrator never runs Algorithm 2 itself (100 ms and
+more at k = 100): at a fit point it returns a ``"fit_requested"`` event carrying a
+:class:`FitRequest` (a frozen snapshot of the window's pools, the seed, the version), the caller
+runs :func:`run_fit` wherever it likes (a worker thread) and hands the map back with
+:meth:`OnlineCalibrator.complete`. The result takes effect at sample ``n + fit_delay``, never
+earlier or later: if it is not back when the stream gets there, :meth:`OnlineCalibrator.update`
+stops at that exact sample and reports ``blocked`` with the rows it consumed (the caller pauses
+its input and feeds the rest after ``complete``). So the decisions depend on the input order
+only, not on how long fits take. ``fit=run_fit`` in the constructor runs each request at once
+(tests, benchmarks, batch use) through the same path. An outstanding request is part of the
+checkpoint; a restore re-issues it (fits are deterministic given their pools and seed).
+
+**Evidence on published maps.** Every map published carries the champion/challenger decision it
+was published on in ``sizing["evidence"]`` (:func:`evidence`: paired loss, held-out samples,
+mean difference, standard error, level spent, the version it beat).
+
 Determinism: every decision happens at a multiple of ``step`` samples (batches are split there),
 every sum is an exact integer, samples are routed by ``uniforms`` (given, e.g. a hash of the event
 id, or a counter-based hash of the sample's position in the stream) and fit seeds are sample
@@ -54,7 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,11 +83,14 @@ from lpcal.levels import beta_for, lambda_for
 from lpcal.pools import PoolLayout, PoolSet, n_levels, pool_names
 from lpcal.spec import parse_p
 from lpcal.warmup import WarmupSums
-from lpcal.window import SlidingWindow
+from lpcal.window import PoolsSnapshot, SlidingWindow
 
-__all__ = ["Event", "OnlineCalibrator", "OnlineConfig", "fit_window_pools", "index_uniforms"]
+__all__ = ["Event", "FitRequest", "OnlineCalibrator", "OnlineConfig", "Update",
+           "fit_window_pools", "index_uniforms", "run_fit"]
 
 _ROUTE_KEY = np.uint64(0x9E3779B97F4A7C15)
+#: The result of a fit request that failed (:meth:`OnlineCalibrator.complete` with None).
+_FAILED = object()
 
 
 def index_uniforms(start: int, n: int) -> np.ndarray:
@@ -127,6 +146,11 @@ class OnlineConfig:
         Candidates are fitted when the samples since the warm-up began grow by this factor.
     pools_from : int
         Fit-share samples in the window's pools before Algorithm 2 is run.
+    fit_delay : int
+        Samples after a fit request at which its result takes effect (a multiple of ``step``,
+        at least ``step``): decisions depend on the input order only, never on how long the
+        fit took; if the result is not back by then, :meth:`OnlineCalibrator.update` stops
+        there (``blocked``).
     certify_buckets : int
         Newest buckets whose held-out sums certify Algorithm 2's fits (10 buckets of 1,000 at
         a 30% share: 3,000 held-out samples, what an epoch of the fixed schedule held out);
@@ -153,6 +177,7 @@ class OnlineConfig:
     pools_from: int = 4_000
     certify_buckets: int = 10
     max_bytes: int | None = None
+    fit_delay: int = 1_000
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "p", parse_p(self.p))
@@ -167,10 +192,12 @@ class OnlineConfig:
             "min_heldout": self.min_heldout >= 2, "growth": self.growth > 1,
             "pools_from": self.pools_from >= 1, "certify_buckets": self.certify_buckets >= 1,
             "max_bytes": self.max_bytes is None or self.max_bytes > 0,
+            "fit_delay": self.fit_delay >= self.step and self.fit_delay % self.step == 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
-            raise InputError(f"OnlineConfig: invalid {bad} (step must divide bucket_size)")
+            raise InputError(f"OnlineConfig: invalid {bad} (step must divide bucket_size, "
+                             "fit_delay must be a multiple of step)")
 
     def layout(self, k: int) -> PoolLayout:
         """The window's routing: Algorithm 2's pools (shared variant) in equal shares of the
@@ -183,12 +210,116 @@ class OnlineConfig:
                           dict.fromkeys(names, per), holdout=max(1, hold))
 
 
+def evidence(dec: Decision, cal: OnlineCalibrator) -> dict[str, Any]:
+    """The held-out evidence a map was published on, for its ``sizing["evidence"]``.
+
+    A map the online loop publishes was chosen by the champion/challenger test
+    (:func:`lpcal.challenger.challenge`), not certified: its Err_p ``Certificate`` would need
+    held-out sums binned by the published map's own predictor, and the window's sums are binned
+    at the pool temperature (and are empty at the end of the warm-up, when the first map goes
+    out). What it carries instead is the test's evidence, JSON-safe::
+
+        {"test": "paired-nll" | "paired-brier", "n_heldout": int,   # paired held-out samples
+         "mean_diff": float,      # mean loss, challenger minus champion (< 0: better)
+         "stderr": float,         # its standard error
+         "upper_bound": float,    # one-sided bound the decision compared with 0
+         "alpha": float,          # level spent on this test (0.5: a refinement, no significance)
+         "significance": bool, "champion_version": int,  # the live map it beat (0: identity)
+         "samples": int}          # the calibrator's sample count at the decision
+
+    Algorithm 2's corrected maps keep their :class:`lpcal.certificate.Certificate` as well."""
+    return {"evidence": {
+        "test": f"paired-{dec.loss}", "n_heldout": int(dec.n), "mean_diff": float(dec.mean_diff),
+        "stderr": float(dec.stderr), "upper_bound": float(dec.upper_bound),
+        "alpha": float(dec.alpha), "significance": dec.alpha < 0.5,
+        "champion_version": int(cal.version - 1), "samples": int(cal.n_seen)}}
+
+
+@dataclass(frozen=True, eq=False)
+class FitRequest:
+    """A run of Algorithm 2 the calibrator wants (it never runs one itself): the caller runs
+    :func:`run_fit` (or :func:`fit_window_pools` on ``pools``) wherever it likes, e.g. in a worker
+    thread, and hands the map back with :meth:`OnlineCalibrator.complete`.
+
+    ``id`` numbers the requests of one calibrator; ``n`` is the sample count at which it was
+    requested and ``due`` (``n + fit_delay``) the one at which its result takes effect;
+    ``snapshot`` is a frozen snapshot of the window's pools
+    (:class:`lpcal.window.PoolsSnapshot`), merged into :attr:`pools` on first use, i.e. in the
+    thread that runs the fit; ``seed`` and ``version`` the fit's arguments. The fit is
+    deterministic given these, so a restore re-issues the request and gets the same map (the
+    checkpoint holds the snapshot unmerged: :meth:`lpcal.window.PoolsSnapshot.to_dict`)."""
+
+    id: int
+    n: int
+    due: int
+    seed: int
+    version: int
+    model_id: str
+    snapshot: PoolsSnapshot = field(repr=False)
+    config: OnlineConfig = field(repr=False)
+    _built: list = field(default_factory=list, repr=False)
+
+    @property
+    def pools(self) -> PoolSet:
+        """The merged pools of the snapshot (built once, in the first thread that asks)."""
+        if not self._built:
+            self._built.append(self.snapshot.build())
+        return self._built[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "n": self.n, "due": self.due, "seed": self.seed,
+                "version": self.version, "snapshot": self.snapshot.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, model_id: str,
+                  config: OnlineConfig) -> FitRequest:
+        return cls(int(d["id"]), int(d["n"]), int(d["due"]), int(d["seed"]),
+                   int(d["version"]), model_id, PoolsSnapshot.from_dict(d["snapshot"]),
+                   config)
+
+
+def run_fit(request: FitRequest) -> BinMap:
+    """Run a :class:`FitRequest` (Algorithm 2 on its pools, :func:`fit_window_pools`): the
+    call a worker makes; pure, so safe in any thread."""
+    return fit_window_pools(request.pools, request.config, seed=request.seed,
+                            model_id=request.model_id, version=request.version)
+
+
+@dataclass
+class Update:
+    """What one :meth:`OnlineCalibrator.update` did: ``events`` in order, ``consumed`` rows
+    of the batch (all of them unless ``blocked``), and ``blocked``: the stream reached the
+    ``due`` sample of a :class:`FitRequest` whose result is not back. Feed the rows from
+    ``consumed`` on after :meth:`OnlineCalibrator.complete` (which runs the decision that was
+    waiting and returns its events)."""
+
+    events: list[Event] = field(default_factory=list)
+    consumed: int = 0
+    blocked: bool = False
+
+    @property
+    def requests(self) -> list[FitRequest]:
+        """Fit requests issued by this call (run them, then :meth:`~OnlineCalibrator.complete`)."""
+        return [e.request for e in self.events if e.request is not None]
+
+    @property
+    def published(self) -> list[BinMap]:
+        """Maps published by this call, in order."""
+        return [e.binmap for e in self.events if e.kind == "published"]
+
+    def __iter__(self):
+        return iter(self.events)
+
+
 @dataclass(frozen=True)
 class Event:
     """Something the calibrator did at sample ``n``: ``kind`` is ``"warmup_end"``,
     ``"published"``, ``"kept"`` (a candidate lost its test), ``"shadow"`` (a corrected map is
-    now tested prospectively) or ``"drift"``; ``version`` and ``temperature`` of the map
-    concerned, the test's :class:`Decision` (if any), and ``binmap`` when published."""
+    now tested prospectively), ``"fit_requested"`` (``request``: run it), ``"fit_scheduled"``
+    (:meth:`OnlineCalibrator.request_fit`), ``"fit_done"`` (a
+    request's result took effect; ``detail`` says whether it was a corrected map) or
+    ``"drift"``; ``version`` and ``temperature`` of the map concerned, the test's
+    :class:`Decision` (if any), and ``binmap`` when published."""
 
     n: int
     kind: str
@@ -197,6 +328,7 @@ class Event:
     decision: Decision | None = None
     binmap: BinMap | None = field(default=None, repr=False)
     detail: str = ""
+    request: FitRequest | None = field(default=None, repr=False)
 
 
 class OnlineCalibrator:
@@ -219,7 +351,8 @@ class OnlineCalibrator:
     """
 
     def __init__(self, k: int, config: OnlineConfig | None = None, *,
-                 model_id: str = "model") -> None:
+                 model_id: str = "model",
+                 fit: Callable[[FitRequest], BinMap] | None = None) -> None:
         if not isinstance(k, (int, np.integer)) or k < 2:
             raise InputError(f"OnlineCalibrator needs k >= 2 classes, got {k!r}")
         self.k = int(k)
@@ -242,12 +375,29 @@ class OnlineCalibrator:
         self.shadow_next_test = 0
         self.live_fit_n = 0        # fit-share samples behind the live temperature
         self.live_regime = -1      # regime_start when the live map was published
+        #: runs a fit request at once (tests, benchmarks, the CLI); None: the caller runs
+        #: each request and calls :meth:`complete`
+        self.fit = fit
+        self.pending: FitRequest | None = None    # at most one fit request outstanding
+        self.result: BinMap | None = None         # its result, once complete
+        self.requests_issued = 0
+        self.waiting = False       # the decision at ``pending.due`` waits for its result
 
     # ------------------------------------------------------------------ feeding
-    def update(self, probs, labels, uniforms=None) -> list[Event]:
+    def update(self, probs, labels, uniforms=None) -> Update:
         """Feed validated rows ``probs`` (n, k) and labels (n,) in stream order (``uniforms``:
         routing uniforms in [0, 1), default :func:`index_uniforms` of the stream positions).
-        Returns what happened, in order."""
+
+        Never runs Algorithm 2: a fit is a ``"fit_requested"`` event whose result takes effect
+        at sample ``request.due``. If the stream reaches that sample before
+        :meth:`complete` was called, the update stops there: ``blocked``, with ``consumed``
+        rows taken (feed the rest after :meth:`complete`). So the decisions, and the maps
+        published, depend only on the samples and their order.
+
+        Returns
+        -------
+        Update
+            What happened, in order, and how many rows were consumed."""
         x = np.asarray(probs, dtype=np.float64)
         y = np.asarray(labels, dtype=np.int64)
         n = y.shape[0]
@@ -261,16 +411,57 @@ class OnlineCalibrator:
              else np.asarray(uniforms, dtype=np.float64))
         if u.shape != (n,):
             raise InputError(f"uniforms must have shape ({n},), got {u.shape}")
-        events: list[Event] = []
+        out = Update()
+        if self.waiting:
+            if self.result is None:
+                out.blocked = True
+                return out
+            self.waiting = False
+            out.events.extend(self._decide())
         step = self.config.step
         a = 0
         while a < n:
             b = min(n, a + step - self.n_seen % step)
             self._ingest(u[a:b], x[a:b], y[a:b])
-            if self.n_seen % step == 0:
-                events.extend(self._decide())
             a = b
-        return events
+            if self.n_seen % step == 0:
+                if self.blocked:
+                    self.waiting = True
+                    out.consumed, out.blocked = a, True
+                    return out
+                out.events.extend(self._decide())
+        out.consumed = n
+        return out
+
+    @property
+    def blocked(self) -> bool:
+        """True when the stream is at the ``due`` sample of the outstanding fit request and its
+        result is not back: feed nothing until :meth:`complete`."""
+        return (self.pending is not None and self.result is None
+                and self.n_seen >= self.pending.due)
+
+    def complete(self, request: FitRequest, binmap: BinMap | None) -> list[Event]:
+        """Hand back the result of ``request`` (its :func:`run_fit`; None: the fit failed, and
+        the request is done without a candidate, so a fit that raises never stalls the stream).
+        ``request`` must be the very object this calibrator handed out (or, after a restore,
+        one of :attr:`outstanding`): a result of a request no longer outstanding (dropped by a
+        drift, completed before, or of another calibrator) is ignored. If the stream was
+        blocked waiting for it, the decision that waited runs now: returns its events."""
+        if request is not self.pending or self.result is not None:
+            return []
+        if binmap is not None and not isinstance(binmap, BinMap):
+            raise InputError(f"complete: expected a BinMap or None, got "
+                             f"{type(binmap).__name__}")
+        self.result = _FAILED if binmap is None else binmap
+        if self.waiting:
+            self.waiting = False
+            return self._decide()
+        return []
+
+    @property
+    def outstanding(self) -> list[FitRequest]:
+        """Requests whose result has not been handed back (after a restore: run them again)."""
+        return [self.pending] if self.pending is not None and self.result is None else []
 
     def _ingest(self, u: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         if self.warm is not None or self.shadow is not None:
@@ -292,6 +483,13 @@ class OnlineCalibrator:
     def _live_apply(self, x: np.ndarray) -> np.ndarray:
         return x if self.live is None else self.live.apply(x, check=False)
 
+    def set_max_bytes(self, max_bytes: int | None) -> None:
+        """Bound the bytes of the window's sealed buckets (None: no bound); trims at once."""
+        if max_bytes is not None and max_bytes <= 0:
+            raise InputError(f"max_bytes must be > 0 or None, got {max_bytes!r}")
+        self.config = dataclasses.replace(self.config, max_bytes=max_bytes)
+        self._trim()
+
     def _trim(self) -> None:
         """Drop the oldest sealed buckets beyond ``max_bytes`` (sealed buckets are compacted:
         their size depends on their content only, so trimming is replay-deterministic)."""
@@ -310,6 +508,8 @@ class OnlineCalibrator:
         cfg = self.config
         n_reg = self.n_seen - self.regime_start
         events: list[Event] = []
+        if self.pending is not None and self.n_seen >= self.pending.due:
+            events.extend(self._apply_fit())
         if self.warm is not None:
             d = self.warm.determine(tol=cfg.warmup_tol, alpha=cfg.warmup_alpha,
                                     min_samples=cfg.warmup_min)
@@ -330,14 +530,17 @@ class OnlineCalibrator:
             grid = self.window.grid()
             if self.live is not None and self.live.n_bins:
                 # a corrected live map: Algorithm 2's refit is the likelier challenger, and
-                # one shadow is tested at a time
-                events.extend(self._fit_pools())
-                if not any(e.kind == "shadow" for e in events) and grid.n:
+                # one shadow is tested at a time: temperature scaling is tested only if the
+                # refit does not give a corrected map (when it takes effect)
+                req = self._request_fit()
+                if req:
+                    events.extend(req)
+                elif grid.n:
                     events.extend(self._challenge_temperature(grid.fit(), grid.n))
             else:
                 if grid.n:
                     events.extend(self._challenge_temperature(grid.fit(), grid.n))
-                events.extend(self._fit_pools())
+                events.extend(self._request_fit())
         return events
 
     def _alpha(self) -> float:
@@ -385,6 +588,8 @@ class OnlineCalibrator:
         self.version += 1
         if bm.version != self.version:
             bm = dataclasses.replace(bm, version=self.version)
+        if dec is not None:
+            bm = dataclasses.replace(bm, sizing={**bm.sizing, **evidence(dec, self)})
         self.live = bm
         self.live_regime = self.regime_start
         self.live_fit_n = 0
@@ -392,16 +597,40 @@ class OnlineCalibrator:
         self.shadow = None
         return Event(self.n_seen, "published", self.version, bm.temperature, dec, bm)
 
-    def _fit_pools(self) -> list[Event]:
-        """Algorithm 2 on the window's pools; a corrected map becomes the shadow challenger."""
-        pools = self.window.pools()
-        if pools is None or sum(t.total for t in pools.tables.values()) < self.config.pools_from:
+    def _request_fit(self) -> list[Event]:
+        """Ask for Algorithm 2 on a snapshot of the window's pools (none while one request is
+        outstanding: that depends only on the sample count, so it is replay-deterministic);
+        its result takes effect at ``n + fit_delay`` (:meth:`_apply_fit`)."""
+        if self.pending is not None:
             return []
-        bm = fit_window_pools(pools, self.config, seed=self.n_seen, model_id=self.model_id,
-                              version=self.version + 1)
-        if not bm.n_bins:  # the pre-calibrator won: temperature candidates cover it
+        snap = self.window.snapshot()
+        if snap is None or snap.fit_samples < self.config.pools_from:
             return []
-        return self._start_shadow(bm)
+        self.requests_issued += 1
+        req = FitRequest(self.requests_issued, self.n_seen, self.n_seen + self.config.fit_delay,
+                         self.n_seen, self.version + 1, self.model_id, snap, self.config)
+        self.pending, self.result = req, None
+        if self.fit is not None:
+            self.result = self.fit(req)
+        return [Event(self.n_seen, "fit_requested", req.version, request=req)]
+
+    def _apply_fit(self) -> list[Event]:
+        """The outstanding request's result takes effect (at ``due``): a corrected map becomes
+        the shadow challenger; otherwise (the pre-calibrator won its certificate) temperature
+        scaling of the window is the candidate when the live map is a corrected one."""
+        req, bm = self.pending, self.result
+        self.pending, self.result = None, None
+        if bm is _FAILED:
+            return [Event(self.n_seen, "fit_done", req.version, detail="failed")]
+        done = Event(self.n_seen, "fit_done", req.version, bm.temperature,
+                     detail="corrected" if bm.n_bins else "pre-calibrator")
+        if bm.n_bins:
+            return [done, *self._start_shadow(dataclasses.replace(bm, version=req.version))]
+        if self.live is not None and self.live.n_bins and self.warm is None:
+            grid = self.window.grid()
+            if grid.n:
+                return [done, *self._challenge_temperature(grid.fit(), grid.n)]
+        return [done]
 
     def _start_shadow(self, bm: BinMap) -> list[Event]:
         self.shadow = (bm, PairedLoss(self.config.loss))
@@ -416,6 +645,27 @@ class OnlineCalibrator:
         self.shadow_next_test = 2 * acc.n
         return [Event(self.n_seen, "kept", bm.version, bm.temperature, dec)]
 
+    def install(self, binmap: BinMap | None, version: int) -> None:
+        """Make ``binmap`` the live map (the champion), with ``version``, from outside the loop
+        (a map restored or published by another path): the tests against the live map start
+        over and a shadow challenger is dropped; the next publication is ``version + 1``."""
+        self.live = binmap
+        self.version = int(version)
+        self.live_regime, self.live_fit_n = -1, 0
+        self.tests = 0
+        self.shadow = None
+
+    def request_fit(self) -> list[Event]:
+        """A manual request: the next decision point (the next multiple of ``step``) fits and
+        tests candidates as a scheduled refit does, so champion/challenger still decides what
+        is published. Nothing while the warm-up runs (no pool temperature yet)."""
+        if self.warm is not None:
+            return []
+        step = self.config.step
+        at = ((self.n_seen - self.regime_start) // step + 1) * step
+        self.next_fit_at = at if self.next_fit_at is None else min(self.next_fit_at, at)
+        return [Event(self.n_seen, "fit_scheduled", detail=f"at {self.regime_start + at}")]
+
     # ------------------------------------------------------------------ drift
     def notify_drift(self) -> Event:
         """A drift was detected at this point of the stream: keep only later buckets, re-open
@@ -428,6 +678,8 @@ class OnlineCalibrator:
         self.next_fit_at = None
         self.shadow = None
         self.tests = 0
+        # a fit of pre-drift pools is moot: dropped (a late complete() is ignored)
+        self.pending, self.result, self.waiting = None, None, False
         return Event(self.n_seen, "drift")
 
     # ------------------------------------------------------------------ state
@@ -446,26 +698,35 @@ class OnlineCalibrator:
         cfg = dataclasses.asdict(self.config)
         cfg["p"] = "inf" if math.isinf(cfg["p"]) else cfg["p"]
         return {
-            "format": "lpcal.online/1", "k": self.k, "model_id": self.model_id, "config": cfg,
+            "format": "lpcal.online/2", "k": self.k, "model_id": self.model_id, "config": cfg,
             "n_seen": self.n_seen, "regime_start": self.regime_start,
             "warm": None if self.warm is None else self.warm.to_dict(),
             "pool_temperature": self.pool_temperature, "window": self.window.to_dict(),
             "live": None if self.live is None else self.live.to_json().decode(),
             "version": self.version, "tests": self.tests, "next_fit_at": self.next_fit_at,
             "live_fit_n": self.live_fit_n, "live_regime": self.live_regime,
-            "warm_n": self.warm_n,
+            "warm_n": self.warm_n, "requests_issued": self.requests_issued,
+            "waiting": self.waiting,
+            "pending": None if self.pending is None else {
+                **self.pending.to_dict(),
+                "result": (None if self.result is None else "failed" if self.result is _FAILED
+                           else self.result.to_json().decode())},
             "shadow": None if self.shadow is None else {
                 "binmap": self.shadow[0].to_json().decode(),
                 "paired": self.shadow[1].to_dict(), "next_test": self.shadow_next_test},
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> OnlineCalibrator:
-        """Inverse of :meth:`to_dict`; malformed input raises :class:`InputError`."""
+    def from_dict(cls, d: Mapping[str, Any], *,
+                  fit: Callable[[FitRequest], BinMap] | None = None) -> OnlineCalibrator:
+        """Inverse of :meth:`to_dict`; malformed input raises :class:`InputError`. A fit request
+        outstanding at the checkpoint is outstanding again (:attr:`outstanding`; run at once
+        with ``fit``): fits are deterministic given their pools and seed."""
         try:
-            if d["format"] != "lpcal.online/1":
+            if d["format"] not in ("lpcal.online/1", "lpcal.online/2"):
                 raise ValueError(f"unknown format {d['format']!r}")
-            out = cls(int(d["k"]), OnlineConfig(**d["config"]), model_id=str(d["model_id"]))
+            out = cls(int(d["k"]), OnlineConfig(**d["config"]), model_id=str(d["model_id"]),
+                      fit=fit)
             out.n_seen, out.regime_start = int(d["n_seen"]), int(d["regime_start"])
             out.warm = None if d["warm"] is None else WarmupSums.from_dict(d["warm"])
             t = d["pool_temperature"]
@@ -476,6 +737,18 @@ class OnlineCalibrator:
             out.live_fit_n, out.live_regime = int(d["live_fit_n"]), int(d["live_regime"])
             out.warm_n = int(d["warm_n"])
             out.next_fit_at = None if d["next_fit_at"] is None else int(d["next_fit_at"])
+            out.requests_issued = int(d.get("requests_issued", 0))
+            out.waiting = bool(d.get("waiting", False))
+            pend = d.get("pending")
+            if pend is not None:
+                out.pending = FitRequest.from_dict(pend, model_id=out.model_id,
+                                                   config=out.config)
+                if pend["result"] == "failed":
+                    out.result = _FAILED
+                elif pend["result"] is not None:
+                    out.result = BinMap.from_json(pend["result"])
+                elif fit is not None:
+                    out.result = fit(out.pending)
             if d["shadow"] is not None:
                 out.shadow = (BinMap.from_json(d["shadow"]["binmap"]),
                               PairedLoss.from_dict(d["shadow"]["paired"]))

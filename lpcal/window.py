@@ -19,11 +19,18 @@ samples each::
   starting an epoch from nothing;
 * :meth:`SlidingWindow.reset_after` drops every bucket up to a given index (a detected drift:
   only post-drift buckets count), including the open one if it is not newer;
-* the held-out sums that certify a map (:class:`lpcal.holdout.HoldoutSums`, ``3k + 1`` int64 per
-  held-out bin: at k = 100 and ``lambda = 10`` nearly every held-out sample is its own bin, so
-  about 2.8 kB each, twice: for ``g`` and for ``f``) are kept in the newest ``holdout_buckets``
-  buckets only and emptied in older ones: the certificate uses the most recent held-out samples
-  (as many as an epoch held out before), the rest of the window keeps its cheap sums.
+* the held-out sums that certify a map (:class:`lpcal.holdout.HoldoutSums`) are **built when
+  asked for** (:meth:`SlidingWindow.pools`) from the held-out *samples* of the newest
+  ``holdout_buckets`` buckets, which a bucket keeps (``held_x``, ``held_y``) instead of their
+  sums; older buckets drop them. Sums per bin cost ``28 k + 16`` bytes, twice (for ``g`` and
+  for ``f``), and at ``lambda = 10`` level sets rarely hold two samples (at k = 100, 3,000
+  held-out samples fall in about 1,200 bins; each bucket's 300 in about 215), so a bucket's
+  sums take about 7 times the ``8 k + 8`` bytes of its samples, and merged sums about 4 times.
+  The sums are exact integers whatever the grouping of the samples (:mod:`lpcal.holdout`), so
+  building them at once gives the very sums the buckets' sums merged would: additivity and
+  replay determinism are unchanged. The certificate uses the most recent held-out samples (as
+  many as an epoch held out before); they are routed to the held-out share, so never in the
+  pools of the fit they certify.
 
 Samples are routed by a uniform ``u`` in [0, 1) per sample (a hash of the event id in the
 daemon, :func:`lpcal.pools.route_uniform`), through the layout's routing
@@ -37,7 +44,9 @@ binned at another temperature, or opened before one was set, contribute their gr
 their pools (:meth:`SlidingWindow.pools`).
 
 Serialisation (:meth:`SlidingWindow.to_dict`) nests the existing formats unchanged
-(``PoolSet.to_dict``, ``TemperatureGrid.to_dict``) plus :meth:`LossGrid.to_dict`;
+(``PoolSet.to_dict``, ``TemperatureGrid.to_dict``) plus :meth:`LossGrid.to_dict` and a
+bucket's held-out samples (``held_samples``: little-endian float64 and int64, base64; exact);
+a window written with held-out sums in its buckets' pools still restores and counts them;
 :attr:`SlidingWindow.nbytes` is the bytes of the arrays held (the checkpoint's JSON is larger by
 the usual factor of text over int64).
 
@@ -48,6 +57,8 @@ balanced tree: ``O(W log B)`` for ``W`` stored bins); memory is bounded by ``n_b
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -59,7 +70,18 @@ from lpcal.holdout import HoldoutSums
 from lpcal.pools import PoolLayout, PoolSet
 from lpcal.precalibrate import TemperatureGrid
 
-__all__ = ["Bucket", "SlidingWindow", "tree_sum"]
+__all__ = ["Bucket", "PoolsSnapshot", "SlidingWindow", "tree_sum"]
+
+
+def _b64(a: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii")
+
+
+def _same_samples(a: tuple[np.ndarray, np.ndarray] | None,
+                  b: tuple[np.ndarray, np.ndarray] | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
 def tree_sum(items: Sequence[Any], add: Callable[[Any, Any], Any]) -> Any:
@@ -74,12 +96,97 @@ def tree_sum(items: Sequence[Any], add: Callable[[Any, Any], Any]) -> Any:
     return level[0]
 
 
+class PoolsSnapshot:
+    """The window's pools at one moment, not yet merged: the sealed buckets' pool sets
+    (compacted; never written again), a copy of the open bucket's, and the held-out samples
+    (arrays never written again). :meth:`build` merges them into one :class:`PoolSet` with
+    its held-out sums (:meth:`SlidingWindow.pools`), in any thread: taking a snapshot costs
+    a copy of one bucket, the merge (hundreds of ms at k = 100) runs where the fit runs."""
+
+    __slots__ = ("held", "layout", "parts", "temperature")
+
+    def __init__(self, layout: PoolLayout, temperature: float, parts: list[PoolSet],
+                 held: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        self.layout, self.temperature, self.parts, self.held = layout, temperature, parts, held
+
+    @property
+    def fit_samples(self) -> int:
+        """Samples in Algorithm 2's pools."""
+        return sum(t.total for ps in self.parts for t in ps.tables.values())
+
+    def build(self) -> PoolSet:
+        """The merged pools and the held-out sums of ``g`` (binned at the temperature) and of
+        ``f`` (a new object; the parts are not modified)."""
+        out = tree_sum(self.parts, PoolSet.merge)
+        if out is self.parts[0]:
+            out = PoolSet(out.layout, {n: t.copy() for n, t in out.tables.items()},
+                          temperature=self.temperature)
+            out.holdout, out.holdout_raw = self.parts[0].holdout, self.parts[0].holdout_raw
+        if self.held:
+            from lpcal.binmap import scale_temperature
+
+            x = np.concatenate([h[0] for h in self.held])
+            y = np.concatenate([h[1] for h in self.held])
+            lay = self.layout
+            out.holdout = out.holdout.merge(
+                HoldoutSums(lay.k, lay.lam).update(scale_temperature(x, self.temperature), y))
+            out.holdout_raw = out.holdout_raw.merge(HoldoutSums(lay.k, lay.lam).update(x, y))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The parts (``PoolSet.to_dict``, their own held-out sums included) and the held-out
+        samples (little-endian base64), unmerged: no merge on the caller's loop."""
+        d: dict[str, Any] = {"layout": self.layout.to_dict(), "temperature": self.temperature,
+                             "parts": [ps.to_dict() for ps in self.parts], "held": None}
+        if self.held:
+            x = np.concatenate([h[0] for h in self.held])
+            y = np.concatenate([h[1] for h in self.held])
+            d["held"] = {"k": int(x.shape[1]), "x": _b64(x.astype("<f8")),
+                         "y": _b64(y.astype("<i8"))}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PoolsSnapshot:
+        """Inverse of :meth:`to_dict`; malformed input raises :class:`InputError`."""
+        try:
+            layout = PoolLayout.from_dict(d["layout"])
+            t = float(d["temperature"])
+            parts = [PoolSet.from_dict(p) for p in d["parts"]]
+            if not parts or any(p.layout != layout or p.temperature != t for p in parts):
+                raise ValueError("parts do not match the layout or the temperature")
+            held = []
+            if d["held"] is not None:
+                held = [_held_from_dict(d["held"], layout.k, None)]
+        except (KeyError, TypeError, ValueError, binascii.Error) as e:
+            raise InputError(f"malformed pools snapshot ({e})") from None
+        return cls(layout, t, parts, held)
+
+
+def _held_from_dict(hs: Mapping[str, Any], k_layout: int,
+                    limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Held-out samples of their base64 form (``ValueError`` naming what is wrong)."""
+    k = int(hs["k"])
+    xb = base64.b64decode(hs["x"], validate=True)
+    yb = base64.b64decode(hs["y"], validate=True)
+    if len(xb) % 8 or len(yb) % 8:
+        raise ValueError("held-out samples: truncated arrays")
+    x, y = np.frombuffer(xb, "<f8"), np.frombuffer(yb, "<i8")
+    if k != k_layout or x.size != k * y.size or (limit is not None and y.size > limit):
+        raise ValueError(f"held-out samples of shape ({x.size}, {y.size}) for k = {k} and "
+                         f"at most {limit} held-out samples")
+    if y.size and (y.min() < 0 or y.max() >= k or not np.isfinite(x).all() or x.min() < 0):
+        raise ValueError("held-out samples out of range")
+    return x.reshape(y.size, k).astype(np.float64), y.astype(np.int64)
+
+
 class Bucket:
     """The sums of one bucket: ``index`` (its number since the window was created), ``n``
-    samples, ``grid`` (fit share), ``held`` (held-out share), and ``pools`` (a
-    :class:`PoolSet` binned at ``temperature``, or None before a pool temperature was set)."""
+    samples, ``grid`` (fit share), ``held`` (held-out share), ``pools`` (a
+    :class:`PoolSet` binned at ``temperature``, or None before a pool temperature was set;
+    its held-out sums stay empty) and the held-out samples routed while ``pools`` was set,
+    raw (``held_x`` (m, k) float64, ``held_y`` (m,) int64; module docstring)."""
 
-    __slots__ = ("grid", "held", "index", "n", "pools", "temperature")
+    __slots__ = ("_held_chunks", "grid", "held", "index", "n", "pools", "temperature")
 
     def __init__(self, index: int) -> None:
         self.index = int(index)
@@ -88,16 +195,45 @@ class Bucket:
         self.held = LossGrid()
         self.pools: PoolSet | None = None
         self.temperature: float | None = None
+        self._held_chunks: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def keep_held(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Keep held-out samples (copies) for the certificate's sums."""
+        if y.size:
+            self._held_chunks.append((np.array(x, dtype=np.float64),
+                                      np.array(y, dtype=np.int64)))
+
+    def held_samples(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The held-out samples kept, in arrival order (one array each)."""
+        if len(self._held_chunks) != 1:
+            xs = [c[0] for c in self._held_chunks] or [np.zeros((0, k))]
+            ys = [c[1] for c in self._held_chunks] or [np.zeros(0, np.int64)]
+            self._held_chunks = [(np.concatenate(xs), np.concatenate(ys))]
+        return self._held_chunks[0]
+
+    def drop_held(self) -> None:
+        self._held_chunks = []
+
+    @property
+    def n_held(self) -> int:
+        return sum(int(c[1].size) for c in self._held_chunks)
 
     @property
     def nbytes(self) -> int:
         return (self.grid.nll.nbytes + self.held.nbytes
-                + (self.pools.nbytes if self.pools is not None else 0))
+                + (self.pools.nbytes if self.pools is not None else 0)
+                + sum(x.nbytes + y.nbytes for x, y in self._held_chunks))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "n": self.n, "grid": self.grid.to_dict(),
-                "held": self.held.to_dict(), "temperature": self.temperature,
-                "pools": None if self.pools is None else self.pools.to_dict()}
+        d = {"index": self.index, "n": self.n, "grid": self.grid.to_dict(),
+             "held": self.held.to_dict(), "temperature": self.temperature,
+             "pools": None if self.pools is None else self.pools.to_dict()}
+        if self._held_chunks:
+            k = self._held_chunks[0][0].shape[1]
+            x, y = self.held_samples(k)
+            d["held_samples"] = {"k": k, "x": _b64(x.astype("<f8")),
+                                 "y": _b64(y.astype("<i8"))}
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], layout: PoolLayout) -> Bucket:
@@ -110,7 +246,10 @@ class Bucket:
             b.temperature = None if t is None else float(t)
             if d["pools"] is not None:
                 b.pools = PoolSet.from_dict(d["pools"])
-        except (KeyError, TypeError, ValueError) as e:
+            hs = d.get("held_samples")
+            if hs is not None:
+                b.keep_held(*_held_from_dict(hs, layout.k, b.held.n))
+        except (KeyError, TypeError, ValueError, binascii.Error) as e:
             raise InputError(f"malformed window bucket ({e})") from None
         if b.pools is not None and (b.pools.layout != layout
                                     or b.pools.temperature != b.temperature):
@@ -126,7 +265,9 @@ class Bucket:
         return ((self.index, self.n, self.temperature) == (other.index, other.n,
                                                              other.temperature)
                 and self.grid == other.grid and self.held == other.held
-                and self.pools == other.pools)
+                and self.pools == other.pools
+                and _same_samples(self.held_samples(1) if self._held_chunks else None,
+                                  other.held_samples(1) if other._held_chunks else None))
 
 
 class SlidingWindow:
@@ -181,6 +322,7 @@ class SlidingWindow:
         b = self.open
         b.temperature = t
         b.pools = None if t is None else PoolSet(self.layout, temperature=t)
+        b.drop_held()  # they went with the pools of the old binning
 
     def _start_bucket(self) -> None:
         b = Bucket(self.open.index + 1)
@@ -189,7 +331,8 @@ class SlidingWindow:
             del self.buckets[0]
         if self.holdout_buckets is not None and len(self.buckets) > self.holdout_buckets:
             old = self.buckets[-1 - self.holdout_buckets]
-            if old.pools is not None and old.pools.holdout.n:
+            old.drop_held()
+            if old.pools is not None and old.pools.holdout.n:  # a state written with sums
                 lay = self.layout
                 old.pools.holdout = HoldoutSums(lay.k, lay.lam)
                 old.pools.holdout_raw = HoldoutSums(lay.k, lay.lam)
@@ -227,8 +370,7 @@ class SlidingWindow:
             from lpcal.binmap import scale_temperature
             g = scale_temperature(x, bucket.temperature)
             bucket.pools.add(route[fit], g[fit], y[fit])
-            bucket.pools.holdout.update(g[hold], y[hold])
-            bucket.pools.holdout_raw.update(x[hold], y[hold])
+            bucket.keep_held(x[hold], y[hold])
         bucket.n += int(y.size)
 
     def reset_after(self, index: int) -> None:
@@ -262,13 +404,29 @@ class SlidingWindow:
     def pools(self, temperature: float | None = None) -> PoolSet | None:
         """Algorithm 2's pools and held-out sums over the window's buckets binned at
         ``temperature`` (default: the current pool temperature); None if there are none."""
+        snap = self.snapshot(temperature)
+        return None if snap is None else snap.build()
+
+    def snapshot(self, temperature: float | None = None) -> PoolsSnapshot | None:
+        """What :meth:`pools` merges, frozen now and merged later (:class:`PoolsSnapshot`);
+        None if no bucket has pools at ``temperature`` (default: the pool temperature)."""
         t = self.temperature if temperature is None else float(temperature)
-        sets = [b.pools for b in self.buckets if b.pools is not None and b.temperature == t]
-        if t is None or not sets:
+        mine = [b for b in self.buckets if b.pools is not None and b.temperature == t]
+        if t is None or not mine:
             return None
-        for s in sets:
-            s.compact()
-        return tree_sum(sets, PoolSet.merge)
+        parts = []
+        for b in mine:
+            b.pools.compact()
+            ps = b.pools
+            if b is self.open:  # still filling: copy it
+                ps = PoolSet(ps.layout, {n: tb.copy() for n, tb in ps.tables.items()},
+                             temperature=t)
+            else:  # sealed: a wrapper, so a later reset of its attributes is not seen
+                ps = PoolSet(ps.layout, dict(ps.tables), temperature=t)
+            ps.holdout, ps.holdout_raw = b.pools.holdout, b.pools.holdout_raw
+            parts.append(ps)
+        held = [b.held_samples(self.layout.k) for b in mine if b.n_held]
+        return PoolsSnapshot(self.layout, t, parts, held)
 
     @property
     def nbytes(self) -> int:

@@ -4,7 +4,7 @@ from tests.bench import bench_recovery
 
 
 def test_recovery_quick_table():
-    (table,) = bench_recovery.run(quick=True)
+    table, state = bench_recovery.run(quick=True)
     assert table.key == "recovery" and len(table.rows) == 1
     row = dict(zip(table.headers, table.rows[0]))
     # the online loop publishes a good map within the short stream, before and after the drift;
@@ -12,3 +12,9 @@ def test_recovery_quick_table():
     assert row["start: online"] != "never" and row["drift: online"] != "never"
     assert row["start: fixed epochs"] == "never"
     assert int(row["published worse than replaced"]) == 0
+    # the state's bytes: held-out samples instead of per-bucket sums, against a fixed epoch
+    b = dict(zip(state.headers, state.rows[0]))
+    assert state.key == "recovery" and len(state.rows) == 1
+    mb = {h: float(v.split()[0]) for h, v in b.items() if v.endswith(" MB")}
+    assert 0 < mb["of which held-out samples"] < mb["online state"]
+    assert mb["online state"] < mb["the same with per-bucket held-out sums (before)"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lpcal.errors import InputError
-from lpcal.online import OnlineCalibrator, OnlineConfig, index_uniforms
+from lpcal.online import OnlineCalibrator, OnlineConfig, index_uniforms, run_fit
 from tests.test_warmup import tempered
 
 CFG = OnlineConfig(pools_from=10**9)  # temperature candidates only: fast
@@ -42,7 +42,7 @@ def test_checkpoint_mid_stream_resumes_identically():
     first = cal.update(f[:3100], y[:3100])
     back = OnlineCalibrator.from_dict(json.loads(json.dumps(cal.to_dict())))
     rest = back.update(f[3100:], y[3100:])
-    assert trace(first + rest) == trace(ref)
+    assert trace(first.events + rest.events) == trace(ref)
     assert back.to_dict()["window"] == whole.to_dict()["window"]
 
 
@@ -119,7 +119,7 @@ def test_a_corrected_map_wins_where_temperature_scaling_cannot():
     from tests.test_oracle import synth_class_dependent
 
     f, _, y = synth_class_dependent(16000, 3, seed=1)
-    cal = OnlineCalibrator(3, OnlineConfig(eps=0.1, pools_from=2000))
+    cal = OnlineCalibrator(3, OnlineConfig(eps=0.1, pools_from=2000), fit=run_fit)
     ev = cal.update(f, y)
     kinds = [e.kind for e in ev]
     assert "shadow" in kinds
@@ -141,8 +141,113 @@ def test_replay_with_algorithm_2_fits_is_deterministic():
 
     f, _, y = synth_class_dependent(14000, 3, seed=2)
     cfg = OnlineConfig(eps=0.1, pools_from=2000)
-    a, b = OnlineCalibrator(3, cfg), OnlineCalibrator(3, cfg)
+    a, b = OnlineCalibrator(3, cfg, fit=run_fit), OnlineCalibrator(3, cfg, fit=run_fit)
     ta = trace(feed(a, f, y, []))
     tb = trace(feed(b, f, y, [333, 5000, 5001, 9999]))
     assert ta == tb and any(kind == "shadow" for _, kind, *_ in ta)
     assert a.live.bins == b.live.bins and np.array_equal(a.live.preds, b.live.preds)
+
+
+def drive(cal, f, y, cuts, *, complete_late):
+    """Feed in batches, running fit requests like a daemon: at once, or only when blocked."""
+    out, queue = [], []
+    bounds = [0, *cuts, y.size]
+    for a, b in itertools.pairwise(bounds):
+        while a < b:
+            up = cal.update(f[a:b], y[a:b])
+            out += up.events
+            queue += up.requests
+            a += up.consumed
+            if not complete_late:
+                for req in queue:
+                    out += cal.complete(req, run_fit(req))
+                queue = []
+            if up.blocked:
+                assert queue or not complete_late
+                for req in queue:
+                    out += cal.complete(req, run_fit(req))
+                queue = []
+                assert not cal.blocked
+    return out
+
+
+def test_fits_off_the_loop_give_the_same_maps_whatever_the_fit_timing():
+    from tests.test_oracle import synth_class_dependent
+
+    f, _, y = synth_class_dependent(14000, 3, seed=2)
+    cfg = OnlineConfig(eps=0.1, pools_from=2000)
+    ref = trace(OnlineCalibrator(3, cfg, fit=run_fit).update(f, y))
+    late = trace(drive(OnlineCalibrator(3, cfg), f, y, [333, 5000, 9999], complete_late=True))
+    soon = trace(drive(OnlineCalibrator(3, cfg), f, y, [4100, 4101], complete_late=False))
+    assert ref == late == soon
+    kinds = [kind for _, kind, *_ in ref]
+    assert "fit_requested" in kinds and "fit_done" in kinds
+    req = [n for n, kind, *_ in ref if kind == "fit_requested"]
+    done = [n for n, kind, *_ in ref if kind == "fit_done"]
+    assert done[0] == req[0] + cfg.fit_delay    # takes effect at n + fit_delay exactly
+
+
+def test_update_stops_at_the_due_sample_until_complete():
+    from tests.test_oracle import synth_class_dependent
+
+    f, _, y = synth_class_dependent(14000, 3, seed=2)
+    cal = OnlineCalibrator(3, OnlineConfig(eps=0.1, pools_from=2000))
+    up = cal.update(f, y)
+    assert up.blocked and len(up.requests) == 1
+    req = up.requests[0]
+    assert up.consumed == req.due and cal.n_seen == req.due
+    assert cal.update(f[up.consumed:], y[up.consumed:]).consumed == 0   # still blocked
+    # a checkpoint while blocked re-issues the request; the fit is deterministic
+    back = OnlineCalibrator.from_dict(json.loads(json.dumps(cal.to_dict())))
+    assert [r.id for r in back.outstanding] == [req.id] and back.blocked
+    assert back.outstanding[0].pools == req.pools
+    ev = cal.complete(req, run_fit(req))
+    assert ev and ev[0].kind == "fit_done" and ev[0].n == req.due
+    ev2 = back.complete(back.outstanding[0], run_fit(back.outstanding[0]))
+    assert trace(ev) == trace(ev2)
+    assert cal.complete(req, run_fit(req)) == []      # a second result is ignored
+    rest = cal.update(f[up.consumed:], y[up.consumed:])
+    assert rest.consumed > 0
+
+
+def test_a_drift_drops_the_outstanding_request():
+    from tests.test_oracle import synth_class_dependent
+
+    f, _, y = synth_class_dependent(12000, 3, seed=2)
+    cal = OnlineCalibrator(3, OnlineConfig(eps=0.1, pools_from=2000))
+    up = cal.update(f, y)
+    req = up.requests[0]
+    assert up.blocked and cal.blocked
+    cal.notify_drift()
+    assert not cal.blocked and cal.outstanding == []
+    assert cal.complete(req, run_fit(req)) == []
+    assert cal.update(f[up.consumed:], y[up.consumed:]).consumed == 12000 - up.consumed
+
+
+def test_published_maps_carry_their_held_out_evidence():
+    f, y = tempered(6000, t=2.0)
+    up = OnlineCalibrator(10, CFG).update(f, y)
+    bm = up.published[0]
+    ev = json.loads(bm.to_json())["sizing"]["evidence"]
+    assert ev["test"] == "paired-nll" and ev["champion_version"] == 0 and ev["significance"]
+    assert ev["upper_bound"] < 0 and ev["mean_diff"] < 0 and ev["n_heldout"] >= 200
+    assert ev["alpha"] <= CFG.alpha and ev["stderr"] > 0
+
+
+def test_a_failed_fit_completes_without_a_candidate_and_survives_a_checkpoint():
+    from tests.test_oracle import synth_class_dependent
+
+    f, _, y = synth_class_dependent(12000, 3, seed=2)
+    cfg = OnlineConfig(eps=0.1, pools_from=2000)
+    cal = OnlineCalibrator(3, cfg)
+    up = cal.update(f, y)
+    req = up.requests[0]
+    other = OnlineCalibrator(3, cfg).update(f, y).requests[0]   # same id, another calibrator
+    assert other.id == req.id and cal.complete(other, run_fit(other)) == [] and cal.blocked
+    back = OnlineCalibrator.from_dict(json.loads(json.dumps(cal.to_dict())))
+    ev = cal.complete(req, None)                 # the fit raised: no candidate, no stall
+    assert ev[0].kind == "fit_done" and ev[0].detail == "failed" and ev[0].n == req.due
+    assert not any(e.kind == "shadow" for e in ev) and not cal.blocked
+    assert trace(back.complete(back.outstanding[0], None)) == trace(ev)
+    assert json.loads(json.dumps(cal.to_dict()))["pending"] is None
+    assert cal.update(f[up.consumed:], y[up.consumed:]).consumed == 12000 - up.consumed

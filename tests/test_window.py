@@ -1,8 +1,10 @@
 """Sliding window: buckets seal at exact counts, sums add, reset after a drift, round trips."""
 
+import base64
 import itertools
 import json
 
+import numpy as np
 import pytest
 
 from lpcal.challenger import LossGrid
@@ -97,8 +99,67 @@ def test_certifying_sums_only_in_the_newest_buckets():
     w = SlidingWindow(LAYOUT, bucket_size=1000, n_buckets=8, holdout_buckets=2)
     w.set_temperature(2.0)
     w.add(u, f, y)
-    held = [b.pools.holdout.n for b in w.buckets]
+    held = [b.n_held for b in w.buckets]
     assert held[:3] == [0, 0, 0] and min(held[3:]) > 0
-    assert w.pools().holdout.n == sum(held)
+    assert w.pools().holdout.n == w.pools().holdout_raw.n == sum(held)
     assert w.held().n == sum(b.held.n for b in w.buckets) > sum(held)   # loss grids: all
-    assert SlidingWindow.from_dict(w.to_dict()) == w
+    back = SlidingWindow.from_dict(json.loads(json.dumps(w.to_dict())))
+    assert back == w and back.pools().holdout == w.pools().holdout
+
+
+def test_held_out_sums_built_from_samples_equal_streamed_sums():
+    # the buckets keep held-out samples, not sums: the sums built from them are the very sums
+    # a stream of updates (any batching) gives, so a certificate is unchanged
+    from lpcal.binmap import scale_temperature
+    from lpcal.holdout import HoldoutSums
+
+    f, y = tempered(5000)
+    u = index_uniforms(0, 5000)
+    w = SlidingWindow(LAYOUT, bucket_size=1000, n_buckets=8, holdout_buckets=3)
+    w.set_temperature(2.0)
+    for a in range(0, 5000, 377):
+        w.add(u[a:a + 377], f[a:a + 377], y[a:a + 377])
+    hold = LAYOUT.route_uniforms(u) >= len(LAYOUT.names)
+    hold[:2000] = False                      # the two oldest buckets dropped theirs
+    g_ref, f_ref = HoldoutSums(LAYOUT.k, LAYOUT.lam), HoldoutSums(LAYOUT.k, LAYOUT.lam)
+    for a in range(2000, 5000, 101):
+        sel = np.flatnonzero(hold[a:a + 101]) + a
+        g_ref.update(scale_temperature(f[sel], 2.0), y[sel])
+        f_ref.update(f[sel], y[sel])
+    pools = w.pools()
+    assert pools.holdout == g_ref and pools.holdout_raw == f_ref and g_ref.n > 0
+    assert w.pools() is not w.buckets[-1].pools
+
+
+def test_malformed_held_out_samples_are_named():
+    f, y = tempered(1500)
+    w = SlidingWindow(LAYOUT, bucket_size=1000, n_buckets=4)
+    w.set_temperature(2.0)
+    w.add(index_uniforms(0, 1500), f, y)
+    d = w.to_dict()
+    d["buckets"][0]["held_samples"]["y"] = d["buckets"][0]["held_samples"]["y"][:-8]
+    with pytest.raises(InputError, match="held-out samples"):
+        SlidingWindow.from_dict(d)
+
+
+def test_a_window_written_with_held_out_sums_in_its_buckets_still_counts_them():
+    from lpcal.binmap import scale_temperature
+    from lpcal.holdout import HoldoutSums
+
+    f, y = tempered(2500)
+    w = SlidingWindow(LAYOUT, bucket_size=1000, n_buckets=4)
+    w.set_temperature(2.0)
+    w.add(index_uniforms(0, 2500), f, y)
+    want = w.pools()
+    d = w.to_dict()
+    for b in d["buckets"]:           # the previous form: sums in the pools, no samples
+        hs = b.pop("held_samples")
+        x = np.frombuffer(base64.b64decode(hs["x"]), "<f8").reshape(-1, 10)
+        yy = np.frombuffer(base64.b64decode(hs["y"]), "<i8")
+        b["pools"]["holdout"] = HoldoutSums(10, LAYOUT.lam).update(
+            scale_temperature(x, 2.0), yy).to_dict()
+        b["pools"]["holdout_raw"] = HoldoutSums(10, LAYOUT.lam).update(x, yy).to_dict()
+    old = SlidingWindow.from_dict(json.loads(json.dumps(d)))
+    got = old.pools()
+    assert got.holdout == want.holdout and got.holdout_raw == want.holdout_raw
+    assert got.holdout.n > 0

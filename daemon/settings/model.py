@@ -2,8 +2,8 @@
 ``[models."<name>"]`` (a :data:`ModelOverrides`, merged over the defaults by
 :meth:`daemon.settings.Settings.model_settings`).
 
-:meth:`ModelSettings.fit_spec`, :meth:`~ModelSettings.epoch_spec` and
-:meth:`~ModelSettings.monitor_spec` are the only translation of these settings into what the
+:meth:`ModelSettings.fit_spec`, :meth:`~ModelSettings.epoch_spec`,
+:meth:`~ModelSettings.monitor_spec` and :meth:`~ModelSettings.online_spec` are the only translation of these settings into what the
 daemon runs (:class:`lpcal.spec.FitSpec`, :mod:`daemon.specs`); the fit options' choices are
 those of :mod:`lpcal.spec`'s enums.
 """
@@ -28,7 +28,7 @@ from daemon.settings.base import (
     Strict,
     field_errors,
 )
-from daemon.specs import EpochSpec, MonitorSpec
+from daemon.specs import EpochSpec, MonitorSpec, OnlineSpec
 from lpcal.spec import MODE_DEFAULTS, FitSpec, Mode, Outside, Prescale, SizingRule, Variant
 
 __all__ = ["DEFAULT_HOLDOUT", "DEFAULT_WARMUP", "ModelOverrides", "ModelSettings"]
@@ -114,6 +114,29 @@ class ModelSettings(Strict):
     drift_min_shift: NonNegFloat = 0.01
     """Change test: the smallest increase, in a statistic's own units (l2 ECE, Err_p), it is
     tuned to detect."""
+    recovery: Literal["epochs", "online"] = "epochs"
+    """How the model is (re)calibrated. ``epochs`` (default): fixed epochs, each fitted when
+    its pools are full and the next filled from nothing. ``online``: the online loop
+    (lpcal.online): the warm-up ends when the temperature is determined, pools and held-out
+    samples cover a sliding window of ``window_buckets`` buckets of ``bucket_size`` samples,
+    and a candidate is published only when held-out data says it beats the live map; after a
+    drift only post-drift buckets count. Samples to a first and a repaired map:
+    docs/benchmarks.md, section recovery. The settings below apply to ``online`` only."""
+    warmup_tol: PosFloat = 0.05
+    """Online: the warm-up ends when the 95% interval of ln T (the temperature) is narrower
+    than this."""
+    bucket_size: PosInt = 1_000
+    """Online: samples per bucket of the sliding window (a multiple of 250)."""
+    window_buckets: Annotated[int, Field(ge=2)] = 32
+    """Online: buckets in the sliding window (the window covers the last
+    ``(window_buckets - 1) * bucket_size`` to ``window_buckets * bucket_size`` samples)."""
+    challenger_alpha: Annotated[float, Field(gt=0.0, lt=0.5)] = 0.05
+    """Online: total probability, over all the tests against one live map, of publishing a
+    candidate that is not better than it on held-out data."""
+    fit_delay: PosInt = 1_000
+    """Online: samples after a fit request at which its result takes effect (a multiple of
+    250): decisions depend on the input order only, and the model's input pauses at that
+    sample until the fit is back."""
 
     @model_validator(mode="after")
     def _window(self) -> ModelSettings:
@@ -134,6 +157,10 @@ class ModelSettings(Strict):
             problems.append((("warmup",), (f"warmup = {self.warmup_value} is only used with "
                              "prescale = 'temperature': remove it, or set prescale = "
                              "'temperature'")))
+        for name in ("bucket_size", "fit_delay"):
+            if getattr(self, name) % 250:
+                problems.append(((name,), (f"{name} = {getattr(self, name)} must be a "
+                                 "multiple of 250 (the online loop's decision step)")))
         if self.mode == "certified" and self.holdout_value == 0:
             problems.append((("holdout",), ("mode = 'certified' needs held-out samples "
                              "(holdout > 0) to certify each bin map: set holdout > 0, or mode "
@@ -162,6 +189,13 @@ class ModelSettings(Strict):
                               for f in dataclasses.fields(MonitorSpec)
                               if f.name != "drift_threshold"},
                            drift_threshold=self.drift_threshold_value)
+
+    def online_spec(self) -> OnlineSpec:
+        """How this model recovers (:class:`daemon.specs.OnlineSpec`): ``recovery`` and the
+        online loop's knobs."""
+        return OnlineSpec(recovery=self.recovery, warmup_tol=self.warmup_tol,
+                          bucket_size=self.bucket_size, window_buckets=self.window_buckets,
+                          challenger_alpha=self.challenger_alpha, fit_delay=self.fit_delay)
 
     @property
     def prescale_value(self) -> str:

@@ -31,6 +31,12 @@ first ``n`` at which TS fitted on ``n`` samples is within the same bounds of TS 
 whole stream pool (5,000 distinct samples). Medians over seeds, with the range. Also: the maps
 the online loop published, and how many of them were worse on the test split (Brier) than the
 map they replaced (champion/challenger's promise is: none, up to the test's level).
+
+A second table: the **bytes** of the online loop's state at k = 100 (one seed, ``BYTES_AT``
+stationary samples), against a full epoch of the fixed schedule in the same run: the window
+(its buckets keep their held-out *samples*; the certificate's sums are built when a fit is
+requested), the held-out sums the window's buckets kept before (per bucket, for ``g`` and for
+``f``, computed here from the same samples) and a full fixed epoch's pools and held-out sums.
 """
 
 from __future__ import annotations
@@ -42,8 +48,9 @@ from pathlib import Path
 import numpy as np
 
 from lpcal.binmap import BinMap, scale_temperature
+from lpcal.holdout import HoldoutSums
 from lpcal.metrics import brier, classwise_ece, nll, top_label_ece
-from lpcal.online import OnlineCalibrator, OnlineConfig, fit_window_pools, index_uniforms
+from lpcal.online import OnlineCalibrator, OnlineConfig, fit_window_pools, index_uniforms, run_fit
 from lpcal.pools import PoolSet
 from lpcal.precalibrate import TemperatureGrid
 from lpcal.spec import FitSpec
@@ -58,6 +65,7 @@ UP_AT = 20_000                # its stationary phase (only a published map is ne
 DRIFT_AT = 60_000
 AFTER_CAP = 90_000            # drifted samples streamed at most
 DETECTION_DELAY = 1_000
+BYTES_AT = 40_000             # stationary samples before the state's bytes are measured
 BATCH = 500
 EVAL_EVERY = 500
 SETTLED = 5_000               # samples after a publication checked every EVAL_EVERY; then
@@ -222,6 +230,35 @@ def ts_samples(sp: Split, drifted: bool) -> int | None:
     return None
 
 
+def state_bytes(sp: Split) -> dict[str, int]:
+    """Bytes of the online loop after ``BYTES_AT`` samples, of the held-out sums its buckets
+    kept before, and of a full epoch of the fixed schedule, on the same stream."""
+    cal = OnlineCalibrator(sp.k, OnlineConfig(pools_from=10**9))   # no fit: bytes only
+    for a in range(0, BYTES_AT, BATCH):
+        x, y, _ = sp.batch(a, a + BATCH)
+        cal.update(x, y)
+    w = cal.window
+    held = [b for b in w.buckets if b.n_held]
+    held_bytes = sum(x.nbytes + y.nbytes for x, y in (b.held_samples(sp.k) for b in held))
+    per_bucket = 0
+    for b in held:
+        x, y = b.held_samples(sp.k)
+        g = scale_temperature(x, b.temperature)
+        per_bucket += (HoldoutSums(sp.k, w.layout.lam).update(g, y).nbytes
+                       + HoldoutSums(sp.k, w.layout.lam).update(x, y).nbytes)
+    fixed = FixedSchedule(sp.k)
+    a = 0
+    while not fixed.pools.full:
+        x, y, _ = sp.batch(a, a + BATCH)
+        u = index_uniforms(a, y.size)
+        fixed.pools.add_samples(u, x, y)
+        a += BATCH
+    fixed.pools.compact()
+    return {"online": cal.nbytes, "held": held_bytes, "n_held": sum(b.n_held for b in held),
+            "before": cal.nbytes - held_bytes + per_bucket, "per_bucket": per_bucket,
+            "fixed": fixed.pools.nbytes, "fixed_n": a}
+
+
 def _fmt(vals: list[int | None]) -> str:
     got = [v for v in vals if v is not None]
     if not got:
@@ -268,9 +305,24 @@ def run(quick: bool = False) -> list[Table]:
             ("Online loop: lpcal.online.OnlineConfig defaults (warm-up until the 95% interval "
              "of ln T is within +-0.05, window of 32 buckets of 1,000, 30% held out, "
              "champion/challenger on the paired log-loss difference at alpha 0.05 spent over the "
-             "tests). 'Published worse than replaced': publications whose test-split Brier "
+             "tests; Algorithm 2's fits take effect 1,000 samples after they are requested). "
+             "'Published worse than replaced': publications whose test-split Brier "
              "exceeds the replaced map's by more than 1e-4."),
         ])
+    mb = Table(
+        f"Bytes of the online loop's state after {BYTES_AT:,} samples (k = 100 networks), "
+        "against a full epoch of the fixed schedule",
+        ["network", "k", "online state", "of which held-out samples", "held-out samples",
+         "the same with per-bucket held-out sums (before)", "full fixed epoch",
+         "online / fixed epoch", "before / fixed epoch"],
+        key="recovery",
+        notes=[("Seed 0, stationary stream. The online state: lpcal.online.OnlineCalibrator."
+                "nbytes (window buckets: temperature and loss grids, Algorithm 2's pool "
+                "tables, held-out samples of the newest 10 buckets). 'Before': the same "
+                "window with each of those buckets keeping the held-out sums of g and f "
+                "(lpcal.holdout.HoldoutSums of the same samples) instead of the samples. "
+                "Full fixed epoch: lpcal.pools.PoolSet.nbytes of the first full epoch of the "
+                "previous defaults (warm-up grid, pools, 3,000 held out), compacted.")])
     for name in records:
         res = {"online": [], "fixed": [], "ts": [], "up": [], "up_ts": []}
         k = None
@@ -278,14 +330,14 @@ def run(quick: bool = False) -> list[Table]:
             sp = Split(name, s, *((12_000, 12_000) if quick else ()))
             k = sp.k
             res["online"].append(run_stream(
-                sp, lambda kk: OnlineCalibrator(kk),
+                sp, lambda kk: OnlineCalibrator(kk, fit=run_fit),
                 lambda cal, a, x, y, d=sp.drift_at: online_feed(cal, a, x, y, d)))
             res["fixed"].append(run_stream(sp, FixedSchedule,
                                            lambda cal, a, x, y: cal.feed(x, y)))
             res["ts"].append({"start": ts_samples(sp, False), "drift": ts_samples(sp, True)})
             up = Split(name, s, *((12_000, 12_000) if quick else (UP_AT, UP_AT)), SCALE_UP)
             res["up"].append(run_stream(
-                up, lambda kk: OnlineCalibrator(kk),
+                up, lambda kk: OnlineCalibrator(kk, fit=run_fit),
                 lambda cal, a, x, y, d=up.drift_at: online_feed(cal, a, x, y, d))["drift"])
             res["up_ts"].append(ts_samples(up, True))
         col = {m: {ph: [r[ph] for r in res[m]] for ph in ("start", "drift")}
@@ -297,7 +349,13 @@ def run(quick: bool = False) -> list[Table]:
               _fmt(res["up"]), _fmt(res["up_ts"]),
               "/".join(str(r["published"]) for r in res["online"]),
               sum(r["worse"] for r in res["online"]))
-    return [t]
+        if k >= 100 or quick:
+            b = state_bytes(Split(name, 0))
+            mb.add(name, k, f"{b['online'] / 1e6:.2f} MB", f"{b['held'] / 1e6:.2f} MB",
+                   f"{b['n_held']:,}", f"{b['before'] / 1e6:.2f} MB",
+                   f"{b['fixed'] / 1e6:.2f} MB", f"{b['online'] / b['fixed']:.2f}",
+                   f"{b['before'] / b['fixed']:.2f}")
+    return [t, mb]
 
 
 if __name__ == "__main__":
