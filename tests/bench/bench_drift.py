@@ -24,7 +24,6 @@ function of its seed (no clock), so a rerun reproduces the table.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 
@@ -33,11 +32,10 @@ from daemon.monitor import WindowMonitor
 from daemon.settings import ModelSettings
 from daemon.trigger import DriftTrigger
 from lpcal import fit
-from lpcal.io import softmax_rows
 from lpcal.metrics import err_p, top_label_ece
-from tests.bench.common import Table, median
+from tests.bench.common import Table, median, rescale
+from tests.bench.common import load_record
 
-DATA = Path(__file__).resolve().parent / "data"
 RECORDS = ("wideresnet-16-4-cifar-10", "lenet-5-cifar-10", "wideresnet-16-4-cifar-100",
            "densenet-bc-100-cifar-100")
 SCALES = (0.5, 2.0)
@@ -51,17 +49,7 @@ SUSTAIN, CONFIDENCE, MIN_SAMPLES = 300.0, 3.0, 1_000
 OLD_EVERY = 1_000            # the old trigger evaluates the window every this many samples
 
 
-def load(name: str) -> tuple[np.ndarray, np.ndarray]:
-    with np.load(DATA / f"{name}.npz") as z:
-        probs = np.asarray(z["predictions"], dtype=np.float64)
-        labels = np.asarray(z["ground_truth"], dtype=np.int64)
-    return probs / probs.sum(axis=1, keepdims=True), labels
 
-
-def rescale(probs: np.ndarray, scale: float) -> np.ndarray:
-    """softmax(scale * log p): the logit-scale drift."""
-    z = scale * np.log(np.clip(probs, 1e-300, None))
-    return softmax_rows(z, out=z)
 
 
 class WithoutGap(ChangeDetector):
@@ -77,7 +65,7 @@ class Published:
     """A bin map fitted on one half of a record; the other half is the stream's pool."""
 
     def __init__(self, name: str, seed: int):
-        probs, labels = load(name)
+        probs, labels = load_record(name)
         perm = np.random.default_rng(seed).permutation(labels.size)
         half = labels.size // 2
         fit_idx, self.pool = perm[:half], perm[half:]

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from pathlib import Path
 
 import numpy as np
 
@@ -54,9 +53,9 @@ from lpcal.online import OnlineCalibrator, OnlineConfig, fit_window_pools, index
 from lpcal.pools import PoolSet
 from lpcal.precalibrate import TemperatureGrid
 from lpcal.spec import FitSpec
-from tests.bench.common import Table, median
+from tests.bench.common import Table, median, rescale
+from tests.bench.common import load_record
 
-DATA = Path(__file__).resolve().parent / "data"
 RECORDS = ("wideresnet-16-4-cifar-10", "lenet-5-cifar-10", "wideresnet-16-4-cifar-100",
            "densenet-bc-100-cifar-100")
 SCALE = 0.5
@@ -74,19 +73,7 @@ BOUNDS = {"top-label ECE": 0.003, "classwise ECE": 0.001, "Brier": 0.001, "NLL":
 FIXED = {"warmup": 10_000, "holdout": 3_000, "pool": 5_000}
 
 
-def load(name: str) -> tuple[np.ndarray, np.ndarray]:
-    with np.load(DATA / f"{name}.npz") as z:
-        probs = np.asarray(z["predictions"], dtype=np.float64)
-        labels = np.asarray(z["ground_truth"], dtype=np.int64)
-    return probs / probs.sum(axis=1, keepdims=True), labels
 
-
-def rescale(probs: np.ndarray, scale: float) -> np.ndarray:
-    """softmax(scale * log p): the logit-scale drift."""
-    z = scale * np.log(np.clip(probs, 1e-300, None))
-    z -= z.max(axis=1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=1, keepdims=True)
 
 
 def quality(h: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -105,7 +92,7 @@ class Split:
     def __init__(self, name: str, seed: int, drift_at: int = DRIFT_AT,
                  after_cap: int = AFTER_CAP, scale: float = SCALE):
         self.drift_at, self.after_cap = drift_at, after_cap
-        probs, labels = load(name)
+        probs, labels = load_record(name)
         perm = np.random.default_rng(seed).permutation(labels.size)
         half = labels.size // 2
         test, pool = perm[:half], perm[half:]

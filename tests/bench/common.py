@@ -27,12 +27,15 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from lpcal.io import softmax_rows
 from lpcal.levels import bin_counts
 
+#: the real predictions of trained networks (CIFAR records, with their provenance)
+DATA = Path(__file__).resolve().parent / "data"
 MIN_REPEATS = 5
 
 
@@ -259,3 +262,17 @@ def p_label(p: float) -> str:
 
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
+
+
+def load_record(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(probs, labels)`` of the record ``DATA/<name>.npz``, rows renormalised to sum 1."""
+    with np.load(DATA / f"{name}.npz") as z:
+        probs = np.asarray(z["predictions"], dtype=np.float64)
+        labels = np.asarray(z["ground_truth"], dtype=np.int64)
+    return probs / probs.sum(axis=1, keepdims=True), labels
+
+
+def rescale(probs: np.ndarray, scale: float) -> np.ndarray:
+    """``softmax(scale * log p)``: the logit-scale drift (scale < 1: under-confident)."""
+    z = scale * np.log(np.clip(probs, 1e-300, None))
+    return softmax_rows(z, out=z)
