@@ -33,8 +33,7 @@ from daemon.settings import ModelSettings
 from daemon.trigger import DriftTrigger
 from lpcal import fit
 from lpcal.metrics import err_p, top_label_ece
-from tests.bench.common import Table, median, rescale
-from tests.bench.common import load_record
+from tests.bench.common import Table, load_record, median, rescale
 
 RECORDS = ("wideresnet-16-4-cifar-10", "lenet-5-cifar-10", "wideresnet-16-4-cifar-100",
            "densenet-bc-100-cifar-100")

@@ -53,8 +53,7 @@ from lpcal.online import OnlineCalibrator, OnlineConfig, fit_window_pools, index
 from lpcal.pools import PoolSet
 from lpcal.precalibrate import TemperatureGrid
 from lpcal.spec import FitSpec
-from tests.bench.common import Table, median, rescale
-from tests.bench.common import load_record
+from tests.bench.common import Table, load_record, median, rescale
 
 RECORDS = ("wideresnet-16-4-cifar-10", "lenet-5-cifar-10", "wideresnet-16-4-cifar-100",
            "densenet-bc-100-cifar-100")
