@@ -7,7 +7,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from daemon.events import K_TOO_LARGE, OTHER_POLICIES, UNKNOWN_MODEL, EventParser, ModelPolicy
+from daemon.event_policies import OTHER_POLICIES
+from daemon.event_records import K_TOO_LARGE, UNKNOWN_MODEL, ModelPolicy
+from daemon.events import EventParser
 from daemon.settings import SettingsError, load_settings
 
 
@@ -35,8 +37,8 @@ def test_distinct_model_names_do_not_grow_the_policy_cache(batch):
         reasons += [bad.reason for _, bad in out.invalid]
     assert len(p.admitted) == 10
     assert reasons.count(UNKNOWN_MODEL) == len(names) - 10
-    assert set(p._policies) == p.admitted and set(p.k) <= p.admitted
-    assert len(p._others) <= OTHER_POLICIES
+    assert set(p.policies.cached_admitted()) == p.admitted and set(p.k) <= p.admitted
+    assert p.policies.n_cached_others() <= OTHER_POLICIES
     # admitted models keep their cached policy: no new lookups for them
     before = len(calls)
     p.parse_batch([_outcome(m) for m in sorted(p.admitted)], None)
