@@ -46,6 +46,7 @@ from daemon.event_records import (
 
 __all__ = ["finish_columns", "parse_columnar", "validate_rows"]
 
+
 def parse_columnar(raws: Sequence[bytes], policies: ModelPolicies, max_bytes: int,
                    max_model_len: int, max_id_len: int) -> ParsedBatch | None:
     """Parse a batch of well-formed events of known models, or return None.
@@ -56,10 +57,11 @@ def parse_columnar(raws: Sequence[bytes], policies: ModelPolicies, max_bytes: in
     the common shape; every model has a policy and a known ``k`` (admitted, or admissible
     under ``max_models``), every label is below its model's ``k`` and every vector has
     ``k`` numeric entries. The vectors of a model become one matrix, validated exactly as in
-    the general path (:func:`validate_rows`). Returns None, with no state changed, when any condition
-    fails; the caller then runs the general per-message loop, which produces the same
-    result for the batches accepted here (models not admitted yet are admitted in order of
-    first appearance, as it would)."""
+    the general path (:func:`validate_rows`). Returns None, with no state changed, when any
+    condition fails; the caller then runs the general per-message loop, which produces the
+    same result for the batches accepted here (models not admitted yet are admitted in order
+    of first appearance, as it would). On success, ``policies`` records the models admitted
+    and the policies looked up (:meth:`ModelPolicies.admit_all`)."""
     n = len(raws)
     if n == 0:
         return None
