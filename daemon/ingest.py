@@ -22,7 +22,8 @@ import numpy as np
 from aiokafka import TopicPartition
 
 from daemon import native
-from daemon.events import ModelBatch, RecordTimestamps
+from daemon.event_records import ModelBatch
+from daemon.events import RecordTimestamps
 from daemon.kafka import deadletter as kafka_deadletter
 from daemon.registry import ModelSlot
 

@@ -85,7 +85,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from daemon import native
-from daemon.events import REASONS as EVENT_REASONS
+from daemon.event_records import REASONS as EVENT_REASONS
 from lpcal.errors import InputError
 
 __all__ = [

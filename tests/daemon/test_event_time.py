@@ -22,7 +22,8 @@ import orjson
 import pytest
 
 from daemon import native
-from daemon.events import TS_OUT_OF_RANGE, EventParser, ModelPolicy
+from daemon.event_records import TS_OUT_OF_RANGE, ModelPolicy
+from daemon.events import EventParser
 from daemon.model_state import ModelState
 from daemon.settings import JoinSettings, ModelSettings
 

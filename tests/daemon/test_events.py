@@ -11,15 +11,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from daemon import events as ev
-from daemon.events import (
+from daemon.event_columnar import parse_columnar
+from daemon.event_general import parse_general
+from daemon.event_records import (
     REASONS,
-    EventParser,
     Invalid,
     ModelPolicy,
     Outcome,
     Prediction,
     Sample,
 )
+from daemon.events import EventParser
 
 
 def parser(k=3, **kw) -> EventParser:
@@ -283,10 +285,16 @@ def test_fuzz_any_bytes_never_raise_and_batch_equals_single(raws):
 
 
 class _GeneralOnly(EventParser):
-    """The same parser with the batch fast path disabled: always the per-message loop."""
+    """The same parser whose batches always take the general per-message path."""
 
-    def _parse_uniform(self, raws):
-        return None
+    def parse_batch(self, raws, timestamps=None):
+        return parse_general(raws, timestamps, self.policies, self.max_bytes, self.max_model_len,
+                             self.max_id_len, self.max_k)
+
+
+def _columnar(p: EventParser, raws):
+    """The columnar fast path alone on ``p``'s state (None: it declines the batch)."""
+    return parse_columnar(raws, p.policies, p.max_bytes, p.max_model_len, p.max_id_len)
 
 
 def _parsers(max_models=None):
@@ -297,7 +305,7 @@ def _parsers(max_models=None):
 
 
 def _parser_state(p):
-    return sorted(p.admitted), dict(p.k), sorted(p._policies)
+    return sorted(p.admitted), dict(p.k), sorted(p.policies.cached_admitted())
 
 
 entry = st.floats(0, 1) | st.sampled_from([0, 1, 0.0, 1.0, 2, True, False, "0.5", None])
@@ -343,19 +351,19 @@ def test_fast_path_equals_general_loop(raws, max_models):
 def test_fast_path_admits_new_models_and_rejects_bools_in_vectors():
     p = EventParser({"m": ModelPolicy(k=3)}.get)
     raws = [msg(id=f"e{i}", probs=[0.2, 0.3, 0.5]) for i in range(4)]
-    out = p._parse_uniform(raws)  # model "m" is not admitted yet: still the fast path
+    out = _columnar(p, raws)  # model "m" is not admitted yet: still the fast path
     assert out is not None and len(out.by_model["m"]) == 4 and p.admitted == {"m"}
     assert p.k == {"m": 3}
     # an exact 0/1 entry is type-checked: a bool (not a number) makes the batch take the loop
     bad = raws + [msg(id="b", probs=[True, 0.0, 0.0])]
-    assert p._parse_uniform(bad) is None
+    assert _columnar(p, bad) is None
     assert reason(p.parse_batch(bad).records()[-1]) == "bad_schema"
     ok = raws + [msg(id="c", probs=[1, 0.0, 0])]
-    assert p._parse_uniform(ok).by_model["m"].probs[-1].tolist() == [1.0, 0.0, 0.0]
+    assert _columnar(p, ok).by_model["m"].probs[-1].tolist() == [1.0, 0.0, 0.0]
     # a model over max_models is never admitted by the fast path
     q = EventParser({"a": ModelPolicy(k=2), "b": ModelPolicy(k=2)}.get, max_models=1)
     two = [msg(model="a", id="1", label=0), msg(model="b", id="2", label=1)]
-    assert q._parse_uniform(two) is None and q.admitted == set()
+    assert _columnar(q, two) is None and q.admitted == set()
     recs = q.parse_batch(two).records()
     assert isinstance(recs[0], Outcome) and reason(recs[1]) == "unknown_model"
 
@@ -398,7 +406,7 @@ def test_grouped_fast_path_is_taken_and_splits_in_input_order():
     raws = [orjson.dumps({"model": m, "id": str(i), "ts": float(i), "probs": [0.25, 0.75]})
             for i, m in enumerate(["b", "a", "b", "c", "a"])]
     raws.append(orjson.dumps({"model": "a", "id": "x", "ts": 9.0, "probs": [-0.5, 1.5]}))
-    out = p._parse_uniform(raws)
+    out = _columnar(p, raws)
     assert out is not None and list(out.by_model) == ["b", "a", "c"]
     assert out.by_model["a"].index.tolist() == [1, 4]   # the negative row is invalid
     assert out.by_model["b"].ids == ["0", "2"] and out.by_model["c"].ids == ["3"]

@@ -8,7 +8,8 @@ import numpy as np
 import orjson
 import pytest
 
-from daemon.events import EventParser, ModelPolicy
+from daemon.event_records import ModelPolicy
+from daemon.events import EventParser
 from daemon.model_state import MAX_SEALED, ModelState
 from daemon.settings import JoinSettings, ModelSettings
 from daemon.specs import EpochSpec
@@ -181,7 +182,7 @@ def test_outcome_before_k_is_known_is_dropped_when_label_out_of_range():
 
 
 def _batch(kind, ids, probs, labels):
-    from daemon.events import ModelBatch
+    from daemon.event_records import ModelBatch
 
     n = len(ids)
     return ModelBatch(MODEL, 2, np.array(kind, dtype=np.int8), list(ids), np.zeros(n),

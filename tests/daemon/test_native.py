@@ -28,7 +28,8 @@ import daemon.join_loop
 import daemon.native
 from daemon import codes
 from daemon.columns import columns, columns_python
-from daemon.events import EventParser, ModelPolicy
+from daemon.event_records import ModelPolicy
+from daemon.events import EventParser
 from daemon.join import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE, JoinStore
 from daemon.native import pure_python, route_uniform_fast
 from lpcal.pools import route_uniform

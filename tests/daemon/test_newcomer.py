@@ -345,7 +345,8 @@ def test_simulate_main_draws_a_new_run_id_each_run(monkeypatch, capsys):
 def test_default_event_count_yields_a_bin_map_under_the_default_pools(isolated):
     """``lpcal simulate`` without ``--events`` produces enough joined samples for the daemon's
     default layout to seal an epoch (10,000 never did); the count follows the settings."""
-    from daemon.events import EventParser, ModelPolicy
+    from daemon.event_records import ModelPolicy
+    from daemon.events import EventParser
     from daemon.model_state import ModelState
     from daemon.settings import Settings
     from daemon.tools.simulate.cli import build_parser, default_events, generator_from_args

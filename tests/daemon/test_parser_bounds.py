@@ -7,7 +7,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from daemon.events import K_TOO_LARGE, OTHER_POLICIES, UNKNOWN_MODEL, EventParser, ModelPolicy
+from daemon.event_policies import OTHER_POLICIES, ModelPolicies
+from daemon.event_records import K_TOO_LARGE, UNKNOWN_MODEL, ModelPolicy
+from daemon.events import EventParser
 from daemon.settings import SettingsError, load_settings
 
 
@@ -35,8 +37,8 @@ def test_distinct_model_names_do_not_grow_the_policy_cache(batch):
         reasons += [bad.reason for _, bad in out.invalid]
     assert len(p.admitted) == 10
     assert reasons.count(UNKNOWN_MODEL) == len(names) - 10
-    assert set(p._policies) == p.admitted and set(p.k) <= p.admitted
-    assert len(p._others) <= OTHER_POLICIES
+    assert set(p.policies.cached_admitted()) == p.admitted and set(p.k) <= p.admitted
+    assert p.policies.n_cached_others() <= OTHER_POLICIES
     # admitted models keep their cached policy: no new lookups for them
     before = len(calls)
     p.parse_batch([_outcome(m) for m in sorted(p.admitted)], None)
@@ -62,3 +64,29 @@ def test_a_configured_k_above_max_k_stops_startup(tmp_path):
     with pytest.raises(SettingsError, match=r"defaults\.k.*above max_k"):
         load_settings(None, max_k=100, defaults={"k": 101})
     assert load_settings(None, max_k=200, models={"big": {"k": 200}}).max_k == 200
+
+
+def test_model_policies_admit_up_to_max_models_and_peek_changes_nothing():
+    """ModelPolicies on its own: admission bounded by max_models (restores are not), peek
+    leaves the caches and admissions as they were, admit_all commits what peek found."""
+    calls = []
+
+    def policy_for(model):
+        calls.append(model)
+        return None if model == "bad" else ModelPolicy(k=4)
+
+    pol = ModelPolicies(policy_for, max_models=2)
+    assert pol.peek("a") == (ModelPolicy(k=4), False) and pol.peek("bad") == (None, False)
+    assert pol.admitted == set() and pol.k == {} and list(pol.cached_admitted()) == []
+    assert pol.n_cached_others() == 0
+    pol.admit_all(["a"], [("a", ModelPolicy(k=4))])
+    assert pol.admitted == {"a"} and pol.k == {"a": 4} and pol.peek("a")[1] is True
+    assert pol.policy("bad") is None and pol.n_cached_others() == 1
+    assert pol.admit_new("b", pol.policy("b")) and not pol.has_room(1)
+    assert not pol.admit_new("c", pol.policy("c")) and "c" not in pol.admitted
+    pol.admit("restored", 7)  # a checkpoint's model is admitted beyond max_models
+    assert pol.k["restored"] == 7 and len(pol.admitted) == 3
+    pol.set_k("a", 0)  # 0: no learned k, the known one stays
+    assert pol.k["a"] == 4
+    n = len(calls)
+    assert pol.policy("a") == ModelPolicy(k=4) and pol.policy("bad") is None and len(calls) == n

@@ -17,7 +17,8 @@ from collections import Counter
 
 import pytest
 
-from daemon.events import REASONS, EventParser
+from daemon.event_records import REASONS
+from daemon.events import EventParser
 from daemon.kafka.clients import make_producer
 from daemon.tools.simulate.model import SyntheticModel
 from daemon.tools.simulate.traffic import TrafficGenerator

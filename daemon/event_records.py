@@ -1,0 +1,177 @@
+"""The event contract's records and rejection reasons. Pure: no I/O.
+
+:class:`Prediction`, :class:`Outcome`, :class:`Sample` and :class:`Invalid` are what
+:class:`daemon.events.EventParser` makes of one message; :class:`ModelBatch` holds one model's
+valid events of a batch as columns and :class:`ParsedBatch` a whole parsed batch.
+:class:`ModelPolicy` says how a model's vectors are validated. :data:`REASONS` are the rejection
+reasons (the label values of ``lpcal_events_invalid_total{reason}``); :mod:`daemon.events`
+documents when each applies. Defined here, once, so that the parser and its two parse paths
+(:mod:`daemon.event_columnar`, :mod:`daemon.event_general`) share them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from daemon.codes import KIND_OUTCOME, KIND_PREDICTION  # defined there, once
+from lpcal.io import softmax_rows
+
+__all__ = [
+    "BAD_ENCODING",
+    "BAD_JSON",
+    "BAD_SCHEMA",
+    "K_TOO_LARGE",
+    "LABEL_OUT_OF_RANGE",
+    "NEGATIVE",
+    "NON_FINITE",
+    "NOT_NORMALIZED",
+    "OVERSIZE",
+    "REASONS",
+    "TS_OUT_OF_RANGE",
+    "UNKNOWN_MODEL",
+    "WRONG_LENGTH",
+    "Invalid",
+    "ModelBatch",
+    "ModelPolicy",
+    "Outcome",
+    "ParsedBatch",
+    "Prediction",
+    "Sample",
+    "softmax",
+]
+
+BAD_JSON = "bad_json"
+OVERSIZE = "oversize"
+BAD_SCHEMA = "bad_schema"
+UNKNOWN_MODEL = "unknown_model"
+WRONG_LENGTH = "wrong_length"
+NON_FINITE = "non_finite"
+NEGATIVE = "negative"
+NOT_NORMALIZED = "not_normalized"
+LABEL_OUT_OF_RANGE = "label_out_of_range"
+BAD_ENCODING = "bad_encoding"
+TS_OUT_OF_RANGE = "ts_out_of_range"
+K_TOO_LARGE = "k_too_large"
+#: Every reason an event can be rejected for (Prometheus label values; exact strings).
+REASONS: tuple[str, ...] = (
+    BAD_JSON, OVERSIZE, BAD_SCHEMA, UNKNOWN_MODEL, WRONG_LENGTH, NON_FINITE, NEGATIVE,
+    NOT_NORMALIZED, LABEL_OUT_OF_RANGE, BAD_ENCODING, TS_OUT_OF_RANGE, K_TOO_LARGE,
+)
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True, slots=True)
+class Invalid:
+    """A rejected event: ``reason`` in :data:`REASONS`, ``detail`` a human-readable explanation."""
+
+    reason: str
+    detail: str
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    model: str
+    id: str
+    ts: float
+    probs: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    model: str
+    id: str
+    ts: float
+    label: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    model: str
+    id: str
+    ts: float
+    probs: np.ndarray
+    label: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPolicy:
+    """How one model's events are validated."""
+
+    k: int | None = None
+    sum_tolerance: float = 1e-3
+    normalize: str = "renormalize"  # or "reject"
+
+
+@dataclass(slots=True)
+class ModelBatch:
+    """The valid events of one model in a batch, columnar, in input order.
+
+    ``kind[i]`` is KIND_PREDICTION / KIND_OUTCOME / KIND_SAMPLE; ``probs`` is ``(m, k)`` float64
+    on the simplex (zero rows for outcomes); ``labels`` is int64 with -1 for predictions;
+    ``index[i]`` is the event's position in the input batch. ``ts_limit``: the largest event
+    time the parser allowed in this batch (the largest record timestamp of its messages plus
+    ``max_ts_skew``; ``inf`` when unbounded). :meth:`daemon.model_state.ModelState.offer` uses
+    it to pull back clocks that a checkpoint written before the bound carried into the future.
+    """
+
+    model: str
+    k: int
+    kind: np.ndarray
+    ids: list[str]
+    ts: np.ndarray
+    probs: np.ndarray
+    labels: np.ndarray
+    index: np.ndarray
+    ts_limit: float = math.inf
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def select(self, keep: np.ndarray) -> ModelBatch:
+        """The events where the bool array ``keep`` holds, in order."""
+        idx = np.flatnonzero(keep)
+        ids = self.ids
+        return ModelBatch(self.model, self.k, self.kind[idx], [ids[i] for i in idx.tolist()],
+                          self.ts[idx], self.probs[idx], self.labels[idx], self.index[idx],
+                          self.ts_limit)
+
+    def record(self, i: int) -> Prediction | Outcome | Sample:
+        kd, m, eid, ts = int(self.kind[i]), self.model, self.ids[i], float(self.ts[i])
+        if kd == KIND_PREDICTION:
+            return Prediction(m, eid, ts, self.probs[i].copy())
+        if kd == KIND_OUTCOME:
+            return Outcome(m, eid, ts, int(self.labels[i]))
+        return Sample(m, eid, ts, self.probs[i].copy(), int(self.labels[i]))
+
+
+@dataclass(slots=True)
+class ParsedBatch:
+    """Result of :meth:`daemon.events.EventParser.parse_batch`: valid events grouped per model + the invalid."""
+
+    n: int
+    by_model: dict[str, ModelBatch] = field(default_factory=dict)
+    invalid: list[tuple[int, Invalid]] = field(default_factory=list)
+
+    def records(self) -> list[Prediction | Outcome | Sample | Invalid]:
+        """One record per input message, in input order (convenient, not fast)."""
+        out: list[Any] = [None] * self.n
+        for mb in self.by_model.values():
+            for j, i in enumerate(mb.index.tolist()):
+                out[i] = mb.record(j)
+        for i, bad in self.invalid:
+            out[i] = bad
+        return out
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise ``exp(z - max z) / sum exp(z - max z)`` (stable for any finite logits):
+    :func:`lpcal.io.softmax_rows`."""
+    return softmax_rows(logits)
+
