@@ -94,8 +94,8 @@ class Fitter:
         # publish waits for the one before, so versions go out in order)
         self._online_fits: dict[str, dict[int, tuple[object, asyncio.Future]]] = {}
         self._online_tail: dict[str, asyncio.Task] = {}
-        # online mode: per model, what started the current regime (the trigger label of its
-        # publishes) and the (version, seconds) of its last fit
+        # online mode: per model, what asked for its next map (drift, manual; the trigger
+        # label of that map's publish) and the (version, seconds) of its last fit
         self._online_cause: dict[str, str] = {}
         self._online_seconds: dict[str, tuple[int, float]] = {}
 
@@ -404,7 +404,9 @@ class Fitter:
         :meth:`daemon.checkpoint.restorer.Restorer.adopt_published_binmaps`)."""
         data = bm.to_json(signer=self.s.signing.signer())
         prev = self._online_tail.get(model)
-        task = asyncio.ensure_future(self._publish_online(model, st, bm, data, prev))
+        # the trigger label: a drift's or a manual request's first map, else a scheduled refit
+        cause = self._online_cause.pop(model, "pools_full")
+        task = asyncio.ensure_future(self._publish_online(model, st, bm, data, prev, cause))
         self._online_tail[model] = task
         self._publishing.add(task)
 
@@ -416,7 +418,7 @@ class Fitter:
         task.add_done_callback(done)
 
     async def _publish_online(self, model: str, st, bm: BinMap, data: bytes,
-                              prev: asyncio.Task | None) -> bool:
+                              prev: asyncio.Task | None, cause: str) -> bool:
         if prev is not None:
             await asyncio.wait([prev])
         sent = await self._send(model, bm.version, data, lambda: self._owned(model, st))
@@ -426,7 +428,6 @@ class Fitter:
         last = self._online_seconds.get(model)
         if last is not None and last[0] == bm.version:
             seconds = last[1]
-        cause = self._online_cause.get(model, "pools_full")
         self.metrics.observe_fit(model, cause, seconds, bm.iterations, bm.n_bins)
         self.metrics.set_binmap_published(model, bm.version)
         self.gauges.export_certificate(model, bm.certificate)
