@@ -11,6 +11,13 @@ samples. Which samples fall in which epoch can shift by a batch between runs (a 
 after the batch that filled the pools); no sample is lost or counted twice either way.
 ``fit_pools`` and the publish retry delays are looked up in :mod:`daemon.service` when used
 (tests replace them there).
+
+Online models (``recovery = "online"``, :meth:`Fitter.online_result`): the calibrator decides
+when to fit and what to publish. Its maps are installed in the state when published and sent
+here in version order (one publish chain per model); its fit requests run in the worker thread
+(``online_fit``) and go back with :meth:`daemon.model_state.ModelState.complete_fit`. While the
+stream is blocked on a fit the model is backlogged, so its partition pauses through the same
+backpressure path as sealed epochs.
 """
 
 from __future__ import annotations

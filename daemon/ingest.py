@@ -16,8 +16,8 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 from operator import attrgetter
+from typing import Any
 
 import numpy as np
 from aiokafka import TopicPartition
