@@ -9,7 +9,9 @@ daemon's worker thread (real :func:`lpcal.online.run_fit`, or a gated / failing 
 - A fit that raises is counted and does not stall the stream.
 - A publish that fails is retried, and later versions wait for it (never out of order).
 - A manual request makes the loop fit at its next decision point.
-- A drift's refill while blocked drops the fit and feeds the rows waiting behind it.
+- A drift's refill restarts the warm-up on post-drift samples; the map that repairs the drift
+  is labelled ``drift``. A refill while blocked drops the fit and feeds the rows waiting
+  behind it.
 - A restore publishes again a map the checkpoint installed but the topic lacks (the same
   bytes), adopts a newer published one (versions never go back), and re-runs the fit requests
   the checkpoint holds.
@@ -76,15 +78,15 @@ def settings(**model) -> Settings:
                     models={M: {**ONLINE, **model}})
 
 
-def events(start: int, n: int, seed: int = 0) -> list[bytes]:
+def events(start: int, n: int, seed: int = 0, scale: float = 2.5) -> list[bytes]:
     """``n`` complete events of :data:`M` (ids ``e{start}``...): an over-confident network
-    (its logits scaled by 2.5 against the labels' true distribution), which temperature scaling
-    repairs."""
+    (its logits scaled by ``scale`` against the labels' true distribution), which temperature
+    scaling repairs."""
     rng = np.random.default_rng(seed * 1_000_003 + start)
     z = rng.normal(size=(n, K)) * 1.5
     p = np.exp(z) / np.exp(z).sum(1, keepdims=True)
     y = (rng.random(n)[:, None] > np.cumsum(p, 1)).sum(1)
-    q = np.exp(2.5 * z) / np.exp(2.5 * z).sum(1, keepdims=True)
+    q = np.exp(scale * z) / np.exp(scale * z).sum(1, keepdims=True)
     return [orjson.dumps({"model": M, "id": f"e{start + i}", "ts": T0 + start + i,
                           "probs": q[i].tolist(), "label": int(y[i])}) for i in range(n)]
 
@@ -95,6 +97,7 @@ class Feeder:
 
     def __init__(self, d):
         self.d, self.next = d, 0
+        self.scale = 2.5  # of the network's logits (events)
         self.tp = TopicPartition(d.s.kafka.topics.predictions, 0)
 
     @property
@@ -104,7 +107,7 @@ class Feeder:
     def batch(self, n: int = 250) -> bool:
         """One batch (False: the partition is paused, nothing fetched)."""
         if not self.paused:
-            vals = events(self.next, n)
+            vals = events(self.next, n, scale=self.scale)
             self.d.ingest.process(self.tp, [Msg(v, self.next + i, int((T0 + self.next + i) * 1000))
                                           for i, v in enumerate(vals)])
             self.next += n
@@ -366,3 +369,24 @@ async def test_restore_reruns_the_fit_requests_of_the_checkpoint(make, monkeypat
     assert st2.online.n_seen == slot.state.online.n_seen + (
         0 if slot.state.backlog is None else slot.state.backlog[1].size)
     gate.set()
+
+
+async def test_drift_trigger_restarts_the_warm_up_and_labels_the_next_map(make):
+    # the absolute rule as a drift trigger that fires as soon as a map is live
+    d = make(settings(drift_threshold=1e-9, drift_sustain_seconds=0.0, drift_confidence=0.0,
+                      drift_min_samples=100, drift_false_alarm_rate=0.0))
+    feed = Feeder(d)
+    await feed.until(lambda: d.registry.get(M) is not None
+                     and d.registry.slots[M].state.binmap_version >= 1, "a first map")
+    feed.scale = 0.6  # the network turns under-confident: the live map's temperature is wrong
+    st = d.registry.slots[M].state
+    await feed.until(lambda: st.online.regime_start > 0, "a drift refill")
+    assert gauge(d, "lpcal_calibrations_total", trigger="drift") in (None, 0.0)
+    assert st.online.warming  # the warm-up restarted at the drift
+    v = st.binmap_version
+    await feed.until(lambda: st.binmap_version > v, "the map after the drift")
+    await until(lambda: not d.fitter.publishing(), "the publishes")
+    assert gauge(d, "lpcal_calibrations_total", trigger="drift") >= 1
+    assert d.clients.producer.versions() == list(range(1, st.binmap_version + 1))
+    # the post-drift map repairs the under-confidence (the true temperature is 0.6)
+    assert verify_artifact(d.clients.producer.sent[-1][2]).temperature < 0.8
