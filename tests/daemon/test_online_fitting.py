@@ -260,13 +260,18 @@ async def test_drift_refill_while_blocked_feeds_the_waiting_rows(make):
     feed = Feeder(d)
     await feed.until(lambda: feed.paused, "a pause on a fit request")
     st = d.registry.slots[M].state
-    feed.batch()  # fetched before the pause took effect: waits in the backlog
+    # a batch fetched before the pause took effect: it waits in the backlog
+    vals = events(feed.next, 250)
+    d.ingest.process(feed.tp, [Msg(v, feed.next + i, int((T0 + feed.next + i) * 1000))
+                               for i, v in enumerate(vals)])
+    waiting = st.backlog[1].size
+    assert waiting >= 250
     seen = st.online.n_seen
-    st.notify_drift()  # what check_online does on a refill firing
-    d.fitter.online_result(M, st.feed_backlog())
+    st.notify_drift()  # what check_online does on a refill firing ...
+    d.fitter.online_result(M, st.feed_backlog())  # ... and then
     d.fitter.apply_backpressure()
     assert not st.backlogged and not feed.paused
-    assert st.online.n_seen >= seen and st.fit_requests_outstanding == []
+    assert st.online.n_seen == seen + waiting and st.fit_requests_outstanding == []
     gate.set()
 
 
