@@ -236,9 +236,10 @@ class Restorer:
             latest = await readers.read_compacted_latest(
                 self.s.kafka.bootstrap_servers, self.s.kafka.topics.binmaps, timeout=30.0,
                 security=self.s.kafka, missing_ok=True, timestamps=stamps)
+            topic_read = True
         except Exception as e:  # noqa: BLE001 - the checkpointed maps stay in force
             log.warning("cannot read %s: %s", self.s.kafka.topics.binmaps, e)
-            latest = {}
+            latest, topic_read = {}, False
         for model, slot in list(self.registry.slots.items()):
             if slot.partition not in parts:
                 continue
@@ -253,7 +254,7 @@ class Restorer:
             else:
                 published_at = stamps.get(model)
             if st.online_spec.online:
-                self._adopt_online(model, slot, data, bm)
+                self._adopt_online(model, slot, data, bm, topic_read=topic_read)
                 continue
             if bm is None or bm.version <= st.binmap_version:
                 continue
@@ -286,13 +287,16 @@ class Restorer:
             self.gauges.export_certificate(model, bm.certificate)
             log.info("model %s: adopted published bin map version %d", model, bm.version)
 
-    def _adopt_online(self, model: str, slot, data: bytes | None, bm) -> None:
+    def _adopt_online(self, model: str, slot, data: bytes | None, bm, *,
+                      topic_read: bool) -> None:
         """An online model (``recovery = "online"``) installs its maps before they are
         published, so its checkpoint can be ahead of the topic or behind it. Ahead (a crash
         between installing and publishing): the installed map is published again, the same
         bytes re-signed. Behind (maps published after the checkpoint): the newest published
         map is adopted as the live map, so the versions continue after it and never go back
-        (the replay's decisions then continue from it; no epoch bookkeeping applies)."""
+        (the replay's decisions then continue from it; no epoch bookkeeping applies). Nothing is
+        published again when the topic could not be read (``topic_read`` False): it may hold
+        a newer version, which an older one must not follow."""
         st = slot.state
         published = 0 if bm is None else bm.version
         if published > st.binmap_version:
@@ -302,6 +306,10 @@ class Restorer:
             self.registry.dirty.add(model)
             self.metrics.set_binmap_published(model, bm.version)
             self.gauges.export_certificate(model, bm.certificate)
+        elif st.binmap is not None and published < st.binmap_version and not topic_read:
+            log.warning("model %s: cannot tell whether its online bin map version %d is on "
+                        "the topic (not read); not publishing it again", model,
+                        st.binmap_version)
         elif st.binmap is not None and published < st.binmap_version:
             log.info("model %s: online bin map version %d was installed before the last "
                      "checkpoint but the topic holds %s: publishing it again", model,

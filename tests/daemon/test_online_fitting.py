@@ -395,3 +395,22 @@ async def test_drift_trigger_restarts_the_warm_up_and_labels_the_next_map(make):
     assert d.clients.producer.versions() == list(range(1, st.binmap_version + 1))
     # the post-drift map repairs the under-confidence (the true temperature is 0.6)
     assert verify_artifact(d.clients.producer.sent[-1][2]).temperature < 0.8
+
+
+async def test_restore_does_not_republish_when_the_topic_cannot_be_read(make, monkeypatch):
+    d = make()
+    feed = Feeder(d)
+    await feed.until(lambda: d.registry.get(M) is not None
+                     and d.registry.slots[M].state.binmap_version >= 1, "a map")
+    record = encode_envelope(M, d.registry.slots[M])
+
+    async def unreadable(*a, **kw):
+        raise ConnectionError("broker unreachable (stand-in)")
+
+    monkeypatch.setattr(kafka_readers, "read_compacted_latest", unreadable)
+    d2 = make()
+    d2.restorer.restore_model(M, record, {0})
+    await d2.restorer.adopt_published_binmaps({0})
+    await asyncio.sleep(0.05)
+    # the topic may hold a newer version: an older one must not follow it
+    assert d2.clients.producer.sent == [] and not d2.fitter.publishing()
