@@ -11,6 +11,13 @@ samples. Which samples fall in which epoch can shift by a batch between runs (a 
 after the batch that filled the pools); no sample is lost or counted twice either way.
 ``fit_pools`` and the publish retry delays are looked up in :mod:`daemon.service` when used
 (tests replace them there).
+
+Online models (``recovery = "online"``, :meth:`Fitter.online_result`): the calibrator decides
+when to fit and what to publish. Its maps are installed in the state when published and sent
+here in version order (one publish chain per model); its fit requests run in the worker thread
+(``online_fit``) and go back with :meth:`daemon.model_state.ModelState.complete_fit`. While the
+stream is blocked on a fit the model is backlogged, so its partition pauses through the same
+backpressure path as sealed epochs.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from daemon.model_state import MAX_SEALED
 from daemon.registry import Inflight
 from lpcal.binmap import BinMap
 from lpcal.calibrate import fit_pools
+from lpcal.online import FitRequest, run_fit
 
 log = logging.getLogger("lpcal.daemon")
 
@@ -38,6 +46,8 @@ def fit_seed(model: str, version: int) -> int:
 
 #: ``fit(pools, spec, *, seed, model_id, version) -> BinMap``, run in the worker thread
 FitFunction = Callable[..., BinMap]
+#: ``online_fit(request) -> BinMap``: an online model's fit request, run in the worker thread
+OnlineFitFunction = Callable[[FitRequest], BinMap]
 
 
 class RetryPolicy(NamedTuple):
@@ -72,17 +82,29 @@ class Fitter:
     retry_policy : RetryPolicy, default :data:`PUBLISH_RETRY`
     clock : callable, default ``time.monotonic``
         The time a finished fit asks its model's triggers at.
+    online_fit : callable, default :func:`lpcal.online.run_fit`
+        Runs an online model's :class:`lpcal.online.FitRequest` (``recovery = "online"``).
     """
 
     def __init__(self, settings, registry, partitions, clients, metrics, gauges,
                  stopping: asyncio.Event, executor: Executor, *,
                  fit: FitFunction = fit_pools, retry_policy: RetryPolicy = PUBLISH_RETRY,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 online_fit: OnlineFitFunction = run_fit):
         self.s, self.registry, self.partitions = settings, registry, partitions
         self.clients, self.metrics, self.gauges = clients, metrics, gauges
         self.stopping, self.executor = stopping, executor
         self.fit, self.retry_policy, self.clock = fit, retry_policy, clock
+        self.online_fit = online_fit
         self._publishing: set[asyncio.Task] = set()  # bin-map publishes (with their retries)
+        # online mode: per model, the fit requests running and the last publish queued (each
+        # publish waits for the one before, so versions go out in order)
+        self._online_fits: dict[str, dict[int, tuple[object, asyncio.Future]]] = {}
+        self._online_tail: dict[str, asyncio.Task] = {}
+        # online mode: per model, what asked for its next map (drift, manual; the trigger
+        # label of that map's publish) and the (version, seconds) of its last fit
+        self._online_cause: dict[str, str] = {}
+        self._online_seconds: dict[str, tuple[int, float]] = {}
 
     def after_batch(self, now: float) -> None:
         """After each fetched batch: ask the triggers of the models that changed or have
@@ -98,7 +120,8 @@ class Fitter:
         """The fits running in the worker thread: what a shutdown waits for first (then
         :meth:`publishing`)."""
         return [slot.inflight.task for slot in self.registry.slots.values()
-                if slot.inflight is not None and slot.inflight.task is not None]
+                if slot.inflight is not None and slot.inflight.task is not None] + [
+            fut for fits in self._online_fits.values() for _, fut in fits.values()]
 
     def publishing(self) -> set[asyncio.Task]:
         """The bin-map publishes running (with their retries)."""
@@ -110,6 +133,9 @@ class Fitter:
         if slot is None:
             return
         st = slot.state
+        if st.online_spec.online:
+            self.check_online(model, now)
+            return
         event_time = 0.0 if slot.event_time is None else slot.event_time
         firing = st.check_triggers(event_time, busy=slot.inflight is not None)
         if (firing is not None and firing.action == "fit" and st.pools.full
@@ -272,3 +298,186 @@ class Fitter:
                      "stays in flight in the checkpoint and is fitted again after a restart",
                      model, inf.version, type(stopped.__cause__).__name__)
             return False
+
+    # ------------------------------------------------------------------ online mode
+    def check_online(self, model: str, now: float) -> None:
+        """An online model's triggers (``recovery = "online"``): a drift's refill keeps only
+        the post-drift buckets (:meth:`daemon.model_state.ModelState.notify_drift`), a manual
+        request fits at the next decision point (:meth:`~daemon.model_state.ModelState.request_fit`);
+        the calibrator decides when to fit and publish otherwise (never ``pools_full``)."""
+        slot = self.registry.get(model)
+        if slot is None:
+            return
+        st = slot.state
+        self.registry.gauges_due.add(model)
+        if st.online is None:  # k not known yet
+            return
+        event_time = 0.0 if slot.event_time is None else slot.event_time
+        firing = st.check_triggers(event_time, busy=False)
+        if firing is None:
+            return
+        if firing.action == "refill":
+            log.info("model %s: drift detected; the online window keeps only samples from here "
+                     "on (the live map stays until a candidate beats it)", model)
+            st.notify_drift()
+            self._online_cause[model] = "drift"
+            # a fit the stream was blocked on is dropped with the pre-drift window: the rows
+            # waiting behind it go on
+            self.online_result(model, st.feed_backlog())
+            self.apply_backpressure()
+        else:
+            log.info("model %s: manual recalibration: the online loop fits at its next "
+                     "decision point", model)
+            st.request_fit()
+            self._online_cause[model] = "manual"
+
+    def online_result(self, model: str, res) -> None:
+        """Act on what an online model's :meth:`~daemon.model_state.ModelState.offer` or
+        :meth:`~daemon.model_state.ModelState.complete_fit` did (an
+        :class:`daemon.model_state.IngestResult`): publish the maps it published (installed
+        already), in order, and run the fit requests it issued (:meth:`launch_online`)."""
+        if not res.events:
+            return
+        slot = self.registry.get(model)
+        if slot is None:
+            return
+        for bm in res.published:
+            self.publish_online(model, slot.state, bm)
+        for req in res.fit_requests:
+            self.launch_online(model, slot.state, req)
+        self.registry.dirty.add(model)
+
+    def launch_online(self, model: str, st, req: FitRequest) -> None:
+        """Run ``req`` (``online_fit``) in the worker thread; back on the loop its result goes
+        to ``st`` (:meth:`_online_fit_done`). Also what a restore calls for every
+        :attr:`~daemon.model_state.ModelState.fit_requests_outstanding`."""
+        loop = asyncio.get_running_loop()
+        fit = self.online_fit
+
+        def work():
+            t0 = time.perf_counter()
+            bm = fit(req)
+            return bm, time.perf_counter() - t0
+
+        fut = loop.run_in_executor(self.executor, work)
+        self._online_fits.setdefault(model, {})[req.id] = (st, fut)
+        fut.add_done_callback(lambda f: self._online_fit_done(model, st, req, f))
+
+    def relaunch_online(self, model: str) -> None:
+        """Run ``model``'s outstanding fit requests that are not running (after a restore:
+        the checkpoint holds them; the stream stays blocked at their ``due`` sample until
+        they are back)."""
+        slot = self.registry.get(model)
+        if slot is None:
+            return
+        running = self._online_fits.get(model, {})
+        for req in slot.state.fit_requests_outstanding:
+            if running.get(req.id, (None, None))[0] is not slot.state:
+                self.launch_online(model, slot.state, req)
+
+    def _owned(self, model: str, st) -> bool:
+        """``st`` is still ``model``'s state here (not revoked, not restored anew)."""
+        slot = self.registry.get(model)
+        return slot is not None and slot.state is st
+
+    def _online_fit_done(self, model: str, st, req: FitRequest, fut) -> None:
+        """Hand a finished fit back to its state (None if it raised: counted and logged, the
+        calibrator goes on without the candidate), then act on what that did; resume the
+        partition once the model is no longer backlogged."""
+        fits = self._online_fits.get(model, {})
+        if fits.get(req.id, (None, None))[1] is fut:
+            del fits[req.id]
+            if not fits:
+                self._online_fits.pop(model, None)
+        if fut.cancelled() or not self._owned(model, st):
+            return  # revoked: its new owner re-issues the request from the checkpoint
+        try:
+            bm, seconds = fut.result()
+            self._online_seconds[model] = (req.version, seconds)
+        except Exception as e:  # noqa: BLE001 - a failed fit is counted, never fatal
+            log.error("model %s: online fit (request %d, sample %d) failed: %s: %s", model,
+                      req.id, req.n, type(e).__name__, e)
+            self.metrics.inc_calibration_failure(model)
+            bm = None
+        self.online_result(model, st.complete_fit(req, bm))
+        self.registry.dirty.add(model)
+        self.apply_backpressure()
+
+    def publish_online(self, model: str, st, bm: BinMap) -> None:
+        """Queue the publish of ``bm``, an online map already installed in ``st``: signed,
+        sent after the model's previous publishes (versions go out in order), retried while
+        the broker is down, dropped once ``model`` is no longer owned here (its new owner
+        republishes what its checkpoint installed but the topic lacks:
+        :meth:`daemon.checkpoint.restorer.Restorer.adopt_published_binmaps`)."""
+        data = bm.to_json(signer=self.s.signing.signer())
+        prev = self._online_tail.get(model)
+        # the trigger label: a drift's or a manual request's first map, else a scheduled refit
+        cause = self._online_cause.pop(model, "pools_full")
+        task = asyncio.ensure_future(self._publish_online(model, st, bm, data, prev, cause))
+        self._online_tail[model] = task
+        self._publishing.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._publishing.discard(t)
+            if self._online_tail.get(model) is t:
+                del self._online_tail[model]
+
+        task.add_done_callback(done)
+
+    async def _publish_online(self, model: str, st, bm: BinMap, data: bytes,
+                              prev: asyncio.Task | None, cause: str) -> bool:
+        if prev is not None:
+            await asyncio.wait([prev])
+        sent = await self._send(model, bm.version, data, lambda: self._owned(model, st))
+        if not sent:
+            return False
+        seconds = 0.0
+        last = self._online_seconds.get(model)
+        if last is not None and last[0] == bm.version:
+            seconds = last[1]
+        self.metrics.observe_fit(model, cause, seconds, bm.iterations, bm.n_bins)
+        self.metrics.set_binmap_published(model, bm.version)
+        self.gauges.export_certificate(model, bm.certificate)
+        ev = (bm.sizing or {}).get("evidence") or {}
+        log.info("model %s: published online bin map version %d (%s, T=%s, |B|=%d, beat "
+                 "version %s on %s held-out samples)", model, bm.version, cause,
+                 bm.temperature, bm.n_bins, ev.get("champion_version"),
+                 ev.get("n_heldout"))
+        return True
+
+    async def _send(self, model: str, version: int, data: bytes,
+                    owned: Callable[[], bool]) -> bool:
+        """Send ``data`` (bin map ``version`` of ``model``) to the bin-map topic while
+        ``owned()``, retried with backoff like :meth:`_publish` (False: not sent)."""
+        async def attempt() -> bool:
+            if not owned():
+                log.info("model %s: bin map version %d not published here: the model was "
+                         "revoked (its new owner publishes it from the checkpoint)", model,
+                         version)
+                return False
+            await self.clients.producer.send_and_wait(
+                self.s.kafka.topics.binmaps, key=model.encode(), value=data,
+                headers=[("lpcal.version", str(version).encode())])
+            return True
+
+        def failed(e: Exception, delay: float) -> None:
+            self.metrics.inc_calibration_failure(model)
+            log.warning("model %s: publishing bin map version %d failed (%s: %s); "
+                        "retrying in %.1f s", model, version, type(e).__name__, e, delay)
+
+        try:
+            return await retry.retry(
+                "bin-map publish", attempt, stop=self.stopping,
+                first=self.retry_policy.first, cap=self.retry_policy.cap,
+                on_error=failed, stop_on_failure_only=True)
+        except retry.Stopped as stopped:
+            log.info("model %s: bin map version %d not published before shutdown (%s); the "
+                     "checkpoint holds it installed and the next owner publishes it", model,
+                     version, type(stopped.__cause__).__name__)
+            return False
+
+    def republish(self, model: str, st) -> None:
+        """Publish the map installed in ``st`` again (a restore found the topic behind the
+        checkpoint: a crash between installing and publishing): the same bytes, re-signed
+        (signatures are deterministic), queued like :meth:`publish_online`."""
+        self.publish_online(model, st, BinMap.from_json(st.binmap))

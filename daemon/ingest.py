@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from operator import attrgetter
+from typing import Any
 
 import numpy as np
 from aiokafka import TopicPartition
@@ -111,13 +112,18 @@ class Ingest:
     deadletters : DeadLetters
     clock : callable, default ``time.monotonic``
         The time of the offset-gap guard's grace period.
+    on_online : callable, optional
+        ``on_online(model, result)``: what an online model's offer did (its
+        :class:`daemon.model_state.IngestResult` with events: maps to publish, fits to run);
+        the daemon passes :meth:`daemon.fitting.Fitter.online_result`.
     """
 
     def __init__(self, settings, registry, partitions, parser, metrics, clients, deadletters, *,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 on_online: Callable[[str, Any], None] | None = None):
         self.registry, self.partitions, self.parser = registry, partitions, parser
         self.metrics, self.clients, self.deadletters = metrics, clients, deadletters
-        self.clock = clock
+        self.clock, self.on_online = clock, on_online
         # the configured models with a rate < 1, which the prefilter samples on any partition
         # until they are placed (see _sample_out)
         self._hot: dict[str, float] = {
@@ -201,6 +207,8 @@ class Ingest:
                         if not len(mb):
                             continue
                 res = st.offer(mb)
+                if res.events and self.on_online is not None:
+                    self.on_online(model, res)
                 t = float(mb.ts.max())
                 if slot.event_time is None or t > slot.event_time:
                     slot.event_time = t

@@ -539,6 +539,18 @@ class ModelState:
         res.blocked = self.online.blocked
         return res
 
+    def feed_backlog(self) -> IngestResult:
+        """Online mode: feed the backlog if the calibrator is no longer blocked (after
+        :meth:`notify_drift` dropped the fit it was blocked on); what happened, as
+        :meth:`complete_fit` says it."""
+        res = IngestResult()
+        if self.online is not None and self.backlog is not None and not self.online.blocked:
+            probs, labels, u, ts = self.backlog
+            self.backlog = None
+            self._feed_online(res, probs, labels, u, ts)
+        res.blocked = self.online is not None and self.online.blocked
+        return res
+
     @property
     def fit_requests_outstanding(self) -> list[FitRequest]:
         """Online mode: fit requests whose result is not back (after a restore: run them)."""

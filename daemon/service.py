@@ -44,7 +44,7 @@ from daemon.checkpoint.restorer import Restorer
 from daemon.checkpoint.store import CheckpointStore, ConfiguredStore
 from daemon.clients import KafkaClients
 from daemon.events import EventParser
-from daemon.fitting import PUBLISH_RETRY, FitFunction, Fitter, RetryPolicy
+from daemon.fitting import PUBLISH_RETRY, FitFunction, Fitter, OnlineFitFunction, RetryPolicy
 from daemon.gauges import GaugeExporter
 from daemon.http_api import DaemonStatus, HttpServer
 from daemon.ingest import DeadLetters, Ingest
@@ -53,6 +53,7 @@ from daemon.metrics import DaemonMetrics
 from daemon.partitions import PartitionTable
 from daemon.registry import ModelRegistry
 from lpcal.calibrate import fit_pools
+from lpcal.online import run_fit
 
 log = logging.getLogger("lpcal.daemon")
 
@@ -96,11 +97,15 @@ class Daemon:
         :func:`lpcal.calibrate.fit_pools`).
     retry_policy : daemon.fitting.RetryPolicy, optional
         Delays between bin-map publish attempts.
+    online_fit : callable, optional
+        ``online_fit(request) -> BinMap``: runs online models' fit requests (default
+        :func:`lpcal.online.run_fit`).
     """
 
     def __init__(self, settings, *, metrics: DaemonMetrics | None = None,
                  store: CheckpointStore | None = None, consumer_options: dict | None = None,
-                 fit: FitFunction = fit_pools, retry_policy: RetryPolicy = PUBLISH_RETRY):
+                 fit: FitFunction = fit_pools, retry_policy: RetryPolicy = PUBLISH_RETRY,
+                 online_fit: OnlineFitFunction = run_fit):
         self.s = settings
         self.metrics = metrics or DaemonMetrics(max_models=settings.max_models)
         self.stopping = asyncio.Event()
@@ -114,12 +119,13 @@ class Daemon:
         self.deadletters = DeadLetters(self.clients, self.metrics,
                                        settings.kafka.topics.deadletter)
         self.ingest = Ingest(settings, self.registry, self.partitions, self.parser,
-                             self.metrics, self.clients, self.deadletters)
+                             self.metrics, self.clients, self.deadletters,
+                             on_online=lambda model, res: self.fitter.online_result(model, res))
         self.gauges = GaugeExporter(self.registry, self.partitions, self.metrics, self.clients)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpcal-fit")
         self.fitter = Fitter(settings, self.registry, self.partitions, self.clients,
                              self.metrics, self.gauges, self.stopping, self.executor, fit=fit,
-                             retry_policy=retry_policy)
+                             retry_policy=retry_policy, online_fit=online_fit)
         self.checkpointer = Checkpointer(self.store, self.registry, self.partitions,
                                          self.deadletters, self.clients, self.metrics)
         self.restorer = Restorer(settings, self.store, self.registry, self.partitions,

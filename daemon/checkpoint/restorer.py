@@ -16,7 +16,7 @@ Steps of :meth:`Restorer.restore`, for the newly assigned partitions:
    shows, or that were fitted after it was written, are not fitted again;
 6. seek each partition to its manifest's offset, else the smallest offset of its models'
    records, else the beginning;
-7. relaunch the fits that were in flight;
+7. relaunch the fits that were in flight (online models: their outstanding fit requests);
 8. resume every assigned partition that is not backlogged (those stay paused).
 
 The daemon then reports ready (``Daemon.on_assigned``).
@@ -116,6 +116,8 @@ class Restorer:
                 inf = slot.inflight
                 if inf is not None and inf.task is None and slot.partition in parts:
                     self.fitter.launch(model, inf)
+                if slot.partition in parts:
+                    self.fitter.relaunch_online(model)
         # 8. restored backlogs stay paused (see Fitter.apply_backpressure)
         throttled = self.fitter.backlogged_partitions() & {tp.partition for tp in tps}
         self.partitions.set_paused(throttled)
@@ -234,9 +236,10 @@ class Restorer:
             latest = await readers.read_compacted_latest(
                 self.s.kafka.bootstrap_servers, self.s.kafka.topics.binmaps, timeout=30.0,
                 security=self.s.kafka, missing_ok=True, timestamps=stamps)
+            topic_read = True
         except Exception as e:  # noqa: BLE001 - the checkpointed maps stay in force
             log.warning("cannot read %s: %s", self.s.kafka.topics.binmaps, e)
-            latest = {}
+            latest, topic_read = {}, False
         for model, slot in list(self.registry.slots.items()):
             if slot.partition not in parts:
                 continue
@@ -250,6 +253,9 @@ class Restorer:
                 data, bm, published_at = served.raw, served.bm, served.source
             else:
                 published_at = stamps.get(model)
+            if st.online_spec.online:
+                self._adopt_online(model, slot, data, bm, topic_read=topic_read)
+                continue
             if bm is None or bm.version <= st.binmap_version:
                 continue
             # versions after the checkpoint's were fitted from the fit in flight, then from the
@@ -281,38 +287,34 @@ class Restorer:
             self.gauges.export_certificate(model, bm.certificate)
             log.info("model %s: adopted published bin map version %d", model, bm.version)
 
-    async def _published_after_checkpoint(self, model: str, published: float | str | None
-                                          ) -> bool:
-        """True when the bin map published at ``published`` (Unix seconds, or its position
-        ``topic[partition]@offset`` on the bin-map topic) came after ``model``'s checkpoint
-        snapshot was taken (its envelope's ``saved_at``; for envelopes without it, its record
-        timestamp, or its file's modification time with the local backend). The record is
-        written after the snapshot, and a map published in between came after the snapshot:
-        comparing with the record's time would fit that map's epoch again. False when either
-        time is unknown: then no epoch is skipped (one may be fitted twice, under two versions;
-        none is lost)."""
-        where, saved_at = self._restored_from.get(model, (None, None))
-        if where is None or published is None:
-            return False
-        k = self.s.kafka
-        try:
-            if isinstance(published, str):
-                published = await readers.record_timestamp(
-                    k.bootstrap_servers, published, security=k,
-                    fetch_bytes=k.max_message_bytes)
-            if saved_at is not None:
-                written = saved_at
-            elif os.path.isfile(where):
-                written = os.stat(where).st_mtime
-            else:
-                written = await readers.record_timestamp(
-                    k.bootstrap_servers, where, security=k,
-                    fetch_bytes=self.s.state.max_record_bytes)
-        except Exception as e:  # noqa: BLE001 - unknown: skip nothing
-            log.warning("model %s: cannot read when its checkpoint or bin map was written "
-                        "(%s: %s)", model, type(e).__name__, e)
-            return False
-        return published is not None and written is not None and published >= written
+    def _adopt_online(self, model: str, slot, data: bytes | None, bm, *,
+                      topic_read: bool) -> None:
+        """An online model (``recovery = "online"``) installs its maps before they are
+        published, so its checkpoint can be ahead of the topic or behind it. Ahead (a crash
+        between installing and publishing): the installed map is published again, the same
+        bytes re-signed. Behind (maps published after the checkpoint): the newest published
+        map is adopted as the live map, so the versions continue after it and never go back
+        (the replay's decisions then continue from it; no epoch bookkeeping applies). Nothing is
+        published again when the topic could not be read (``topic_read`` False): it may hold
+        a newer version, which an older one must not follow."""
+        st = slot.state
+        published = 0 if bm is None else bm.version
+        if published > st.binmap_version:
+            log.info("model %s: adopting published online bin map version %d over "
+                     "checkpointed %d", model, bm.version, st.binmap_version)
+            st.install_binmap(data, bm.version)
+            self.registry.dirty.add(model)
+            self.metrics.set_binmap_published(model, bm.version)
+            self.gauges.export_certificate(model, bm.certificate)
+        elif st.binmap is not None and published < st.binmap_version and not topic_read:
+            log.warning("model %s: cannot tell whether its online bin map version %d is on "
+                        "the topic (not read); not publishing it again", model,
+                        st.binmap_version)
+        elif st.binmap is not None and published < st.binmap_version:
+            log.info("model %s: online bin map version %d was installed before the last "
+                     "checkpoint but the topic holds %s: publishing it again", model,
+                     st.binmap_version, published or "none")
+            self.fitter.republish(model, st)
 
     def verify_binmap(self, data: bytes, model: str):
         """``BinMap`` of ``data`` if it verifies, is signed by one of the daemon's keys (when
