@@ -34,7 +34,7 @@ def test_place_puts_a_prepared_state_without_metrics(reg):
     st = state_with_sealed(reg.s, 0)
     slot = reg.place(MODEL, st, 3)
     assert reg.get(MODEL) is slot and (slot.state, slot.partition) == (st, 3)
-    assert not reg.dirty and not reg.gauges_due
+    assert not reg.dirty and not reg.touched and not reg.waiting
     other = state_with_sealed(reg.s, 1)
     assert reg.place(MODEL, other, 1) is slot and (slot.state, slot.partition) == (other, 1)
 
