@@ -107,12 +107,16 @@ class Fitter:
         self._online_seconds: dict[str, tuple[int, float]] = {}
 
     def after_batch(self, now: float) -> None:
-        """After each fetched batch: ask the triggers of the models that changed or have
-        sealed epochs waiting (:meth:`check_model`), then apply backpressure."""
+        """After each fetched batch: ask the triggers of the models the batch touched
+        (``registry.touched``: events or a recalibration request) and of those with sealed
+        epochs waiting (``registry.waiting``) (:meth:`check_model`), then apply backpressure.
+        The work follows those models, not the number of models: triggers take the model's
+        event time, so a model without events needs no check."""
         # models with sealed epochs too: a restored backlog on a paused partition brings no
-        # new events (so never turns dirty), yet its fits must run for ingest to resume
-        waiting = {m for m, slot in self.registry.slots.items() if slot.state.sealed}
-        for model in list(self.registry.dirty | waiting):
+        # new events (so is never touched), yet its fits must run for ingest to resume
+        reg = self.registry
+        touched, reg.touched = reg.touched, set()
+        for model in touched | reg.waiting:
             self.check_model(model, now)
         self.apply_backpressure()
 
@@ -128,7 +132,8 @@ class Fitter:
         return set(self._publishing)
 
     def check_model(self, model: str, now: float) -> None:
-        """Ask ``model``'s triggers what to do; launch a fit or a refill; export its gauges."""
+        """Ask ``model``'s triggers what to do; launch a fit or a refill; schedule its gauges
+        (:meth:`daemon.gauges.GaugeExporter.schedule`) and keep ``registry.waiting``."""
         slot = self.registry.get(model)
         if slot is None:
             return
@@ -155,7 +160,8 @@ class Fitter:
                 st.start_new_epoch()
                 slot.inflight = inf
                 self.launch(model, inf)
-        self.registry.gauges_due.add(model)
+        self.registry.mark_waiting(model, st)
+        self.gauges.schedule(model, slot.gauges_at + self.gauges.every)
 
     def request_recalibration(self, model: str) -> bool:
         slot = self.registry.get(model)
@@ -163,12 +169,16 @@ class Fitter:
             return False
         slot.state.triggers.request_manual()
         self.registry.dirty.add(model)
+        self.registry.touched.add(model)  # asked after the next batch
         return True
 
     # ------------------------------------------------------------------ backpressure
     def backlogged_partitions(self) -> set[int]:
-        return {slot.partition for slot in self.registry.slots.values()
-                if slot.state.backlogged}
+        """The input partitions of backlogged models (only models in ``registry.waiting``
+        can be)."""
+        slots = self.registry.slots
+        return {slots[m].partition for m in self.registry.waiting
+                if m in slots and slots[m].state.backlogged}
 
     def apply_backpressure(self) -> None:
         """Pause the input partitions of backlogged models, resume them once fits caught up.

@@ -1,26 +1,46 @@
 """Per-model gauges (:class:`GaugeExporter`): pool fill, join buffers, epochs waiting, windowed
 quality, bin-map certificates and consumer lag.
 
-A model's gauges are exported when it was checked since their last export
-(``registry.gauges_due``), at most once per :data:`_GAUGE_EVERY` seconds per model, so that a
-model that turns idle does not keep stale gauges.
+The per-model gauges are read from the registry when Prometheus scrapes
+(:meth:`GaugeExporter.rows`, the provider of :class:`daemon.metrics.ModelGaugeCollector`): pool
+fill, join buffers, state bytes, epochs waiting and the drift threshold are the models' current
+values, and nothing about them runs per batch. The windowed quality, the calibration statistics,
+the window's sample count and the change score need an evaluation of the window
+(O(window bins * k)), so they are cached: a model checked after a batch
+(:meth:`daemon.fitting.Fitter.check_model`) is scheduled (:meth:`GaugeExporter.schedule`) and
+evaluated at most once per :data:`_GAUGE_EVERY` seconds (a model that turns idle is evaluated
+once more after its last change, so it keeps no stale quality); the models due are kept in a
+:class:`daemon.due_times.DueTimes`, so the work per batch follows the models due, not the
+number of models.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import orjson
 
+from daemon.due_times import DueTimes
+from daemon.metrics import ModelGauges
 from daemon.registry import ModelSlot
 from lpcal.certificate import Certificate
 from lpcal.errors import InputError
 
 log = logging.getLogger("lpcal.daemon")
 
-_GAUGE_EVERY = 1.0
+_GAUGE_EVERY = 1.0  # seconds between two evaluations of a model's window for its gauges
 _LAG_EVERY = 5.0  # seconds between consumer lag exports
+
+
+class WindowGauges(NamedTuple):
+    """The gauges of one evaluation of a model's window (:meth:`GaugeExporter.evaluate`)."""
+
+    quality: dict[str, tuple[float, float, float, float]]
+    statistics: dict[str, dict[str, tuple[float, float]]]
+    window_samples: int
+    change_score: float
 
 
 class GaugeExporter:
@@ -32,14 +52,20 @@ class GaugeExporter:
     partitions : daemon.partitions.PartitionTable
         The assignment and the positions (consumer lag).
     metrics : daemon.metrics.DaemonMetrics
+        Its per-model gauges are read from :meth:`rows` at scrape time.
     clients : daemon.clients.KafkaClients
         Its consumer knows the high watermarks.
     """
+
+    #: seconds between two evaluations of a model's window for its gauges
+    every = _GAUGE_EVERY
 
     def __init__(self, registry, partitions, metrics, clients):
         self.registry, self.partitions, self.metrics = registry, partitions, metrics
         self.clients = clients
         self._last_lag = 0.0
+        self.due = DueTimes()  # models whose window gauges are to be evaluated, and when
+        metrics.read_model_gauges(self.rows)
 
     def after_batch(self, now: float) -> None:
         """After each fetched batch: the gauges due, and the lag every :data:`_LAG_EVERY` s."""
@@ -48,44 +74,65 @@ class GaugeExporter:
             self._last_lag = now
             self.export_lag()
 
-    def export_due(self, now: float) -> None:
-        """Export the gauges of models checked since their last export, at most once per
-        :data:`_GAUGE_EVERY` seconds per model; the others stay due for a later poll."""
-        due = self.registry.gauges_due
-        for model in list(due):
-            slot = self.registry.get(model)
-            if slot is None:
-                due.discard(model)
-            elif now - slot.gauges_at >= _GAUGE_EVERY:
-                slot.gauges_at = now
-                due.discard(model)
-                self.export_model(model, slot)
+    def schedule(self, model: str, when: float) -> None:
+        """Evaluate ``model``'s window gauges at ``when`` (``time.monotonic()``), or sooner if
+        it is due sooner already."""
+        self.due.schedule(model, when, earliest=True)
 
-    def export_model(self, model: str, slot: ModelSlot) -> None:
-        m, st = self.metrics, slot.state
-        m.set_pool_fill(model, st.pools.fill())
-        m.set_join_pending(model, st.join.pending(model))
-        m.set_join_buffer(model, st.join.memory_bytes(model), st.join.max_bytes)
-        m.set_epochs_waiting(model, len(st.sealed))
-        inflight = slot.inflight
-        fitting = inflight.pools.nbytes if inflight is not None else 0  # the last quarter
-        m.set_model_state(model, st.nbytes + fitting, st.budget)
+    def export_due(self, now: float) -> None:
+        """Evaluate the window gauges of the models due at ``now``: O(models due)."""
+        get = self.registry.get
+        for model in self.due.pop_due(now):
+            slot = get(model)
+            if slot is not None:  # else released meanwhile
+                slot.gauges_at = now
+                slot.window_gauges = self.evaluate(slot)
+
+    @staticmethod
+    def evaluate(slot: ModelSlot) -> WindowGauges:
+        """Evaluate ``slot``'s window: quality (``err_p``, ECE clipped to 1, Brier clipped to 2,
+        accuracy; non-finite values are not exported), statistics with their standard errors,
+        the window's samples and the change test's score."""
+        st = slot.state
         stats = st.evaluate()
+        quality, statistics = {}, {}
         for pred in ("raw", "calibrated"):
             w = stats.get(pred)
-            if w is not None:
-                m.observe_quality(model, pred, w.err_p, min(w.ece, 1.0), min(w.brier, 2.0),
-                                  w.accuracy)
+            if w is None:
+                continue
+            values = (w.err_p, min(w.ece, 1.0), min(w.brier, 2.0), w.accuracy)
+            if all(map(math.isfinite, values)):
+                quality[pred] = values
+            statistics[pred] = {s: (e.value, e.stderr) for s, e in w.statistics().items()}
         raw = stats.get("raw")
-        m.set_window_samples(model, raw.n if raw is not None else 0)
-        # calibration statistics with their standard errors, and the change test's score
-        for pred in ("raw", "calibrated"):
-            w = stats.get(pred)
-            if w is not None:
-                m.set_statistics(model, pred, {s: (e.value, e.stderr)
-                                               for s, e in w.statistics().items()})
         change = st.monitor.change
-        m.set_drift_change_score(model, change.score if change is not None else 0.0)
+        return WindowGauges(quality, statistics, raw.n if raw is not None else 0,
+                            change.score if change is not None else 0.0)
+
+    def rows(self) -> list[ModelGauges]:
+        """One :class:`daemon.metrics.ModelGauges` per owned model, read now (the scrape-time
+        provider of the per-model gauges). A model whose window was not evaluated yet (restored,
+        or not checked since it was admitted) exports no window gauges and is scheduled now."""
+        out = []
+        for model, slot in self.registry.slots.items():
+            st = slot.state
+            join = st.join
+            inflight = slot.inflight
+            fitting = inflight.pools.nbytes if inflight is not None else 0  # the last quarter
+            row = ModelGauges(
+                model, join_pending=join.pending(model),
+                join_buffer_bytes=join.memory_bytes(model), join_buffer_budget=join.max_bytes,
+                state_bytes=st.nbytes + fitting, state_budget=st.budget,
+                epochs_waiting=len(st.sealed),
+                drift_threshold=st.monitor_spec.drift_threshold, pools=st.pools.fill())
+            w = slot.window_gauges
+            if w is None:
+                self.schedule(model, 0.0)
+            else:
+                row.quality, row.statistics = w.quality, w.statistics
+                row.window_samples, row.drift_change_score = w.window_samples, w.change_score
+            out.append(row)
+        return out
 
     def export_certificate(self, model: str, certificate: Any) -> None:
         """Export a bin map's held-out certificate (a :class:`lpcal.certificate.Certificate`, its

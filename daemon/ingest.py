@@ -172,7 +172,7 @@ class Ingest:
             self.metrics.inc_consumed(topic_kind, len(msgs))
             ps = self.partitions.ensure(tp.partition)
             rates = ps.sampled
-            if (rates or self._hot) and native.KERNELS.sample_records is not None:
+            if rates or self._hot:
                 msgs, values = self._sample_out(topic_kind, msgs, rates)
                 if not msgs:
                     ps.positions[tp.topic] = end
@@ -189,7 +189,7 @@ class Ingest:
             offset_of = attrgetter("offset")
             lowest = msgs[0].offset  # a partition's records come in offset order
             offsets = None
-            dirty = self.registry.dirty
+            dirty, touched = self.registry.dirty, self.registry.touched
             for model, mb in pb.by_model.items():
                 slot = self._slot_for(model, mb, tp)
                 if slot is None:
@@ -213,6 +213,7 @@ class Ingest:
                 if slot.event_time is None or t > slot.event_time:
                     slot.event_time = t
                 dirty.add(model)
+                touched.add(model)
                 if res.sampled_out:
                     self.metrics.inc_sampled_out(model, topic_kind, res.sampled_out)
                 if st.sample_rate < 1.0:

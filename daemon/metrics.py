@@ -50,11 +50,10 @@ candidate: ``raw`` (the model as-is, reported only), ``precalibrator``
 buffer, state bytes, epochs waiting, windowed quality and statistics, drift score and
 threshold) are not ``Gauge`` objects set through ``labels()``: a
 :class:`ModelGaugeCollector` (a client_python custom collector) reads one :class:`ModelGauges`
-row per model from a *provider* when Prometheus scrapes, and yields their families. By default
-the provider is the metrics' own :class:`ModelGaugeTable`, which the ``set_*`` methods of these
-gauges write (a dict update, no ``labels()`` child); :meth:`DaemonMetrics.read_model_gauges`
-replaces it with one that reads the models' state directly, so that nothing about these gauges
-runs per batch. Names, types, labels and help are those of :data:`_SPEC`.
+row per model from a *provider* when Prometheus scrapes, and yields their families:
+:meth:`DaemonMetrics.read_model_gauges` sets it (the daemon's reads the models' state:
+:meth:`daemon.gauges.GaugeExporter.rows`), so that nothing about these gauges runs per batch;
+without one, the families are exported empty. Names, types, labels and help are those of :data:`_SPEC`.
 
 Names in :data:`METRIC_NAMES` are the names used in PromQL: counters with their ``_total``
 suffix, histograms by family name (their samples add ``_bucket``/``_sum``/``_count``); use
@@ -105,7 +104,6 @@ __all__ = [
     "GapResolution",
     "InvalidReason",
     "ModelGaugeCollector",
-    "ModelGaugeTable",
     "ModelGauges",
     "Predictor",
     "RejectReason",
@@ -534,28 +532,6 @@ class ModelGaugeCollector:
         yield from fam.values()
 
 
-class ModelGaugeTable:
-    """The default provider of :class:`ModelGaugeCollector`: per-model rows that the ``set_*``
-    methods of :class:`DaemonMetrics` fill (a dict update per call, no ``labels()``)."""
-
-    __slots__ = ("rows",)
-
-    def __init__(self) -> None:
-        self.rows: dict[str, ModelGauges] = {}
-
-    def __call__(self) -> Iterable[ModelGauges]:
-        return list(self.rows.values())
-
-    def row(self, model: str) -> ModelGauges:
-        r = self.rows.get(model)
-        if r is None:
-            r = self.rows[model] = ModelGauges(model)
-        return r
-
-    def discard(self, model: str) -> None:
-        self.rows.pop(model, None)
-
-
 def _check(value: str, enum: type[StrEnum], what: str) -> str:
     try:
         return enum(value).value
@@ -664,8 +640,7 @@ class DaemonMetrics:
         self.build_info = make("lpcal_build_info")
         #: the per-model gauges (MODEL_GAUGES): read at scrape time from a provider, by default
         #: this table, which the set_* methods of those gauges write
-        self.model_gauges = ModelGaugeTable()
-        self.model_gauge_collector = ModelGaugeCollector(self.model_gauges)
+        self.model_gauge_collector = ModelGaugeCollector(tuple)  # no rows until a provider
         registry.register(self.model_gauge_collector)
 
         self.build_info.labels(version=version or _default_version(),
@@ -719,10 +694,9 @@ class DaemonMetrics:
         self._model(model, restored)
 
     def read_model_gauges(self, provider: Callable[[], Iterable[ModelGauges]]) -> None:
-        """Export the per-model gauges (:data:`MODEL_GAUGES`) from ``provider`` at scrape time
-        instead of the values the ``set_*`` methods wrote (which are dropped): ``provider()``
-        returns one :class:`ModelGauges` per model, e.g. read from the daemon's registry."""
-        self.model_gauges.rows.clear()
+        """Export the per-model gauges (:data:`MODEL_GAUGES`) from ``provider`` at scrape time:
+        ``provider()`` returns one :class:`ModelGauges` per model, e.g. read from the daemon's
+        registry (a model it no longer returns has no series)."""
         self.model_gauge_collector.provider = provider
 
     def remove_model(self, model: str) -> None:
@@ -749,7 +723,6 @@ class DaemonMetrics:
                     metric.remove(model, *rest)
                 except KeyError:
                     pass  # that child was never created
-        self.model_gauges.discard(model)
         self._joined.pop(model, None)
         self._models.discard(model)
 
@@ -801,29 +774,6 @@ class DaemonMetrics:
             model=self._model(model),
             kind=_check(kind, UnmatchedKind, "kind")).inc(_count(n, "n"))
 
-    def set_join_pending(self, model: str, n: int) -> None:
-        """Set the number of events of ``model`` waiting in the join buffer."""
-        self.model_gauges.row(self._model(model)).join_pending = _count(n, "pending")
-
-    def set_join_buffer(self, model: str, nbytes: int, budget: int | None) -> None:
-        """Set the estimated bytes of ``model``'s join buffer and its budget (None: none)."""
-        nbytes = _count(nbytes, "bytes")
-        budget = None if budget is None else _count(budget, "budget")
-        row = self.model_gauges.row(self._model(model))
-        row.join_buffer_bytes = nbytes
-        if budget is not None:
-            row.join_buffer_budget = budget
-
-    def set_model_state(self, model: str, nbytes: int, budget: int | None) -> None:
-        """Set the bytes of ``model``'s pools, held-out sums and window, and their budget
-        (None: none)."""
-        nbytes = _count(nbytes, "bytes")
-        budget = None if budget is None else _count(budget, "budget")
-        row = self.model_gauges.row(self._model(model))
-        row.state_bytes = nbytes
-        if budget is not None:
-            row.state_budget = budget
-
     def inc_sealed_early(self, model: str, n: int = 1) -> None:
         """Count ``n`` epochs of ``model`` sealed before full, at the byte budget."""
         self.sealed_early.labels(model=self._model(model)).inc(_count(n, "n"))
@@ -831,33 +781,6 @@ class DaemonMetrics:
     def inc_window_trimmed(self, model: str, n: int) -> None:
         """Count ``n`` samples dropped early from ``model``'s window by its byte budget."""
         self.window_trimmed.labels(model=self._model(model)).inc(_count(n, "n"))
-
-    # ------------------------------------------------------------------ pools
-
-    def set_epochs_waiting(self, model: str, n: int) -> None:
-        """Set the number of sealed epochs of ``model`` waiting for their fit."""
-        self.model_gauges.row(self._model(model)).epochs_waiting = _count(n, "epochs")
-
-    def set_pool_fill(self, model: str, fill: Mapping[str, tuple[int, int]]) -> None:
-        """Export ``PoolSet.fill()``: ``{pool: (count, target)}`` -> samples and count/target.
-
-        The ratio is not clipped: a value above 1 means the pool holds more than its target.
-        """
-        self._model(model)
-        rows = {}
-        for pool, pair in fill.items():
-            if not isinstance(pool, str) or not POOL_NAME_RE.match(pool):
-                raise InputError(
-                    f"metrics: pool={pool!r} of model {model!r} is not mu, P<i>, E<i> or PE<i> "
-                    f"with i < {MAX_POOL_LEVELS}")
-            count, target = pair
-            count = _count(count, f"fill[{pool!r}].count")
-            target = _count(target, f"fill[{pool!r}].target")
-            if target <= 0:
-                raise InputError(f"metrics: fill[{pool!r}].target={pair[1]!r} must be > 0")
-            rows[pool] = (count, target)
-        row = self.model_gauges.row(model)
-        row.pools = rows if row.pools is None else {**row.pools, **rows}
 
     # ------------------------------------------------------------------ calibration
 
@@ -955,56 +878,6 @@ class DaemonMetrics:
         """Set how many models' bin maps the view serves, and their estimated bytes."""
         self.binmaps_served.set(_count(models, "models"))
         self.binmaps_served_bytes.set(_count(nbytes, "bytes"))
-
-    # ------------------------------------------------------------------ quality
-
-    def observe_quality(
-        self,
-        model: str,
-        predictor: str,
-        err: float,
-        ece: float,
-        brier: float,
-        acc: float,
-    ) -> None:
-        """Set the windowed quality gauges of ``model`` for ``predictor`` (raw | calibrated):
-        ``err`` = Err_p >= 0, ``ece`` in [0, 1], ``brier`` in [0, 2], ``acc`` in [0, 1]."""
-        pred = _check(predictor, Predictor, "predictor")
-        values = (
-            _finite(err, "err"),
-            _finite(ece, "ece", 0.0, 1.0),
-            _finite(brier, "brier", 0.0, 2.0),
-            _finite(acc, "acc", 0.0, 1.0),
-        )
-        row = self.model_gauges.row(self._model(model))
-        row.quality = {**(row.quality or {}), pred: values}
-
-    def set_drift_threshold(self, model: str, threshold: float) -> None:
-        """Set the calibrated Err_p threshold of ``model`` above which drift is declared."""
-        value = _finite(threshold, "threshold")
-        self.model_gauges.row(self._model(model)).drift_threshold = value
-
-    def set_window_samples(self, model: str, n: int) -> None:
-        """Set the number of labelled samples in ``model``'s evaluation window."""
-        self.model_gauges.row(self._model(model)).window_samples = _count(n, "window samples")
-
-    def set_statistics(self, model: str, predictor: str,
-                       stats: Mapping[str, tuple[float, float]]) -> None:
-        """Set ``{statistic: (value, stderr)}`` of ``model``'s ``predictor`` (statistics are
-        :class:`Statistic` values; a non-finite value removes that series)."""
-        pred = _check(predictor, Predictor, "predictor")
-        rows = [(_check(name, Statistic, "statistic"), float(v), float(se))
-                for name, (v, se) in stats.items()]
-        row = self.model_gauges.row(self._model(model))
-        stats_of = dict(row.statistics or {})
-        mine = dict(stats_of.get(pred, {}))
-        mine.update((name, (v, se)) for name, v, se in rows)  # non-finite: not exported
-        stats_of[pred] = mine
-        row.statistics = stats_of
-
-    def set_drift_change_score(self, model: str, score: float) -> None:
-        """Set the change test's score of ``model`` (>= 1: drift declared)."""
-        self.model_gauges.row(self._model(model)).drift_change_score = _finite(score, "score")
 
     # ------------------------------------------------------------------ consumer / process
 

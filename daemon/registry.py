@@ -4,9 +4,12 @@ A slot holds everything the daemon keeps about one model besides the input posit
 :class:`~daemon.model_state.ModelState`, the input partition it lives on, the fit in flight, the
 count of prefitted epochs (see
 :meth:`daemon.checkpoint.restorer.Restorer.adopt_published_binmaps`), the latest event time
-seen and the time its gauges were last exported. Two marks are kept as sets of model ids, since
-they are work lists the daemon walks on every poll: ``dirty`` (changed since its last checkpoint) and ``gauges_due`` (gauges
-changed since their last export).
+seen and the time its gauges were last exported. Three marks are kept as sets of model ids, since
+they are work lists the daemon walks: ``dirty`` (changed since its last checkpoint, walked by
+the checkpoints), ``touched`` (given events or a request since the last batch's trigger checks)
+and ``waiting`` (with sealed epochs waiting for their fit, or backlogged); after each batch the triggers of
+``touched | waiting`` are asked, so per-batch work follows the models a batch touched, not
+the number of models.
 
 Models come and go only through the registry's operations, which keep the join budget, the
 parser and the per-model metrics in step (after aiokafka's ``TopicPartitionState``: the state
@@ -21,9 +24,12 @@ of one unit of assignment in one object, its operations next to it):
   when their checkpoint failed; :meth:`ModelRegistry.unpark` reinstates them if their
   partitions come back and the parked state is further along than the checkpoint restored.
 
-``create`` and ``release`` end with :meth:`ModelRegistry.rebudget` (the join buffers' shares);
-``restore`` and ``unpark`` run for many models at once, and the restore
-(:class:`daemon.checkpoint.restorer.Restorer`) rebudgets once after them. What the daemon keeps
+The byte budgets' per-model shares follow a planned model count
+(:class:`daemon.state_budget.BudgetShares`): ``create`` gives the new model the current shares,
+and ``create`` and ``release`` walk every model (:meth:`ModelRegistry.rebudget`) only when the
+shares change, O(1) amortised per admission or release; ``restore`` and ``unpark`` run for many
+models at once, and the restore (:class:`daemon.checkpoint.restorer.Restorer`) rebudgets once
+after them. What the daemon keeps
 per input partition (positions, sample rates) is in :mod:`daemon.partitions`.
 """
 
@@ -32,9 +38,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from daemon.model_state import ModelState
+from daemon.state_budget import BudgetShares
 from lpcal.pools import PoolSet
 
 log = logging.getLogger("lpcal.daemon")
@@ -58,7 +65,9 @@ class ModelSlot:
     partition: int
     inflight: Inflight | None = None
     prefitted: int = 0  # sealed epochs to come whose bin maps were already published
-    gauges_at: float = 0.0  # time.monotonic() of its last gauge export
+    gauges_at: float = 0.0  # time.monotonic() of its last window evaluation for its gauges
+    #: that evaluation (a :class:`daemon.gauges.WindowGauges`), or None
+    window_gauges: Any = None
     event_time: float | None = None  # the latest event time seen (None: no event yet)
 
     def covered(self) -> int:
@@ -81,8 +90,11 @@ class ModelRegistry:
     def __init__(self, settings, metrics, parser):
         self.s, self.metrics, self.parser = settings, metrics, parser
         self.slots: dict[str, ModelSlot] = {}
-        self.dirty: set[str] = set()       # changed since their last checkpoint
-        self.gauges_due: set[str] = set()  # gauges changed since their last export
+        self.dirty: set[str] = set()    # changed since their last checkpoint
+        self.touched: set[str] = set()  # events or a request since the last trigger checks
+        self.waiting: set[str] = set()  # sealed epochs waiting for their fit, or backlogged
+        #: the per-model shares of the byte budgets (join buffers; pools and windows)
+        self.shares = BudgetShares.from_settings(settings.join, settings.state)
         # slots of revoked partitions whose checkpoint failed (broker down): model -> slot
         self.parked: dict[str, ModelSlot] = {}
         #: ``published(model)``: the latest verified bin map of ``model`` on the bin-map topic
@@ -121,7 +133,6 @@ class ModelRegistry:
         st = ModelState.create(model, int(k), self.s.model_settings(model), self.s.join)
         self.slots[model] = ModelSlot(st, partition)
         self.metrics.register_model(model)
-        self.metrics.set_drift_threshold(model, st.monitor_spec.drift_threshold)
         served = None if self.published is None else self.published(model)
         if served is not None and served.version > st.binmap_version:
             if (served.bm.k, served.bm.lam) == (st.k, st.lam):
@@ -133,7 +144,10 @@ class ModelRegistry:
             log.info("model %s: no state; versions continue after version %d, the latest "
                      "verified bin map on the topic%s", model, served.version,
                      "" if st.binmap is not None else " (not applied: its k or lambda differs)")
-        self.rebudget()
+        if self.shares.set_count(len(self.slots)):
+            self.rebudget()  # the shares changed: every model's
+        else:
+            self._budget_one(model, self.slots[model], *self.shares.shares())
         return st
 
     def restore(self, model: str, st: ModelState, partition: int, *, sample_rate: float,
@@ -146,7 +160,7 @@ class ModelRegistry:
         st.sample_rate = sample_rate
         if dirty:
             self.dirty.add(model)
-        self.gauges_due.add(model)  # its pools and join buffer, before any new event
+        self.mark_waiting(model, st)
         return slot
 
     def unpark(self, parts: set[int]) -> None:
@@ -163,6 +177,7 @@ class ModelRegistry:
             self.parser.admit(model, slot.state.k)
             self.metrics.register_model(model, restored=True)
             self.dirty.add(model)
+            self.mark_waiting(model, slot.state)
             log.info("model %s: reinstated the state kept in memory (its checkpoint failed)",
                      model)
 
@@ -177,12 +192,14 @@ class ModelRegistry:
             if park:  # on reassignment, the state further along wins
                 slot.inflight = None if inf is None else Inflight(inf.pools, inf.trigger,
                                                                   inf.version)
-                slot.gauges_at = 0.0
+                slot.gauges_at, slot.window_gauges = 0.0, None
                 self.parked[model] = slot
             self.dirty.discard(model)
-            self.gauges_due.discard(model)
+            self.touched.discard(model)
+            self.waiting.discard(model)
             self.metrics.remove_model(model)
-        self.rebudget()
+        if self.shares.set_count(len(self.slots)):
+            self.rebudget()
 
     def place(self, model: str, st: ModelState, partition: int) -> ModelSlot:
         """Put a prepared state in place on input ``partition`` without metrics or budgets
@@ -192,7 +209,16 @@ class ModelRegistry:
             slot = self.slots[model] = ModelSlot(st, partition)
         else:
             slot.state, slot.partition = st, partition
+        self.mark_waiting(model, st)
         return slot
+
+    def mark_waiting(self, model: str, st: ModelState) -> None:
+        """Keep ``model`` in ``waiting`` while it has sealed epochs waiting for their fit or is
+        backlogged (online mode: a calibrator blocked on a fit), else drop it."""
+        if st.sealed or st.backlogged:
+            self.waiting.add(model)
+        else:
+            self.waiting.discard(model)
 
     def fitting(self) -> dict[str, Inflight]:
         """``{model: fit in flight}`` (a copy)."""
@@ -203,31 +229,24 @@ class ModelRegistry:
         return {m: slot.state for m, slot in self.slots.items()}
 
     def rebudget(self) -> None:
-        """Give every model its shares of the replica's byte budgets:
-        of the join buffers, ``min(join.max_bytes_per_model, join.max_bytes_total / models)``,
-        and of the pools and monitoring windows, ``min(state.max_bytes_per_model,
-        state.max_bytes_total / models)`` (:mod:`daemon.state_budget`); call whenever models
-        come or go. A lowered budget evicts the oldest pending events of a model at once
-        (counted as ``capacity`` evictions) and trims its window (counted). O(models)."""
-        n = max(1, len(self.slots))
-        j, sb = self.s.join, self.s.state
-        share = min(j.max_bytes_per_model, j.max_bytes_total // n)
-        state_share = min(sb.max_bytes_per_model, sb.max_bytes_total // n)
+        """Give every model its shares of the replica's byte budgets (:attr:`shares`, a
+        :class:`daemon.state_budget.BudgetShares` set to the number of models): of the join
+        buffers, at most ``join.max_bytes_per_model``, and of the pools and monitoring windows,
+        at most ``state.max_bytes_per_model``, with ``models * share`` never above the totals.
+        A lowered budget evicts the oldest pending events of a model at once (counted as
+        ``capacity`` evictions) and trims its window (counted). O(models): :meth:`create` and
+        :meth:`release` call it only when the shares change; call it after restoring a set of
+        models."""
+        self.shares.set_count(len(self.slots))
+        share, state_share = self.shares.shares()
         total = models = trimmed = 0
         for model, slot in self.slots.items():
-            st = slot.state
-            if st.join.max_bytes != share:
-                evicted = st.join.set_budget(share)
-                if evicted:
-                    self.metrics.inc_evicted(model, "capacity", evicted)
-                    total += evicted
-                    models += 1
-            if st.budget != state_share:
-                cut = st.set_budget(state_share)
-                if cut:
-                    self.metrics.inc_window_trimmed(model, cut)
-                    trimmed += cut
-                self.gauges_due.add(model)
+            evicted, cut = self._budget_one(model, slot, share, state_share)
+            self.mark_waiting(model, slot.state)  # a lowered budget can backlog it
+            if evicted:
+                total += evicted
+                models += 1
+            trimmed += cut
         if total:  # one line per change of the share, not one per model
             log.info("join buffer budget now %d bytes per model (%d models): evicted the %d "
                      "oldest pending events of %d models", share, len(self.slots), total,
@@ -235,3 +254,19 @@ class ModelRegistry:
         if trimmed:
             log.info("state budget now %d bytes per model (%d models): trimmed %d samples "
                      "from monitoring windows", state_share, len(self.slots), trimmed)
+
+    def _budget_one(self, model: str, slot: ModelSlot, share: int,
+                    state_share: int) -> tuple[int, int]:
+        """Give ``model`` the byte budgets ``share`` (join buffer) and ``state_share`` (pools
+        and window); ``(events evicted, window samples trimmed)``, both counted."""
+        st = slot.state
+        evicted = cut = 0
+        if st.join.max_bytes != share:
+            evicted = st.join.set_budget(share)
+            if evicted:
+                self.metrics.inc_evicted(model, "capacity", evicted)
+        if st.budget != state_share:
+            cut = st.set_budget(state_share)
+            if cut:
+                self.metrics.inc_window_trimmed(model, cut)
+        return evicted, cut

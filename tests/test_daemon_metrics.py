@@ -170,22 +170,22 @@ def exercise(dm: DaemonMetrics) -> None:
     dm.inc_joined("fraud-v3", 4)
     dm.inc_evicted("fraud-v3", "ttl", 1)
     dm.inc_unmatched("fraud-v3", "late", 1)
-    dm.set_join_pending("fraud-v3", 7)
-    dm.set_epochs_waiting("fraud-v3", 2)
-    dm.set_pool_fill("fraud-v3", {"mu": (50, 100), "P0": (10, 40), "E0": (40, 40), "PE0": (0, 8),
-                                  "warmup": (2000, 2000), "hold": (30, 3000)})
     dm.observe_fit("fraud-v3", "pools_full", 0.2, 9, 31)
     dm.inc_calibration_failure("fraud-v3")
     dm.set_binmap_published("fraud-v3", 3, 1_700_000_000.0)
     dm.inc_binmap_rejected("checksum")
     dm.set_certificate("fraud-v3", CERTIFICATE)
-    dm.observe_quality("fraud-v3", "raw", 0.12, 0.08, 0.4, 0.81)
-    dm.observe_quality("fraud-v3", "calibrated", 0.03, 0.02, 0.35, 0.81)
-    dm.set_drift_threshold("fraud-v3", 0.05)
-    dm.set_window_samples("fraud-v3", 5000)
-    dm.set_statistics("fraud-v3", "calibrated", {"ece_top": (0.02, 0.004),
-                                                 "ece_classwise": (float("nan"), 0.0)})
-    dm.set_drift_change_score("fraud-v3", 1.25)
+    # the per-model gauges, read from a provider at scrape time (the daemon's reads its
+    # registry, so a model removed has no row)
+    row = m.ModelGauges(
+        "fraud-v3", join_pending=7, epochs_waiting=2, drift_threshold=0.05,
+        window_samples=5000, drift_change_score=1.25,
+        pools={"mu": (50, 100), "P0": (10, 40), "E0": (40, 40), "PE0": (0, 8),
+               "warmup": (2000, 2000), "hold": (30, 3000)},
+        quality={"raw": (0.12, 0.08, 0.4, 0.81), "calibrated": (0.03, 0.02, 0.35, 0.81)},
+        statistics={"calibrated": {"ece_top": (0.02, 0.004),
+                                   "ece_classwise": (float("nan"), 0.0)}})
+    dm.read_model_gauges(lambda: [row] if row.model in dm.models else [])
     dm.set_consumer_lag("predictions", 12)
     dm.mark_poll(1_700_000_001.0)
     dm.inc_checkpoint("ok")
@@ -294,7 +294,6 @@ def test_exposition_round_trips_through_the_parser(dm, registry):
         lambda d: d.inc_unmatched("m", "lost"),
         lambda d: d.observe_fit("m", "cron", 0.1, 1, 1),
         lambda d: d.inc_binmap_rejected("bad"),
-        lambda d: d.observe_quality("m", "smoothed", 0.1, 0.1, 0.1, 0.5),
         lambda d: d.inc_checkpoint("maybe"),
         lambda d: d.inc_offset_gap("predictions", "ignored"),
         lambda d: d.set_consumer_lag("binmaps", 1),
@@ -308,8 +307,9 @@ def test_unknown_enum_label_values_are_rejected(dm, call):
 @pytest.mark.parametrize(
     "pool", ["P64", "PE99", "X0", "mu1", "p0", "", "P-1", "E 1", "P01"])
 def test_pool_names_are_bounded(dm, pool):
-    with pytest.raises(InputError, match="pool="):
-        dm.set_pool_fill("m", {pool: (1, 2)})
+    dm.read_model_gauges(lambda: [m.ModelGauges("m", pools={pool: (1, 2), "mu": (1, 2)})])
+    text = dm.exposition().decode()
+    assert 'pool="mu"' in text and f'pool="{pool}"' not in text
 
 
 def test_pool_names_of_the_library_layouts_are_accepted():
@@ -366,21 +366,12 @@ def test_certificate_gauges_follow_the_latest_bin_map(dm, registry):
 
 
 def test_bad_values_are_rejected_with_a_message(dm, registry):
-    with pytest.raises(InputError, match="target"):
-        dm.set_pool_fill("m", {"mu": (1, 0)})
-    with pytest.raises(InputError, match="ece"):
-        dm.observe_quality("m", "raw", 0.1, 1.5, 0.1, 0.5)
-    with pytest.raises(InputError, match="err"):
-        dm.observe_quality("m", "raw", float("nan"), 0.1, 0.1, 0.5)
-    with pytest.raises(InputError, match="brier"):
-        dm.observe_quality("m", "raw", 0.1, 0.1, 2.5, 0.5)
     with pytest.raises(InputError, match="n="):
         dm.inc_consumed("outcomes", -1)
     with pytest.raises(InputError, match="seconds"):
         dm.observe_fit("m", "manual", float("inf"), 1, 1)
     # a rejected call leaves no partial state behind
-    assert sample_value(registry, "lpcal_calibration_error", model="m", predictor="raw") is None
-    assert sample_value(registry, "lpcal_pool_samples", model="m", pool="mu") is None
+    assert sample_value(registry, "lpcal_fit_duration_seconds_count", model="m") is None
 
 
 def test_model_label_cardinality_is_capped(dm):
@@ -405,10 +396,10 @@ def test_remove_model_drops_its_series_and_frees_a_slot(dm, registry):
 
 
 def test_a_model_removed_before_its_first_gauges_is_removed_cleanly(dm):
-    """A revoke can land before a new or restored model's first gauge export: its pool
-    gauges were never created (this raised ``ValueError: Incorrect label count``)."""
+    """A revoke can land before a new or restored model's first fit: its fit and
+    certificate series were never created (this raised ``ValueError: Incorrect label
+    count``)."""
     dm.register_model("fresh", restored=True)
-    dm.set_join_buffer("fresh", 10, 100)
     dm.remove_model("fresh")
     assert 'model="fresh"' not in dm.exposition().decode()
     assert "fresh" not in dm.models
@@ -436,9 +427,7 @@ def test_family_of_maps_suffixes():
 
 def test_model_gauges_come_from_the_provider_at_scrape_time(dm, registry):
     """read_model_gauges: the collector reads the provider at every scrape (no state kept in
-    between), with the _SPEC names, labels and help; values the set_* methods wrote before are
-    dropped."""
-    dm.set_join_pending("old", 5)
+    between), with the _SPEC names, labels and help."""
     rows = [m.ModelGauges(
         "a", join_pending=3, join_buffer_bytes=100, join_buffer_budget=1000, state_bytes=7,
         state_budget=70, epochs_waiting=1, window_samples=50, drift_threshold=0.05,
@@ -453,7 +442,6 @@ def test_model_gauges_come_from_the_provider_at_scrape_time(dm, registry):
 
     dm.read_model_gauges(provider)
     g = lambda name, **kw: sample_value(registry, name, **kw)
-    assert g("lpcal_join_pending", model="old") is None
     assert g("lpcal_join_pending", model="a") == 3
     assert g("lpcal_join_buffer_budget_bytes", model="a") == 1000
     assert g("lpcal_model_state_budget_bytes", model="a") == 70
@@ -491,18 +479,15 @@ def test_values_outside_the_label_sets_are_skipped_at_scrape_time(dm, registry):
     assert "smoothed" not in text and "made_up" not in text and 'predictor="other"' not in text
 
 
-def test_the_gauge_table_is_the_default_provider_and_remove_model_clears_it(dm, registry):
-    dm.set_pool_fill("a", {"mu": (1, 4)})
-    dm.set_pool_fill("a", {"P0": (2, 4)})  # merged with the pools set before
-    dm.set_statistics("a", "raw", {"ece_top": (0.1, 0.01)})
-    dm.set_statistics("a", "calibrated", {"ece_top": (0.2, 0.02)})
-    g = lambda name, **kw: sample_value(registry, name, **kw)
-    assert g("lpcal_pool_samples", model="a", pool="mu") == 1
-    assert g("lpcal_pool_fill_ratio", model="a", pool="P0") == 0.5
-    assert g("lpcal_calibration_statistic", model="a", predictor="raw", statistic="ece_top") == 0.1
-    dm.remove_model("a")
-    assert 'model="a"' not in dm.exposition().decode()
-    assert dm.model_gauges() == []
+def test_without_a_provider_the_model_gauge_families_are_empty(dm):
+    """Before read_model_gauges (a DaemonMetrics on its own) the per-model gauge families are
+    exported with their HELP and TYPE, without series."""
+    families = {f.name: f for f in dm.registry.collect()}
+    for name in m.MODEL_GAUGES:
+        assert families[name].type == "gauge" and families[name].samples == [], name
+    dm.read_model_gauges(lambda: [m.ModelGauges("a", epochs_waiting=1)])
+    assert [s.value for s in {f.name: f for f in dm.registry.collect()}[
+        "lpcal_epochs_waiting"].samples] == [1.0]
 
 
 def test_model_gauges_are_exported_by_one_collector_not_labels_children(dm, registry):

@@ -40,8 +40,8 @@ too) measures what creating ``n`` models adds to the heap, divided by ``n``, aft
 was created first (module-level caches and interned strings are not per model). Two levels:
 the :class:`daemon.model_state.ModelState` alone (``ModelState.create``: empty pools, monitor,
 join buffer, triggers), and the daemon's whole footprint of an admitted model
-(``ModelRegistry.create``: the state, its registry slot, its counter series, plus its gauge
-series exported once, as the daemon does after the model's first batch). No model holds a
+(``ModelRegistry.create``: the state, its registry slot and its counter series; its gauges
+are read from the registry at scrape time, nothing is kept per model for them). No model holds a
 sample, so nothing of this is in its configured pools or windows. A cross-check,
 :func:`idle_model_rss`, takes the growth of the resident set over 2,000 admitted models
 (allocator overhead included), measured before any daemon runs.
@@ -73,9 +73,8 @@ from tests.bench.common import Table, yes_no
 MODEL_COUNTS = (1, 100, 1_000, 10_000)
 QUICK_MODEL_COUNTS = (1, 20)
 EVENTS = 50_000
-# at 10,000 models the daemon ingests a few hundred messages per second until the registry,
-# fitting and gauges read the per-model work lists (see docs/scaling.md): fewer events and
-# one repetition keep the run within minutes (the table states both)
+# fewer events and one repetition at 10,000 models keep the run within minutes (the table
+# states both)
 EVENTS_10K = 10_000
 QUICK_EVENTS = 2_000
 REPEATS = 3
@@ -101,12 +100,17 @@ def extra_settings(models: int) -> dict:
     """``max_models`` and budgets for ``models`` models, each keeping one model's share
     (``max_models`` counts the configured models too: the ingest benchmark's own and the
     example of ``config/lpcal.toml``, which the daemon's settings read from the working
-    directory; neither sends events)."""
+    directory; neither sends events). The totals cover the registry's planned model count
+    (:class:`daemon.state_budget.BudgetShares`: at most ``ceil(models x STEP)`` while models
+    are admitted), so the shares stay at ``max_bytes_per_model``."""
+    from daemon.state_budget import STEP
+
+    planned = math.ceil((models + 2) * STEP)
     return {"max_models": models + 2,
             "join": {"max_bytes_per_model": JOIN_PER_MODEL,
-                     "max_bytes_total": max(models, 6) * JOIN_PER_MODEL},
+                     "max_bytes_total": max(planned, 6) * JOIN_PER_MODEL},
             "state": {"max_bytes_per_model": STATE_PER_MODEL,
-                      "max_bytes_total": max(models, 3) * STATE_PER_MODEL}}
+                      "max_bytes_total": max(planned, 3) * STATE_PER_MODEL}}
 
 
 def generator(models: int, events: int):
@@ -183,18 +187,10 @@ def idle_settings(models: int):
 
 
 def admit(registry, model: str, k: int):
-    """``registry.create`` a model, then export its gauges once as the daemon does after the
-    model's first batch (the gauges of :meth:`daemon.gauges.GaugeExporter.export_model` an idle
-    model has: no window statistics yet)."""
-    metrics = registry.metrics
-    st = registry.create(model, k, 0)
-    metrics.set_pool_fill(model, st.pools.fill())
-    metrics.set_join_pending(model, st.join.pending(model))
-    metrics.set_join_buffer(model, st.join.memory_bytes(model), st.join.max_bytes)
-    metrics.set_epochs_waiting(model, len(st.sealed))
-    metrics.set_model_state(model, st.nbytes, st.budget)
-    metrics.set_window_samples(model, 0)
-    return st
+    """``registry.create`` a model, as the daemon admits it (its per-model gauges are read from
+    the registry at scrape time, :meth:`daemon.gauges.GaugeExporter.rows`: nothing kept per
+    model for them)."""
+    return registry.create(model, k, 0)
 
 
 def idle_model_rss(k: int, n: int = 2000) -> float:
@@ -224,7 +220,7 @@ def idle_model_rss(k: int, n: int = 2000) -> float:
 def idle_model_bytes(k: int, n: int = 200) -> dict[str, float]:
     """Heap bytes per idle ``k``-class model (module docstring), measured with tracemalloc
     over ``n`` models: ``{"state": ModelState.create alone, "admitted": ModelRegistry.create
-    with its gauge series exported once}``. Default model settings (pools and windows empty)."""
+    with its slot and counter series}``. Default model settings (pools and windows empty)."""
     import tracemalloc
 
     from daemon.events import EventParser
@@ -382,9 +378,9 @@ def render(res: dict) -> list[Table]:
          "repetition)."),
         ("Each daemon has `max_models` raised to its model count and byte budgets raised so every model "
          f"keeps one model's share ({JOIN_PER_MODEL // MIB} MiB of join buffer, "
-         f"{STATE_PER_MODEL // MIB} MiB of state): with the default totals (384 and 320 MiB) "
-         "the share of each model shrinks at every admission, and every admission re-sets "
-         "every model's budgets."),
+         f"{STATE_PER_MODEL // MIB} MiB of state; the totals cover the registry's planned "
+         "model count, `daemon.state_budget.BudgetShares`): the runs differ in the number of "
+         "models only."),
         ("CPU per message: CPU time of the whole process (all threads) from the first message "
          "to the last, over the messages; `Ingest.process`: the event-loop thread inside "
          "`Ingest.process` only (parse, join, pools, monitor), without the per-batch work "
@@ -395,7 +391,7 @@ def render(res: dict) -> list[Table]:
     idle = res["idle"]
     mem = Table("Memory per idle model (no samples; default model settings)",
                 ["k", "bytes per idle model: `ModelState.create`",
-                 "bytes per idle model: admitted (registry slot, counter and gauge series)",
+                 "bytes per idle model: admitted (registry slot and counter series)",
                  "resident bytes per admitted model (RSS growth)",
                  "target (k = 10)", "met"], key="models_idle")
     for k in sorted(idle):

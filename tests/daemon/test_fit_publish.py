@@ -220,23 +220,30 @@ def pool_totals(st) -> dict[str, int]:
     return {p: t.total for p, t in st.pools.tables.items()}
 
 
+def window_samples(d: Daemon) -> float | None:
+    return sample(d, "lpcal_window_samples")
+
+
 def test_gauges_of_a_model_that_turns_idle_are_exported(daemon):
     st = with_sealed(daemon, 0)
-    daemon.registry.dirty.add(MODEL)
+    # pool gauges are read from the state at scrape time: current before any check
+    assert pool_gauges(daemon, st) == pool_totals(st)
+    daemon.registry.touched.add(MODEL)
     after_batch(daemon)
-    exported = pool_gauges(daemon, st)
-    assert exported == pool_totals(st)
-    # a change within the same gauge period: due, but rate-limited
+    assert window_samples(daemon) == st.evaluate()["raw"].n
+    evaluated = window_samples(daemon)
+    # a change within the same gauge period: pools current, the window's evaluation is
+    # rate-limited (due later)
     offer_samples(daemon.s, st, 10_000, 20)
-    daemon.registry.dirty.add(MODEL)
-    after_batch(daemon)
-    assert pool_gauges(daemon, st) == exported != pool_totals(st)
-    # a checkpoint clears the model's dirty mark, and no event arrives any more
-    daemon.registry.dirty.clear()
-    daemon.registry.slots[MODEL].gauges_at -= 2 * _GAUGE_EVERY  # one gauge period later
+    daemon.registry.touched.add(MODEL)
     after_batch(daemon)
     assert pool_gauges(daemon, st) == pool_totals(st)
-    assert not daemon.registry.gauges_due
+    assert window_samples(daemon) == evaluated != st.evaluate()["raw"].n
+    assert MODEL in daemon.gauges.due
+    # no event arrives any more: one gauge period later the window is evaluated once more
+    daemon.gauges.export_due(time.monotonic() + 2 * _GAUGE_EVERY)
+    assert window_samples(daemon) == st.evaluate()["raw"].n
+    assert MODEL not in daemon.gauges.due
 
 
 @pytest.fixture
@@ -270,8 +277,6 @@ async def test_certified_fit_publishes_a_certificate_and_exports_it(certified_da
     for name, est in cert.estimates.items():
         assert sample(daemon, "lpcal_certificate_estimate", candidate=name) == est.err_p
     # the warm-up and held-out share are pool gauges too
-    daemon.registry.dirty.add(MODEL)
-    after_batch(daemon)
     assert sample(daemon, "lpcal_pool_samples", pool="warmup") is not None
     # GET /v1/models summarises the installed map's certificate
     resp = await HttpServer(daemon.status()).models(None)

@@ -34,19 +34,13 @@ def test_place_puts_a_prepared_state_without_metrics(reg):
     st = state_with_sealed(reg.s, 0)
     slot = reg.place(MODEL, st, 3)
     assert reg.get(MODEL) is slot and (slot.state, slot.partition) == (st, 3)
-    assert not reg.dirty and not reg.gauges_due
+    assert not reg.dirty and not reg.touched and not reg.waiting
     other = state_with_sealed(reg.s, 1)
     assert reg.place(MODEL, other, 1) is slot and (slot.state, slot.partition) == (other, 1)
 
 
-def exported(reg, st) -> None:
-    """As after the model's first batch (DaemonMetrics.remove_model needs its pool gauges)."""
-    reg.metrics.set_pool_fill(st.model, st.pools.fill())
-
-
 def test_park_then_unpark_keeps_the_state_further_along(reg):
     st = reg.create(MODEL, K, 1)
-    exported(reg, st)
     st.advance_offsets("p", 1, 10)
     reg.release({1}, park=True)
     assert MODEL not in reg and MODEL in reg.parked
@@ -58,7 +52,7 @@ def test_park_then_unpark_keeps_the_state_further_along(reg):
 
 
 def test_release_without_park_drops(reg):
-    exported(reg, reg.create(MODEL, K, 0))
+    reg.create(MODEL, K, 0)
     reg.dirty.add(MODEL)
     reg.release({0}, park=False)
     assert not reg.slots and not reg.parked and not reg.dirty

@@ -152,7 +152,7 @@ def test_exposition_passes_promtool_check_metrics(promtool):
     exposition with every family populated, and rejects a bad one."""
     from prometheus_client import CollectorRegistry
 
-    from daemon.metrics import DaemonMetrics
+    from daemon.metrics import DaemonMetrics, ModelGauges
 
     dm = DaemonMetrics(CollectorRegistry(), version="0.0.0-test")
     dm.inc_consumed("predictions", 3)
@@ -161,15 +161,16 @@ def test_exposition_passes_promtool_check_metrics(promtool):
     dm.inc_joined("m")
     dm.inc_evicted("m", "ttl")
     dm.inc_unmatched("m", "orphan")
-    dm.set_join_pending("m", 2)
-    dm.set_pool_fill("m", {"mu": (1, 10), "P0": (2, 4)})
     dm.observe_fit("m", "manual", 0.3, 4, 12)
     dm.inc_calibration_failure("m")
     dm.set_binmap_published("m", 1, 1.7e9)
     dm.inc_binmap_rejected("parse")
-    dm.observe_quality("m", "raw", 0.2, 0.1, 0.5, 0.7)
-    dm.set_drift_threshold("m", 0.1)
-    dm.set_window_samples("m", 100)
+    dm.read_model_gauges(lambda: [ModelGauges(
+        "m", join_pending=2, join_buffer_bytes=10, join_buffer_budget=100, state_bytes=5,
+        state_budget=50, epochs_waiting=0, window_samples=100, drift_threshold=0.1,
+        drift_change_score=0.2, pools={"mu": (1, 10), "P0": (2, 4)},
+        quality={"raw": (0.2, 0.1, 0.5, 0.7)},
+        statistics={"raw": {"ece_top": (0.1, 0.01)}})])
     dm.set_consumer_lag("outcomes", 5)
     dm.mark_poll()
     dm.inc_checkpoint("error")
