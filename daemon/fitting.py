@@ -140,7 +140,15 @@ class Fitter:
         st = slot.state
         if st.online_spec.online:
             self.check_online(model, now)
-            return
+        else:
+            self._check_epochs(model, slot)
+        self.registry.mark_waiting(model, st)
+        self.gauges.schedule(model, slot.gauges_at + self.gauges.every)
+
+    def _check_epochs(self, model: str, slot) -> None:
+        """The epochs mode of :meth:`check_model`: a full epoch's pools are fitted, a drift
+        refills them."""
+        st = slot.state
         event_time = 0.0 if slot.event_time is None else slot.event_time
         firing = st.check_triggers(event_time, busy=slot.inflight is not None)
         if (firing is not None and firing.action == "fit" and st.pools.full
@@ -160,8 +168,6 @@ class Fitter:
                 st.start_new_epoch()
                 slot.inflight = inf
                 self.launch(model, inf)
-        self.registry.mark_waiting(model, st)
-        self.gauges.schedule(model, slot.gauges_at + self.gauges.every)
 
     def request_recalibration(self, model: str) -> bool:
         slot = self.registry.get(model)
