@@ -325,7 +325,6 @@ class Fitter:
         if slot is None:
             return
         st = slot.state
-        self.registry.gauges_due.add(model)
         if st.online is None:  # k not known yet
             return
         event_time = 0.0 if slot.event_time is None else slot.event_time
@@ -417,6 +416,7 @@ class Fitter:
             bm = None
         self.online_result(model, st.complete_fit(req, bm))
         self.registry.dirty.add(model)
+        self.registry.touched.add(model)  # its triggers and waiting mark, after the next batch
         self.apply_backpressure()
 
     def publish_online(self, model: str, st, bm: BinMap) -> None:
