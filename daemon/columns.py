@@ -21,11 +21,8 @@ from itertools import repeat
 from operator import is_not
 
 import numpy as np
-import orjson
 
-from daemon import native
-
-__all__ = ["Columns", "columns", "columns_python", "native_columns", "parse_columns",
+__all__ = ["Columns", "columns_python", "native_columns",
            "scan_python"]
 
 _EXACT = 2.0**53
@@ -63,18 +60,6 @@ class Columns:
         return self.flat[self.start[rows][:, None] + np.arange(k)]
 
 
-def parse_columns(values: list, max_bytes: int, max_model_len: int, max_id_len: int
-                  ) -> Columns | None:
-    """:func:`columns` of message values: None unless every value is bytes of at most
-    ``max_bytes`` bytes holding JSON that ``orjson.loads`` parses to an event of the common
-    shape. The C kernel parses, reads and drops one message at a time, so that the parsed
-    batch is never alive as a whole (as in a plain ``loads`` loop: its memory stays in cache)."""
-    return native.KERNELS.scan(values, max_model_len, max_id_len, orjson.loads, max_bytes)
-
-
-def columns(ds: list, max_model_len: int, max_id_len: int) -> Columns | None:
-    """:class:`Columns` of the dicts ``ds``, or None unless every event has the common shape."""
-    return native.KERNELS.scan(ds, max_model_len, max_id_len)
 
 
 def scan_python(items: list, max_model_len: int, max_id_len: int, loads=None,

@@ -1,7 +1,7 @@
 """The columnar fast path of :meth:`daemon.events.EventParser.parse_batch`. Pure: no I/O.
 
 A batch whose every message is a well-formed event of a model with a known ``k`` is parsed as
-columns: :func:`daemon.columns.parse_columns` (a C kernel when :mod:`daemon.native` has it,
+columns: :func:`daemon.native.KERNELS.scan <daemon.native.Kernels>` (a C kernel when :mod:`daemon.native` has it,
 otherwise C-level ``map`` passes) parses every value and takes its fields out in one pass; the
 vectors of each model become one float64 matrix, checked at once with numpy
 (:func:`validate_rows`: non-finite, negative, not normalized, logits through softmax). Models
@@ -27,9 +27,10 @@ from operator import itemgetter
 from typing import Any
 
 import numpy as np
+import orjson
 
+from daemon import native
 from daemon.codes import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE  # defined there, once
-from daemon.columns import parse_columns
 from daemon.event_policies import ModelPolicies
 from daemon.event_records import (
     BAD_SCHEMA,
@@ -52,7 +53,7 @@ def parse_columnar(raws: Sequence[bytes], policies: ModelPolicies, max_bytes: in
     """Parse a batch of well-formed events of known models, or return None.
 
     The per-message checks of the general loop are done over the whole batch:
-    :func:`daemon.columns.parse_columns` (a C kernel, or C-level ``map`` passes) parses
+    :attr:`daemon.native.Kernels.scan` (a C kernel, or C-level ``map`` passes) parses
     every value (bytes within ``max_bytes``) and takes out the fields if every event has
     the common shape; every model has a policy and a known ``k`` (admitted, or admissible
     under ``max_models``), every label is below its model's ``k`` and every vector has
@@ -65,7 +66,9 @@ def parse_columnar(raws: Sequence[bytes], policies: ModelPolicies, max_bytes: in
     n = len(raws)
     if n == 0:
         return None
-    cols = parse_columns(raws, max_bytes, max_model_len, max_id_len)
+    # the C kernel parses, reads and drops one message at a time, so that the parsed batch is
+    # never alive as a whole (as in a plain ``loads`` loop: its memory stays in cache)
+    cols = native.KERNELS.scan(raws, max_model_len, max_id_len, orjson.loads, max_bytes)
     if cols is None:
         return None
     models = cols.models

@@ -2,7 +2,7 @@
 
 ``daemon/csrc/`` (the extension module ``daemon._speedups``) holds native versions of the
 per-event loops of ingestion: parsing events and extracting their fields
-(:func:`daemon.columns.parse_columns`), the join loop (:meth:`daemon.join.JoinStore.offer`), the
+(:func:`daemon.columns.scan_python` and its C twin), the join loop (:meth:`daemon.join.JoinStore.offer`), the
 blake2b pool routing (:func:`route_uniform_fast`, reference :func:`lpcal.pools.route_uniform`;
 ids of up to 128 bytes are hashed 4 or 8 side by side in AVX2 / AVX-512F vector lanes when the
 CPU has them, see ``hash_lanes``) and the sampling prefilter of hot models

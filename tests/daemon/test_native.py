@@ -27,7 +27,7 @@ import daemon.join
 import daemon.join_loop
 import daemon.native
 from daemon import codes
-from daemon.columns import columns, columns_python
+from daemon.columns import columns_python
 from daemon.event_records import ModelPolicy
 from daemon.events import EventParser
 from daemon.join import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE, JoinStore
@@ -65,12 +65,12 @@ def test_pure_python_switches_every_user_and_restores():
     with pure_python():
         assert daemon.native.KERNELS is daemon.native.PYTHON
         assert daemon.native.SPEEDUPS is None and daemon.native.describe() == "python"
-        cols = columns([{"model": "m", "id": "a", "ts": 1.0, "label": 1}], 255, 256)
+        cols = daemon.native.KERNELS.scan([{"model": "m", "id": "a", "ts": 1.0, "label": 1}], 255, 256)
         assert cols.vecs is not None  # the Python reference built it (the C one sets flat)
         store.offer("m", [KIND_PREDICTION], ["a"], [1.0], np.ones((1, 2)) / 2, [-1])
         assert store._models["m"].pending["a"][codes.E_PAYLOAD][1] == 0  # (block, row) in Python
     assert daemon.native.KERNELS is c and daemon.native.SPEEDUPS is NATIVE
-    assert columns([{"model": "m", "id": "a", "ts": 1.0, "label": 1}], 255, 256).vecs is None
+    assert daemon.native.KERNELS.scan([{"model": "m", "id": "a", "ts": 1.0, "label": 1}], 255, 256).vecs is None
 
 
 def test_every_kernel_has_its_python_reference():
@@ -227,7 +227,7 @@ def rejected(cols, k_values) -> bool:
 
 
 def assert_same_columns(ds: list, k_values=(0, 1, 2, 3, 4)):
-    a = columns(ds, 255, 256)           # native (when built)
+    a = daemon.native.KERNELS.scan(ds, 255, 256)           # native (when built)
     b = columns_python(ds, 255, 256)
     assert rejected(a, k_values) == rejected(b, k_values), (ds, a, b)
     if rejected(a, k_values):
@@ -261,7 +261,7 @@ def test_columns_native_equals_python_on_arbitrary_events(ds):
 @given(st.integers(1, 60), st.integers(0, 2**32 - 1))
 def test_columns_native_equals_python_on_well_formed_batches(n, seed):
     ds = well_formed(np.random.default_rng(seed), n)
-    assert columns(ds, 255, 256) is not None
+    assert daemon.native.KERNELS.scan(ds, 255, 256) is not None
     assert_same_columns(ds)
 
 
@@ -273,9 +273,9 @@ def test_columns_rejections_match():
                 {**good, "logits": [1, 2]}, {"model": "m", "id": "a", "ts": 1.0},
                 {**good, "id": ""}, {**good, "model": "m" * 256}, {**good, "ts": 10**400},
                 {**good, "label": 2**63}):
-        assert columns([good, bad], 255, 256) is None
+        assert daemon.native.KERNELS.scan([good, bad], 255, 256) is None
         assert rejected(columns_python([good, bad], 255, 256), range(5)), bad
-    assert columns([good, {**good, "logits": None, "label": None, "id": "b"}], 255, 256)
+    assert daemon.native.KERNELS.scan([good, {**good, "logits": None, "label": None, "id": "b"}], 255, 256)
 
 
 @needs_native
