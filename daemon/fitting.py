@@ -286,34 +286,12 @@ class Fitter:
         self.apply_backpressure()
 
     async def _publish(self, model: str, inf: Inflight, data: bytes) -> bool:
-        """Send ``data`` to the bin-map topic, retried with backoff (:func:`daemon.retry.retry`)
-        while the fit is still in flight. A stop request does not cut the retry short: the
-        first attempt that fails after it ends it (then False: the checkpoint keeps the fit)."""
-        async def attempt() -> bool:
-            if not self._still_inflight(model, inf):
-                log.info("model %s: bin map version %d not published: the model was revoked "
-                         "(its new owner fits it again from the checkpoint)", model, inf.version)
-                return False
-            await self.clients.producer.send_and_wait(
-                self.s.kafka.topics.binmaps, key=model.encode(), value=data,
-                headers=[("lpcal.version", str(inf.version).encode())])
-            return True
-
-        def failed(e: Exception, delay: float) -> None:  # broker trouble: retried, never fatal
-            self.metrics.inc_calibration_failure(model)
-            log.warning("model %s: publishing bin map version %d failed (%s: %s); "
-                        "retrying in %.1f s", model, inf.version, type(e).__name__, e, delay)
-
-        try:
-            return await retry.retry(
-                "bin-map publish", attempt, stop=self.stopping,
-                first=self.retry_policy.first, cap=self.retry_policy.cap,
-                on_error=failed, stop_on_failure_only=True)
-        except retry.Stopped as stopped:
-            log.info("model %s: bin map version %d not published before shutdown (%s); it "
-                     "stays in flight in the checkpoint and is fitted again after a restart",
-                     model, inf.version, type(stopped.__cause__).__name__)
-            return False
+        """Send ``data`` while the fit ``inf`` is still in flight (:meth:`_send`); False on a
+        stop or a revocation: the checkpoint keeps the fit, fitted again after a restart."""
+        return await self._send(
+            model, inf.version, data, lambda: self._still_inflight(model, inf),
+            revoked="its new owner fits it again from the checkpoint",
+            stopped="it stays in flight in the checkpoint and is fitted again after a restart")
 
     # ------------------------------------------------------------------ online mode
     def check_online(self, model: str, now: float) -> None:
@@ -444,7 +422,10 @@ class Fitter:
                               prev: asyncio.Task | None, cause: str) -> bool:
         if prev is not None:
             await asyncio.wait([prev])
-        sent = await self._send(model, bm.version, data, lambda: self._owned(model, st))
+        sent = await self._send(
+            model, bm.version, data, lambda: self._owned(model, st),
+            revoked="its new owner publishes it from the checkpoint",
+            stopped="the checkpoint holds it installed and the next owner publishes it")
         if not sent:
             return False
         seconds = 0.0
@@ -461,22 +442,24 @@ class Fitter:
                  ev.get("n_heldout"))
         return True
 
-    async def _send(self, model: str, version: int, data: bytes,
-                    owned: Callable[[], bool]) -> bool:
+    async def _send(self, model: str, version: int, data: bytes, owned: Callable[[], bool],
+                    *, revoked: str, stopped: str) -> bool:
         """Send ``data`` (bin map ``version`` of ``model``) to the bin-map topic while
-        ``owned()``, retried with backoff like :meth:`_publish` (False: not sent)."""
+        ``owned()``, retried with backoff (:func:`daemon.retry.retry`, ``retry_policy``). A stop
+        request does not cut the retry short: the first attempt that fails after it ends it.
+        False when not sent; ``revoked`` and ``stopped`` say in the log what happens to the
+        map then."""
         async def attempt() -> bool:
             if not owned():
                 log.info("model %s: bin map version %d not published here: the model was "
-                         "revoked (its new owner publishes it from the checkpoint)", model,
-                         version)
+                         "revoked (%s)", model, version, revoked)
                 return False
             await self.clients.producer.send_and_wait(
                 self.s.kafka.topics.binmaps, key=model.encode(), value=data,
                 headers=[("lpcal.version", str(version).encode())])
             return True
 
-        def failed(e: Exception, delay: float) -> None:
+        def failed(e: Exception, delay: float) -> None:  # broker trouble: retried, never fatal
             self.metrics.inc_calibration_failure(model)
             log.warning("model %s: publishing bin map version %d failed (%s: %s); "
                         "retrying in %.1f s", model, version, type(e).__name__, e, delay)
@@ -486,10 +469,9 @@ class Fitter:
                 "bin-map publish", attempt, stop=self.stopping,
                 first=self.retry_policy.first, cap=self.retry_policy.cap,
                 on_error=failed, stop_on_failure_only=True)
-        except retry.Stopped as stopped:
-            log.info("model %s: bin map version %d not published before shutdown (%s); the "
-                     "checkpoint holds it installed and the next owner publishes it", model,
-                     version, type(stopped.__cause__).__name__)
+        except retry.Stopped as stop:
+            log.info("model %s: bin map version %d not published before shutdown (%s); %s",
+                     model, version, type(stop.__cause__).__name__, stopped)
             return False
 
     def republish(self, model: str, st) -> None:
