@@ -25,7 +25,6 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from daemon.kafka import readers as kafka_readers
 from lpcal import cli
 from lpcal.binmap import MAX_VERSION, BinMap
 from lpcal.calibrate import fit
@@ -409,7 +408,7 @@ async def test_forged_version_on_the_topic_does_not_skip_fits(daemon_factory, ke
     for name, data in forged.items():
         async def latest(*a, _data=data, **kw):
             return {M: _data}
-        monkeypatch.setattr(kafka_readers, "read_compacted_latest", latest)
+        d.restorer.read_latest = latest
         await d.restorer.adopt_published_binmaps({0})
         assert st.binmap_version == 0 and d.registry.slots[M].prefitted == 0, name
         assert len(st.sealed) == 2, name
@@ -419,7 +418,7 @@ async def test_forged_version_on_the_topic_does_not_skip_fits(daemon_factory, ke
 
     async def latest_own(*a, **kw):
         return {M: own}
-    monkeypatch.setattr(kafka_readers, "read_compacted_latest", latest_own)
+    d.restorer.read_latest = latest_own
     await d.restorer.adopt_published_binmaps({0})
     assert st.binmap_version == 1
     await asyncio.sleep(0)

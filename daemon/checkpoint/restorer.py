@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiokafka import TopicPartition
 
@@ -63,12 +63,19 @@ class Restorer:
         else None.
     metrics : daemon.metrics.DaemonMetrics
     stopping : asyncio.Event
+    read_latest : callable, optional
+        Reads the latest record per model of the bin-map topic (default
+        :func:`daemon.kafka.readers.read_compacted_latest`).
     """
 
     def __init__(self, settings, store: CheckpointStore, registry, partitions, clients, fitter,
                  gauges, binmaps: Callable[[], BinMapView | None], metrics,
-                 stopping: asyncio.Event):
+                 stopping: asyncio.Event, *,
+                 read_latest: Callable[..., Awaitable[dict[str, bytes]]] | None = None):
         self.s, self.store, self.registry, self.partitions = settings, store, registry, partitions
+        #: ``await read_latest(bootstrap, topic, ...)``: the latest record per key of the
+        #: bin-map topic (:func:`daemon.kafka.readers.read_compacted_latest`; tests: a stand-in)
+        self.read_latest = read_latest or readers.read_compacted_latest
         self.clients, self.fitter, self.gauges, self.binmaps = clients, fitter, gauges, binmaps
         self.metrics, self.stopping = metrics, stopping
         self.topics = (clients.t_pred, clients.t_out)
@@ -232,7 +239,7 @@ class Restorer:
             await view.sync(_VIEW_SYNC_SECONDS)
         stamps: dict[str, float] = {}
         try:
-            latest = await readers.read_compacted_latest(
+            latest = await self.read_latest(
                 self.s.kafka.bootstrap_servers, self.s.kafka.topics.binmaps, timeout=30.0,
                 security=self.s.kafka, missing_ok=True, timestamps=stamps)
             topic_read = True

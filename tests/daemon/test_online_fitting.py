@@ -31,7 +31,6 @@ from aiokafka import TopicPartition
 
 from daemon.checkpoint.envelope import decode_envelope, encode_envelope
 from daemon.checkpoint.store import LocalCheckpointStore
-from daemon.kafka import readers as kafka_readers
 from daemon.settings import Settings
 from lpcal.client import verify_artifact
 from lpcal.online import run_fit
@@ -291,7 +290,7 @@ async def test_restore_republishes_an_installed_map_the_topic_lacks(make, monkey
     async def latest(*a, **kw):
         return {M: first}
 
-    monkeypatch.setattr(kafka_readers, "read_compacted_latest", latest)
+    d2.restorer.read_latest = latest
     d2.restorer.restore_model(M, record, {0})
     st2 = d2.registry.slots[M].state
     assert st2.binmap_version == st.binmap_version
@@ -316,8 +315,8 @@ async def test_restore_adopts_a_newer_published_map_and_versions_continue(make, 
     async def latest(*a, **kw):
         return {M: newest}
 
-    monkeypatch.setattr(kafka_readers, "read_compacted_latest", latest)
     d2 = make()
+    d2.restorer.read_latest = latest
     d2.restorer.restore_model(M, record, {0})
     await d2.restorer.adopt_published_binmaps({0})
     st2 = d2.registry.slots[M].state
@@ -353,10 +352,10 @@ async def test_restore_reruns_the_fit_requests_of_the_checkpoint(make, monkeypat
     async def latest(*a, **kw):
         return {}
 
-    monkeypatch.setattr(kafka_readers, "read_compacted_latest", latest)
     store = LocalCheckpointStore(tmp_path)
     await store.save({f"model/{M}": record})
     d2 = make(store=store)
+    d2.restorer.read_latest = latest
     d2.clients.consumer.seek = lambda tp, off: None
 
     async def seek_to_beginning(tp):
@@ -407,8 +406,8 @@ async def test_restore_does_not_republish_when_the_topic_cannot_be_read(make, mo
     async def unreadable(*a, **kw):
         raise ConnectionError("broker unreachable (stand-in)")
 
-    monkeypatch.setattr(kafka_readers, "read_compacted_latest", unreadable)
     d2 = make()
+    d2.restorer.read_latest = unreadable
     d2.restorer.restore_model(M, record, {0})
     await d2.restorer.adopt_published_binmaps({0})
     await asyncio.sleep(0.05)
