@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 
 from aiokafka import TopicPartition
@@ -321,6 +322,39 @@ class Restorer:
                      "checkpoint but the topic holds %s: publishing it again", model,
                      st.binmap_version, published or "none")
             self.fitter.republish(model, st)
+
+    async def _published_after_checkpoint(self, model: str, published: float | str | None
+                                          ) -> bool:
+        """True when the bin map published at ``published`` (Unix seconds, or its position
+        ``topic[partition]@offset`` on the bin-map topic) came after ``model``'s checkpoint
+        snapshot was taken (its envelope's ``saved_at``; for envelopes without it, its record
+        timestamp, or its file's modification time with the local backend). The record is
+        written after the snapshot, and a map published in between came after the snapshot:
+        comparing with the record's time would fit that map's epoch again. False when either
+        time is unknown: then no epoch is skipped (one may be fitted twice, under two versions;
+        none is lost)."""
+        where, saved_at = self._restored_from.get(model, (None, None))
+        if where is None or published is None:
+            return False
+        k = self.s.kafka
+        try:
+            if isinstance(published, str):
+                published = await readers.record_timestamp(
+                    k.bootstrap_servers, published, security=k,
+                    fetch_bytes=k.max_message_bytes)
+            if saved_at is not None:
+                written = saved_at
+            elif os.path.isfile(where):
+                written = os.stat(where).st_mtime
+            else:
+                written = await readers.record_timestamp(
+                    k.bootstrap_servers, where, security=k,
+                    fetch_bytes=self.s.state.max_record_bytes)
+        except Exception as e:  # noqa: BLE001 - unknown: skip nothing
+            log.warning("model %s: cannot read when its checkpoint or bin map was written "
+                        "(%s: %s)", model, type(e).__name__, e)
+            return False
+        return published is not None and written is not None and published >= written
 
     def verify_binmap(self, data: bytes, model: str):
         """``BinMap`` of ``data`` if it verifies, is signed by one of the daemon's keys (when
