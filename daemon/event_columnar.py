@@ -42,8 +42,8 @@ from daemon.event_records import (
     ModelBatch,
     ModelPolicy,
     ParsedBatch,
-    softmax,
 )
+from lpcal.io import softmax_rows
 
 __all__ = ["finish_columns", "parse_columnar", "validate_rows"]
 
@@ -299,7 +299,7 @@ def validate_rows(rows: np.ndarray, logit: np.ndarray, ok: np.ndarray, pol: Mode
     if logit.any():
         li = np.flatnonzero(logit & live)
         if li.size:
-            rows[li] = softmax(rows[li])
+            rows[li] = softmax_rows(rows[li])
     pi = ~logit & live
     if pi.any():
         neg = pi & (rows < 0).any(axis=1)

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from daemon.codes import KIND_OUTCOME, KIND_PREDICTION  # defined there, once
-from lpcal.io import softmax_rows
 
 __all__ = [
     "BAD_ENCODING",
@@ -41,7 +40,6 @@ __all__ = [
     "ParsedBatch",
     "Prediction",
     "Sample",
-    "softmax",
 ]
 
 BAD_JSON = "bad_json"
@@ -169,9 +167,4 @@ class ParsedBatch:
             out[i] = bad
         return out
 
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise ``exp(z - max z) / sum exp(z - max z)`` (stable for any finite logits):
-    :func:`lpcal.io.softmax_rows`."""
-    return softmax_rows(logits)
 

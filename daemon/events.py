@@ -71,67 +71,21 @@ from typing import Any
 
 import numpy as np
 
-from daemon.codes import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE  # defined there, once
 from daemon.event_columnar import parse_columnar
 from daemon.event_general import parse_general
-from daemon.event_policies import OTHER_POLICIES, ModelPolicies
+from daemon.event_policies import ModelPolicies
 from daemon.event_records import (  # defined there, once
-    BAD_ENCODING,
-    BAD_JSON,
-    BAD_SCHEMA,
-    K_TOO_LARGE,
-    LABEL_OUT_OF_RANGE,
-    NEGATIVE,
-    NON_FINITE,
-    NOT_NORMALIZED,
-    OVERSIZE,
-    REASONS,
     TS_OUT_OF_RANGE,
-    UNKNOWN_MODEL,
-    WRONG_LENGTH,
     Invalid,
-    ModelBatch,
     ModelPolicy,
     Outcome,
     ParsedBatch,
     Prediction,
     Sample,
-    softmax,
 )
 from daemon.limits import MAX_ID_LEN, MAX_K, MAX_MODEL_LEN  # defined there, once
 
-__all__ = [
-    "BAD_ENCODING",
-    "BAD_JSON",
-    "BAD_SCHEMA",
-    "KIND_OUTCOME",
-    "KIND_PREDICTION",
-    "KIND_SAMPLE",
-    "K_TOO_LARGE",
-    "LABEL_OUT_OF_RANGE",
-    "MAX_ID_LEN",
-    "MAX_K",
-    "MAX_MODEL_LEN",
-    "NEGATIVE",
-    "NON_FINITE",
-    "NOT_NORMALIZED",
-    "OTHER_POLICIES",
-    "OVERSIZE",
-    "REASONS",
-    "TS_OUT_OF_RANGE",
-    "UNKNOWN_MODEL",
-    "WRONG_LENGTH",
-    "EventParser",
-    "Invalid",
-    "ModelBatch",
-    "ModelPolicy",
-    "Outcome",
-    "ParsedBatch",
-    "Prediction",
-    "RecordTimestamps",
-    "Sample",
-    "softmax",
-]
+__all__ = ["EventParser", "RecordTimestamps", "reason_counts"]
 
 _TIMESTAMP = attrgetter("timestamp")
 

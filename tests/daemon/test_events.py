@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon import events as ev
+from daemon import codes
 from daemon.event_columnar import parse_columnar
 from daemon.event_general import parse_general
 from daemon.event_records import (
@@ -192,10 +192,10 @@ def test_batch_groups_by_model_in_input_order():
     assert [i for i, _ in b.invalid] == [1]
     a = b.by_model["a"]
     assert a.ids == ["1", "3", "4"] and a.index.tolist() == [0, 3, 4]
-    assert a.kind.tolist() == [ev.KIND_PREDICTION, ev.KIND_OUTCOME, ev.KIND_SAMPLE]
+    assert a.kind.tolist() == [codes.KIND_PREDICTION, codes.KIND_OUTCOME, codes.KIND_SAMPLE]
     assert a.labels.tolist() == [-1, 0, 1]
     assert a.probs.shape == (3, 2) and a.probs[1].tolist() == [0.0, 0.0]
-    assert b.by_model["b"].kind.tolist() == [ev.KIND_OUTCOME]
+    assert b.by_model["b"].kind.tolist() == [codes.KIND_OUTCOME]
 
 
 def _same(a, b) -> bool:

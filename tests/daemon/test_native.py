@@ -22,6 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import daemon.columns
+import daemon.event_columnar
+import daemon.event_general
 import daemon.events
 import daemon.join
 import daemon.join_loop
@@ -104,9 +106,11 @@ def test_the_join_state_has_the_attributes_the_c_loop_reads():
 
 
 def test_kind_codes_are_defined_once():
-    """The parser's and the join's kind codes are daemon.codes' (not copies that could drift)."""
+    """The parse paths' and the join's kind codes are daemon.codes' (not copies that could
+    drift)."""
     for name in ("KIND_PREDICTION", "KIND_OUTCOME", "KIND_SAMPLE"):
-        assert getattr(daemon.events, name) is getattr(codes, name)
+        assert getattr(daemon.event_columnar, name) is getattr(codes, name)
+        assert getattr(daemon.event_general, name) is getattr(codes, name)
         assert getattr(daemon.join, name) is getattr(codes, name)
     assert len({codes.KIND_PREDICTION, codes.KIND_OUTCOME, codes.KIND_SAMPLE,
                 codes.KIND_DEAD}) == 4

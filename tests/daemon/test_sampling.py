@@ -15,8 +15,9 @@ import pytest
 from aiokafka import TopicPartition
 
 from daemon import native
+from daemon.codes import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE
 from daemon.event_records import ModelBatch
-from daemon.events import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE, EventParser
+from daemon.events import EventParser
 from daemon.model_state import ModelState
 from daemon.native import route_uniform_fast
 from daemon.settings import Settings

@@ -8,13 +8,9 @@ import numpy as np
 import orjson
 import pytest
 
+from daemon.codes import KIND_OUTCOME, KIND_PREDICTION, KIND_SAMPLE
 from daemon.event_records import Invalid, ModelPolicy, Outcome, Prediction, Sample
-from daemon.events import (
-    KIND_OUTCOME,
-    KIND_PREDICTION,
-    KIND_SAMPLE,
-    EventParser,
-)
+from daemon.events import EventParser
 from daemon.tools.simulate.cli import build_parser, generator_from_args, main
 from daemon.tools.simulate.model import SyntheticModel, true_label_dist
 from daemon.tools.simulate.traffic import MALFORMED_KINDS, TrafficGenerator

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from daemon.checkpoint.store import PART, RecordLimitError
-from daemon.events import KIND_PREDICTION
+from daemon.codes import KIND_PREDICTION
 from daemon.join import JoinStore
 from daemon.kafka import topics as kafka_topics
 from daemon.kafka.clients import make_producer
