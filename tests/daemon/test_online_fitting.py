@@ -145,6 +145,22 @@ def gauge(d, name: str, **labels) -> float | None:
     return d.metrics.registry.get_sample_value(name, {"model": M, **labels})
 
 
+async def paused_on_a_gated_fit(make):
+    """A daemon whose online fits wait for ``gate``, fed until its partition pauses on the
+    first fit request: ``(d, feed, gate, calls)`` (``calls``: the requests the fit received)."""
+    gate, calls = threading.Event(), []
+
+    def gated_fit(req):
+        calls.append(req)
+        gate.wait(30)
+        return run_fit(req)
+
+    d = make(online_fit=gated_fit)
+    feed = Feeder(d)
+    await feed.until(lambda: feed.paused, "a pause on a fit request")
+    return d, feed, gate, calls
+
+
 async def test_online_maps_are_published_in_order_signed_and_counted(make):
     d = make()
     feed = Feeder(d)
@@ -170,16 +186,7 @@ async def test_online_maps_are_published_in_order_signed_and_counted(make):
 
 
 async def test_stream_pauses_while_blocked_on_a_fit_and_resumes_after_it(make):
-    gate, calls = threading.Event(), []
-
-    def gated_fit(req):
-        calls.append(req)
-        gate.wait(30)
-        return run_fit(req)
-
-    d = make(online_fit=gated_fit)
-    feed = Feeder(d)
-    await feed.until(lambda: feed.paused, "a pause on a fit request")
+    d, feed, gate, calls = await paused_on_a_gated_fit(make)
     st = d.registry.slots[M].state
     assert st.backlogged and len(calls) == 1 and st.fit_requests_outstanding == calls
     req = calls[0]
@@ -249,15 +256,7 @@ async def test_manual_request_fits_at_the_next_decision_point(make):
 
 
 async def test_drift_refill_while_blocked_feeds_the_waiting_rows(make):
-    gate = threading.Event()
-
-    def gated_fit(req):
-        gate.wait(30)
-        return run_fit(req)
-
-    d = make(online_fit=gated_fit)
-    feed = Feeder(d)
-    await feed.until(lambda: feed.paused, "a pause on a fit request")
+    d, feed, gate, _ = await paused_on_a_gated_fit(make)
     st = d.registry.slots[M].state
     # a batch fetched before the pause took effect: it waits in the backlog
     vals = events(feed.next, 250)
@@ -335,15 +334,7 @@ async def test_restore_adopts_a_newer_published_map_and_versions_continue(make, 
 
 
 async def test_restore_reruns_the_fit_requests_of_the_checkpoint(make, monkeypatch, tmp_path):
-    gate = threading.Event()
-
-    def gated_fit(req):
-        gate.wait(30)
-        return run_fit(req)
-
-    d = make(online_fit=gated_fit)
-    feed = Feeder(d)
-    await feed.until(lambda: feed.paused, "a pause on a fit request")
+    d, feed, gate, _ = await paused_on_a_gated_fit(make)
     slot = d.registry.slots[M]
     record = encode_envelope(M, slot)
     env = decode_envelope(M, record, limit=d.s.state.max_state_bytes, wanted=lambda p: True)
