@@ -77,8 +77,11 @@ from typing import Any
 import numpy as np
 
 from lpcal.binmap import BinMap, utc_now
+from lpcal.certificate import (Certificate, Estimate, bound_method, err_p_bound,
+                               min_certifiable_holdout)
 from lpcal.challenger import LOSSES, Decision, PairedLoss, challenge
 from lpcal.errors import InputError
+from lpcal.holdout import HoldoutSums
 from lpcal.levels import beta_for, lambda_for
 from lpcal.pools import PoolLayout, PoolSet, n_levels, pool_names
 from lpcal.spec import parse_p
@@ -86,7 +89,7 @@ from lpcal.warmup import WarmupSums
 from lpcal.window import PoolsSnapshot, SlidingWindow
 
 __all__ = ["Event", "FitRequest", "OnlineCalibrator", "OnlineConfig", "Update",
-           "fit_window_pools", "index_uniforms", "run_fit"]
+           "certify_map", "fit_window_pools", "index_uniforms", "run_fit"]
 
 _ROUTE_KEY = np.uint64(0x9E3779B97F4A7C15)
 #: The result of a fit request that failed (:meth:`OnlineCalibrator.complete` with None).
@@ -152,9 +155,15 @@ class OnlineConfig:
         fit took; if the result is not back by then, :meth:`OnlineCalibrator.update` stops
         there (``blocked``).
     certify_buckets : int
-        Newest buckets whose held-out sums certify Algorithm 2's fits (10 buckets of 1,000 at
-        a 30% share: 3,000 held-out samples, what an epoch of the fixed schedule held out);
-        the loss grids of the champion/challenger test cover the whole window.
+        Newest buckets whose held-out samples are kept (10 buckets of 1,000 at a 30% share:
+        3,000 held-out samples, what an epoch of the fixed schedule held out): the test
+        share's certify Algorithm 2's fits (its choice between the pre-calibrator and the
+        corrected map), the certification share's certify the published maps; the loss grids
+        of the champion/challenger test cover the whole window.
+    cert_share : float
+        Share of the held-out samples kept apart to certify published maps (module
+        docstring, *Certificates*): the rest is the test share (champion/challenger and
+        Algorithm 2's own selection). 0: published maps carry no certificate of their own.
     max_bytes : int, optional
         Bound on the bytes of the sealed buckets (oldest dropped first).
     """
@@ -178,6 +187,7 @@ class OnlineConfig:
     certify_buckets: int = 10
     max_bytes: int | None = None
     fit_delay: int = 1_000
+    cert_share: float = 0.5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "p", parse_p(self.p))
@@ -193,6 +203,7 @@ class OnlineConfig:
             "pools_from": self.pools_from >= 1, "certify_buckets": self.certify_buckets >= 1,
             "max_bytes": self.max_bytes is None or self.max_bytes > 0,
             "fit_delay": self.fit_delay >= self.step and self.fit_delay % self.step == 0,
+            "cert_share": 0 <= self.cert_share < 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -208,6 +219,36 @@ class OnlineConfig:
         hold = round(per * len(names) * self.holdout_share / (1.0 - self.holdout_share))
         return PoolLayout(k, lambda_for(beta), n_levels(beta), "shared",
                           dict.fromkeys(names, per), holdout=max(1, hold))
+
+
+#: ``method`` of an online map's certificate without certification samples yet.
+NO_CERT_SAMPLES = "none: no certification samples yet"
+
+
+def certify_map(bm: BinMap, x: np.ndarray, y: np.ndarray, *, look: int = 1) -> Certificate:
+    """The :class:`lpcal.certificate.Certificate` of ``bm``'s Err_p at its ``eps``, ``p``,
+    ``delta`` and ``lambda`` on certification samples ``(x, y)`` (raw model outputs and labels
+    no fit and no selection of ``bm`` used), the ``look``-th certificate of the same map: its
+    bound, and the raw model's (reported, for ``vacuous``), at level
+    ``1 - delta / (look (look + 1))`` (``selectable = look (look + 1)``; module docstring,
+    *Certificates*). The candidate is named ``"corrected"`` (a map with bins) or
+    ``"temperature"``."""
+    m = look * (look + 1)
+    name = "corrected" if bm.n_bins else "temperature"
+    y = np.asarray(y, dtype=np.int64)
+    if y.size == 0:
+        return Certificate(NO_CERT_SAMPLES, float(bm.eps), float(bm.p), int(bm.lam),
+                           float(bm.delta), 0, {}, name, False, m)
+    x = np.asarray(x, dtype=np.float64)
+    est = {}
+    for cand, h in (("raw", x), (name, bm.apply(x, check=False))):
+        cells = HoldoutSums(bm.k, bm.lam).update(h, y).cells()
+        e, b = err_p_bound(cells, bm.p, bm.delta / m, bm.k)
+        est[cand] = Estimate(e, b, cells.brier)
+    method = (f"{bound_method(bm.p)}, certification share, look {look} at delta/{m}")
+    return Certificate(method, float(bm.eps), float(bm.p), int(bm.lam), float(bm.delta),
+                       int(y.size), est, name, bool(est[name].bound <= bm.eps), m,
+                       bool(est["raw"].bound <= bm.eps))
 
 
 def evidence(dec: Decision, cal: OnlineCalibrator) -> dict[str, Any]:
@@ -361,7 +402,8 @@ class OnlineCalibrator:
         self.window = SlidingWindow(self.config.layout(self.k),
                                     bucket_size=self.config.bucket_size,
                                     n_buckets=self.config.n_buckets,
-                                    holdout_buckets=self.config.certify_buckets)
+                                    holdout_buckets=self.config.certify_buckets,
+                                    cert_share=self.config.cert_share)
         self.n_seen = 0
         self.regime_start = 0
         self.warm: WarmupSums | None = WarmupSums()
@@ -382,6 +424,10 @@ class OnlineCalibrator:
         self.result: BinMap | None = None         # its result, once complete
         self.requests_issued = 0
         self.waiting = False       # the decision at ``pending.due`` waits for its result
+        #: certificates computed for the live map (0: not published by this loop) and the
+        #: certification samples at which the next one is due while it is not certified
+        self.cert_looks = 0
+        self.cert_next = 0
 
     # ------------------------------------------------------------------ feeding
     def update(self, probs, labels, uniforms=None) -> Update:
@@ -465,9 +511,10 @@ class OnlineCalibrator:
 
     def _ingest(self, u: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         if self.warm is not None or self.shadow is not None:
-            hold = self.window.layout.route_uniforms(u) >= len(self.window.layout.names)
+            fit = self.window.layout.route_uniforms(u) < len(self.window.layout.names)
+            hold = ~fit & ~self.window.certifying(u)  # the test share
             if self.warm is not None:
-                self.warm.update(x[~hold], y[~hold])
+                self.warm.update(x[fit], y[fit])
             if self.shadow is not None and hold.any():
                 bm, acc = self.shadow
                 xs, ys = x[hold], y[hold]
@@ -526,21 +573,31 @@ class OnlineCalibrator:
         if self.shadow is not None and self.shadow[1].n >= self.shadow_next_test:
             events.extend(self._test_shadow())
         if self.next_fit_at is not None and n_reg >= self.next_fit_at:
-            self.next_fit_at = math.ceil(n_reg * cfg.growth / cfg.step) * cfg.step
-            grid = self.window.grid()
-            if self.live is not None and self.live.n_bins:
-                # a corrected live map: Algorithm 2's refit is the likelier challenger, and
-                # one shadow is tested at a time: temperature scaling is tested only if the
-                # refit does not give a corrected map (when it takes effect)
-                req = self._request_fit()
-                if req:
-                    events.extend(req)
-                elif grid.n:
-                    events.extend(self._challenge_temperature(grid.fit(), grid.n))
-            else:
-                if grid.n:
-                    events.extend(self._challenge_temperature(grid.fit(), grid.n))
-                events.extend(self._request_fit())
+            events.extend(self._scheduled_fit())
+        if not any(e.kind == "published" for e in events):
+            events.extend(self._recertify())
+        return events
+
+    def _scheduled_fit(self) -> list[Event]:
+        """A fit point of the growth schedule: the candidates of the window."""
+        cfg = self.config
+        n_reg = self.n_seen - self.regime_start
+        self.next_fit_at = math.ceil(n_reg * cfg.growth / cfg.step) * cfg.step
+        grid = self.window.grid()
+        events: list[Event] = []
+        if self.live is not None and self.live.n_bins:
+            # a corrected live map: Algorithm 2's refit is the likelier challenger, and
+            # one shadow is tested at a time: temperature scaling is tested only if the
+            # refit does not give a corrected map (when it takes effect)
+            req = self._request_fit()
+            if req:
+                events.extend(req)
+            elif grid.n:
+                events.extend(self._challenge_temperature(grid.fit(), grid.n))
+        else:
+            if grid.n:
+                events.extend(self._challenge_temperature(grid.fit(), grid.n))
+            events.extend(self._request_fit())
         return events
 
     def _alpha(self) -> float:
@@ -588,14 +645,52 @@ class OnlineCalibrator:
         self.version += 1
         if bm.version != self.version:
             bm = dataclasses.replace(bm, version=self.version)
+        sizing = dict(bm.sizing)
         if dec is not None:
-            bm = dataclasses.replace(bm, sizing={**bm.sizing, **evidence(dec, self)})
+            sizing.update(evidence(dec, self))
+        self.cert_looks = 0
+        if self.config.cert_share:
+            if bm.certificate is not None:  # Algorithm 2's own, on the test share
+                sizing["fit_certificate"] = bm.certificate.to_dict()
+            bm = dataclasses.replace(bm, certificate=self._certify(bm, 1))
+        bm = dataclasses.replace(bm, sizing=sizing)
         self.live = bm
         self.live_regime = self.regime_start
         self.live_fit_n = 0
         self.tests = 0
         self.shadow = None
         return Event(self.n_seen, "published", self.version, bm.temperature, dec, bm)
+
+    def _certify(self, bm: BinMap, look: int) -> Certificate:
+        """The ``look``-th certificate of ``bm`` on the window's certification samples (module
+        docstring, *Certificates*); sets when the next look is due."""
+        x, y = self.window.cert_samples()
+        self.cert_looks = look
+        nxt = min_certifiable_holdout(bm.eps, bm.p, bm.delta, self.k,
+                                      candidates=(look + 1) * (look + 2))
+        self.cert_next = max(math.ceil(y.size * self.config.growth), nxt)
+        return certify_map(bm, x, y, look=look)
+
+    def _recertify(self) -> list[Event]:
+        """The live map, published by this loop and not certified, certified again once the
+        certification samples grew by ``growth``: published anew (the same map, the next
+        version) only if it is certified now."""
+        live = self.live
+        if (not self.cert_looks or live is None or live.certificate is None
+                or live.certificate.certified):
+            return []
+        if sum(b.n_cert for b in self.window.buckets) < self.cert_next:
+            return []
+        cert = self._certify(live, self.cert_looks + 1)
+        if not cert.certified:
+            return []
+        self.version += 1
+        self.live = dataclasses.replace(
+            live, version=self.version, created_at=utc_now(), certificate=cert,
+            sizing={**live.sizing, "recertified": {"look": self.cert_looks,
+                                                   "samples": self.n_seen}})
+        return [Event(self.n_seen, "published", self.version, self.live.temperature, None,
+                      self.live, "recertified")]
 
     def _request_fit(self) -> list[Event]:
         """Ask for Algorithm 2 on a snapshot of the window's pools (none while one request is
@@ -652,6 +747,7 @@ class OnlineCalibrator:
         self.live = binmap
         self.version = int(version)
         self.live_regime, self.live_fit_n = -1, 0
+        self.cert_looks, self.cert_next = 0, 0
         self.tests = 0
         self.shadow = None
 
@@ -678,6 +774,7 @@ class OnlineCalibrator:
         self.next_fit_at = None
         self.shadow = None
         self.tests = 0
+        self.cert_next = 0  # the certification samples start over with the buckets
         # a fit of pre-drift pools is moot: dropped (a late complete() is ignored)
         self.pending, self.result, self.waiting = None, None, False
         return Event(self.n_seen, "drift")
@@ -706,7 +803,8 @@ class OnlineCalibrator:
             "version": self.version, "tests": self.tests, "next_fit_at": self.next_fit_at,
             "live_fit_n": self.live_fit_n, "live_regime": self.live_regime,
             "warm_n": self.warm_n, "requests_issued": self.requests_issued,
-            "waiting": self.waiting,
+            "waiting": self.waiting, "cert_looks": self.cert_looks,
+            "cert_next": self.cert_next,
             "pending": None if self.pending is None else {
                 **self.pending.to_dict(),
                 "result": (None if self.result is None else "failed" if self.result is _FAILED
@@ -739,6 +837,8 @@ class OnlineCalibrator:
             out.next_fit_at = None if d["next_fit_at"] is None else int(d["next_fit_at"])
             out.requests_issued = int(d.get("requests_issued", 0))
             out.waiting = bool(d.get("waiting", False))
+            out.cert_looks = int(d.get("cert_looks", 0))
+            out.cert_next = int(d.get("cert_next", 0))
             pend = d.get("pending")
             if pend is not None:
                 out.pending = FitRequest.from_dict(pend, model_id=out.model_id,

@@ -32,6 +32,16 @@ samples each::
   many as an epoch held out before); they are routed to the held-out share, so never in the
   pools of the fit they certify.
 
+**The certification share.** With ``cert_share > 0`` the top ``cert_share`` of the held-out
+share's interval of ``u`` (:meth:`SlidingWindow.certifying`) is kept apart: those samples enter
+neither the loss grid (the champion/challenger test) nor the held-out sums of Algorithm 2's
+fits; a bucket only counts them (``cert_n``) and keeps them raw (``cert`` in its checkpoint
+form) while it is among the newest ``holdout_buckets``, from the first sample on (during the
+warm-up too). They certify the maps the online loop publishes (:mod:`lpcal.online`): samples
+no fit and no selection saw. The bytes are those of the held-out samples kept before: the
+held-out share is split, not enlarged (``8 k + 8`` bytes per sample, 1,500 samples of each
+kind at the online defaults).
+
 Samples are routed by a uniform ``u`` in [0, 1) per sample (a hash of the event id in the
 daemon, :func:`lpcal.pools.route_uniform`), through the layout's routing
 (:meth:`lpcal.pools.PoolLayout.route_uniforms`): to one of Algorithm 2's pools (the *fit
@@ -186,7 +196,8 @@ class Bucket:
     its held-out sums stay empty) and the held-out samples routed while ``pools`` was set,
     raw (``held_x`` (m, k) float64, ``held_y`` (m,) int64; module docstring)."""
 
-    __slots__ = ("_held_chunks", "grid", "held", "index", "n", "pools", "temperature")
+    __slots__ = ("_cert_chunks", "_held_chunks", "cert_n", "grid", "held", "index", "n",
+                 "pools", "temperature")
 
     def __init__(self, index: int) -> None:
         self.index = int(index)
@@ -196,6 +207,9 @@ class Bucket:
         self.pools: PoolSet | None = None
         self.temperature: float | None = None
         self._held_chunks: list[tuple[np.ndarray, np.ndarray]] = []
+        #: samples routed to the certification share (kept or not), and those kept
+        self.cert_n = 0
+        self._cert_chunks: list[tuple[np.ndarray, np.ndarray]] = []
 
     def keep_held(self, x: np.ndarray, y: np.ndarray) -> None:
         """Keep held-out samples (copies) for the certificate's sums."""
@@ -218,11 +232,35 @@ class Bucket:
     def n_held(self) -> int:
         return sum(int(c[1].size) for c in self._held_chunks)
 
+    def keep_cert(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Keep samples of the certification share (copies; module docstring)."""
+        self.cert_n += int(y.size)
+        if y.size:
+            self._cert_chunks.append((np.array(x, dtype=np.float64),
+                                      np.array(y, dtype=np.int64)))
+
+    def cert_samples(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The certification share's samples kept, in arrival order (one array each)."""
+        if len(self._cert_chunks) != 1:
+            xs = [c[0] for c in self._cert_chunks] or [np.zeros((0, k))]
+            ys = [c[1] for c in self._cert_chunks] or [np.zeros(0, np.int64)]
+            self._cert_chunks = [(np.concatenate(xs), np.concatenate(ys))]
+        return self._cert_chunks[0]
+
+    def drop_cert(self) -> None:
+        self._cert_chunks = []
+
+    @property
+    def n_cert(self) -> int:
+        """Certification samples kept (``cert_n`` counts those routed, kept or dropped)."""
+        return sum(int(c[1].size) for c in self._cert_chunks)
+
     @property
     def nbytes(self) -> int:
         return (self.grid.nll.nbytes + self.held.nbytes
                 + (self.pools.nbytes if self.pools is not None else 0)
-                + sum(x.nbytes + y.nbytes for x, y in self._held_chunks))
+                + sum(x.nbytes + y.nbytes for x, y in self._held_chunks)
+                + sum(x.nbytes + y.nbytes for x, y in self._cert_chunks))
 
     def to_dict(self) -> dict[str, Any]:
         d = {"index": self.index, "n": self.n, "grid": self.grid.to_dict(),
@@ -233,6 +271,12 @@ class Bucket:
             x, y = self.held_samples(k)
             d["held_samples"] = {"k": k, "x": _b64(x.astype("<f8")),
                                  "y": _b64(y.astype("<i8"))}
+        if self.cert_n:  # the certification share (absent: none, as written before it)
+            d["cert"] = {"n": self.cert_n}
+            if self._cert_chunks:
+                x, y = self.cert_samples(self._cert_chunks[0][0].shape[1])
+                d["cert"].update(k=int(x.shape[1]), x=_b64(x.astype("<f8")),
+                                 y=_b64(y.astype("<i8")))
         return d
 
     @classmethod
@@ -249,13 +293,18 @@ class Bucket:
             hs = d.get("held_samples")
             if hs is not None:
                 b.keep_held(*_held_from_dict(hs, layout.k, b.held.n))
+            cs = d.get("cert")
+            if cs is not None:
+                if "x" in cs:
+                    b.keep_cert(*_held_from_dict(cs, layout.k, int(cs["n"])))
+                b.cert_n = int(cs["n"])
         except (KeyError, TypeError, ValueError, binascii.Error) as e:
             raise InputError(f"malformed window bucket ({e})") from None
         if b.pools is not None and (b.pools.layout != layout
                                     or b.pools.temperature != b.temperature):
             raise InputError(f"window bucket {b.index}: pools do not match the window's "
                              "layout or the bucket's temperature")
-        if b.n < 0 or b.grid.n + b.grid.skipped + b.held.n != b.n:
+        if b.n < 0 or b.grid.n + b.grid.skipped + b.held.n + b.cert_n != b.n:
             raise InputError(f"window bucket {b.index}: counts do not add up to n={b.n}")
         return b
 
@@ -265,9 +314,11 @@ class Bucket:
         return ((self.index, self.n, self.temperature) == (other.index, other.n,
                                                              other.temperature)
                 and self.grid == other.grid and self.held == other.held
-                and self.pools == other.pools
+                and self.pools == other.pools and self.cert_n == other.cert_n
                 and _same_samples(self.held_samples(1) if self._held_chunks else None,
-                                  other.held_samples(1) if other._held_chunks else None))
+                                  other.held_samples(1) if other._held_chunks else None)
+                and _same_samples(self.cert_samples(1) if self._cert_chunks else None,
+                                  other.cert_samples(1) if other._cert_chunks else None))
 
 
 class SlidingWindow:
@@ -291,7 +342,8 @@ class SlidingWindow:
     """
 
     def __init__(self, layout: PoolLayout, *, bucket_size: int = 1_000,
-                 n_buckets: int = 32, holdout_buckets: int | None = None) -> None:
+                 n_buckets: int = 32, holdout_buckets: int | None = None,
+                 cert_share: float = 0.0) -> None:
         if layout.warmup or not layout.holdout:
             raise InputError("a sliding window needs a layout without warm-up and with a "
                              f"held-out share; got warmup={layout.warmup}, "
@@ -300,7 +352,11 @@ class SlidingWindow:
                                                  and holdout_buckets < 1):
             raise InputError(f"bucket_size, n_buckets and holdout_buckets must be >= 1, got "
                              f"{bucket_size}, {n_buckets}, {holdout_buckets}")
+        if not 0.0 <= cert_share < 1.0:
+            raise InputError(f"cert_share must be in [0, 1), got {cert_share!r}")
         self.holdout_buckets = None if holdout_buckets is None else int(holdout_buckets)
+        #: share of the held-out samples routed to the certification share (module docstring)
+        self.cert_share = float(cert_share)
         self.layout = layout
         self.bucket_size = int(bucket_size)
         self.n_buckets = int(n_buckets)
@@ -332,6 +388,7 @@ class SlidingWindow:
         if self.holdout_buckets is not None and len(self.buckets) > self.holdout_buckets:
             old = self.buckets[-1 - self.holdout_buckets]
             old.drop_held()
+            old.drop_cert()
             if old.pools is not None and old.pools.holdout.n:  # a state written with sums
                 lay = self.layout
                 old.pools.holdout = HoldoutSums(lay.k, lay.lam)
@@ -362,8 +419,11 @@ class SlidingWindow:
         route = self.layout.route_uniforms(u)
         n_pools = len(self.layout.names)
         fit = route < n_pools
-        hold = np.flatnonzero(~fit)
+        cert = self.certifying(u) & ~fit
+        hold = np.flatnonzero(~fit & ~cert)
         fit = np.flatnonzero(fit)
+        if self.cert_share:
+            bucket.keep_cert(x[cert], y[cert])
         bucket.grid.update(x[fit], y[fit])
         bucket.held.update(x[hold], y[hold])
         if bucket.pools is not None:
@@ -372,6 +432,15 @@ class SlidingWindow:
             bucket.pools.add(route[fit], g[fit], y[fit])
             bucket.keep_held(x[hold], y[hold])
         bucket.n += int(y.size)
+
+    def certifying(self, u: np.ndarray) -> np.ndarray:
+        """Which routing uniforms go to the certification share: the top ``cert_share`` of
+        the held-out share's interval of ``u`` (so a subset of the held-out share)."""
+        u = np.asarray(u, dtype=np.float64)
+        if not self.cert_share:
+            return np.zeros(u.shape, dtype=bool)
+        cw = self.layout.cumulative_weights()
+        return u >= 1.0 - (1.0 - cw[len(self.layout.names) - 1]) * self.cert_share
 
     def reset_after(self, index: int) -> None:
         """Keep only the buckets with an index above ``index`` (after a drift at bucket
@@ -400,6 +469,15 @@ class SlidingWindow:
     def held(self) -> LossGrid:
         """The held-out share's loss grid over the window."""
         return tree_sum([b.held for b in self.buckets], LossGrid.merge)
+
+    def cert_samples(self) -> tuple[np.ndarray, np.ndarray]:
+        """The certification share's samples kept in the window (those of the newest
+        ``holdout_buckets`` buckets), oldest first: ``(probs (m, k), labels (m,))``."""
+        k = self.layout.k
+        parts = [b.cert_samples(k) for b in self.buckets if b.n_cert]
+        if not parts:
+            return np.zeros((0, k)), np.zeros(0, np.int64)
+        return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
     def pools(self, temperature: float | None = None) -> PoolSet | None:
         """Algorithm 2's pools and held-out sums over the window's buckets binned at
@@ -437,7 +515,7 @@ class SlidingWindow:
     def to_dict(self) -> dict[str, Any]:
         return {"layout": self.layout.to_dict(), "bucket_size": self.bucket_size,
                 "n_buckets": self.n_buckets, "holdout_buckets": self.holdout_buckets,
-                "temperature": self.temperature,
+                "cert_share": self.cert_share, "temperature": self.temperature,
                 "buckets": [b.to_dict() for b in self.buckets]}
 
     @classmethod
@@ -447,7 +525,8 @@ class SlidingWindow:
             hb = d.get("holdout_buckets")
             out = cls(PoolLayout.from_dict(d["layout"]), bucket_size=int(d["bucket_size"]),
                       n_buckets=int(d["n_buckets"]),
-                      holdout_buckets=None if hb is None else int(hb))
+                      holdout_buckets=None if hb is None else int(hb),
+                      cert_share=float(d.get("cert_share", 0.0)))
             t = d["temperature"]
             out.temperature = None if t is None else float(t)
             out.buckets = [Bucket.from_dict(b, out.layout) for b in d["buckets"]]
@@ -467,6 +546,7 @@ class SlidingWindow:
         return (self.layout == other.layout and self.bucket_size == other.bucket_size
                 and self.n_buckets == other.n_buckets
                 and self.holdout_buckets == other.holdout_buckets
+                and self.cert_share == other.cert_share
                 and self.temperature == other.temperature
                 and self.buckets == other.buckets)
 

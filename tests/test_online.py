@@ -57,11 +57,16 @@ def test_first_map_long_before_a_fixed_warm_up():
 
 
 def test_a_calibrated_model_keeps_the_identity():
-    # labels follow softmax(log f): every candidate is near T = 1, none is better than f itself
-    f, y = tempered(15000, t=1.0)
-    ev = OnlineCalibrator(10, CFG).update(f, y)
-    kept = [e for e in ev if e.kind == "kept"]
-    assert kept and not [e for e in ev if e.kind == "published"]
+    # labels follow softmax(log f): every candidate is near T = 1, none is better than f
+    # itself; the test publishes one with probability at most alpha = 0.05 per stream (2 of
+    # 40 seeds measured), so 10 streams with 3 or more publishing would be a broken test
+    published = 0
+    for seed in range(10):
+        f, y = tempered(15000, t=1.0, seed=seed)
+        ev = OnlineCalibrator(10, CFG).update(f, y)
+        assert [e for e in ev if e.kind == "kept"]
+        published += any(e.kind == "published" for e in ev)
+    assert published <= 2
 
 
 def test_drift_recovery_uses_post_drift_samples_only():
