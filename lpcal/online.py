@@ -54,6 +54,49 @@ checkpoint; a restore re-issues it (fits are deterministic given their pools and
 was published on in ``sizing["evidence"]`` (:func:`evidence`: paired loss, held-out samples,
 mean difference, standard error, level spent, the version it beat).
 
+**Certificates.** Every map published also carries a :class:`lpcal.certificate.Certificate` of
+its ``Err_p`` at the model's ``eps``, ``p``, ``delta`` and ``lambda`` (:func:`certify_map`),
+computed on a **certification share** that no fit and no selection saw. The routing uniform
+``u`` of a sample (a hash of its position or event id, independent of its content) sends it to
+the fit share ``F`` (``u < a``), the test share ``H`` (``a <= u < c``) or the certification
+share ``C`` (``u >= c``, ``c = 1 - (1 - a) cert_share``: ``cert_share`` of the held-out
+share; :meth:`lpcal.window.SlidingWindow.certifying`). Within a regime (since the last drift
+notification) let the samples be i.i.d. from ``D``:
+
+* every candidate is a function of ``F`` (the temperature of the window's fit share;
+  Algorithm 2 on the pools), and every decision, i.e. which candidate is published and when,
+  is a function of ``F``, ``H`` and the routing uniforms: the champion/challenger test reads
+  only ``H`` (the loss grids, the shadow's paired losses), so does Algorithm 2's own choice
+  between the pre-calibrator and the corrected map (its held-out sums are ``H``'s), and the
+  decision points are sample counts;
+* so given ``F`` and ``H``, the published map ``h`` and its publication sample ``s`` are fixed,
+  and the certification samples of the newest ``certify_buckets`` buckets at ``s`` are a fixed
+  set of positions whose samples are i.i.d. from ``D`` and independent of ``h``:
+  :func:`lpcal.certificate.err_p_bound` there bounds ``Err_p(h)`` with probability
+  ``1 - delta'``, as for any fixed map. No union over the candidates tested is needed: the
+  selection never looked at ``C``.
+
+**Looks.** A map published before ``C`` held enough samples is not certified at first. While
+the live map (published by this loop) is not certified, it is certified again at the next
+decision point after the certification samples grew by ``growth`` (and reached
+:func:`lpcal.certificate.min_certifiable_holdout`), and published anew (the same map, the next
+version, ``sizing["recertified"]``) only if it is certified now: a choice made on ``C``. So
+the ``j``-th certificate of one map is bounded at ``delta' = delta / (j (j + 1))``
+(``Certificate.selectable = j (j + 1)``; the first, at publication, at ``delta / 2``), and by a
+union bound over the looks, ``sum_j delta / (j (j + 1)) = delta``: with probability at least
+``1 - delta`` every certificate published for the map holds at once, whichever one a user
+reads. The raw model is bounded at the same level (``vacuous`` when its bound is ``<= eps``).
+Algorithm 2's own certificate of a corrected map (on ``H``) is kept in
+``sizing["fit_certificate"]``.
+
+What it does not cover: the drift notifications (the daemon's change test sees every sample,
+``C`` included) are taken as given: the argument holds conditionally on where the regimes
+start. A certificate is about the distribution of its certification samples (the newest
+``certify_buckets`` buckets: 1,500 samples at the defaults); a drift not yet detected inside
+them makes it a statement about the mixture. The price is the test share: with
+``cert_share = 0.5`` the champion/challenger test reads 15% of the samples instead of 30%
+(docs/benchmarks.md, sections ``recovery`` and ``families``, measure what that costs).
+
 Determinism: every decision happens at a multiple of ``step`` samples (batches are split there),
 every sum is an exact integer, samples are routed by ``uniforms`` (given, e.g. a hash of the event
 id, or a counter-based hash of the sample's position in the stream) and fit seeds are sample
@@ -255,10 +298,8 @@ def evidence(dec: Decision, cal: OnlineCalibrator) -> dict[str, Any]:
     """The held-out evidence a map was published on, for its ``sizing["evidence"]``.
 
     A map the online loop publishes was chosen by the champion/challenger test
-    (:func:`lpcal.challenger.challenge`), not certified: its Err_p ``Certificate`` would need
-    held-out sums binned by the published map's own predictor, and the window's sums are binned
-    at the pool temperature (and are empty at the end of the warm-up, when the first map goes
-    out). What it carries instead is the test's evidence, JSON-safe::
+    (:func:`lpcal.challenger.challenge`) on the test share; this is that test's evidence
+    (its certificate, on the certification share, is ``BinMap.certificate``), JSON-safe::
 
         {"test": "paired-nll" | "paired-brier", "n_heldout": int,   # paired held-out samples
          "mean_diff": float,      # mean loss, challenger minus champion (< 0: better)
@@ -268,7 +309,7 @@ def evidence(dec: Decision, cal: OnlineCalibrator) -> dict[str, Any]:
          "significance": bool, "champion_version": int,  # the live map it beat (0: identity)
          "samples": int}          # the calibrator's sample count at the decision
 
-    Algorithm 2's corrected maps keep their :class:`lpcal.certificate.Certificate` as well."""
+    Algorithm 2's own certificate of a corrected map is kept in ``sizing["fit_certificate"]``."""
     return {"evidence": {
         "test": f"paired-{dec.loss}", "n_heldout": int(dec.n), "mean_diff": float(dec.mean_diff),
         "stderr": float(dec.stderr), "upper_bound": float(dec.upper_bound),
