@@ -70,7 +70,7 @@ notification) let the samples be i.i.d. from ``D``:
   between the pre-calibrator and the corrected map (its held-out sums are ``H``'s), and the
   decision points are sample counts;
 * so given ``F`` and ``H``, the published map ``h`` and its publication sample ``s`` are fixed,
-  and the certification samples of the newest ``certify_buckets`` buckets at ``s`` are a fixed
+  and the certification samples of the newest ``cert_buckets`` buckets at ``s`` are a fixed
   set of positions whose samples are i.i.d. from ``D`` and independent of ``h``:
   :func:`lpcal.certificate.err_p_bound` there bounds ``Err_p(h)`` with probability
   ``1 - delta'``, as for any fixed map. No union over the candidates tested is needed: the
@@ -78,8 +78,9 @@ notification) let the samples be i.i.d. from ``D``:
 
 **Looks.** A map published before ``C`` held enough samples is not certified at first. While
 the live map (published by this loop) is not certified, it is certified again at the next
-decision point after the certification samples grew by ``growth`` (and reached
-:func:`lpcal.certificate.min_certifiable_holdout`), and published anew (the same map, the next
+decision point after the regime's samples grew by ``cert_growth`` (so the certification
+samples grew, or were renewed as buckets left the window; at least
+:func:`lpcal.certificate.min_certifiable_holdout` of them), and published anew (the same map, the next
 version, ``sizing["recertified"]``) only if it is certified now: a choice made on ``C``. So
 the ``j``-th certificate of one map is bounded at ``delta' = delta / (j (j + 1))``
 (``Certificate.selectable = j (j + 1)``; the first, at publication, at ``delta / 2``), and by a
@@ -92,7 +93,7 @@ Algorithm 2's own certificate of a corrected map (on ``H``) is kept in
 What it does not cover: the drift notifications (the daemon's change test sees every sample,
 ``C`` included) are taken as given: the argument holds conditionally on where the regimes
 start. A certificate is about the distribution of its certification samples (the newest
-``certify_buckets`` buckets: 1,500 samples at the defaults); a drift not yet detected inside
+``cert_buckets`` buckets: 3,000 samples at the defaults); a drift not yet detected inside
 them makes it a statement about the mixture. The price is the test share: with
 ``cert_share = 0.5`` the champion/challenger test reads 15% of the samples instead of 30%
 (docs/benchmarks.md, sections ``recovery`` and ``families``, measure what that costs).
@@ -207,6 +208,12 @@ class OnlineConfig:
         Share of the held-out samples kept apart to certify published maps (module
         docstring, *Certificates*): the rest is the test share (champion/challenger and
         Algorithm 2's own selection). 0: published maps carry no certificate of their own.
+    cert_growth : float
+        An uncertified live map is certified again (a *look*) when the samples of the regime
+        have grown by this factor since its last look (module docstring, *Looks*).
+    cert_buckets : int
+        Newest buckets whose certification samples are kept (20 buckets of 1,000 at a 15%
+        share: 3,000 samples, what an epoch of the fixed schedule held out).
     max_bytes : int, optional
         Bound on the bytes of the sealed buckets (oldest dropped first).
     """
@@ -231,6 +238,8 @@ class OnlineConfig:
     max_bytes: int | None = None
     fit_delay: int = 1_000
     cert_share: float = 0.5
+    cert_growth: float = 1.25
+    cert_buckets: int = 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "p", parse_p(self.p))
@@ -246,7 +255,8 @@ class OnlineConfig:
             "pools_from": self.pools_from >= 1, "certify_buckets": self.certify_buckets >= 1,
             "max_bytes": self.max_bytes is None or self.max_bytes > 0,
             "fit_delay": self.fit_delay >= self.step and self.fit_delay % self.step == 0,
-            "cert_share": 0 <= self.cert_share < 1,
+            "cert_share": 0 <= self.cert_share < 1, "cert_growth": self.cert_growth > 1,
+            "cert_buckets": self.cert_buckets >= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -444,7 +454,8 @@ class OnlineCalibrator:
                                     bucket_size=self.config.bucket_size,
                                     n_buckets=self.config.n_buckets,
                                     holdout_buckets=self.config.certify_buckets,
-                                    cert_share=self.config.cert_share)
+                                    cert_share=self.config.cert_share,
+                                    cert_buckets=self.config.cert_buckets)
         self.n_seen = 0
         self.regime_start = 0
         self.warm: WarmupSums | None = WarmupSums()
@@ -707,20 +718,21 @@ class OnlineCalibrator:
         docstring, *Certificates*); sets when the next look is due."""
         x, y = self.window.cert_samples()
         self.cert_looks = look
-        nxt = min_certifiable_holdout(bm.eps, bm.p, bm.delta, self.k,
-                                      candidates=(look + 1) * (look + 2))
-        self.cert_next = max(math.ceil(y.size * self.config.growth), nxt)
+        self.cert_next = math.ceil((self.n_seen - self.regime_start) * self.config.cert_growth)
         return certify_map(bm, x, y, look=look)
 
     def _recertify(self) -> list[Event]:
         """The live map, published by this loop and not certified, certified again once the
-        certification samples grew by ``growth``: published anew (the same map, the next
+        regime's samples grew by ``cert_growth``: published anew (the same map, the next
         version) only if it is certified now."""
         live = self.live
         if (not self.cert_looks or live is None or live.certificate is None
                 or live.certificate.certified):
             return []
-        if sum(b.n_cert for b in self.window.buckets) < self.cert_next:
+        if self.n_seen - self.regime_start < self.cert_next or sum(
+                b.n_cert for b in self.window.buckets) < min_certifiable_holdout(
+                live.eps, live.p, live.delta, self.k,
+                candidates=(self.cert_looks + 1) * (self.cert_looks + 2)):
             return []
         cert = self._certify(live, self.cert_looks + 1)
         if not cert.certified:
@@ -815,7 +827,7 @@ class OnlineCalibrator:
         self.next_fit_at = None
         self.shadow = None
         self.tests = 0
-        self.cert_next = 0  # the certification samples start over with the buckets
+        self.cert_next = 0  # the regime, and its certification samples, start over
         # a fit of pre-drift pools is moot: dropped (a late complete() is ignored)
         self.pending, self.result, self.waiting = None, None, False
         return Event(self.n_seen, "drift")

@@ -36,11 +36,11 @@ samples each::
 share's interval of ``u`` (:meth:`SlidingWindow.certifying`) is kept apart: those samples enter
 neither the loss grid (the champion/challenger test) nor the held-out sums of Algorithm 2's
 fits; a bucket only counts them (``cert_n``) and keeps them raw (``cert`` in its checkpoint
-form) while it is among the newest ``holdout_buckets``, from the first sample on (during the
+form) while it is among the newest ``cert_buckets``, from the first sample on (during the
 warm-up too). They certify the maps the online loop publishes (:mod:`lpcal.online`): samples
-no fit and no selection saw. The bytes are those of the held-out samples kept before: the
-held-out share is split, not enlarged (``8 k + 8`` bytes per sample, 1,500 samples of each
-kind at the online defaults).
+no fit and no selection saw. ``8 k + 8`` bytes per sample: at the online defaults (half of a
+30% held-out share, 20 buckets of 1,000) 3,000 certification samples, 1.5 times the bytes of
+the 3,000 held-out samples the newest 10 buckets kept before (now 1,500 of the test share).
 
 Samples are routed by a uniform ``u`` in [0, 1) per sample (a hash of the event id in the
 daemon, :func:`lpcal.pools.route_uniform`), through the layout's routing
@@ -343,7 +343,7 @@ class SlidingWindow:
 
     def __init__(self, layout: PoolLayout, *, bucket_size: int = 1_000,
                  n_buckets: int = 32, holdout_buckets: int | None = None,
-                 cert_share: float = 0.0) -> None:
+                 cert_share: float = 0.0, cert_buckets: int | None = None) -> None:
         if layout.warmup or not layout.holdout:
             raise InputError("a sliding window needs a layout without warm-up and with a "
                              f"held-out share; got warmup={layout.warmup}, "
@@ -354,9 +354,13 @@ class SlidingWindow:
                              f"{bucket_size}, {n_buckets}, {holdout_buckets}")
         if not 0.0 <= cert_share < 1.0:
             raise InputError(f"cert_share must be in [0, 1), got {cert_share!r}")
+        if cert_buckets is not None and cert_buckets < 1:
+            raise InputError(f"cert_buckets must be >= 1, got {cert_buckets!r}")
         self.holdout_buckets = None if holdout_buckets is None else int(holdout_buckets)
         #: share of the held-out samples routed to the certification share (module docstring)
         self.cert_share = float(cert_share)
+        #: newest buckets that keep their certification samples (None: ``holdout_buckets``)
+        self.cert_buckets = self.holdout_buckets if cert_buckets is None else int(cert_buckets)
         self.layout = layout
         self.bucket_size = int(bucket_size)
         self.n_buckets = int(n_buckets)
@@ -388,11 +392,12 @@ class SlidingWindow:
         if self.holdout_buckets is not None and len(self.buckets) > self.holdout_buckets:
             old = self.buckets[-1 - self.holdout_buckets]
             old.drop_held()
-            old.drop_cert()
             if old.pools is not None and old.pools.holdout.n:  # a state written with sums
                 lay = self.layout
                 old.pools.holdout = HoldoutSums(lay.k, lay.lam)
                 old.pools.holdout_raw = HoldoutSums(lay.k, lay.lam)
+        if self.cert_buckets is not None and len(self.buckets) > self.cert_buckets:
+            self.buckets[-1 - self.cert_buckets].drop_cert()
         if self.temperature is not None:
             b.temperature = self.temperature
             b.pools = PoolSet(self.layout, temperature=self.temperature)
@@ -515,7 +520,8 @@ class SlidingWindow:
     def to_dict(self) -> dict[str, Any]:
         return {"layout": self.layout.to_dict(), "bucket_size": self.bucket_size,
                 "n_buckets": self.n_buckets, "holdout_buckets": self.holdout_buckets,
-                "cert_share": self.cert_share, "temperature": self.temperature,
+                "cert_share": self.cert_share, "cert_buckets": self.cert_buckets,
+                "temperature": self.temperature,
                 "buckets": [b.to_dict() for b in self.buckets]}
 
     @classmethod
@@ -526,7 +532,9 @@ class SlidingWindow:
             out = cls(PoolLayout.from_dict(d["layout"]), bucket_size=int(d["bucket_size"]),
                       n_buckets=int(d["n_buckets"]),
                       holdout_buckets=None if hb is None else int(hb),
-                      cert_share=float(d.get("cert_share", 0.0)))
+                      cert_share=float(d.get("cert_share", 0.0)),
+                      cert_buckets=None if d.get("cert_buckets") is None
+                      else int(d["cert_buckets"]))
             t = d["temperature"]
             out.temperature = None if t is None else float(t)
             out.buckets = [Bucket.from_dict(b, out.layout) for b in d["buckets"]]
@@ -547,6 +555,7 @@ class SlidingWindow:
                 and self.n_buckets == other.n_buckets
                 and self.holdout_buckets == other.holdout_buckets
                 and self.cert_share == other.cert_share
+                and self.cert_buckets == other.cert_buckets
                 and self.temperature == other.temperature
                 and self.buckets == other.buckets)
 
