@@ -38,6 +38,7 @@ from tests.bench import (
     bench_directions,
     bench_drift,
     bench_eps,
+    bench_families,
     bench_fit,
     bench_ingest,
     bench_models,
@@ -80,6 +81,7 @@ BENCHMARKS = {
     "drift": bench_drift,
     "models": bench_models,
     "recovery": bench_recovery,
+    "families": bench_families,
 }
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
