@@ -12,9 +12,14 @@ def test_recovery_quick_table():
     assert row["start: online"] != "never" and row["drift: online"] != "never"
     assert row["start: fixed epochs"] == "never"
     assert int(row["published worse than replaced"]) == 0
-    # the state's bytes: held-out samples instead of per-bucket sums, against a fixed epoch
+    # the state's bytes: test-share and certification samples, against a fixed epoch
     b = dict(zip(state.headers, state.rows[0]))
     assert state.key == "recovery" and len(state.rows) == 1
     mb = {h: float(v.split()[0]) for h, v in b.items() if v.endswith(" MB")}
-    assert 0 < mb["of which held-out samples"] < mb["online state"]
-    assert mb["online state"] < mb["the same with per-bucket held-out sums (before)"]
+    assert 0 < mb["of which test-share samples"] < mb["online state"]
+    assert 0 < mb["of which certification samples"] < mb["online state"]
+    # the certification samples: 15% of the newest 20 buckets, 8 k + 8 bytes each
+    test_n, cert_n = (int(v.replace(",", "")) for v in b["samples kept (test / certification)"]
+                      .split(" / "))
+    assert 2_500 < cert_n < 3_500 and 1_200 < test_n < 1_800
+    assert abs(mb["of which certification samples"] * 1e6 - cert_n * 88) < 0.006e6

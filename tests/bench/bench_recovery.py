@@ -9,10 +9,12 @@ temperature scaling only.
 
 Three calibrators see the same stream:
 
-* **online**: :class:`lpcal.online.OnlineCalibrator` with its defaults; told of the drift
-  ``DETECTION_DELAY`` samples after the switch (the change test's median delay on these
-  networks, docs/benchmarks.md section ``drift``; the samples in between are dropped by the
-  reset);
+* **online**: :class:`lpcal.online.OnlineCalibrator` with its defaults, watched as the daemon
+  watches it (:class:`Watched`): a :class:`daemon.monitor.WindowMonitor` with the shipped
+  change test (:mod:`daemon.drift`, the model settings' defaults) sees the raw and the served
+  map's outputs, restarts its calibrated window at every publication, and when the test alarms
+  the loop is told (:meth:`~lpcal.online.OnlineCalibrator.notify_drift`), once per map, as the
+  daemon's drift trigger does; an alarm before the switch is a false one (counted);
 * **fixed epochs**: the daemon's previous schedule, simulated with the library
   (:class:`lpcal.pools.PoolSet` with today's defaults: warm-up 10,000, 3,000 held out, pools
   of 5,000 per estimation pool; every full epoch is fitted with :func:`lpcal.calibrate.fit_pools`
@@ -26,7 +28,11 @@ bounds of docs/benchmarks.md section ``quality`` of temperature scaling fitted o
 samples seen so far, on the test split: top-label ECE within +0.003, classwise ECE +0.001,
 Brier +0.001, NLL +0.01. Reported: the first ``n`` (from the start, and from the switch) at which
 the served map is good, checked every ``EVAL_EVERY`` samples for ``SETTLED`` samples after each
-publication, then every ``SETTLED_EVERY`` (the served map does not change in between); for temperature scaling itself, the
+publication, then every ``SETTLED_EVERY`` (the served map does not change in between). After the
+switch, also **the issue's criterion**: the first sample from the switch at which the served
+map's top-label ECE on the drifted test split is within ``ISSUE_ECE`` (0.01) of temperature
+scaling fitted on the drifted stream pool (target: within 10,000 samples). For temperature
+scaling itself, the
 first ``n`` at which TS fitted on ``n`` samples is within the same bounds of TS fitted on the
 whole stream pool (5,000 distinct samples). Medians over seeds, with the range. Also: the maps
 the online loop published, and how many of them were worse on the test split (Brier) than the
@@ -46,6 +52,8 @@ import math
 
 import numpy as np
 
+from daemon.monitor import WindowMonitor
+from daemon.settings import ModelSettings
 from lpcal.binmap import BinMap, scale_temperature
 from lpcal.holdout import HoldoutSums
 from lpcal.metrics import brier, classwise_ece, nll, top_label_ece
@@ -62,7 +70,8 @@ SCALE_UP = 2.0                # the over-confident drift: online loop and TS onl
 UP_AT = 20_000                # its stationary phase (only a published map is needed first)
 DRIFT_AT = 60_000
 AFTER_CAP = 90_000            # drifted samples streamed at most
-DETECTION_DELAY = 1_000
+ISSUE_ECE = 0.01              # the issue's criterion after a drift: top-label ECE within this
+RATE = 10.0                   # samples per second of event time (the monitor's clock)
 BYTES_AT = 40_000             # stationary samples before the state's bytes are measured
 BATCH = 500
 EVAL_EVERY = 500
@@ -137,11 +146,15 @@ class Tracker:
 
 def run_stream(sp: Split, make, feed) -> dict:
     """Stream ``sp`` through a calibrator (``feed(cal, a, x, y)`` returns published maps);
-    returns the first good positions (from the start, from the switch) and the publications."""
+    returns the first good positions (from the start, from the switch; the issue's criterion
+    after it), the publications and, for a :class:`Watched` loop, its drift notifications."""
     cal = make(sp.k)
     ts = Tracker()
     served: BinMap | None = None
     first = {False: None, True: None}
+    issue = None
+    ref_ece = sp.ts_quality(True, TemperatureGrid().update(sp.x[True], sp.y).fit())[
+        "top-label ECE"]
     pubs: list[tuple[int, BinMap]] = []
     last_pub = 0
     for a in range(0, sp.drift_at + sp.after_cap, BATCH):
@@ -154,25 +167,70 @@ def run_stream(sp: Split, make, feed) -> dict:
             last_pub = b
         if not drifted and first[False] is not None:
             continue  # the start is settled: no evaluation until the switch
-        if drifted and first[True] is not None:
+        if drifted and first[True] is not None and issue is not None:
             break
         if served is None or b % (EVAL_EVERY if b - last_pub <= SETTLED else SETTLED_EVERY):
             continue
-        if within(sp.map_quality(drifted, served), sp.ts_quality(drifted,
-                                                                 ts.temperature(drifted))):
+        q = sp.map_quality(drifted, served)
+        if drifted and issue is None and q["top-label ECE"] <= ref_ece + ISSUE_ECE:
+            issue = b - sp.drift_at
+        if first[drifted] is None and within(q, sp.ts_quality(drifted,
+                                                              ts.temperature(drifted))):
             first[drifted] = b - (sp.drift_at if drifted else 0)
     worse = 0
     for (_, old), (b, new) in itertools.pairwise(pubs):
         d = b > sp.drift_at
         worse += sp.map_quality(d, new)["Brier"] > sp.map_quality(d, old)["Brier"] + 1e-4
-    return {"start": first[False], "drift": first[True], "published": len(pubs),
-            "worse": worse}
+    det = getattr(cal, "detections", [])
+    after = [n - sp.drift_at for n in det if n > sp.drift_at]
+    return {"start": first[False], "drift": first[True], "issue": issue, "published": len(pubs),
+            "worse": worse, "detected": after[0] if after else None,
+            "false_alarms": sum(n <= sp.drift_at for n in det)}
 
 
-def online_feed(cal: OnlineCalibrator, a: int, x, y, drift_at: int = DRIFT_AT):
-    if a == drift_at + DETECTION_DELAY:
-        cal.notify_drift()
-    return [e.binmap for e in cal.update(x, y) if e.kind == "published"]
+class Watched:
+    """The online loop watched as the daemon watches it (module docstring): its served map's
+    outputs feed a :class:`daemon.monitor.WindowMonitor` with the shipped change test, whose
+    calibrated window restarts at every publication (at the exact sample, as
+    :meth:`daemon.model_state.ModelState.install_binmap` does); an alarm tells the loop of a
+    drift once per map (:class:`daemon.trigger.DriftTrigger` fires once until re-armed by the
+    next map). ``detections``: the loop's sample counts at the notifications."""
+
+    def __init__(self, k: int):
+        self.cal = OnlineCalibrator(k, fit=run_fit)
+        self.mon = WindowMonitor(k, self.cal.window.layout.lam, self.cal.config.p,
+                                 window_samples=10_000,
+                                 change=ModelSettings().monitor_spec().change_detector())
+        self.armed = True
+        self.detections: list[int] = []
+
+    def feed(self, x: np.ndarray, y: np.ndarray) -> list[BinMap]:
+        start = self.cal.n_seen
+        out, a = [], 0
+        for e in self.cal.update(x, y).events:
+            if e.kind == "published":
+                b = e.n - start
+                self._watch(x[a:b], y[a:b], start + a)
+                a = b
+                self.mon.reset("calibrated")
+                self.armed = True
+                out.append(e.binmap)
+        self._watch(x[a:], y[a:], start + a)
+        if self.mon.change.alarm and self.armed:
+            self.armed = False
+            self.detections.append(self.cal.n_seen)
+            self.cal.notify_drift()
+        return out
+
+    def _watch(self, x: np.ndarray, y: np.ndarray, t0: int) -> None:
+        if y.size:
+            live = self.cal.live
+            self.mon.update(x, y, (t0 + np.arange(y.size)) / RATE,
+                            calibrated=None if live is None else live.apply(x, check=False))
+
+
+def online_feed(cal: Watched, a: int, x, y):
+    return cal.feed(x, y)
 
 
 class FixedSchedule:
@@ -226,9 +284,14 @@ def state_bytes(sp: Split) -> dict[str, int]:
     w = cal.window
     held = [b for b in w.buckets if b.n_held]
     held_bytes = sum(x.nbytes + y.nbytes for x, y in (b.held_samples(sp.k) for b in held))
+    cx, cy = w.cert_samples()
+    cert_bytes = cx.nbytes + cy.nbytes
     per_bucket = 0
-    for b in held:
+    for b in held:  # the previous release: all their held-out samples as sums
         x, y = b.held_samples(sp.k)
+        if b.n_cert:
+            x = np.concatenate([x, b.cert_samples(sp.k)[0]])
+            y = np.concatenate([y, b.cert_samples(sp.k)[1]])
         g = scale_temperature(x, b.temperature)
         per_bucket += (HoldoutSums(sp.k, w.layout.lam).update(g, y).nbytes
                        + HoldoutSums(sp.k, w.layout.lam).update(x, y).nbytes)
@@ -241,7 +304,9 @@ def state_bytes(sp: Split) -> dict[str, int]:
         a += BATCH
     fixed.pools.compact()
     return {"online": cal.nbytes, "held": held_bytes, "n_held": sum(b.n_held for b in held),
-            "before": cal.nbytes - held_bytes + per_bucket, "per_bucket": per_bucket,
+            "cert": cert_bytes, "n_cert": int(cy.size),
+            "before": cal.nbytes - held_bytes - cert_bytes + per_bucket,
+            "per_bucket": per_bucket,
             "fixed": fixed.pools.nbytes, "fixed_n": a}
 
 
@@ -270,7 +335,9 @@ def run(quick: bool = False) -> list[Table]:
         ["network", "k", "start: online", "start: fixed epochs", "start: TS alone",
          "online / fixed", "drift: online", "drift: fixed epochs", "drift: TS alone",
          "online / fixed (drift)", "drift x2: online", "drift x2: TS alone",
-         "online maps published", "published worse than replaced"],
+         "online maps published", "published worse than replaced",
+         "drift detected after (change test)", "false alarms before the switch",
+         "drift: online, ECE within 0.01 of TS there", "<= 10,000 (issue)"],
         key="recovery",
         notes=[
             (f"Joined samples until the served map is within the quality bounds of "
@@ -279,18 +346,24 @@ def run(quick: bool = False) -> list[Table]:
              f"{len(seeds)} seeds, checked every {EVAL_EVERY} samples up to {SETTLED:,} after a "
              f"publication, then every {SETTLED_EVERY:,}. Drift: logits x"
              f"{SCALE} after {DRIFT_AT:,} samples, counted from the switch; the online loop is "
-             f"told {DETECTION_DELAY:,} samples after it (the change test's median delay, "
-             f"section drift); streams capped at {AFTER_CAP:,} drifted samples ('> cap'). "
+             "told when the daemon's change test (shipped defaults) on its served map alarms "
+             f"('drift detected after'; alarms before the switch are false ones); streams "
+             f"capped at {AFTER_CAP:,} drifted samples ('> cap'). "
              f"Drift x{SCALE_UP:g} (over-confident): a separate stream of {UP_AT:,} "
              f"stationary samples, then logits x{SCALE_UP:g}, at most {UP_AT:,} of them; the "
              "fixed schedule is not run on it (its epochs do not depend on the drift)."),
+            (f"The issue's criterion after the drift: the served map's top-label ECE on the "
+             f"drifted test split within {ISSUE_ECE} of temperature scaling fitted on the "
+             "whole drifted stream pool; '<= 10,000 (issue)': in how many seeds that held "
+             "within 10,000 samples of the switch."),
             (f"Fixed epochs: warm-up {FIXED['warmup']:,}, held out {FIXED['holdout']:,}, "
              f"{FIXED['pool']:,} per estimation pool (the previous daemon defaults, eps 0.1, "
              "p inf), every full epoch fitted and published. TS alone: samples until TS "
              "fitted on them is within the same bounds of TS fitted on the whole stream pool."),
             ("Online loop: lpcal.online.OnlineConfig defaults (warm-up until the 95% interval "
-             "of ln T is within +-0.05, window of 32 buckets of 1,000, 30% held out, "
-             "champion/challenger on the paired log-loss difference at alpha 0.05 spent over the "
+             "of ln T is within +-0.05, window of 32 buckets of 1,000, 30% held out, half of it "
+             "the test share and half the certification share, champion/challenger on the "
+             "test share's paired log-loss difference at alpha 0.05 spent over the "
              "tests; Algorithm 2's fits take effect 1,000 samples after they are requested). "
              "'Published worse than replaced': publications whose test-split Brier "
              "exceeds the replaced map's by more than 1e-4."),
@@ -298,33 +371,32 @@ def run(quick: bool = False) -> list[Table]:
     mb = Table(
         f"Bytes of the online loop's state after {BYTES_AT:,} samples (k = 100 networks), "
         "against a full epoch of the fixed schedule",
-        ["network", "k", "online state", "of which held-out samples", "held-out samples",
+        ["network", "k", "online state", "of which test-share samples",
+         "of which certification samples", "samples kept (test / certification)",
          "the same with per-bucket held-out sums (before)", "full fixed epoch",
          "online / fixed epoch", "before / fixed epoch"],
         key="recovery",
         notes=[("Seed 0, stationary stream. The online state: lpcal.online.OnlineCalibrator."
                 "nbytes (window buckets: temperature and loss grids, Algorithm 2's pool "
-                "tables, held-out samples of the newest 10 buckets). 'Before': the same "
-                "window with each of those buckets keeping the held-out sums of g and f "
-                "(lpcal.holdout.HoldoutSums of the same samples) instead of the samples. "
+                "tables, the test share's held-out samples of the newest 10 buckets and the "
+                "certification share's of the newest 20). 'Before': the window of two "
+                "releases ago, each of the newest 10 buckets keeping the held-out sums of g "
+                "and f (lpcal.holdout.HoldoutSums of all their held-out samples) and no "
+                "certification samples. "
                 "Full fixed epoch: lpcal.pools.PoolSet.nbytes of the first full epoch of the "
                 "previous defaults (warm-up grid, pools, 3,000 held out), compacted.")])
     for name in records:
         res = {"online": [], "fixed": [], "ts": [], "up": [], "up_ts": []}
         k = None
         for s in seeds:
-            sp = Split(name, s, *((12_000, 12_000) if quick else ()))
+            sp = Split(name, s, *((24_000, 12_000) if quick else ()))
             k = sp.k
-            res["online"].append(run_stream(
-                sp, lambda kk: OnlineCalibrator(kk, fit=run_fit),
-                lambda cal, a, x, y, d=sp.drift_at: online_feed(cal, a, x, y, d)))
+            res["online"].append(run_stream(sp, Watched, online_feed))
             res["fixed"].append(run_stream(sp, FixedSchedule,
                                            lambda cal, a, x, y: cal.feed(x, y)))
             res["ts"].append({"start": ts_samples(sp, False), "drift": ts_samples(sp, True)})
             up = Split(name, s, *((12_000, 12_000) if quick else (UP_AT, UP_AT)), SCALE_UP)
-            res["up"].append(run_stream(
-                up, lambda kk: OnlineCalibrator(kk, fit=run_fit),
-                lambda cal, a, x, y, d=up.drift_at: online_feed(cal, a, x, y, d))["drift"])
+            res["up"].append(run_stream(up, Watched, online_feed)["drift"])
             res["up_ts"].append(ts_samples(up, True))
         col = {m: {ph: [r[ph] for r in res[m]] for ph in ("start", "drift")}
                for m in ("online", "fixed", "ts")}
@@ -334,11 +406,17 @@ def run(quick: bool = False) -> list[Table]:
               _fmt(col["ts"]["drift"]), _ratio(col["online"]["drift"], col["fixed"]["drift"]),
               _fmt(res["up"]), _fmt(res["up_ts"]),
               "/".join(str(r["published"]) for r in res["online"]),
-              sum(r["worse"] for r in res["online"]))
+              sum(r["worse"] for r in res["online"]),
+              _fmt([r["detected"] for r in res["online"]]),
+              sum(r["false_alarms"] for r in res["online"]),
+              _fmt([r["issue"] for r in res["online"]]),
+              f"{sum(r['issue'] is not None and r['issue'] <= 10_000 for r in res['online'])}"
+              f" of {len(res['online'])}")
         if k >= 100 or quick:
             b = state_bytes(Split(name, 0))
             mb.add(name, k, f"{b['online'] / 1e6:.2f} MB", f"{b['held'] / 1e6:.2f} MB",
-                   f"{b['n_held']:,}", f"{b['before'] / 1e6:.2f} MB",
+                   f"{b['cert'] / 1e6:.2f} MB", f"{b['n_held']:,} / {b['n_cert']:,}",
+                   f"{b['before'] / 1e6:.2f} MB",
                    f"{b['fixed'] / 1e6:.2f} MB", f"{b['online'] / b['fixed']:.2f}",
                    f"{b['before'] / b['fixed']:.2f}")
     return [t, mb]
