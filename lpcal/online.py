@@ -80,8 +80,9 @@ notification) let the samples be i.i.d. from ``D``:
 the live map (published by this loop) is not certified, it is certified again at the next
 decision point after the regime's samples grew by ``cert_growth`` (so the certification
 samples grew, or were renewed as buckets left the window; at least
-:func:`lpcal.certificate.min_certifiable_holdout` of them), and published anew (the same map, the next
-version, ``sizing["recertified"]``) only if it is certified now: a choice made on ``C``. So
+:func:`lpcal.certificate.min_certifiable_holdout` of them), and published anew (the same map,
+the next version, ``sizing["recertified"]``) only if it is certified now: a choice made on
+``C``. So
 the ``j``-th certificate of one map is bounded at ``delta' = delta / (j (j + 1))``
 (``Certificate.selectable = j (j + 1)``; the first, at publication, at ``delta / 2``), and by a
 union bound over the looks, ``sum_j delta / (j (j + 1)) = delta``: with probability at least
@@ -121,8 +122,13 @@ from typing import Any
 import numpy as np
 
 from lpcal.binmap import BinMap, utc_now
-from lpcal.certificate import (Certificate, Estimate, bound_method, err_p_bound,
-                               min_certifiable_holdout)
+from lpcal.certificate import (
+    Certificate,
+    Estimate,
+    bound_method,
+    err_p_bound,
+    min_certifiable_holdout,
+)
 from lpcal.challenger import LOSSES, Decision, PairedLoss, challenge
 from lpcal.errors import InputError
 from lpcal.holdout import HoldoutSums
@@ -298,7 +304,7 @@ def certify_map(bm: BinMap, x: np.ndarray, y: np.ndarray, *, look: int = 1) -> C
         cells = HoldoutSums(bm.k, bm.lam).update(h, y).cells()
         e, b = err_p_bound(cells, bm.p, bm.delta / m, bm.k)
         est[cand] = Estimate(e, b, cells.brier)
-    method = (f"{bound_method(bm.p)}, certification share, look {look} at delta/{m}")
+    method = f"{bound_method(bm.p)}, certification share, look {look} at delta/{m}"
     return Certificate(method, float(bm.eps), float(bm.p), int(bm.lam), float(bm.delta),
                        int(y.size), est, name, bool(est[name].bound <= bm.eps), m,
                        bool(est["raw"].bound <= bm.eps))
@@ -477,7 +483,7 @@ class OnlineCalibrator:
         self.requests_issued = 0
         self.waiting = False       # the decision at ``pending.due`` waits for its result
         #: certificates computed for the live map (0: not published by this loop) and the
-        #: certification samples at which the next one is due while it is not certified
+        #: regime's sample count from which the next is due while it is not certified
         self.cert_looks = 0
         self.cert_next = 0
 
@@ -883,6 +889,9 @@ class OnlineCalibrator:
             t = d["pool_temperature"]
             out.pool_temperature = None if t is None else float(t)
             out.window = SlidingWindow.from_dict(d["window"])
+            if "cert_share" not in d["window"]:  # written before the certification share
+                out.window.cert_share = out.config.cert_share
+                out.window.cert_buckets = out.config.cert_buckets
             out.live = None if d["live"] is None else BinMap.from_json(d["live"])
             out.version, out.tests = int(d["version"]), int(d["tests"])
             out.live_fit_n, out.live_regime = int(d["live_fit_n"]), int(d["live_regime"])

@@ -152,3 +152,19 @@ def test_without_a_certification_share_maps_keep_the_fit_certificate_only():
     assert bm.certificate is None
     empty = certify_map(bm, np.zeros((0, 10)), np.zeros(0, np.int64))
     assert empty.n_holdout == 0 and not empty.certified and math.isinf(empty.bound)
+
+
+def test_a_state_written_before_the_certification_share_restores_and_adopts_it():
+    f, _, y = tempered_truth(9000, 2)
+    old = OnlineCalibrator(10, OnlineConfig(pools_from=10**9, cert_share=0.0))
+    old.update(f[:3000], y[:3000])
+    d = json.loads(json.dumps(old.to_dict()))
+    for key in ("cert_share", "cert_growth", "cert_buckets"):
+        del d["config"][key]
+    for key in ("cert_share", "cert_buckets"):
+        del d["window"][key]
+    del d["cert_looks"], d["cert_next"]
+    back = OnlineCalibrator.from_dict(d)
+    assert back.config.cert_share == back.window.cert_share == OnlineConfig().cert_share
+    maps = back.update(f[3000:], y[3000:]).published
+    assert maps and maps[-1].certificate.n_holdout > 0

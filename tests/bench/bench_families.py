@@ -172,9 +172,9 @@ def run_stream(family: str, seed: int) -> dict:
             take(st.feed_backlog(), phase, start)
         elif firing is not None:
             st.request_fit()
-        if out["ts_first"] is None and (phase or not drift) and grids[phase].n:
-            if truths[phase].ts(grids[phase].fit()) <= EPS:
-                out["ts_first"] = b - start
+        if (out["ts_first"] is None and (phase or not drift) and grids[phase].n
+                and truths[phase].ts(grids[phase].fit()) <= EPS):
+            out["ts_first"] = b - start
         if out["first"] is not None and out["ts_first"] is not None and (phase or not drift):
             break
     out["last_true"] = None if last is None else truths[drift].map(last)
