@@ -129,7 +129,8 @@ def run_stream(family: str, seed: int) -> dict:
     truths = {False: Truth(base, False), True: Truth(base, True) if drift else None}
     grids = {False: TemperatureGrid(), True: TemperatureGrid()}
     out = {"first": None, "false_certified": 0, "first_true": None, "last_true": None,
-           "ts_first": None, "ts_at_first": None, "detected": None, "published": 0}
+           "ts_first": None, "ts_at_first": None, "detected": None, "published": 0,
+           "before": None}
     last: BinMap | None = None
 
     def take(res, phase: bool, start: int):
@@ -155,9 +156,13 @@ def run_stream(family: str, seed: int) -> dict:
         for req in res.fit_requests:
             take(st.complete_fit(req, run_fit(req)), phase, start)
 
+    out["before"] = truths[False].of(truths[False].f)   # the raw model
     for a in range(0, total, BATCH):
         b = min(a + BATCH, total)
         phase = drift and a >= DRIFT_AT
+        if drift and a == DRIFT_AT:  # the map served at the switch, on the drifted law
+            out["before"] = truths[True].of(truths[True].f if last is None else
+                                            last.apply(truths[True].f, check=False))
         start = DRIFT_AT if phase else 0
         x, y = (f1 if phase else f0)[a:b], y0[a:b]
         ids = [f"{family}-{seed}-{i}" for i in range(a, b)]
@@ -195,7 +200,7 @@ def _fmt(vals: list, cap: int) -> str:
 
 def _f4(vals: list) -> str:
     got = [v for v in vals if v is not None]
-    return f"{median(got):.4f}" if got else "-"
+    return f"{median(got):.2g}" if got else "-"
 
 
 def run(quick: bool = False) -> list[Table]:
@@ -207,7 +212,8 @@ def run(quick: bool = False) -> list[Table]:
         ["family", "target", "online: first certified, true Err_p <= eps",
          "TS alone: first true Err_p <= eps", "online / TS", "met (median)",
          "certified with true Err_p > eps", "true Err_p of that map", "TS at that sample",
-         "true Err_p of the last map", "drift detected after", "maps published"],
+         "true Err_p of the last map", "raw model (drift: map at the switch)",
+         "drift detected after", "maps published"],
         key="families",
         notes=[
             ("Medians over seeds [min-max]; '> cap (m of n)': m streams never got there. "
@@ -224,6 +230,14 @@ def run(quick: bool = False) -> list[Table]:
              "after it), checked every batch; it has no certificate. 'TS at that sample': its "
              "true Err_p when the online map was published. 'certified with true Err_p > eps':"
              " published certificates whose bound missed (each holds at 1 - delta = 0.9)."),
+            ("True Err_inf at lambda 20 is blind to much of what these families do (section "
+             "eps): temperature scaling's true Err_p is within eps after a few hundred "
+             "samples, and on the drift family the map served at the switch already has a true "
+             "Err_p below eps on the drifted law (logits halved turn a temperature map's "
+             "outputs softer, towards level sets where Err_inf is small). What the online loop "
+             "needs its thousands of samples for is the certificate: enough certification "
+             "samples (15% of the stream) for the bound to reach eps. The raw model's true "
+             "Err_p is above eps on tempered and two-prototypes, so eps is not vacuous there."),
         ])
     for fam in fams:
         rows = []
@@ -241,6 +255,7 @@ def run(quick: bool = False) -> list[Table]:
         t.add(fam, f"<= {TARGET[fam]:,}", _fmt(col["first"], cap), _fmt(col["ts_first"], cap),
               ratio, "yes" if met else "no", sum(col["false_certified"]),
               _f4(col["first_true"]), _f4(col["ts_at_first"]), _f4(col["last_true"]),
+              _f4(col["before"]),
               _fmt(col["detected"], cap) if fam == "drift" else "-",
               "/".join(str(v) for v in col["published"]))
     return [t]
