@@ -291,9 +291,9 @@ def certify_map(bm: BinMap, x: np.ndarray, y: np.ndarray, *, look: int = 1) -> C
     bound, and the raw model's (reported, for ``vacuous``), at level
     ``1 - delta / (look (look + 1))`` (``selectable = look (look + 1)``; module docstring,
     *Certificates*). The candidate is named ``"corrected"`` (a map with bins) or
-    ``"temperature"``."""
+    ``"precalibrator"`` (temperature scaling alone, as :func:`lpcal.calibrate.fit` names it)."""
     m = look * (look + 1)
-    name = "corrected" if bm.n_bins else "temperature"
+    name = "corrected" if bm.n_bins else "precalibrator"
     y = np.asarray(y, dtype=np.int64)
     if y.size == 0:
         return Certificate(NO_CERT_SAMPLES, float(bm.eps), float(bm.p), int(bm.lam),

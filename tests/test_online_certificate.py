@@ -58,10 +58,10 @@ def test_published_maps_carry_a_certificate_of_their_err_p():
     assert maps
     for bm in maps:
         c = bm.certificate
-        assert isinstance(c, Certificate) and c.selected == "temperature"
+        assert isinstance(c, Certificate) and c.selected == "precalibrator"
         assert (c.eps, c.p, c.delta, c.lam) == (CFG.eps, math.inf, CFG.delta, bm.lam)
         assert c.method.startswith(BOUND_INF) and "certification share" in c.method
-        assert c.selectable == 2 and set(c.estimates) == {"raw", "temperature"}
+        assert c.selectable == 2 and set(c.estimates) == {"raw", "precalibrator"}
         assert c.certified == (c.bound <= CFG.eps)
         assert c.raw_bound > c.bound            # the raw model is over-confident
         assert "evidence" in bm.sizing          # the test's evidence is kept
