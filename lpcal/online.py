@@ -88,6 +88,8 @@ the ``j``-th certificate of one map is bounded at ``delta' = delta / (j (j + 1))
 union bound over the looks, ``sum_j delta / (j (j + 1)) = delta``: with probability at least
 ``1 - delta`` every certificate published for the map holds at once, whichever one a user
 reads. The raw model is bounded at the same level (``vacuous`` when its bound is ``<= eps``).
+A re-certified copy is a publication like any other (in the daemon, the change test of the live
+map starts a new baseline with it).
 Algorithm 2's own certificate of a corrected map (on ``H``) is kept in
 ``sizing["fit_certificate"]``.
 
