@@ -26,7 +26,7 @@ from daemon.tools.simulate.model import SyntheticModel
 from lpcal import metrics
 from lpcal.temperature import apply_temperature, fit_temperature
 
-__all__ = ["QUALITY", "TS_BOUNDS", "FreshSamples", "format_quality", "verdict"]
+__all__ = ["QUALITY", "TS_BOUNDS", "FreshSamples", "beyond_bounds", "format_quality", "verdict"]
 
 #: Rows of the tables after TRUE Err_p (named as in :mod:`lpcal.report`), and their metrics.
 QUALITY = {"top-label ECE (15 eq-width)": metrics.top_label_ece,
@@ -88,5 +88,15 @@ def verdict(raw: Mapping[str, float], ts: Mapping[str, float], cal: Mapping[str,
             ) -> tuple[bool, bool]:
     """(beats the raw model on the four error metrics, within the bounds of TS)."""
     beats = all(cal[name] < raw[name] for name in TS_BOUNDS)
-    within = all(cal[name] <= ts[name] + tol for name, tol in TS_BOUNDS.items())
-    return beats, within and cal["accuracy"] >= ts["accuracy"] - ACCURACY_BOUND
+    return beats, not beyond_bounds(ts, cal)
+
+
+def beyond_bounds(ts: Mapping[str, float], cal: Mapping[str, float]) -> list[str]:
+    """The metrics on which ``cal`` is beyond the bounds of TS, each with its excess and bound
+    (empty: within the bounds)."""
+    out = [f"{name} {cal[name] - ts[name]:+.4f} over TS (bound {tol})"
+           for name, tol in TS_BOUNDS.items() if cal[name] > ts[name] + tol]
+    if cal["accuracy"] < ts["accuracy"] - ACCURACY_BOUND:
+        out.append(f"accuracy {cal['accuracy'] - ts['accuracy']:+.4f} under TS "
+                   f"(bound {ACCURACY_BOUND})")
+    return out
