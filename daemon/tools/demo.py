@@ -455,7 +455,7 @@ class Demo:
                 if not self.switched.is_set():
                     ready = all(c.live is not None for c in controls)
                     limit = self._switch_limit(drift) if ready else None
-                    if limit is not None and self.switch_limit is None:
+                    if limit is not None:  # the last scrape before the switch
                         last_stats = _fmt_stats(m, drift.model.model_id)
                         self.switch.live_version = drift.live.bm.version
                     self.switch_limit = limit
