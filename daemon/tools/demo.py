@@ -213,6 +213,7 @@ class Published:
     seconds: float       # wall seconds since the first event
     trigger: str         # from lpcal_calibrations_total's increase ("?" if not seen)
     skipped: int = 0     # versions published between the two scrapes, not seen here
+    verdict: str = ""    # against the quality bounds of TS, where the demo evaluated it
 
 
 @dataclass
@@ -387,10 +388,12 @@ class Demo:
         self.say(f"\n{title}: {self.plan.fresh:,} fresh samples, TS fitted on 20,000 others")
         self.say(format_quality(cols, bm.p))
         beats, within = verdict(cols["raw"], ts["TS"], cols[last])
-        beyond = beyond_bounds(ts["TS"], cols[last])
+        text = "yes" if within else "NO (" + "; ".join(beyond_bounds(ts["TS"], cols[last])) + ")"
         self.say(f"  {last}: beats raw on ECE, classwise ECE, Brier and NLL: "
-                 f"{'yes' if beats else 'NO'}; within the quality bounds of TS: "
-                 + ("yes" if within else "NO (" + "; ".join(beyond) + ")"))
+                 f"{'yes' if beats else 'NO'}; within the quality bounds of TS: {text}")
+        for pub in t.maps:
+            if pub.bm is maps[last]:
+                pub.verdict = text
         return within, cols
 
     def _progress(self) -> str:
@@ -647,12 +650,16 @@ def run(plan: Plan, keep: bool = False, say: Callable[[str], None] = print) -> O
 def _summary(demo: Demo, out: Outcome, say: Callable[[str], None]) -> None:
     plan = demo.plan
     say(f"\n== The loop for {plan.drift_model} ==")
+    maps = {p.bm.version: p for p in demo.tracks[plan.drift_model].maps}
     if out.first_map is not None:
         say(f"  first map      v{out.first_map.bm.version} after {out.first_map.joined:,} joined "
-            f"samples, {out.first_map.seconds:.1f} s into the stream")
+            f"samples, {out.first_map.seconds:.1f} s into the stream; within the quality "
+            f"bounds of TS: {out.first_map.verdict or '-'}")
     if out.switch is not None:
+        live = maps.get(out.switch.live_version)
         say(f"  drift          logits x{plan.logit_scale:g} from event {out.switch.at:,}, "
-            f"{out.switch.seconds:.1f} s (live map v{out.switch.live_version})")
+            f"{out.switch.seconds:.1f} s; live map v{out.switch.live_version} within the "
+            f"bounds before it: {live.verdict if live and live.verdict else '-'}")
     if out.detected_since is not None:
         how = ("lpcal_drift_change_score >= 1" if out.detected_by == "score"
                else "a map with trigger drift")
@@ -660,8 +667,8 @@ def _summary(demo: Demo, out: Outcome, say: Callable[[str], None]) -> None:
             f"{out.detected_seconds:.1f} s ({how})")
     if out.repair is not None:
         say(f"  repaired       v{out.repair.bm.version}, {out.repair_since:,} joined samples "
-            f"after the switch, {out.repair.seconds:.1f} s; within the quality bounds of TS: "
-            f"{'yes' if out.repair_within else 'NO'}")
+            f"after the switch, {out.repair.seconds:.1f} s; within the quality bounds of TS on "
+            f"drifted samples: {out.repair.verdict}")
     for t in demo.tracks.values():
         if t.model.model_id != plan.drift_model:
             say(f"  control        {t.model.model_id} (stationary): "
