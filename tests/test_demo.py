@@ -89,7 +89,9 @@ def test_demo_main_path_reduced():
     assert first.bm.version == 1 and first.bm.temperature == pytest.approx(4.0, rel=0.15)
     # the switch waited for the live map's baseline, and came before the repair
     assert sw.labelled_before >= first.joined + REDUCED.drift_baseline_samples
-    assert 0 <= out.detected_since <= out.repair_since
+    assert 0 <= out.detected_since <= out.first_repair_since <= out.repair_since
+    assert sw.live_version < out.first_repair.bm.version <= repair.bm.version
+    assert "trigger drift" in text   # the first map after the alarm is counted as the drift's
     assert repair.bm.version > sw.live_version
     # the repair is fitted on drifted samples only: the truth is T / s = 0.25 / 0.5
     assert repair.bm.temperature == pytest.approx(2.0, rel=0.15)

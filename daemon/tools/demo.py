@@ -252,7 +252,9 @@ class Outcome:
     detected_since: int | None = None      # joined samples since the switch at the alarm
     detected_seconds: float | None = None
     detected_by: str = ""                  # "score" (scraped) or "trigger" (drift map seen)
-    repair: Published | None = None
+    first_repair: Published | None = None  # the first map after the alarm
+    first_repair_since: int | None = None
+    repair: Published | None = None        # the map the demo ended on
     repair_since: int | None = None
     repair_within: bool | None = None
     repair_columns: dict = field(default_factory=dict)   # its quality table on drifted samples
@@ -552,6 +554,8 @@ class Demo:
             {f"v{old.version} (live)": old, f"v{pub.bm.version} (repair)": pub.bm},
             plan.logit_scale)
         out.repair, out.repair_since, out.repair_within = pub, since, within
+        if out.first_repair is None:
+            out.first_repair, out.first_repair_since = pub, since
         out.repair_columns = cols
         if within or since >= plan.repair_samples:
             return True
@@ -665,6 +669,10 @@ def _summary(demo: Demo, out: Outcome, say: Callable[[str], None]) -> None:
                else "a map with trigger drift")
         say(f"  detected       {out.detected_since:,} joined samples after the switch, "
             f"{out.detected_seconds:.1f} s ({how})")
+    if out.first_repair is not None and out.first_repair is not out.repair:
+        say(f"  first repair   v{out.first_repair.bm.version}, {out.first_repair_since:,} joined "
+            f"samples after the switch, {out.first_repair.seconds:.1f} s; within the quality "
+            f"bounds of TS on drifted samples: {out.first_repair.verdict}")
     if out.repair is not None:
         say(f"  repaired       v{out.repair.bm.version}, {out.repair_since:,} joined samples "
             f"after the switch, {out.repair.seconds:.1f} s; within the quality bounds of TS on "
