@@ -26,7 +26,8 @@ daemon's change test detects it and the online loop repairs it:
 
 Every wait is on a condition with a budget, never a fixed sleep; when the loop does not complete
 (no map, no alarm, no repair within the budgets) the demo says what is missing and exits 1.
-``python -m daemon.tools.demo --keep`` leaves the daemon and broker running until Ctrl-C.
+``python -m daemon.tools.demo --keep`` leaves the daemon and broker running until Ctrl-C (or
+SIGTERM); either stops the daemon (SIGTERM, graceful) and the broker before the demo exits.
 See docs/demo.md.
 """
 
@@ -629,7 +630,7 @@ def run(plan: Plan, keep: bool = False, say: Callable[[str], None] = print) -> O
             _summary(demo, out, say)
             say(f"\nPrometheus metrics: {base}/metrics   (daemon log: {log_path})")
             if keep:
-                say("--keep: daemon and broker keep running; Ctrl-C to stop")
+                say("--keep: daemon and broker keep running; Ctrl-C (or SIGTERM) to stop")
                 try:
                     while daemon.poll() is None:
                         time.sleep(1)
@@ -694,7 +695,16 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--keep", action="store_true", help="keep daemon and broker running")
     a = ap.parse_args(argv)
-    out = run(Plan(), keep=a.keep, say=lambda s: print(s, flush=True))
+
+    def stop(signum, frame):  # SIGTERM as Ctrl-C: the daemon and broker are stopped first
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        out = run(Plan(), keep=a.keep, say=lambda s: print(s, flush=True))
+    except KeyboardInterrupt:
+        print("interrupted: daemon and broker stopped", flush=True)
+        return 130
     return 0 if out.ok else 1
 
 
