@@ -14,7 +14,7 @@ from daemon.kafka.topics import partition_counts
 from daemon.tools.simulate.cli import main
 from daemon.tools.simulate.driver import simulate
 from daemon.tools.simulate.model import SyntheticModel
-from daemon.tools.simulate.traffic import TrafficGenerator
+from daemon.tools.simulate.traffic import Drift, TrafficGenerator
 
 integration = pytest.mark.integration
 
@@ -75,6 +75,34 @@ async def test_rate_paces_wall_time(broker, topic_prefix):
     report = await simulate(broker.bootstrap, topics, gen, rate=1000.0, idempotence=False)
     assert time.monotonic() - t0 >= 0.35  # 400 events at 1000/s: at least ~0.4 s of pacing
     assert report.events == 400
+
+
+@integration
+async def test_between_chunks_hook_changes_and_holds_the_running_stream(broker, topic_prefix):
+    """The hook runs after each chunk is sent: it can add a drift step (the demo's switch) and
+    hold the stream (awaited) without losing or reordering messages."""
+    topics = {"predictions": f"{topic_prefix}.p", "outcomes": f"{topic_prefix}.o"}
+    gen = TrafficGenerator([SyntheticModel("m", 3, 0.3, 5.0, seed=2)], 600, event_rate=100.0,
+                           chunk=100)
+    seen = []
+
+    async def hook(g):
+        seen.append(g.produced)
+        if g.produced == 300:
+            g.add_drift(Drift(g.produced, logit_scale=0.5))
+            await asyncio.sleep(0.3)
+
+    t0 = time.monotonic()
+    report = await simulate(broker.bootstrap, topics, gen, idempotence=False,
+                            between_chunks=hook)
+    assert time.monotonic() - t0 >= 0.3
+    assert seen == [100, 200, 300, 400, 500, 600, 600]  # the last: the late outcomes' chunk
+    want = list(TrafficGenerator([SyntheticModel("m", 3, 0.3, 5.0, seed=2)], 600,
+                                 event_rate=100.0, drifts=[Drift(300, logit_scale=0.5)]))
+    assert report.messages[topics["predictions"]] == sum(1 for t, *_ in want
+                                                         if t == "predictions")
+    got = await _read_all(broker.bootstrap, topics["predictions"])
+    assert [v for _, _, v in got] == [v for t, _, v in want if t == "predictions"]
 
 
 @integration

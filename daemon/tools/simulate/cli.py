@@ -2,11 +2,13 @@
 simulator.
 
 ``lpcal simulate --bootstrap HOST:PORT [--models fraud-v3,churn-v1:5] [--k 3] [--events N]
-[--rate R] [--delay S] [--T 0.3] ... [--no-idempotence]`` (``--help`` lists every option). Each
-run draws a random run id that is part of every event id (``fraud-v3-<run>-123``), so a second
-run never repeats the first's ids (which the daemon would count as duplicates); ``--events``
-defaults to enough events for one bin map of each model under the daemon's settings
-(:func:`default_events`); a progress line goes to stderr every 2 s.
+[--rate R] [--delay S] [--T 0.3] [--drift AT:logits=S] ... [--no-idempotence]`` (``--help``
+lists every option; ``--drift``, repeated, is a drift schedule of
+:class:`~daemon.tools.simulate.traffic.Drift` steps). Each run draws a random run id that is part
+of every event id (``fraud-v3-<run>-123``), so a second run never repeats the first's ids (which
+the daemon would count as duplicates); ``--events`` defaults to enough events for one bin map of
+each model under the daemon's settings (:func:`default_events`); a progress line goes to stderr
+every 2 s.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from daemon.tools.simulate.traffic import (
     MALFORMED_KINDS,
     OUTCOMES,
     PREDICTIONS,
+    Drift,
     TrafficGenerator,
     check_frac,
 )
@@ -96,6 +99,13 @@ def _kinds_arg(text: str) -> list[str]:
     return kinds
 
 
+def _drift_arg(text: str) -> Drift:
+    try:
+        return Drift.parse(text)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(f"--drift: {e}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="lpcal simulate",
@@ -152,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--drift-after", type=int, default=None,
                    help="after this many events switch every model's T to --drift-T")
     m.add_argument("--drift-T", type=float, default=None)
+    m.add_argument("--drift", type=_drift_arg, action="append", default=[], metavar="SPEC",
+                   help="a step of the drift schedule, repeatable: AT:logits=S[,T=T2]"
+                        "[,model=NAME]: from event AT on (all models interleaved), the logits "
+                        "of NAME (default every model) are multiplied by S (the truth stays: "
+                        "0.5 under-confident, 2 over-confident) and its labels follow T2; e.g. "
+                        "--drift 30000:logits=0.5")
     m.add_argument("--decimals", type=int, default=None,
                    help="round probabilities to this many decimals (default: full precision)")
     m.add_argument("--seed", type=int, default=0)
@@ -236,7 +252,8 @@ def generator_from_args(a: argparse.Namespace) -> TrafficGenerator:
         start=a.start if a.start is not None else time.time(), delay=a.delay, jitter=a.jitter,
         orphan_frac=a.orphan_frac, sample_frac=a.sample_frac, logits_frac=a.logits_frac,
         malformed_frac=a.malformed_frac, malformed_kinds=a.malformed_kinds,
-        drift_after=a.drift_after, drift_T=a.drift_T, seed=a.seed, decimals=a.decimals,
+        drift_after=a.drift_after, drift_T=a.drift_T, drifts=getattr(a, "drift", ()),
+        seed=a.seed, decimals=a.decimals,
         run_id=getattr(a, "run_id", None))
 
 
@@ -266,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             + (f" (enough for one bin map of each model under {sized})" if sized else "")
             + f", ids {ids} -> {kw['bootstrap']} {kw['topics'][PREDICTIONS]} / "
             f"{kw['topics'][OUTCOMES]}")
+        for d in gen.drifts:
+            say(f"simulate: drift {d.describe()}")
     from aiokafka.errors import KafkaError
 
     from daemon.kafka.clients import BrokerSettingsError

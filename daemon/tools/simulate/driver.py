@@ -13,9 +13,10 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +65,10 @@ async def simulate(bootstrap: str, topics: Mapping[str, str], generator: Traffic
                    rate: float = 0.0, idempotence: bool = True, partitions: int = 1,
                    create_topics: bool = True, security: Any = None,
                    flush_every: int = 5000, progress: Callable[[str], None] | None = None,
-                   progress_interval: float = 2.0, **producer_kwargs: Any) -> SimulationReport:
+                   progress_interval: float = 2.0,
+                   between_chunks: Callable[[TrafficGenerator], Awaitable[None] | None]
+                   | None = None,
+                   **producer_kwargs: Any) -> SimulationReport:
     """Produce ``generator``'s stream to Kafka; return what was sent.
 
     ``topics`` maps ``"predictions"`` and ``"outcomes"`` to topic names (they may be equal).
@@ -74,7 +78,10 @@ async def simulate(bootstrap: str, topics: Mapping[str, str], generator: Traffic
     asynchronously (``send``) and every ``flush_every`` messages the delivery futures are
     awaited, so a delivery error stops the run. ``idempotence`` must be False against the
     embedded Tansu broker. ``progress`` (e.g. ``print``) receives a line every
-    ``progress_interval`` seconds.
+    ``progress_interval`` seconds. ``between_chunks(generator)`` is called after each chunk's
+    messages are sent, before the next chunk is generated (awaited when it returns an
+    awaitable, e.g. to hold the stream until a consumer catches up): the place to change the
+    stream as it runs (e.g. :meth:`TrafficGenerator.add_drift` when a condition outside holds).
     """
     if not (math.isfinite(rate) and rate >= 0):
         raise InputError(f"rate must be >= 0 events per second (0 = as fast as possible), "
@@ -106,6 +113,10 @@ async def simulate(bootstrap: str, topics: Mapping[str, str], generator: Traffic
                 if len(futures) >= flush_every:
                     await asyncio.gather(*futures)
                     futures.clear()
+            if between_chunks is not None:
+                held = between_chunks(generator)
+                if inspect.isawaitable(held):
+                    await held
             now = time.monotonic()
             if rate > 0:  # pace: event i is due at t0 + i / rate
                 wait = t0 + generator.produced / rate - now

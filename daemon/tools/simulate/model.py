@@ -6,6 +6,12 @@ label distribution ``q = softmax(T log f)``, i.e. ``q_j ∝ f_j^T``; ``T < 1`` m
 overconfident. Labels are drawn from ``q``. The true ``Err_p`` and Brier score of any predictions
 of it are :func:`lpcal.metrics.err_p_true` and :func:`lpcal.metrics.brier_true` of ``q``.
 
+A *logit-scale drift* ``s`` (``draw(..., logit_scale=s)``) multiplies the logits the model
+outputs, ``f = softmax(s z)``, while the truth stays ``q = softmax(T log softmax(z))``: the
+deployed model changed, the world did not (``s = 0.5``: under-confident relative to before, as
+the halved logits of the drift benchmark; ``s = 2``: over-confident). In terms of the drifted
+predictions ``q = softmax((T / s) log f)``, so temperature scaling still fixes it exactly.
+
 Usage::
 
     f, q, y = SyntheticModel("m", 3, 0.3, 5.0, 0.0, seed=9).sample(100_000)
@@ -67,16 +73,26 @@ class SyntheticModel:
         return (f"SyntheticModel({self.model_id!r}, k={self.k}, T={self.T}, scale={self.scale}, "
                 f"skew={self.skew})")
 
-    def draw(self, n: int, T: float | np.ndarray | None = None
+    def draw(self, n: int, T: float | np.ndarray | None = None,
+             logit_scale: float | np.ndarray | None = None
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(logits, f, q, y)`` of ``n`` events; ``T`` overrides the model's (scalar or per row).
+        """``(logits, f, q, y)`` of ``n`` events; ``T`` overrides the model's (scalar or per row);
+        ``logit_scale`` (scalar or per row, > 0) multiplies the logits the model outputs.
 
-        ``f = softmax(logits)``, ``q = softmax(T log f)``, ``y ~ q`` (inverse CDF of one uniform
-        per row).
+        With ``z`` the model's logits, ``q = softmax(T log softmax(z))``, ``y ~ q`` (inverse CDF
+        of one uniform per row), and the output logits are ``s z`` with ``f = softmax(s z)``
+        (``s = 1`` when ``logit_scale`` is None). The random draws do not depend on ``T`` or
+        ``logit_scale``, so a drift changes the events, not the stream of draws.
         """
         z = self._rng_z.normal(size=(n, self.k)) * self.scale + self._offset
         f = softmax_rows(z)
         q = true_label_dist(f, self.T if T is None else T)
+        if logit_scale is not None:
+            s = np.asarray(logit_scale, dtype=np.float64)
+            if not np.all(np.isfinite(s) & (s > 0)):
+                raise InputError(f"SyntheticModel {self.model_id!r}: logit_scale must be > 0")
+            z = z * (s[:, None] if s.ndim == 1 else s)
+            f = softmax_rows(z)
         u = self._rng_y.random(n)
         y = (np.cumsum(q, axis=1) > u[:, None]).argmax(axis=1)
         # float rounding: cumsum may end just below u ~ 1; such rows take the last class with q > 0
@@ -85,7 +101,8 @@ class SyntheticModel:
             y[short] = q.shape[1] - 1 - np.argmax(q[short, ::-1] > 0, axis=1)
         return z, f, q, y.astype(np.int64)
 
-    def sample(self, n: int, T: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def sample(self, n: int, T: float | None = None, logit_scale: float | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(f, q, y)`` of ``n`` fresh events (as ``tests/test_oracle.py``'s ``synth``)."""
-        _, f, q, y = self.draw(n, T)
+        _, f, q, y = self.draw(n, T, logit_scale)
         return f, q, y

@@ -7,8 +7,9 @@ is emitted ``delay * (1 + jitter * U(-1, 1))`` seconds of event time LATER, so p
 events interleave with outcomes of old ones. Messages are emitted in event-time order, which makes
 the stream independent of the chunk size. Optional fractions of orphans (no outcome ever),
 complete samples (vector and label in one event), logits instead of probabilities, and malformed
-events (see :data:`MALFORMED_KINDS`); optional drift (after ``drift_after`` events every model's
-``T`` becomes ``drift_T``). Pure and seeded: no I/O.
+events (see :data:`MALFORMED_KINDS`); an optional drift schedule (:class:`Drift`: from an event
+index on, a model's output logits are scaled and/or its true ``T`` changes; ``drift_after`` /
+``drift_T`` is the one-step shorthand of the label drift). Pure and seeded: no I/O.
 
 Payloads follow the event contract of :mod:`daemon.events`::
 
@@ -21,7 +22,8 @@ same partition of co-partitioned topics.
 Usage::
 
     gen = TrafficGenerator([SyntheticModel("fraud-v3", k=3, T=0.3, scale=5.0, skew=0.0, seed=1)],
-                           events=10_000, delay=5.0, orphan_frac=0.05)
+                           events=10_000, delay=5.0, orphan_frac=0.05,
+                           drifts=[Drift(at=6_000, logit_scale=0.5)])
     for topic_kind, key, value in gen:          # "predictions" | "outcomes", bytes, bytes
         ...
 """
@@ -41,8 +43,8 @@ from daemon.limits import MAX_MODEL_LEN
 from daemon.tools.simulate.model import SyntheticModel
 from lpcal.errors import InputError
 
-__all__ = ["DEFAULT_START", "MALFORMED_KINDS", "OUTCOMES", "PREDICTIONS", "TrafficGenerator",
-           "check_frac"]
+__all__ = ["DEFAULT_START", "MALFORMED_KINDS", "OUTCOMES", "PREDICTIONS", "Drift",
+           "TrafficGenerator", "check_frac"]
 
 #: Default event time of the first event (fixed, so generator output is reproducible).
 DEFAULT_START = 1764000000.0
@@ -90,6 +92,67 @@ class _Pending:
         return out
 
 
+@dataclass(frozen=True)
+class Drift:
+    """One step of a drift schedule: from event index ``at`` on (the generator's global event
+    index, all models interleaved), the events of ``model`` (None: every model) have their
+    output logits multiplied by ``logit_scale`` (see :class:`~daemon.tools.simulate.model.
+    SyntheticModel`: the truth stays, the predictions change) and their labels follow ``T``
+    (None: the model's own ``T``). A later step replaces an earlier one for the models it names;
+    ``Drift(at, logit_scale=1.0)`` undoes a drift.
+
+    :meth:`parse` reads the command-line form ``AT:logits=S[,T=T2][,model=NAME]``.
+    """
+
+    at: int
+    logit_scale: float = 1.0
+    T: float | None = None
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.at, bool) or not isinstance(self.at, (int, np.integer)) or self.at < 0:
+            raise InputError(f"drift: the event index must be an integer >= 0, got {self.at!r}")
+        if not (math.isfinite(self.logit_scale) and self.logit_scale > 0):
+            raise InputError(f"drift at event {self.at}: logit_scale must be > 0, got "
+                             f"{self.logit_scale}")
+        if self.T is not None and not (math.isfinite(self.T) and self.T > 0):
+            raise InputError(f"drift at event {self.at}: T must be > 0, got {self.T}")
+
+    @classmethod
+    def parse(cls, text: str) -> Drift:
+        """``"AT:logits=S[,T=T2][,model=NAME]"`` (e.g. ``"30000:logits=0.5"``) as a Drift."""
+        at, sep, rest = text.partition(":")
+        if not sep or not rest:
+            raise InputError(f"drift {text!r}: expected AT:logits=S[,T=T2][,model=NAME]")
+        try:
+            kw: dict[str, Any] = {"at": int(at)}
+        except ValueError:
+            raise InputError(f"drift {text!r}: the event index {at!r} is not an integer") \
+                from None
+        for part in rest.split(","):
+            key, eq, value = part.partition("=")
+            key = key.strip()
+            if not eq or key not in ("logits", "T", "model") or not value.strip():
+                raise InputError(f"drift {text!r}: expected logits=S, T=T2 or model=NAME, "
+                                 f"got {part!r}")
+            if key == "model":
+                kw["model"] = value.strip()
+                continue
+            try:
+                kw["logit_scale" if key == "logits" else "T"] = float(value)
+            except ValueError:
+                raise InputError(f"drift {text!r}: {key} must be a number, got {value!r}") \
+                    from None
+        return cls(**kw)
+
+    def describe(self) -> str:
+        what = [f"logits x{self.logit_scale:g}"] if self.logit_scale != 1.0 else []
+        if self.T is not None:
+            what.append(f"T={self.T:g}")
+        who = f" of {self.model}" if self.model else ""
+        return f"from event {self.at}{who}: " + (", ".join(what) or "no drift")
+
+
 def check_frac(name: str, v: float) -> float:
     """``v`` as a float in ``[0, 1]`` (a fraction of events), else :class:`InputError` naming
     ``name``."""
@@ -112,7 +175,9 @@ class TrafficGenerator:
     that learns ``k`` learns the right one), else a complete sample with probability
     ``sample_frac``, else a prediction whose outcome is dropped (an orphan) with probability
     ``orphan_frac``. Valid vectors are logits instead of probabilities with probability
-    ``logits_frac``. From event ``drift_after`` on, labels follow ``T = drift_T``.
+    ``logits_frac``. ``drifts`` is the drift schedule (:class:`Drift` steps, in any order;
+    :meth:`add_drift` appends a step during the run); ``drift_after``/``drift_T`` adds the step
+    ``Drift(drift_after, T=drift_T)`` (from that event on, labels follow ``T = drift_T``).
     ``decimals`` rounds probabilities (the largest entry absorbs the rounding residual, so rows
     still sum to 1); ``None`` writes full precision.
 
@@ -128,7 +193,8 @@ class TrafficGenerator:
                  jitter: float = 0.5, orphan_frac: float = 0.0, sample_frac: float = 0.0,
                  logits_frac: float = 0.0, malformed_frac: float = 0.0,
                  malformed_kinds: Sequence[str] | None = None, drift_after: int | None = None,
-                 drift_T: float | None = None, seed: int = 0, decimals: int | None = None,
+                 drift_T: float | None = None, drifts: Sequence[Drift] = (), seed: int = 0,
+                 decimals: int | None = None,
                  chunk: int = 1000, id_digits: int | None = None, run_id: str | None = None):
         self.models = list(models)
         if not self.models:
@@ -166,6 +232,13 @@ class TrafficGenerator:
         if drift_after is not None and (drift_after < 0 or not drift_T > 0):
             raise InputError(f"drift_after must be >= 0 and drift_T > 0, got {drift_after}, "
                              f"{drift_T}")
+        self.drifts: list[Drift] = []
+        for d in drifts:
+            self._check_drift(d)
+            self.drifts.append(d)
+        if drift_after is not None:
+            self.drifts.append(Drift(int(drift_after), T=drift_T))
+        self.drifts.sort(key=lambda d: d.at)
         if decimals is not None and not 1 <= decimals <= 17:
             raise InputError(f"decimals must be in [1, 17] or None, got {decimals}")
         if chunk < 1:
@@ -190,6 +263,48 @@ class TrafficGenerator:
         self._next = 0
         self.counts: dict[str, int] = {"prediction": 0, "outcome": 0, "sample": 0, "orphan": 0,
                                        "malformed": 0}
+        #: Per model id: events generated so far that become a labelled sample (a prediction
+        #: with an outcome, or a complete sample), whether or not the outcome is emitted yet.
+        self.labelled: dict[str, int] = dict.fromkeys(ids, 0)
+
+    def _check_drift(self, d: Drift) -> None:
+        if not isinstance(d, Drift):
+            raise InputError(f"drifts: expected Drift steps, got {d!r}")
+        if d.model is not None and d.model not in {m.model_id for m in self.models}:
+            raise InputError(f"drift {d.describe()}: unknown model {d.model!r}; models: "
+                             + ", ".join(m.model_id for m in self.models))
+
+    def add_drift(self, drift: Drift) -> None:
+        """Append a step to the schedule during a run; it must start at or after the next event
+        not generated yet (:attr:`produced`), so the events already sent never change.
+        Call it between chunks (e.g. from :func:`~daemon.tools.simulate.driver.simulate`'s
+        ``between_chunks`` hook), not while a chunk is being generated."""
+        self._check_drift(drift)
+        if drift.at < self._next:
+            raise InputError(f"drift {drift.describe()}: events up to {self._next} are already "
+                             f"generated; a step added now starts at {self._next} or later")
+        self.drifts.append(drift)
+        self.drifts.sort(key=lambda d: d.at)
+
+    def drift_rows(self, model: SyntheticModel, idx: np.ndarray
+                   ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Per-row ``(T, logit_scale)`` of ``model``'s events ``idx`` under the schedule
+        (None, None when no step applies to it)."""
+        steps = [d for d in self.drifts if d.model in (None, model.model_id)]
+        if not steps or idx.size == 0 or idx[-1] < steps[0].at:
+            return None, None
+        T = np.full(idx.size, model.T)
+        scale = np.ones(idx.size)
+        for d in steps:  # sorted by `at`: a later step overrides an earlier one
+            on = idx >= d.at
+            T[on] = model.T if d.T is None else d.T
+            scale[on] = d.logit_scale
+        return T, scale
+
+    def stop(self) -> None:
+        """End the stream after the chunk being generated: no new events; the outcomes still
+        pending are emitted. Safe to call from another thread."""
+        self.events = min(self.events, max(self._next, 0))
 
     @property
     def produced(self) -> int:
@@ -208,6 +323,8 @@ class TrafficGenerator:
         while self._next < self.events:
             i0 = self._next
             i1 = min(self.events, i0 + self.chunk)
+            if i1 <= i0:  # stop() from another thread
+                break
             self._next = i1
             yield self._chunk(i0, i1, annotate)
         idx, ts, label = self._pending.pop_until(math.inf)
@@ -232,7 +349,6 @@ class TrafficGenerator:
         out_ts = ts + self.delay * (1.0 + self.jitter * (2.0 * u[:, 3] - 1.0))
         bad_kind = np.minimum((u[:, 4] * len(self.malformed_kinds)).astype(np.int64),
                               len(self.malformed_kinds) - 1)
-        T_row: np.ndarray | None = None
         # per model: draw the vectors and labels of its events in this chunk
         vecs: list[Any] = [None] * n
         labels = np.zeros(n, dtype=np.int64)
@@ -240,9 +356,8 @@ class TrafficGenerator:
             rows = np.flatnonzero(idx % M == m)
             if rows.size == 0:
                 continue
-            if self.drift_after is not None:
-                T_row = np.where(idx[rows] >= self.drift_after, self.drift_T, model.T)
-            z, f, _, y = model.draw(rows.size, T_row)
+            T_row, scale_row = self.drift_rows(model, idx[rows])
+            z, f, _, y = model.draw(rows.size, T_row, scale_row)
             labels[rows] = y
             f_out = self._round(f)
             lg = use_logits[rows]
@@ -251,6 +366,9 @@ class TrafficGenerator:
                 vecs[j] = zl[r] if lg[r] else fl[r]
         # outcomes of this chunk's predictions join the pending ones
         has_outcome = (kind == _KIND_PRED) & ~orphan
+        labelled = has_outcome | (kind == _KIND_SAMPLE)
+        for m, model in enumerate(self.models):
+            self.labelled[model.model_id] += int(labelled[idx % M == m].sum())
         self._pending.add(idx[has_outcome], out_ts[has_outcome], labels[has_outcome])
         o_idx, o_ts, o_lab = self._pending.pop_until(float(ts[-1]))
         # merge: this chunk's events (all at ts <= ts[-1]) and the due outcomes, by event time
