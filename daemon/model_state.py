@@ -222,6 +222,9 @@ class IngestResult:
     events: list[Event] = field(default_factory=list)
     #: online mode: the stream waits at the sample where a requested fit takes effect
     blocked: bool = False
+    #: online mode: versions the calibrator published again in a replay that the bin-map topic
+    #: already holds (:meth:`ModelState.adopt_published`): installed, not to be sent again
+    on_topic: set[int] = field(default_factory=set)
 
     @property
     def pools_full(self) -> bool:
@@ -229,8 +232,10 @@ class IngestResult:
 
     @property
     def published(self) -> list[BinMap]:
-        """Online mode: maps the calibrator published (already installed): publish them."""
-        return [e.binmap for e in self.events if e.kind == "published"]
+        """Online mode: maps the calibrator published (already installed) that the topic does
+        not hold yet: publish them."""
+        return [e.binmap for e in self.events
+                if e.kind == "published" and e.version not in self.on_topic]
 
     @property
     def fit_requests(self) -> list[FitRequest]:
@@ -302,6 +307,11 @@ class ModelState:
         #: online mode: joined samples the blocked calibrator has not consumed yet, in order:
         #: ``(probs, labels, routing uniforms, ts or None)``
         self.backlog: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None = None
+        #: online mode, after a restore: the newest map of the bin-map topic, newer than this
+        #: state's, that the replay is expected to publish again (:meth:`adopt_published`):
+        #: ``(its bytes, the map, the calibrator's sample count it was published at)``; not
+        #: checkpointed (the next restore reads the topic again)
+        self.adopting: tuple[bytes, BinMap, int] | None = None
         if self.online_spec.online and self.k:
             self.online = self._new_online()
 
@@ -501,7 +511,9 @@ class ModelState:
     def _take_events(self, res: IngestResult, events: list[Event], start: int,
                      probs: np.ndarray, labels: np.ndarray, ts: np.ndarray | None) -> None:
         """Update the monitor with the consumed samples, installing each published map at the
-        exact sample it was published (the calibrated window restarts there)."""
+        exact sample it was published (the calibrated window restarts there); while a newer
+        map of the topic is expected (:meth:`adopt_published`), the replayed versions up to
+        it are installed but marked ``on_topic``."""
         a = 0
         before = self.monitor.trimmed
         for e in events:
@@ -509,10 +521,70 @@ class ModelState:
                 b = e.n - start
                 self._monitor_rows(probs[a:b], labels[a:b], None if ts is None else ts[a:b])
                 a = b
+                if self.adopting is not None and e.version <= self.adopting[1].version:
+                    res.on_topic.add(e.version)
+                    if e.version == self.adopting[1].version:
+                        self._replayed(e.binmap)
+                        continue
                 self.install_binmap(e.binmap.to_json(), e.version)
         self._monitor_rows(probs[a:], labels[a:], None if ts is None else ts[a:])
+        if self.adopting is not None and self.online.n_seen >= self.adopting[2]:
+            self._adopt_now()  # the replay went past the topic's map without publishing it
         res.window_trimmed += self.monitor.trimmed - before
         res.events.extend(events)
+
+    # ---------------------------------------------------------------- adoption after a restore
+    def adopt_published(self, data: bytes, binmap: BinMap, *, replay: bool) -> bool:
+        """A restore found ``binmap`` (``data``, its bytes on the bin-map topic) newer than this
+        state's map: a crash between publishing and checkpointing. Returns True when the
+        adoption is deferred to the replay, False when the map is installed now.
+
+        Online mode, ``replay`` (the state is the checkpoint's, unchanged by the settings) and
+        the map carries the calibrator's sample count it was published at, beyond this state's:
+        the replay from the checkpoint's offsets makes the same decisions and publishes the
+        same maps, so the adoption waits for it. The replayed versions up to the topic's are
+        installed and not sent again (``IngestResult.on_topic``); when the replay publishes
+        the topic's version with the same content (up to ``created_at``) the topic's bytes
+        are installed, and the run continues exactly as the uninterrupted one. If the replay
+        diverges (it publishes other content under that version, or passes the sample count
+        without publishing it: input that is not replayed in the same order), the topic's map
+        is installed then as the live map (the champion/challenger tests restart against it).
+        Either way no version at or below the topic's is published again: versions only go
+        up.
+
+        Otherwise (epochs mode, a state reconciled with new settings, a map without a sample
+        count) the map is installed now (:meth:`install_binmap`)."""
+        if binmap.version <= self.binmap_version:
+            return False
+        evidence = (binmap.sizing or {}).get("evidence") or {}
+        at = evidence.get("samples", (binmap.sizing or {}).get("samples"))
+        if (replay and self.online is not None and isinstance(at, int)
+                and at > self.online.n_seen):
+            self.adopting = (bytes(data), binmap, at)
+            return True
+        self.adopting = (bytes(data), binmap, 0)
+        self._adopt_now()
+        return False
+
+    def _replayed(self, bm: BinMap) -> None:
+        """The replay published the topic's version: the same map (up to ``created_at``)
+        installs the topic's bytes and keeps the calibrator as it is; another map is a
+        divergence (:meth:`_adopt_now`)."""
+        data, topic, _ = self.adopting
+        if (dataclasses.replace(bm, created_at=topic.created_at).to_json()
+                == dataclasses.replace(topic).to_json()):
+            self.adopting = None
+            self.install_binmap(data, topic.version)  # online.version is already this one
+        else:
+            self._adopt_now()
+
+    def _adopt_now(self) -> None:
+        """Install the expected topic map as the live map (the calibrator's champion)."""
+        data, topic, _ = self.adopting
+        self.adopting = None
+        self.install_binmap(data, topic.version)
+        if self.online is not None:
+            self.online.install(topic, topic.version)
 
     def _monitor_rows(self, probs: np.ndarray, labels: np.ndarray,
                       ts: np.ndarray | None) -> None:
