@@ -24,15 +24,19 @@ K = 3
 
 
 #: small certified epochs: 80 warm-up samples, then the pools and 50 held out
-CERTIFIED = {"mode": "certified", "holdout": 50, "warmup": 80}
+CERTIFIED = {"mode": "certified", "recovery": "epochs", "holdout": 50, "warmup": 80}
 
 
 def settings(**kw) -> ModelSettings:
     """Small pools; the paper's mode unless ``kw`` says otherwise (most tests here are about
-    the pipeline, not the fit mode; the certified tests pass ``**CERTIFIED``)."""
+    the pipeline, not the fit mode; the certified tests pass ``**CERTIFIED``, the online ones
+    ``**ONLINE``, without the epoch options)."""
     base = {"eps": 0.1, "p": math.inf, "pool": 60, "mu_pool": 100, "window_samples": 2000,
             "variant": "split", "mode": "paper",
             "drift_min_samples": 100}
+    if kw.get("recovery") == "online":
+        for name in ("pool", "mu_pool", "variant"):
+            del base[name]
     base.update(kw)
     return ModelSettings(**base)
 
@@ -459,7 +463,7 @@ def test_a_checkpoint_written_before_the_specs_restores_into_them():
 
     data = (Path(__file__).parents[1] / "data" / "model_state_3.json").read_bytes()
     ms = ModelSettings(eps=0.1, p=math.inf, mu_pool=100, window_samples=2000, mode="certified",
-                       holdout=50, warmup=80, drift_min_samples=100)
+                       recovery="epochs", holdout=50, warmup=80, drift_min_samples=100)
     join = JoinSettings(ttl_seconds=50, max_pending_per_model=5000)
     st = ModelState.from_checkpoint(data)
     assert st.epoch_spec == ms.epoch_spec() and st.monitor_spec == ms.monitor_spec()
@@ -648,16 +652,18 @@ def test_reconcile_switches_between_epochs_and_online_keeping_the_live_map():
     feed(st, p, traffic(2500, seed=10), fit=True)
     assert st.binmap is not None
     join = JoinSettings(ttl_seconds=50, max_pending_per_model=5000)
-    on, outcome, detail = st.reconcile(settings(recovery="online"), join)
+    on, outcome, detail = st.reconcile(settings(recovery="online", mode="certified"), join)
     assert outcome == "config_changed" and "recovery 'epochs' -> 'online'" in detail
     assert on.online is not None and on.binmap == st.binmap
     assert on.binmap_version == on.online.version == st.binmap_version
     assert on.online.live is not None and on.filling.total == 0
     # a knob of the online loop: a fresh calibrator, the same map
-    on2, _, detail = on.reconcile(settings(recovery="online", challenger_alpha=0.01), join)
+    on2, _, detail = on.reconcile(settings(recovery="online", mode="certified",
+                                              challenger_alpha=0.01), join)
     assert "challenger_alpha 0.05 -> 0.01" in detail and on2.online is not on.online
     assert on2.online.config.alpha == 0.01 and on2.binmap == st.binmap
-    same, outcome, _ = on2.reconcile(settings(recovery="online", challenger_alpha=0.01), join)
+    same, outcome, _ = on2.reconcile(settings(recovery="online", mode="certified",
+                                              challenger_alpha=0.01), join)
     assert outcome == "restored" and same is on2
     back, _, detail = on2.reconcile(settings(), join)
     assert "recovery 'online' -> 'epochs'" in detail and back.online is None
