@@ -688,6 +688,13 @@ class ModelState:
         """The pools to fit next: the oldest sealed (full) epoch, else the filling one."""
         return self.sealed[0][1] if self.sealed else self.filling
 
+    def pool_fill(self) -> dict[str, tuple[int, int]] | None:
+        """``{pool: (samples, target)}`` of the pools to fit next (``lpcal_pool_samples``,
+        ``lpcal_pool_fill_ratio``); None in online mode: its sliding window has no target to
+        fill (the loop publishes at any time), and the empty epoch pools would read as pools
+        that stopped filling (``LpcalPoolsNotFilling``)."""
+        return None if self.online_spec.online else self.pools.fill()
+
     @property
     def epoch(self) -> int:
         """Epoch number of :attr:`pools`."""

@@ -15,10 +15,12 @@ import math
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, Field, create_model, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, create_model, model_validator
+from pydantic_core import PydanticCustomError
 
 from daemon.limits import MAX_K
 from daemon.settings.base import (
+    ERROR_TYPE,
     NonNegFloat,
     NonNegInt,
     PNorm,
@@ -45,6 +47,25 @@ def choices(enum: type[StrEnum]) -> Any:
 DEFAULT_HOLDOUT = {"certified": 3_000, "paper": 0}
 #: Warm-up samples per epoch when ``warmup`` is unset and ``prescale = "temperature"``.
 DEFAULT_WARMUP = 10_000
+#: Why ``eps = "auto"`` is refused in the daemon, and what to do instead.
+EPS_AUTO_REFUSED = (
+    "eps = 'auto' is for lpcal fit and the library only: the daemon fixes lambda (from eps) "
+    "when it creates a model, before its first sample. Run `lpcal fit --eps auto` on a sample "
+    "of the model's predictions and labels; it prints the eps it resolves to: set that number")
+
+
+def _refuse_eps_auto(value: Any) -> Any:
+    """``eps = "auto"`` (the library's and the CLI's data-driven target) is refused with what to
+    do instead (:data:`EPS_AUTO_REFUSED`): the daemon fixes lambda (from eps) when it creates a
+    model, before its first sample (its window, pools and the checks of published maps are
+    binned at it), and a target computed without data is no target: the smallest eps a
+    held-out share of 3,000 samples can certify at all is the bottom of the library's grid
+    (0.005) at p = inf, for every k."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        raise PydanticCustomError(ERROR_TYPE, EPS_AUTO_REFUSED)
+    return value
+
+
 #: ``recovery`` implied by each ``mode`` when unset: the online loop for the certified mode;
 #: the paper's mode is Algorithm 2 exactly, which runs on fixed epochs.
 DEFAULT_RECOVERY = {"certified": "online", "paper": "epochs"}
@@ -58,8 +79,9 @@ EPOCH_ONLY: dict[str, tuple[Any, ...]] = {
 class ModelSettings(Strict):
     """Calibration and monitoring settings of one model (``[defaults]`` or merged per model)."""
 
-    eps: Prob = 0.1
-    """Target lp calibration error epsilon."""
+    eps: Annotated[Prob, BeforeValidator(_refuse_eps_auto)] = 0.1
+    """Target lp calibration error epsilon (a number: ``"auto"`` is refused, see
+    :data:`EPS_AUTO_REFUSED`)."""
     p: PNorm = math.inf
     """The p of the lp error (> 1); ``inf`` (also ``"inf"``) for l_inf."""
     delta: Prob = 0.1

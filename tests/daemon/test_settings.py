@@ -294,6 +294,9 @@ def test_recovery_defaults_to_online_for_the_certified_mode_and_epochs_for_the_p
 
 @pytest.mark.parametrize("toml, field, words", [
     ('[defaults]\nprescale = "temperature"\nwarmup = 0\n', "defaults.warmup", "warmup > 0"),
+    # the library's data-driven eps: refused with what to do instead, per model too
+    ('[defaults]\neps = "auto"\n', "defaults.eps", "lpcal fit --eps auto"),
+    ('[models.m]\neps = "AUTO"\n', "models.m.eps", "before its first sample"),
     # the paper's mode is Algorithm 2 exactly: fixed epochs only
     ('[defaults]\nmode = "paper"\nrecovery = "online"\n', "defaults.recovery",
      "Algorithm 2 exactly"),
