@@ -637,6 +637,13 @@ def test_online_manual_request_schedules_a_fit_at_the_next_decision_point():
                for r in out for e in r.events)
 
 
+def test_pool_fill_is_the_epoch_pools_and_none_online():
+    ep, on = new_state(), new_state(**ONLINE)
+    fill = ep.pool_fill()
+    assert fill == ep.pools.fill() and set(fill) >= {"mu"} and fill["mu"][1] > 0
+    assert on.pool_fill() is None
+
+
 def test_online_state_bytes_follow_the_budget():
     st, p = new_state(**{**ONLINE, "window_buckets": 20}), parser()
     st.set_budget(400_000)

@@ -186,6 +186,10 @@ async def test_online_maps_are_published_in_order_signed_and_counted(make):
     assert gauge(d, "lpcal_calibrations_total", trigger="pools_full") == st.binmap_version
     # an over-confident network: the published temperature spreads its probabilities
     assert last.temperature > 1.5
+    # no epoch pool gauges: the window has no target to fill (LpcalPoolsNotFilling would fire)
+    assert st.pool_fill() is None
+    assert gauge(d, "lpcal_pool_fill_ratio", pool="mu") is None
+    assert gauge(d, "lpcal_pool_samples", pool="mu") is None
 
 
 async def test_stream_pauses_while_blocked_on_a_fit_and_resumes_after_it(make):
