@@ -51,8 +51,9 @@ counts) and :attr:`ModelState.monitor_spec`. The checkpoint stores both, flatten
 restores with the paper mode's values it ran with, one written before the change test with its
 defaults.
 
-Recovery modes (``recovery`` in the settings, :class:`daemon.specs.OnlineSpec`): the
-**epochs** default is all of the above. In the **online** mode the joined samples feed an
+Recovery modes (``recovery`` in the settings, :class:`daemon.specs.OnlineSpec`; the settings
+default to ``online`` in the certified mode, ``epochs`` in the paper's): **epochs** is all of
+the above. In the **online** mode the joined samples feed an
 :class:`lpcal.online.OnlineCalibrator` instead of the epochs' pools, with the same routing
 uniforms (``u / sample_rate``): it ends its warm-up when the temperature is determined, keeps
 pools and held-out samples over a sliding window and publishes a candidate only when held-out
@@ -67,7 +68,10 @@ it is not back) the joined samples not yet consumed wait in ``backlog`` and
 A drift refill calls :meth:`ModelState.notify_drift` (only post-drift buckets count), a manual
 request :meth:`ModelState.request_fit` (the next decision point fits; champion/challenger still
 decides). The checkpoint of an online state is ``lpcal.model_state/4`` (the /3 document plus
-``recovery``, ``online`` and ``backlog``); epochs states keep writing /3, byte for byte.
+``recovery``, ``online`` and ``backlog``); epochs states keep writing /3, byte for byte. A
+restore that finds a newer map on the bin-map topic than the checkpoint's hands it to
+:meth:`ModelState.adopt_published`: the replay publishes the same maps again (installed, not
+sent) and the topic's bytes are installed when it reaches their version.
 
 Usage::
 

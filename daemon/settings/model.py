@@ -97,10 +97,12 @@ class ModelSettings(Strict):
     k: Annotated[int, Field(ge=2, le=MAX_K)] | None = None
     """Number of classes (None: learned from the model's first valid prediction)."""
     mode: choices(Mode) = "certified"
-    """``certified`` (default): every epoch warms up a temperature pre-calibrator, holds out
-    ``holdout`` samples and publishes the candidate (temperature scaling alone, or Algorithm 2 on
-    the temperature-scaled bins) with the best held-out certificate; ``paper``: Algorithm 2 as
-    in the paper (no pre-calibration, ``rho`` outside B, no held-out share)."""
+    """``certified`` (default): a temperature pre-calibrator and held-out evidence: with the
+    online loop (``recovery``'s default here) candidates are published when held-out data says
+    they beat the live map; with epochs every epoch warms up a temperature, holds out
+    ``holdout`` samples and publishes the candidate (temperature scaling alone, or Algorithm 2
+    on the temperature-scaled bins) with the best held-out certificate. ``paper``: Algorithm 2
+    as in the paper (no pre-calibration, ``rho`` outside B, no held-out share), on epochs."""
     prescale: choices(Prescale) | None = None
     """Pre-calibrator fitted on each epoch's first ``warmup`` samples (None: from ``mode``:
     ``temperature`` certified, ``none`` paper)."""
