@@ -216,7 +216,7 @@ class Fitter:
         resume = (throttled - want) & assigned
         if pause:
             consumer.pause(*[tp for tp in tps if tp.partition in pause])
-            log.info("partitions %s paused: fits are behind (%d+ sealed epochs waiting)",
+            log.info("partitions %s paused: fits are behind (%d+ sealed epochs, or an online fit due)",
                      sorted(pause), MAX_SEALED)
         if resume:
             consumer.resume(*[tp for tp in tps if tp.partition in resume])
