@@ -530,7 +530,7 @@ class ModelState:
                     if e.version == self.adopting[1].version:
                         self._replayed(e.binmap)
                         continue
-                self.install_binmap(e.binmap.to_json(), e.version)
+                self._use_binmap(e.binmap.to_json(), e.version)
         self._monitor_rows(probs[a:], labels[a:], None if ts is None else ts[a:])
         if self.adopting is not None and self.online.n_seen >= self.adopting[2]:
             self._adopt_now()  # the replay went past the topic's map without publishing it
@@ -578,7 +578,7 @@ class ModelState:
         if (dataclasses.replace(bm, created_at=topic.created_at).to_json()
                 == dataclasses.replace(topic).to_json()):
             self.adopting = None
-            self.install_binmap(data, topic.version)  # online.version is already this one
+            self._use_binmap(data, topic.version)  # the loop published this very map
         else:
             self._adopt_now()
 
@@ -785,13 +785,21 @@ class ModelState:
         self.fill_epoch += 1
 
     def install_binmap(self, data: bytes, version: int) -> None:
-        """Use this bin map from now on: the calibrated window restarts, drift is rearmed."""
+        """Use this bin map from now on: the calibrated window restarts, drift is rearmed.
+        Online mode: a map installed from outside the loop becomes its champion (the tests
+        against the live map restart)."""
+        self._use_binmap(data, version)
+        if self.online is not None and self.online.version != self.binmap_version:
+            self.online.install(BinMap.from_json(self.binmap), self.binmap_version)
+
+    def _use_binmap(self, data: bytes, version: int) -> None:
+        """:meth:`install_binmap` without telling the online loop: for the maps it published
+        itself (:meth:`_take_events`). When one call publishes several, the loop is already
+        past the earlier ones, and installing them into it would reset its tests and its
+        record of the live map in a way that depends on batching."""
         self._calibrator = self._factory(bytes(data))
         self.binmap = bytes(data)
         self.binmap_version = int(version)
-        if self.online is not None and self.online.version != self.binmap_version:
-            # installed from outside the online loop: it becomes the loop's champion
-            self.online.install(BinMap.from_json(self.binmap), self.binmap_version)
         self.monitor.reset("calibrated")
         self.triggers.recalibrated()
         self._last_eval = None

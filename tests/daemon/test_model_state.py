@@ -555,6 +555,39 @@ def test_online_mode_replay_gives_the_same_decisions_whatever_the_batching_and_f
     assert a.evaluate()["calibrated"].n == b.evaluate()["calibrated"].n
 
 
+def _calibrator_state(st) -> dict:
+    """The online calibrator's checkpoint without what differs between two runs making the
+    same decisions: the maps' ``created_at`` and ``checksum``."""
+    import orjson
+
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in ("created_at", "checksum")}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        if isinstance(x, str) and x.startswith("{"):
+            return strip(orjson.loads(x))
+        return x
+
+    return strip(st.online.to_dict())
+
+
+def test_several_maps_published_in_one_batch_leave_the_loop_as_small_batches_do():
+    """A batch in which the loop publishes more than one map installs them in the state in
+    order without installing them back into the loop (which would reset its tests and its
+    record of the live map depending on batching): its whole state is the one of small
+    batches."""
+    msgs = traffic(12_000, seed=7)
+    small, big = new_state(**ONLINE), new_state(**ONLINE)
+    feed_online(small, parser(), msgs, batch=50, complete="at_once")
+    out = feed_online(big, parser(), msgs, batch=6000, complete="at_once")
+    assert max(len(r.published) for r in out) >= 2  # the case this is about
+    assert big.binmap_version == small.binmap_version == big.online.version >= 3
+    assert _calibrator_state(big) == _calibrator_state(small)
+    live = [BinMap.from_json(st.binmap) for st in (big, small)]
+    assert live[0].temperature == live[1].temperature and live[0].n_bins == live[1].n_bins
+
+
 def test_online_mode_blocks_until_the_fit_is_back_then_drains_the_backlog():
     from lpcal.online import run_fit
 
