@@ -107,7 +107,8 @@ async def _scenario(tmp_path, soak: bool) -> dict:
     try:
         await create_topics(broker.bootstrap, names, partitions=2)
         cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
-                            defaults={"bucket_size": 500, "fit_delay": 250,  # online loop
+                            defaults={"pool": 1000, "mu_pool": 1000, "warmup": 1000,
+                                      "holdout": 1000, "recovery": "epochs",  # a manual epoch fit
                                       "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
                             models={m: {"k": k} for m, k in MODELS},
                             state={"checkpoint_interval_seconds": 1.0}, admin_token=TOKEN)
