@@ -190,6 +190,13 @@ async def test_online_maps_are_published_in_order_signed_and_counted(make):
     assert st.pool_fill() is None
     assert gauge(d, "lpcal_pool_fill_ratio", pool="mu") is None
     assert gauge(d, "lpcal_pool_samples", pool="mu") is None
+    # nor empty epoch pools in /v1/models: it names the recovery
+    from daemon.http_api import HttpServer
+
+    resp = await HttpServer(d.status()).models(None)
+    row = orjson.loads(resp.body)["models"][0]
+    assert (row["model"], row["recovery"], row["pool_fill"]) == (M, "online", None)
+    assert row["binmap_version"] == st.binmap_version
 
 
 async def test_stream_pauses_while_blocked_on_a_fit_and_resumes_after_it(make):
