@@ -106,6 +106,15 @@ class Fitter:
         self._online_cause: dict[str, str] = {}
         self._online_seconds: dict[str, tuple[int, float]] = {}
 
+    def forget(self, models) -> None:
+        """Drop what this fitter keeps per model for ``models``, released from this replica
+        (revoked partitions): the cause and fit time of their next online map. Their fits still
+        running and publishes still queued end on their own (neither acts on a model no longer
+        owned), so memory stays bounded by the models owned."""
+        for model in models:
+            self._online_cause.pop(model, None)
+            self._online_seconds.pop(model, None)
+
     def after_batch(self, now: float) -> None:
         """After each fetched batch: ask the triggers of the models the batch touched
         (``registry.touched``: events or a recalibration request) and of those with sealed
@@ -207,7 +216,7 @@ class Fitter:
         resume = (throttled - want) & assigned
         if pause:
             consumer.pause(*[tp for tp in tps if tp.partition in pause])
-            log.info("partitions %s paused: fits are behind (%d+ sealed epochs waiting)",
+            log.info("partitions %s paused: fits are behind (%d+ sealed epochs, or an online fit due)",
                      sorted(pause), MAX_SEALED)
         if resume:
             consumer.resume(*[tp for tp in tps if tp.partition in resume])

@@ -124,7 +124,7 @@ class GaugeExporter:
                 join_buffer_bytes=join.memory_bytes(model), join_buffer_budget=join.max_bytes,
                 state_bytes=st.nbytes + fitting, state_budget=st.budget,
                 epochs_waiting=len(st.sealed),
-                drift_threshold=st.monitor_spec.drift_threshold, pools=st.pools.fill())
+                drift_threshold=st.monitor_spec.drift_threshold, pools=st.pool_fill())
             w = slot.window_gauges
             if w is None:
                 self.schedule(model, 0.0)

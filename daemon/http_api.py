@@ -318,7 +318,9 @@ class HttpServer:
             "fit_in_flight": m.fit_in_flight,
             "epochs_waiting": len(st.sealed),
             "paused": m.partition in paused,
-            "pool_fill": {n: {"count": c, "target": t} for n, (c, t) in st.pools.fill().items()},
+            "recovery": st.online_spec.recovery,  # online: no epoch pools to fill (null)
+            "pool_fill": None if (fill := st.pool_fill()) is None else {
+                n: {"count": c, "target": t} for n, (c, t) in fill.items()},
             "samples_total": st.samples_total,
             "mode": st.fit_spec.mode.value,
             "certificate": self._certificate(m.model, st.binmap),

@@ -51,8 +51,9 @@ counts) and :attr:`ModelState.monitor_spec`. The checkpoint stores both, flatten
 restores with the paper mode's values it ran with, one written before the change test with its
 defaults.
 
-Recovery modes (``recovery`` in the settings, :class:`daemon.specs.OnlineSpec`): the
-**epochs** default is all of the above. In the **online** mode the joined samples feed an
+Recovery modes (``recovery`` in the settings, :class:`daemon.specs.OnlineSpec`; the settings
+default to ``online`` in the certified mode, ``epochs`` in the paper's): **epochs** is all of
+the above. In the **online** mode the joined samples feed an
 :class:`lpcal.online.OnlineCalibrator` instead of the epochs' pools, with the same routing
 uniforms (``u / sample_rate``): it ends its warm-up when the temperature is determined, keeps
 pools and held-out samples over a sliding window and publishes a candidate only when held-out
@@ -67,7 +68,10 @@ it is not back) the joined samples not yet consumed wait in ``backlog`` and
 A drift refill calls :meth:`ModelState.notify_drift` (only post-drift buckets count), a manual
 request :meth:`ModelState.request_fit` (the next decision point fits; champion/challenger still
 decides). The checkpoint of an online state is ``lpcal.model_state/4`` (the /3 document plus
-``recovery``, ``online`` and ``backlog``); epochs states keep writing /3, byte for byte.
+``recovery``, ``online`` and ``backlog``); epochs states keep writing /3, byte for byte. A
+restore that finds a newer map on the bin-map topic than the checkpoint's hands it to
+:meth:`ModelState.adopt_published`: the replay publishes the same maps again (installed, not
+sent) and the topic's bytes are installed when it reaches their version.
 
 Usage::
 
@@ -222,6 +226,9 @@ class IngestResult:
     events: list[Event] = field(default_factory=list)
     #: online mode: the stream waits at the sample where a requested fit takes effect
     blocked: bool = False
+    #: online mode: versions the calibrator published again in a replay that the bin-map topic
+    #: already holds (:meth:`ModelState.adopt_published`): installed, not to be sent again
+    on_topic: set[int] = field(default_factory=set)
 
     @property
     def pools_full(self) -> bool:
@@ -229,8 +236,10 @@ class IngestResult:
 
     @property
     def published(self) -> list[BinMap]:
-        """Online mode: maps the calibrator published (already installed): publish them."""
-        return [e.binmap for e in self.events if e.kind == "published"]
+        """Online mode: maps the calibrator published (already installed) that the topic does
+        not hold yet: publish them."""
+        return [e.binmap for e in self.events
+                if e.kind == "published" and e.version not in self.on_topic]
 
     @property
     def fit_requests(self) -> list[FitRequest]:
@@ -302,6 +311,11 @@ class ModelState:
         #: online mode: joined samples the blocked calibrator has not consumed yet, in order:
         #: ``(probs, labels, routing uniforms, ts or None)``
         self.backlog: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None = None
+        #: online mode, after a restore: the newest map of the bin-map topic, newer than this
+        #: state's, that the replay is expected to publish again (:meth:`adopt_published`):
+        #: ``(its bytes, the map, the calibrator's sample count it was published at)``; not
+        #: checkpointed (the next restore reads the topic again)
+        self.adopting: tuple[bytes, BinMap, int] | None = None
         if self.online_spec.online and self.k:
             self.online = self._new_online()
 
@@ -501,7 +515,9 @@ class ModelState:
     def _take_events(self, res: IngestResult, events: list[Event], start: int,
                      probs: np.ndarray, labels: np.ndarray, ts: np.ndarray | None) -> None:
         """Update the monitor with the consumed samples, installing each published map at the
-        exact sample it was published (the calibrated window restarts there)."""
+        exact sample it was published (the calibrated window restarts there); while a newer
+        map of the topic is expected (:meth:`adopt_published`), the replayed versions up to
+        it are installed but marked ``on_topic``."""
         a = 0
         before = self.monitor.trimmed
         for e in events:
@@ -509,10 +525,70 @@ class ModelState:
                 b = e.n - start
                 self._monitor_rows(probs[a:b], labels[a:b], None if ts is None else ts[a:b])
                 a = b
-                self.install_binmap(e.binmap.to_json(), e.version)
+                if self.adopting is not None and e.version <= self.adopting[1].version:
+                    res.on_topic.add(e.version)
+                    if e.version == self.adopting[1].version:
+                        self._replayed(e.binmap)
+                        continue
+                self._use_binmap(e.binmap.to_json(), e.version)
         self._monitor_rows(probs[a:], labels[a:], None if ts is None else ts[a:])
+        if self.adopting is not None and self.online.n_seen >= self.adopting[2]:
+            self._adopt_now()  # the replay went past the topic's map without publishing it
         res.window_trimmed += self.monitor.trimmed - before
         res.events.extend(events)
+
+    # ---------------------------------------------------------------- adoption after a restore
+    def adopt_published(self, data: bytes, binmap: BinMap, *, replay: bool) -> bool:
+        """A restore found ``binmap`` (``data``, its bytes on the bin-map topic) newer than this
+        state's map: a crash between publishing and checkpointing. Returns True when the
+        adoption is deferred to the replay, False when the map is installed now.
+
+        Online mode, ``replay`` (the state is the checkpoint's, unchanged by the settings) and
+        the map carries the calibrator's sample count it was published at, beyond this state's:
+        the replay from the checkpoint's offsets makes the same decisions and publishes the
+        same maps, so the adoption waits for it. The replayed versions up to the topic's are
+        installed and not sent again (``IngestResult.on_topic``); when the replay publishes
+        the topic's version with the same content (up to ``created_at``) the topic's bytes
+        are installed, and the run continues exactly as the uninterrupted one. If the replay
+        diverges (it publishes other content under that version, or passes the sample count
+        without publishing it: input that is not replayed in the same order), the topic's map
+        is installed then as the live map (the champion/challenger tests restart against it).
+        Either way no version at or below the topic's is published again: versions only go
+        up.
+
+        Otherwise (epochs mode, a state reconciled with new settings, a map without a sample
+        count) the map is installed now (:meth:`install_binmap`)."""
+        if binmap.version <= self.binmap_version:
+            return False
+        evidence = (binmap.sizing or {}).get("evidence") or {}
+        at = evidence.get("samples", (binmap.sizing or {}).get("samples"))
+        if (replay and self.online is not None and isinstance(at, int)
+                and at > self.online.n_seen):
+            self.adopting = (bytes(data), binmap, at)
+            return True
+        self.adopting = (bytes(data), binmap, 0)
+        self._adopt_now()
+        return False
+
+    def _replayed(self, bm: BinMap) -> None:
+        """The replay published the topic's version: the same map (up to ``created_at``)
+        installs the topic's bytes and keeps the calibrator as it is; another map is a
+        divergence (:meth:`_adopt_now`)."""
+        data, topic, _ = self.adopting
+        if (dataclasses.replace(bm, created_at=topic.created_at).to_json()
+                == dataclasses.replace(topic).to_json()):
+            self.adopting = None
+            self._use_binmap(data, topic.version)  # the loop published this very map
+        else:
+            self._adopt_now()
+
+    def _adopt_now(self) -> None:
+        """Install the expected topic map as the live map (the calibrator's champion)."""
+        data, topic, _ = self.adopting
+        self.adopting = None
+        self.install_binmap(data, topic.version)
+        if self.online is not None:
+            self.online.install(topic, topic.version)
 
     def _monitor_rows(self, probs: np.ndarray, labels: np.ndarray,
                       ts: np.ndarray | None) -> None:
@@ -616,6 +692,13 @@ class ModelState:
         """The pools to fit next: the oldest sealed (full) epoch, else the filling one."""
         return self.sealed[0][1] if self.sealed else self.filling
 
+    def pool_fill(self) -> dict[str, tuple[int, int]] | None:
+        """``{pool: (samples, target)}`` of the pools to fit next (``lpcal_pool_samples``,
+        ``lpcal_pool_fill_ratio``); None in online mode: its sliding window has no target to
+        fill (the loop publishes at any time), and the empty epoch pools would read as pools
+        that stopped filling (``LpcalPoolsNotFilling``)."""
+        return None if self.online_spec.online else self.pools.fill()
+
     @property
     def epoch(self) -> int:
         """Epoch number of :attr:`pools`."""
@@ -702,13 +785,21 @@ class ModelState:
         self.fill_epoch += 1
 
     def install_binmap(self, data: bytes, version: int) -> None:
-        """Use this bin map from now on: the calibrated window restarts, drift is rearmed."""
+        """Use this bin map from now on: the calibrated window restarts, drift is rearmed.
+        Online mode: a map installed from outside the loop becomes its champion (the tests
+        against the live map restart)."""
+        self._use_binmap(data, version)
+        if self.online is not None and self.online.version != self.binmap_version:
+            self.online.install(BinMap.from_json(self.binmap), self.binmap_version)
+
+    def _use_binmap(self, data: bytes, version: int) -> None:
+        """:meth:`install_binmap` without telling the online loop: for the maps it published
+        itself (:meth:`_take_events`). When one call publishes several, the loop is already
+        past the earlier ones, and installing them into it would reset its tests and its
+        record of the live map in a way that depends on batching."""
         self._calibrator = self._factory(bytes(data))
         self.binmap = bytes(data)
         self.binmap_version = int(version)
-        if self.online is not None and self.online.version != self.binmap_version:
-            # installed from outside the online loop: it becomes the loop's champion
-            self.online.install(BinMap.from_json(self.binmap), self.binmap_version)
         self.monitor.reset("calibrated")
         self.triggers.recalibrated()
         self._last_eval = None

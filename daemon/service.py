@@ -429,7 +429,9 @@ class Daemon:
                 log.error("checkpoint on revoke failed (%s: %s): keeping the state of "
                           "partitions %s in memory in case they come back", type(e).__name__,
                           e, sorted(parts))
+        released = self.registry.on_partitions(parts)
         self.registry.release(parts, park=not saved)  # parked: the state further along wins
+        self.fitter.forget(released)
         self.partitions.release(tps)
 
     # ------------------------------------------------------------------ assignment retries

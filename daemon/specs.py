@@ -38,7 +38,9 @@ DEFAULT_POOL = 5_000
 """Samples per estimation pool of a practical epoch whose ``pool`` setting is unset."""
 
 
-#: The ``recovery`` choices: fixed epochs (default) or the online loop.
+#: The ``recovery`` choices: fixed epochs or the online loop. :class:`OnlineSpec` defaults to
+#: epochs (a checkpoint without ``recovery`` is an epochs state); the settings default to the
+#: online loop in the certified mode (:data:`daemon.settings.model.DEFAULT_RECOVERY`).
 RECOVERY = ("epochs", "online")
 
 

@@ -82,6 +82,9 @@ class Restorer:
         self.topics = (clients.t_pred, clients.t_out)
         # model -> (where its record was, its snapshot's saved_at or None), during a restore
         self._restored_from: dict[str, tuple[str, float | None]] = {}
+        # models whose restored state the current settings changed (a new epoch or calibrator:
+        # a replay does not repeat what the checkpoint's state published), during a restore
+        self._reconciled: set[str] = set()
 
     async def restore(self, tps: set[TopicPartition], new: set[TopicPartition]) -> None:
         """Restore the models of the ``new`` partitions from their checkpoints, seek them, and
@@ -97,7 +100,7 @@ class Restorer:
                 part, offsets = self.read_manifest(key, records.pop(key), parts)
                 if offsets is not None:
                     manifests[part] = offsets
-            self._restored_from = {}
+            self._restored_from, self._reconciled = {}, set()
             for key in sorted(k for k in records if k.startswith("model/")):  # 3.
                 self.restore_model(key[6:], records.pop(key), parts, where=where(key))
             records.clear()
@@ -106,7 +109,7 @@ class Restorer:
             try:
                 await self.adopt_published_binmaps(parts)  # 5.
             finally:
-                self._restored_from = {}
+                self._restored_from, self._reconciled = {}, set()
             for tp in new:  # 6.
                 off = manifests.get(tp.partition, {}).get(tp.topic)
                 if off is None:
@@ -203,6 +206,7 @@ class Restorer:
                       type(e).__name__, e)
             return
         if outcome != "restored":
+            self._reconciled.add(model)
             inflight, prefitted = None, 0  # fitted from pools of the old settings
             log.warning("model %s: settings changed since its checkpoint (%s): %s", model,
                         outcome, detail)
@@ -300,16 +304,27 @@ class Restorer:
         published, so its checkpoint can be ahead of the topic or behind it. Ahead (a crash
         between installing and publishing): the installed map is published again, the same
         bytes re-signed. Behind (maps published after the checkpoint): the newest published
-        map is adopted as the live map, so the versions continue after it and never go back
-        (the replay's decisions then continue from it; no epoch bookkeeping applies). Nothing is
+        map is adopted (:meth:`daemon.model_state.ModelState.adopt_published`): when the state
+        is the checkpoint's, unchanged by the settings, the replay from the checkpoint's offsets
+        publishes the same maps again; they are installed without being sent, and the topic's
+        map when the replay reaches it, so the run continues as the uninterrupted one did.
+        Otherwise (a state reconciled with new settings, or a replay that diverges) the topic's
+        map becomes the live map. Either way versions never go back. Nothing is
         published again when the topic could not be read (``topic_read`` False): it may hold
         a newer version, which an older one must not follow."""
         st = slot.state
         published = 0 if bm is None else bm.version
         if published > st.binmap_version:
-            log.info("model %s: adopting published online bin map version %d over "
-                     "checkpointed %d", model, bm.version, st.binmap_version)
-            st.install_binmap(data, bm.version)
+            checkpointed = st.binmap_version
+            if st.adopt_published(data, bm, replay=model in self._restored_from
+                                   and model not in self._reconciled):
+                log.info("model %s: the topic holds online bin map version %d, the checkpoint "
+                         "%d: the replay publishes the versions between again; they are "
+                         "installed, not sent, and version %d is adopted when the replay "
+                         "reaches it", model, bm.version, checkpointed, bm.version)
+            else:
+                log.info("model %s: adopting published online bin map version %d over "
+                         "checkpointed %d", model, bm.version, checkpointed)
             self.registry.dirty.add(model)
             self.metrics.set_binmap_published(model, bm.version)
             self.gauges.export_certificate(model, bm.certificate)

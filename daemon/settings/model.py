@@ -15,10 +15,12 @@ import math
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, Field, create_model, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, create_model, model_validator
+from pydantic_core import PydanticCustomError
 
 from daemon.limits import MAX_K
 from daemon.settings.base import (
+    ERROR_TYPE,
     NonNegFloat,
     NonNegInt,
     PNorm,
@@ -31,7 +33,8 @@ from daemon.settings.base import (
 from daemon.specs import EpochSpec, MonitorSpec, OnlineSpec
 from lpcal.spec import MODE_DEFAULTS, FitSpec, Mode, Outside, Prescale, SizingRule, Variant
 
-__all__ = ["DEFAULT_HOLDOUT", "DEFAULT_WARMUP", "ModelOverrides", "ModelSettings"]
+__all__ = ["DEFAULT_HOLDOUT", "DEFAULT_RECOVERY", "DEFAULT_WARMUP", "EPOCH_ONLY", "ModelOverrides",
+           "ModelSettings"]
 
 
 def choices(enum: type[StrEnum]) -> Any:
@@ -44,13 +47,41 @@ def choices(enum: type[StrEnum]) -> Any:
 DEFAULT_HOLDOUT = {"certified": 3_000, "paper": 0}
 #: Warm-up samples per epoch when ``warmup`` is unset and ``prescale = "temperature"``.
 DEFAULT_WARMUP = 10_000
+#: Why ``eps = "auto"`` is refused in the daemon, and what to do instead.
+EPS_AUTO_REFUSED = (
+    "eps = 'auto' is for lpcal fit and the library only: the daemon fixes lambda (from eps) "
+    "when it creates a model, before its first sample. Run `lpcal fit --eps auto` on a sample "
+    "of the model's predictions and labels; it prints the eps it resolves to: set that number")
+
+
+def _refuse_eps_auto(value: Any) -> Any:
+    """``eps = "auto"`` (the library's and the CLI's data-driven target) is refused with what to
+    do instead (:data:`EPS_AUTO_REFUSED`): the daemon fixes lambda (from eps) when it creates a
+    model, before its first sample (its window, pools and the checks of published maps are
+    binned at it), and a target computed without data is no target: the smallest eps a
+    held-out share of 3,000 samples can certify at all is the bottom of the library's grid
+    (0.005) at p = inf, for every k."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        raise PydanticCustomError(ERROR_TYPE, EPS_AUTO_REFUSED)
+    return value
+
+
+#: ``recovery`` implied by each ``mode`` when unset: the online loop for the certified mode;
+#: the paper's mode is Algorithm 2 exactly, which runs on fixed epochs.
+DEFAULT_RECOVERY = {"certified": "online", "paper": "epochs"}
+#: Options of the fixed epochs, with the values the online loop runs anyway (allowed with it):
+#: any other value set with ``recovery = "online"`` is a startup error, never silently ignored.
+EPOCH_ONLY: dict[str, tuple[Any, ...]] = {
+    "sizing": ("practical",), "mu_pool": (), "pool": (), "variant": ("shared",),
+    "prescale": ("temperature",), "outside": ("identity",), "holdout": (), "warmup": ()}
 
 
 class ModelSettings(Strict):
     """Calibration and monitoring settings of one model (``[defaults]`` or merged per model)."""
 
-    eps: Prob = 0.1
-    """Target lp calibration error epsilon."""
+    eps: Annotated[Prob, BeforeValidator(_refuse_eps_auto)] = 0.1
+    """Target lp calibration error epsilon (a number: ``"auto"`` is refused, see
+    :data:`EPS_AUTO_REFUSED`)."""
     p: PNorm = math.inf
     """The p of the lp error (> 1); ``inf`` (also ``"inf"``) for l_inf."""
     delta: Prob = 0.1
@@ -66,10 +97,12 @@ class ModelSettings(Strict):
     k: Annotated[int, Field(ge=2, le=MAX_K)] | None = None
     """Number of classes (None: learned from the model's first valid prediction)."""
     mode: choices(Mode) = "certified"
-    """``certified`` (default): every epoch warms up a temperature pre-calibrator, holds out
-    ``holdout`` samples and publishes the candidate (temperature scaling alone, or Algorithm 2 on
-    the temperature-scaled bins) with the best held-out certificate; ``paper``: Algorithm 2 as
-    in the paper (no pre-calibration, ``rho`` outside B, no held-out share)."""
+    """``certified`` (default): a temperature pre-calibrator and held-out evidence: with the
+    online loop (``recovery``'s default here) candidates are published when held-out data says
+    they beat the live map; with epochs every epoch warms up a temperature, holds out
+    ``holdout`` samples and publishes the candidate (temperature scaling alone, or Algorithm 2
+    on the temperature-scaled bins) with the best held-out certificate. ``paper``: Algorithm 2
+    as in the paper (no pre-calibration, ``rho`` outside B, no held-out share), on epochs."""
     prescale: choices(Prescale) | None = None
     """Pre-calibrator fitted on each epoch's first ``warmup`` samples (None: from ``mode``:
     ``temperature`` certified, ``none`` paper)."""
@@ -114,14 +147,18 @@ class ModelSettings(Strict):
     drift_min_shift: NonNegFloat = 0.01
     """Change test: the smallest increase, in a statistic's own units (l2 ECE, Err_p), it is
     tuned to detect."""
-    recovery: Literal["epochs", "online"] = "epochs"
-    """How the model is (re)calibrated. ``epochs`` (default): fixed epochs, each fitted when
-    its pools are full and the next filled from nothing. ``online``: the online loop
-    (lpcal.online): the warm-up ends when the temperature is determined, pools and held-out
-    samples cover a sliding window of ``window_buckets`` buckets of ``bucket_size`` samples,
-    and a candidate is published only when held-out data says it beats the live map; after a
-    drift only post-drift buckets count. Samples to a first and a repaired map:
-    docs/benchmarks.md, section recovery. The settings below apply to ``online`` only."""
+    recovery: Literal["epochs", "online"] | None = None
+    """How the model is (re)calibrated (None: from ``mode``: ``online`` certified, ``epochs``
+    paper). ``online`` (the default of the certified mode): the online loop (lpcal.online):
+    the warm-up ends when the temperature is determined, pools and held-out samples cover a
+    sliding window of ``window_buckets`` buckets of ``bucket_size`` samples, and a candidate is
+    published only when held-out data says it beats the live map; after a drift only
+    post-drift buckets count. ``epochs``: fixed epochs, each fitted when its pools are full and
+    the next filled from nothing (the only choice of ``mode = "paper"``, which is Algorithm 2
+    exactly, on epochs). The epoch options (``sizing``, ``mu_pool``, ``pool``, ``variant``,
+    ``prescale``, ``outside``, ``holdout``, ``warmup``) apply to ``epochs`` only; the settings
+    below to ``online`` only. Samples to a first and a repaired map: docs/benchmarks.md,
+    section recovery."""
     warmup_tol: PosFloat = 0.05
     """Online: the warm-up ends when the 95% interval of ln T (the temperature) is narrower
     than this."""
@@ -161,6 +198,16 @@ class ModelSettings(Strict):
             if getattr(self, name) % 250:
                 problems.append(((name,), (f"{name} = {getattr(self, name)} must be a "
                                  "multiple of 250 (the online loop's decision step)")))
+        if self.mode == "paper" and self.recovery == "online":
+            problems.append((("recovery",), ("mode = 'paper' is Algorithm 2 exactly, on fixed "
+                             "epochs; the online loop pre-calibrates and tests candidates on "
+                             "held-out data: set recovery = 'epochs' (or remove it), or mode = "
+                             "'certified'")))
+        elif self.recovery_value == "online":
+            problems += [((name,), (f"{name} = {getattr(self, name)!r} applies to recovery = "
+                          "'epochs' only (the online loop sizes its own sliding window: "
+                          "bucket_size, window_buckets): set recovery = 'epochs' to keep it, "
+                          "or remove it")) for name in self.epoch_only_set()]
         if self.mode == "certified" and self.holdout_value == 0:
             problems.append((("holdout",), ("mode = 'certified' needs held-out samples "
                              "(holdout > 0) to certify each bin map: set holdout > 0, or mode "
@@ -191,11 +238,22 @@ class ModelSettings(Strict):
                            drift_threshold=self.drift_threshold_value)
 
     def online_spec(self) -> OnlineSpec:
-        """How this model recovers (:class:`daemon.specs.OnlineSpec`): ``recovery`` and the
-        online loop's knobs."""
-        return OnlineSpec(recovery=self.recovery, warmup_tol=self.warmup_tol,
+        """How this model recovers (:class:`daemon.specs.OnlineSpec`): ``recovery`` (resolved
+        from ``mode``) and the online loop's knobs."""
+        return OnlineSpec(recovery=self.recovery_value, warmup_tol=self.warmup_tol,
                           bucket_size=self.bucket_size, window_buckets=self.window_buckets,
                           challenger_alpha=self.challenger_alpha, fit_delay=self.fit_delay)
+
+    @property
+    def recovery_value(self) -> str:
+        """``recovery`` with its default (from ``mode``) applied: :data:`DEFAULT_RECOVERY`."""
+        return DEFAULT_RECOVERY[self.mode] if self.recovery is None else self.recovery
+
+    def epoch_only_set(self) -> list[str]:
+        """The epoch options (:data:`EPOCH_ONLY`) set to something the online loop does not
+        run (``prescale = "temperature"`` and ``outside = "identity"`` are what it runs)."""
+        return [name for name, runs in EPOCH_ONLY.items()
+                if getattr(self, name) is not None and getattr(self, name) not in runs]
 
     @property
     def prescale_value(self) -> str:

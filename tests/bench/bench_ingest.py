@@ -246,7 +246,7 @@ def _settings(bootstrap: str, topics: dict[str, str], pool: int, state_topic: st
                           "binmaps": topics["binmaps"], "deadletter": topics["deadletter"],
                           "state": state_topic}},
         http={"host": "127.0.0.1", "port": http_port},
-        defaults={"k": K, "eps": 0.1, "p": "inf", "pool": pool, "mu_pool": pool},
+        defaults={"k": K, "eps": 0.1, "p": "inf", "pool": pool, "mu_pool": pool, "recovery": "epochs"},
         # the rate per model, as a hot model is configured (a rate that only comes from
         # [defaults] applies once the model's state exists: its first batch is parsed in full)
         models={MODEL: {"sample_rate": sample_rate}},

@@ -84,7 +84,7 @@ def _settings(spec: dict):
                "heartbeat_interval_ms": 300,
                "fetch_max_wait_ms": 100, "topics": spec["topics"]},
         http={"host": "127.0.0.1", "port": spec["http_port"]},
-        defaults={"k": K, "eps": 0.1, "p": "inf", "pool": HUGE_POOL, "mu_pool": HUGE_POOL},
+        defaults={"k": K, "eps": 0.1, "p": "inf", "pool": HUGE_POOL, "mu_pool": HUGE_POOL, "recovery": "epochs"},
         state={"checkpoint_interval_seconds": 3600.0},
         shutdown_grace_seconds=10, max_models=STATE_MODELS + 100,
     )

@@ -252,7 +252,7 @@ def certified_daemon():
     from daemon.settings import Settings
 
     s = Settings(defaults={"pool": 40, "mu_pool": 80, "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0,
-                           "holdout": 300, "warmup": 200}, models={MODEL: {"k": 3}})
+                           "holdout": 300, "warmup": 200, "recovery": "epochs"}, models={MODEL: {"k": 3}})
     d = broker_free_daemon(s)
     yield d
     d.executor.shutdown(wait=True)

@@ -24,15 +24,19 @@ K = 3
 
 
 #: small certified epochs: 80 warm-up samples, then the pools and 50 held out
-CERTIFIED = {"mode": "certified", "holdout": 50, "warmup": 80}
+CERTIFIED = {"mode": "certified", "recovery": "epochs", "holdout": 50, "warmup": 80}
 
 
 def settings(**kw) -> ModelSettings:
     """Small pools; the paper's mode unless ``kw`` says otherwise (most tests here are about
-    the pipeline, not the fit mode; the certified tests pass ``**CERTIFIED``)."""
+    the pipeline, not the fit mode; the certified tests pass ``**CERTIFIED``, the online ones
+    ``**ONLINE``, without the epoch options)."""
     base = {"eps": 0.1, "p": math.inf, "pool": 60, "mu_pool": 100, "window_samples": 2000,
             "variant": "split", "mode": "paper",
             "drift_min_samples": 100}
+    if kw.get("recovery") == "online":
+        for name in ("pool", "mu_pool", "variant"):
+            del base[name]
     base.update(kw)
     return ModelSettings(**base)
 
@@ -459,7 +463,7 @@ def test_a_checkpoint_written_before_the_specs_restores_into_them():
 
     data = (Path(__file__).parents[1] / "data" / "model_state_3.json").read_bytes()
     ms = ModelSettings(eps=0.1, p=math.inf, mu_pool=100, window_samples=2000, mode="certified",
-                       holdout=50, warmup=80, drift_min_samples=100)
+                       recovery="epochs", holdout=50, warmup=80, drift_min_samples=100)
     join = JoinSettings(ttl_seconds=50, max_pending_per_model=5000)
     st = ModelState.from_checkpoint(data)
     assert st.epoch_spec == ms.epoch_spec() and st.monitor_spec == ms.monitor_spec()
@@ -551,6 +555,39 @@ def test_online_mode_replay_gives_the_same_decisions_whatever_the_batching_and_f
     assert a.evaluate()["calibrated"].n == b.evaluate()["calibrated"].n
 
 
+def _calibrator_state(st) -> dict:
+    """The online calibrator's checkpoint without what differs between two runs making the
+    same decisions: the maps' ``created_at`` and ``checksum``."""
+    import orjson
+
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in ("created_at", "checksum")}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        if isinstance(x, str) and x.startswith("{"):
+            return strip(orjson.loads(x))
+        return x
+
+    return strip(st.online.to_dict())
+
+
+def test_several_maps_published_in_one_batch_leave_the_loop_as_small_batches_do():
+    """A batch in which the loop publishes more than one map installs them in the state in
+    order without installing them back into the loop (which would reset its tests and its
+    record of the live map depending on batching): its whole state is the one of small
+    batches."""
+    msgs = traffic(12_000, seed=7)
+    small, big = new_state(**ONLINE), new_state(**ONLINE)
+    feed_online(small, parser(), msgs, batch=50, complete="at_once")
+    out = feed_online(big, parser(), msgs, batch=6000, complete="at_once")
+    assert max(len(r.published) for r in out) >= 2  # the case this is about
+    assert big.binmap_version == small.binmap_version == big.online.version >= 3
+    assert _calibrator_state(big) == _calibrator_state(small)
+    live = [BinMap.from_json(st.binmap) for st in (big, small)]
+    assert live[0].temperature == live[1].temperature and live[0].n_bins == live[1].n_bins
+
+
 def test_online_mode_blocks_until_the_fit_is_back_then_drains_the_backlog():
     from lpcal.online import run_fit
 
@@ -633,6 +670,13 @@ def test_online_manual_request_schedules_a_fit_at_the_next_decision_point():
                for r in out for e in r.events)
 
 
+def test_pool_fill_is_the_epoch_pools_and_none_online():
+    ep, on = new_state(), new_state(**ONLINE)
+    fill = ep.pool_fill()
+    assert fill == ep.pools.fill() and set(fill) >= {"mu"} and fill["mu"][1] > 0
+    assert on.pool_fill() is None
+
+
 def test_online_state_bytes_follow_the_budget():
     st, p = new_state(**{**ONLINE, "window_buckets": 20}), parser()
     st.set_budget(400_000)
@@ -648,16 +692,18 @@ def test_reconcile_switches_between_epochs_and_online_keeping_the_live_map():
     feed(st, p, traffic(2500, seed=10), fit=True)
     assert st.binmap is not None
     join = JoinSettings(ttl_seconds=50, max_pending_per_model=5000)
-    on, outcome, detail = st.reconcile(settings(recovery="online"), join)
+    on, outcome, detail = st.reconcile(settings(recovery="online", mode="certified"), join)
     assert outcome == "config_changed" and "recovery 'epochs' -> 'online'" in detail
     assert on.online is not None and on.binmap == st.binmap
     assert on.binmap_version == on.online.version == st.binmap_version
     assert on.online.live is not None and on.filling.total == 0
     # a knob of the online loop: a fresh calibrator, the same map
-    on2, _, detail = on.reconcile(settings(recovery="online", challenger_alpha=0.01), join)
+    on2, _, detail = on.reconcile(settings(recovery="online", mode="certified",
+                                              challenger_alpha=0.01), join)
     assert "challenger_alpha 0.05 -> 0.01" in detail and on2.online is not on.online
     assert on2.online.config.alpha == 0.01 and on2.binmap == st.binmap
-    same, outcome, _ = on2.reconcile(settings(recovery="online", challenger_alpha=0.01), join)
+    same, outcome, _ = on2.reconcile(settings(recovery="online", mode="certified",
+                                              challenger_alpha=0.01), join)
     assert outcome == "restored" and same is on2
     back, _, detail = on2.reconcile(settings(), join)
     assert "recovery 'online' -> 'epochs'" in detail and back.online is None

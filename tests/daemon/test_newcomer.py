@@ -360,7 +360,7 @@ def test_default_event_count_yields_a_bin_map_under_the_default_pools(isolated):
         ["--config", str(REPO / "config" / "lpcal.toml")]))
     assert shipped > n and "config/lpcal.toml" in where  # its fraud-v3 has eps 0.05: L = 7
 
-    s = Settings()
+    s = Settings(defaults={"recovery": "epochs"})  # the event count covers an epoch
     st = ModelState.create("fraud-v3", 3, s.defaults, s.join)
     layout = st.filling.layout
     need = layout.warmup + layout.holdout + sum(layout.targets.values())

@@ -140,7 +140,7 @@ class ScriptedLog(RecordingConsumer):
 def run_loop(policy: str, hidden_for: int, grace: float = 2.0) -> tuple[Daemon, ScriptedLog]:
     s = Settings(kafka={"offset_gaps": policy, "offset_gap_grace_seconds": grace},
                  state={"checkpoint_interval_seconds": 3600.0},
-                 defaults={"pool": 40, "mu_pool": 80, "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
+                 defaults={"drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
                  models={MODEL: {"k": K}})
     d = Daemon(s)
     tp = TopicPartition(s.kafka.topics.predictions, 0)

@@ -13,8 +13,11 @@ daemon's worker thread (real :func:`lpcal.online.run_fit`, or a gated / failing 
   is labelled ``drift``. A refill while blocked drops the fit and feeds the rows waiting
   behind it.
 - A restore publishes again a map the checkpoint installed but the topic lacks (the same
-  bytes), adopts a newer published one (versions never go back), and re-runs the fit requests
-  the checkpoint holds.
+  bytes), and re-runs the fit requests the checkpoint holds. Behind the topic, the replay
+  publishes the same maps again: they are not sent, the topic's bytes are installed when the
+  replay reaches its version, and the maps after it are the uninterrupted run's; a replay that
+  diverges (or a state the settings changed) adopts the topic's map; versions never go back.
+- A released model leaves nothing behind in the fitter.
 """
 
 from __future__ import annotations
@@ -183,6 +186,17 @@ async def test_online_maps_are_published_in_order_signed_and_counted(make):
     assert gauge(d, "lpcal_calibrations_total", trigger="pools_full") == st.binmap_version
     # an over-confident network: the published temperature spreads its probabilities
     assert last.temperature > 1.5
+    # no epoch pool gauges: the window has no target to fill (LpcalPoolsNotFilling would fire)
+    assert st.pool_fill() is None
+    assert gauge(d, "lpcal_pool_fill_ratio", pool="mu") is None
+    assert gauge(d, "lpcal_pool_samples", pool="mu") is None
+    # nor empty epoch pools in /v1/models: it names the recovery
+    from daemon.http_api import HttpServer
+
+    resp = await HttpServer(d.status()).models(None)
+    row = orjson.loads(resp.body)["models"][0]
+    assert (row["model"], row["recovery"], row["pool_fill"]) == (M, "online", None)
+    assert row["binmap_version"] == st.binmap_version
 
 
 async def test_stream_pauses_while_blocked_on_a_fit_and_resumes_after_it(make):
@@ -299,7 +313,15 @@ async def test_restore_republishes_an_installed_map_the_topic_lacks(make, monkey
     assert st2.binmap_version == st.binmap_version
 
 
-async def test_restore_adopts_a_newer_published_map_and_versions_continue(make, monkeypatch):
+def content(data: bytes) -> dict:
+    """A map's JSON without what differs between two runs making the same decisions."""
+    d = orjson.loads(data)
+    for key in ("created_at", "checksum", "signature"):
+        d.pop(key, None)
+    return d
+
+
+async def test_restore_behind_the_topic_replays_the_same_maps_and_adopts_its_bytes(make):
     d = make()
     feed = Feeder(d)
     await feed.until(lambda: d.registry.get(M) is not None
@@ -309,7 +331,12 @@ async def test_restore_adopts_a_newer_published_map_and_versions_continue(make, 
     v, at = st.binmap_version, feed.next
     await feed.until(lambda: st.binmap_version >= v + 1, "one more map")
     await until(lambda: len(d.clients.producer.sent) == st.binmap_version, "the publishes")
-    newest = d.clients.producer.sent[-1][2]
+    top = st.binmap_version
+    newest = d.clients.producer.sent[-1][2]  # the crash came after publishing version top
+    end = feed.next + 6_000
+    await feed.until(lambda: feed.next >= end, "the uninterrupted run", limit=end + 1)
+    await until(lambda: not d.fitter.publishing(), "the publishes")
+    ref = {int(h["lpcal.version"]): value for _, _, value, h in d.clients.producer.sent}
 
     async def latest(*a, **kw):
         return {M: newest}
@@ -317,20 +344,108 @@ async def test_restore_adopts_a_newer_published_map_and_versions_continue(make, 
     d2 = make()
     d2.restorer.read_latest = latest
     d2.restorer.restore_model(M, record, {0})
+    d2.restorer._restored_from[M] = ("test", None)  # what restore() records for the record
     await d2.restorer.adopt_published_binmaps({0})
     st2 = d2.registry.slots[M].state
-    assert st2.binmap_version == st.binmap_version and st2.online.version == st.binmap_version
-    assert d2.clients.producer.sent == []  # nothing published again
-    # the replay from the checkpoint's offsets, past where the first daemon published the
-    # adopted version, publishes nothing at or below it (without adopting, it would publish
-    # versions v + 1... again, behind the topic's)
+    # deferred: the replay from the checkpoint's offsets publishes versions v+1..top again
+    assert st2.binmap_version == v and st2.adopting is not None
+    assert gauge(d2, "lpcal_binmap_version") == top  # what the topic serves
     feed2 = Feeder(d2)
     feed2.next = at
-    end = feed.next + 2_000
+    await feed2.until(lambda: st2.binmap_version >= top, "the replay to reach the topic's map",
+                      limit=end + 1)
+    assert st2.adopting is None and st2.binmap == newest  # the topic's bytes, not re-made
     await feed2.until(lambda: feed2.next >= end, "the replay", limit=end + 1)
     await until(lambda: not d2.fitter.publishing(), "the publishes")
-    assert st2.binmap_version >= st.binmap_version
-    assert all(v > st.binmap_version for v in d2.clients.producer.versions())
+    sent = {int(h["lpcal.version"]): value for _, _, value, h in d2.clients.producer.sent}
+    # nothing at or below the topic's version is sent again; what follows is the
+    # uninterrupted run's maps (their content; created_at differs)
+    assert sorted(sent) == [w for w in sorted(ref) if w > top]
+    assert sent and all(content(sent[w]) == content(ref[w]) for w in sent)
+    assert st2.binmap_version == st.binmap_version
+
+
+async def test_restore_behind_a_topic_the_replay_does_not_reproduce_adopts_its_map(make):
+    d = make()
+    feed = Feeder(d)
+    await feed.until(lambda: d.registry.get(M) is not None
+                     and d.registry.slots[M].state.binmap_version >= 1, "a map")
+    st = d.registry.slots[M].state
+    record = encode_envelope(M, d.registry.slots[M])
+    v, at = st.binmap_version, feed.next
+    await feed.until(lambda: st.binmap_version >= v + 1, "one more map")
+    await until(lambda: len(d.clients.producer.sent) == st.binmap_version, "the publishes")
+    newest = d.clients.producer.sent[-1][2]
+    top = st.binmap_version
+
+    async def latest(*a, **kw):
+        return {M: newest}
+
+    d2 = make()
+    d2.restorer.read_latest = latest
+    d2.restorer.restore_model(M, record, {0})
+    d2.restorer._restored_from[M] = ("test", None)
+    await d2.restorer.adopt_published_binmaps({0})
+    st2 = d2.registry.slots[M].state
+    assert st2.adopting is not None
+    due = st2.adopting[2]
+    feed2 = Feeder(d2)
+    feed2.next = at
+    feed2.scale = 1.0  # other input than the first run's: the replay cannot repeat its maps
+    await feed2.until(lambda: st2.online.n_seen >= due, "the replay past the topic's map",
+                      limit=at + 20_000)
+    # adopted at the latest when the replay passes the sample the topic's map was published at
+    assert st2.adopting is None and st2.binmap == newest and st2.binmap_version == top
+    assert st2.online.version == top and st2.online.live.version == top
+    await feed2.until(lambda: feed2.next >= at + 12_000, "more", limit=at + 12_001)
+    await until(lambda: not d2.fitter.publishing(), "the publishes")
+    assert all(w > top for w in d2.clients.producer.versions())  # versions only go up
+
+
+async def test_restore_with_changed_settings_adopts_a_newer_map_at_once(make):
+    d = make()
+    feed = Feeder(d)
+    await feed.until(lambda: d.registry.get(M) is not None
+                     and d.registry.slots[M].state.binmap_version >= 1, "a map")
+    st = d.registry.slots[M].state
+    record = encode_envelope(M, d.registry.slots[M])
+    v = st.binmap_version
+    await feed.until(lambda: st.binmap_version >= v + 1, "one more map")
+    await until(lambda: len(d.clients.producer.sent) == st.binmap_version, "the publishes")
+    newest = d.clients.producer.sent[-1][2]
+
+    async def latest(*a, **kw):
+        return {M: newest}
+
+    d2 = make(settings(challenger_alpha=0.01))  # a fresh calibrator: no replay of the maps
+    d2.restorer.read_latest = latest
+    d2.restorer.restore_model(M, record, {0})
+    await d2.restorer.adopt_published_binmaps({0})
+    st2 = d2.registry.slots[M].state
+    assert st2.adopting is None and st2.binmap == newest
+    assert st2.binmap_version == st2.online.version == st.binmap_version
+    assert d2.clients.producer.sent == []
+
+
+async def test_released_models_leave_nothing_in_the_fitter(make):
+    calls = []
+
+    def counting(req):
+        calls.append(req)
+        return run_fit(req)
+
+    d = make(online_fit=counting)
+    feed = Feeder(d)
+    await feed.until(lambda: calls and d.registry.slots[M].state.online.pending is None,
+                     "a fit")
+    await until(lambda: M in d.fitter._online_seconds, "the fit's time")
+    assert d.fitter.request_recalibration(M)
+    feed.batch(1)
+    assert d.fitter._online_cause.get(M) == "manual"
+    t = d.s.kafka.topics
+    await d.on_revoked({TopicPartition(t.predictions, 0), TopicPartition(t.outcomes, 0)})
+    assert d.registry.get(M) is None
+    assert M not in d.fitter._online_cause and M not in d.fitter._online_seconds
 
 
 async def test_restore_reruns_the_fit_requests_of_the_checkpoint(make, monkeypatch, tmp_path):

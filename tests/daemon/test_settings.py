@@ -265,15 +265,55 @@ def test_fit_mode_defaults_follow_the_mode(isolated):
     assert (scaled.warmup_value, scaled.holdout_value, scaled.outside_value) == (10000, 500, "rho")
     # per-model overrides resolve over the merged settings, not over [defaults]' resolution
     (isolated / "lpcal.toml").write_text(
-        '[defaults]\nwarmup = 500\n[models.a]\nmode = "paper"\nwarmup = 0\n[models.b]\nholdout = 100\n')
+        '[defaults]\nrecovery = "epochs"\nwarmup = 500\n[models.a]\nmode = "paper"\nwarmup = 0\n'
+        '[models.b]\nholdout = 100\n')
     s = load_settings(isolated / "lpcal.toml")
     a, b = s.model_settings("a"), s.model_settings("b")
     assert (a.prescale_value, a.warmup_value, a.holdout_value) == ("none", 0, 0)
     assert (b.mode, b.warmup_value, b.holdout_value) == ("certified", 500, 100)
 
 
+def test_recovery_defaults_to_online_for_the_certified_mode_and_epochs_for_the_paper(isolated):
+    d, paper = ModelSettings(), ModelSettings(mode="paper")
+    assert (d.recovery, d.recovery_value, d.online_spec().online) == (None, "online", True)
+    assert (paper.recovery_value, paper.online_spec().online) == ("epochs", False)
+    assert ModelSettings(recovery="epochs").online_spec().recovery == "epochs"
+    # what the online loop runs anyway may be said explicitly
+    ok = ModelSettings(prescale="temperature", outside="identity", sizing="practical",
+                       variant="shared")
+    assert ok.recovery_value == "online" and ok.epoch_only_set() == []
+    # per model: [defaults] keeps the epochs for one model, the paper's mode for another
+    (isolated / "lpcal.toml").write_text(
+        '[models.a]\nrecovery = "epochs"\npool = 2000\n[models.b]\nmode = "paper"\n'
+        '[models.c]\nbucket_size = 500\n')
+    s = load_settings(isolated / "lpcal.toml")
+    got = {m: s.model_settings(m).online_spec() for m in "abc"}
+    assert [got[m].recovery for m in "abc"] == ["epochs", "epochs", "online"]
+    assert got["c"].bucket_size == 500 and s.model_settings("zz").recovery_value == "online"
+
+
 @pytest.mark.parametrize("toml, field, words", [
     ('[defaults]\nprescale = "temperature"\nwarmup = 0\n', "defaults.warmup", "warmup > 0"),
+    # the library's data-driven eps: refused with what to do instead, per model too
+    ('[defaults]\neps = "auto"\n', "defaults.eps", "lpcal fit --eps auto"),
+    ('[models.m]\neps = "AUTO"\n', "models.m.eps", "before its first sample"),
+    # the paper's mode is Algorithm 2 exactly: fixed epochs only
+    ('[defaults]\nmode = "paper"\nrecovery = "online"\n', "defaults.recovery",
+     "Algorithm 2 exactly"),
+    # epoch options never silently ignored by the online loop (the default)
+    ('[defaults]\nwarmup = 500\n', "defaults.warmup", "set recovery = 'epochs' to keep it"),
+    ('[defaults]\npool = 500\n', "defaults.pool", "recovery = 'epochs' only"),
+    ('[defaults]\nholdout = 500\n', "defaults.holdout", "recovery = 'epochs' only"),
+    ('[defaults]\nmu_pool = 500\n', "defaults.mu_pool", "recovery = 'epochs' only"),
+    ('[defaults]\nsizing = "theory"\n', "defaults.sizing", "recovery = 'epochs' only"),
+    ('[defaults]\nvariant = "split"\n', "defaults.variant", "recovery = 'epochs' only"),
+    ('[defaults]\nprescale = "none"\nholdout = 10\nrecovery = "online"\n',
+     "defaults.prescale", "recovery = 'epochs' only"),
+    ('[defaults]\noutside = "rho"\n', "defaults.outside", "recovery = 'epochs' only"),
+    ('[defaults]\nwarmup = 500\n[models.m]\nrecovery = "online"\n', "defaults.warmup",
+     "recovery = 'epochs' only"),
+    ('[defaults]\nrecovery = "epochs"\nwarmup = 500\n[models.m]\nrecovery = "online"\n',
+     "models.m.warmup", "recovery = 'epochs' only"),
     ('[defaults]\nmode = "paper"\nwarmup = 10\n', "defaults.warmup",
      "only used with prescale"),
     ('[defaults]\nholdout = 0\n', "defaults.holdout", "mode = 'certified' needs"),

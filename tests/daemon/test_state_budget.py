@@ -99,7 +99,7 @@ def test_window_is_trimmed_oldest_first_to_its_budget():
 
 
 def _state(budget: int | None, k: int = 1000) -> ModelState:
-    s = Settings()
+    s = Settings(defaults={"recovery": "epochs"})
     st = ModelState.create("m", k, s.defaults, s.join)
     st.set_budget(budget)
     return st

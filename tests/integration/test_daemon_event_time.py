@@ -36,8 +36,7 @@ def _alive(rd):
 
 async def test_future_ts_is_dead_lettered_and_pending_joins_survive(deployment, broker):
     names = await deployment.topics(1)
-    cfg = deployment.config(defaults={"k": 3, "pool": 10 ** 6, "mu_pool": 10 ** 6,
-                                      "window_seconds": 3600.0})
+    cfg = deployment.config(defaults={"k": 3, "window_seconds": 3600.0})
     settings = deployment.settings(cfg)
     ids, probs, labels = synth_samples(N, 3, 5, "m")
     poison = orjson.dumps({"model": "m", "id": "poison", "ts": 1e12,
@@ -80,8 +79,7 @@ async def test_future_ts_is_dead_lettered_and_pending_joins_survive(deployment, 
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned_k", "learned_k"])
 async def test_outcomes_first_join_across_a_restart(deployment, broker, pinned):
     names = await deployment.topics(1)
-    cfg = deployment.config(defaults={"k": 3 if pinned else None, "pool": 10 ** 6,
-                                      "mu_pool": 10 ** 6})
+    cfg = deployment.config(defaults={"k": 3 if pinned else None})
     settings = deployment.settings(cfg)
     n = 300
     ids, probs, labels = synth_samples(n, 3, 9, "o")

@@ -57,7 +57,7 @@ async def test_events_to_binmap_on_topic_and_http_metrics_and_manual_trigger(dep
     names = await deployment.topics(2)
     cfg = deployment.config(partitions=2, admin_token=TOKEN,
                             defaults={"pool": POOL, "mu_pool": POOL, "holdout": HOLDOUT,
-                                      "warmup": WARMUP},
+                                      "warmup": WARMUP, "recovery": "epochs"},
                             models={"flow-a": {"k": 3}, "flow-b": {"k": 4}})
     settings = deployment.settings(cfg)
     assert settings.defaults.mode == "certified"  # the default mode, end to end
@@ -222,9 +222,7 @@ def _bad_events(k: int) -> list[tuple[str, bytes, str]]:
 async def test_malformed_events_are_deadlettered_with_reason_and_valid_ones_joined(
         deployment, broker):
     names = await deployment.topics(2)
-    big = 10 ** 6  # no fit in this test
-    cfg = deployment.config(partitions=2,
-                            defaults={"pool": big, "mu_pool": big, "normalize": "reject"},
+    cfg = deployment.config(partitions=2, defaults={"normalize": "reject"},
                             models={"dl-a": {"k": 3}, "dl-b": {"k": 2}}, unknown_models="reject",
                             kafka={"max_message_bytes": 1024})
     settings = deployment.settings(cfg)
@@ -290,7 +288,7 @@ async def test_malformed_events_are_deadlettered_with_reason_and_valid_ones_join
 
 async def test_backlog_present_at_start_is_consumed_exactly_once(deployment, broker):
     names = await deployment.topics(1)
-    cfg = deployment.config(defaults={"pool": 10 ** 6, "mu_pool": 10 ** 6})
+    cfg = deployment.config()
     settings = deployment.settings(cfg)
     n = 3000
     ids, probs, labels = synth_samples(n, 3, 3, "bl")

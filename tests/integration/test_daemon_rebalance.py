@@ -83,7 +83,7 @@ async def _run(deployment, *, quiescent: bool) -> None:
     assert {partition_of(m) for m in MODELS} == set(range(PARTITIONS))
     group = f"{names.predictions}-group"
     settings = [deployment.settings(deployment.config(
-        group_id=group, partitions=PARTITIONS, defaults={"pool": 10 ** 6, "mu_pool": 10 ** 6},
+        group_id=group, partitions=PARTITIONS, defaults={"pool": 10 ** 6, "mu_pool": 10 ** 6, "recovery": "epochs"},
         state={"checkpoint_interval_seconds": 1.0}), f"replica-{r}") for r in "AB"]
     traffic = Traffic(names)
     all_parts = {(t, p) for t in (names.predictions, names.outcomes) for p in range(PARTITIONS)}

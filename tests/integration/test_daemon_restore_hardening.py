@@ -165,7 +165,7 @@ async def test_rolling_update_restores_more_models_than_max_models(
     group = f"{topic_prefix}-g"
     settings = [build_settings(daemon_config(
         broker.bootstrap, names, http_port=free_port(), group_id=group, partitions=4,
-        defaults={"k": 3, "pool": 10 ** 6, "mu_pool": 10 ** 6}, max_models=2), tmp_path,
+        defaults={"k": 3}, max_models=2), tmp_path,
         f"r{r}") for r in "AB"]
     a = await start_daemon(settings[0])
     b = None
@@ -298,7 +298,7 @@ async def test_changed_k_and_eps_on_restore(deployment, broker, tmp_path):
 
     def settings(k: int, eps: float, name: str):
         return build_settings(daemon_config(
-            broker.bootstrap, names, http_port=port, defaults={"eps": 0.1},
+            broker.bootstrap, names, http_port=port, defaults={"eps": 0.1, "recovery": "epochs"},
             models={"mk": {"k": k, "eps": eps}}), tmp_path, name)
 
     async with running_daemon(settings(3, 0.1, "k3")) as rd:

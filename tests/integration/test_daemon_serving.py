@@ -75,7 +75,7 @@ async def test_every_replica_serves_every_model(deployment, broker, topic_prefix
     settings = [build_settings(daemon_config(
         broker.bootstrap, names, http_port=free_port(), group_id=group, partitions=PARTITIONS,
         kafka={"max_message_bytes": MAX_MESSAGE_BYTES},
-        defaults={"pool": 100, "mu_pool": 100, "warmup": 100, "holdout": 50,
+        defaults={"pool": 100, "mu_pool": 100, "warmup": 100, "holdout": 50, "recovery": "epochs",
                   "drift_threshold": 100.0},
         models={m: {"k": 3} for m in MODELS}), tmp_path, f"replica-{r}") for r in "AB"]
     a = await start_daemon(settings[0])

@@ -73,8 +73,7 @@ async def test_wrong_k_map_on_the_topic_does_not_crash_loop_the_daemon(
         deployment, broker, tmp_path):
     names = await deployment.topics(1)
     model, k, n = "wk", 3, 60
-    cfg = deployment.config(defaults={"pool": 10 ** 6, "mu_pool": 10 ** 6},
-                            models={model: {"k": k}}, shutdown_grace_seconds=10)
+    cfg = deployment.config(models={model: {"k": k}}, shutdown_grace_seconds=10)
     d = SubprocessDaemon(cfg, tmp_path, "wrong-k")
     ids, probs, labels = synth_samples(3 * n, k, 1, model)
 

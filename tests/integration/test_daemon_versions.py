@@ -40,7 +40,7 @@ pytestmark = pytest.mark.integration
 
 MODEL = "vm"
 # one epoch: a warm-up of 100, 7 pools of 100 and 50 held out, about 1,000 samples by id hash
-SMALL_EPOCHS = {"pool": 100, "mu_pool": 100, "warmup": 100, "holdout": 50,
+SMALL_EPOCHS = {"pool": 100, "mu_pool": 100, "warmup": 100, "holdout": 50, "recovery": "epochs",
                 "drift_threshold": 100.0}
 
 

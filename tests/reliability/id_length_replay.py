@@ -55,7 +55,7 @@ def rss_mib() -> int:
 
 def replay(start: int, events: int, report=print) -> list[tuple[int, int, int, int]]:
     """Run the replay; returns ``(n, arenas, rss MiB, recent ids)`` every 50,000 events."""
-    s = load_settings(None, defaults={"k": K, "pool": 400, "mu_pool": 400})
+    s = load_settings(None, defaults={"k": K, "pool": 400, "mu_pool": 400, "recovery": "epochs"})
     parser = EventParser.from_settings(s)
     rows = np.random.default_rng(0).dirichlet(np.ones(K), size=4096).round(6)
     rows /= rows.sum(1, keepdims=True)

@@ -58,7 +58,7 @@ async def test_bad_binmaps_rejected_by_client_and_daemon_previous_map_stays(
         deployment, broker, tmp_path, figures):
     names = await deployment.topics(2)
     cfg = deployment.config(partitions=2,
-                            defaults={"pool": 100, "mu_pool": 100, "warmup": 100, "holdout": 50,
+                            defaults={"pool": 100, "mu_pool": 100, "warmup": 100, "holdout": 50, "recovery": "epochs",
                                       "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
                             models={m: {"k": k} for m, k in MODELS.items()})
     daemon = FastDaemon(cfg, tmp_path, name="art").start()

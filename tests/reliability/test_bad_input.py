@@ -41,7 +41,7 @@ MAX_BYTES = 4096
 
 def _cfg(bootstrap: str, names: TopicNames) -> dict:
     return daemon_config(bootstrap, names, http_port=free_port(), partitions=2,
-                         defaults={"normalize": "reject", "pool": 10**6, "mu_pool": 10**6,
+                         defaults={"normalize": "reject", "pool": 10**6, "mu_pool": 10**6, "recovery": "epochs",
                                    "k": None},  # learned (LEARNED_K_MODEL); pinned below
                          models={**{m: {"k": k} for m, k in MODELS.items()},
                                  LEARNED_K_MODEL: {}},

@@ -108,7 +108,8 @@ async def _scenario(tmp_path, soak: bool) -> dict:
         await create_topics(broker.bootstrap, names, partitions=2)
         cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
                             defaults={"pool": 1000, "mu_pool": 1000, "warmup": 1000,
-                                      "holdout": 1000, "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
+                                      "holdout": 1000, "recovery": "epochs",  # a manual epoch fit
+                                      "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
                             models={m: {"k": k} for m, k in MODELS},
                             state={"checkpoint_interval_seconds": 1.0}, admin_token=TOKEN)
         daemon = FastDaemon(cfg, tmp_path, name="outage").start()

@@ -32,6 +32,19 @@ envelopes of the state topics, all records of the bin-map topics).
 Drift refills are off (``drift_threshold`` 100, ``drift_false_alarm_rate`` 0): when a drift fires depends on batching.
 Short: 60,000 joined samples, 5 kills. Long (LPCAL_SOAK=1): 1,000,002 samples, 100 kills.
 
+The test runs twice: with ``recovery = "epochs"`` (the fixed epochs above) and with
+``recovery = "online"`` (the default, :mod:`lpcal.online`: small buckets and a short fit delay,
+so the kills land while maps are published, fits are requested and the stream is blocked on
+them). For the online models the epoch comparisons are replaced by the calibrator's: the final
+checkpoints of ``crash-a`` and ``crash-b`` hold the same calibrator state as the reference's
+(sample count, window sums, warm-up, live map, tests, shadow challenger, fit request; the
+decisions depend on the input order only), and every bin-map version 1..V has the reference's
+content. A crash between publishing and checkpointing leaves the topic ahead of the checkpoint:
+the replay publishes the same maps again, which are installed, not sent
+(:meth:`daemon.model_state.ModelState.adopt_published`). For every model of both modes, no
+version is published with two contents, and the versions on the bin-map topic, in topic order,
+never go down.
+
 The first bug this test found (``on_assigned`` processed new partitions before restoring their
 state) is fixed in ``daemon/service.py``: new partitions stay paused until restored.
 It also caught the embedded broker skipping a record batch under load (the never-killed
@@ -44,16 +57,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import time
 
 import numpy as np
+import orjson
 import pytest
 
 from daemon.monitor import WindowMonitor
 from daemon.tools.simulate.driver import simulate
 from daemon.tools.simulate.model import SyntheticModel
 from daemon.tools.simulate.traffic import TrafficGenerator
+from lpcal.binmap import BinMap
 from tests.support.daemon_harness import (
     EventProducer,
     TopicNames,
@@ -81,11 +97,18 @@ HELD_MODEL, HELD_BACK = "crash-c", 40   # predictions that never get an outcome
 GRACE = 30                              # shutdown_grace_seconds of both daemons
 
 
-def _cfg(broker, names, pool):
+#: the online loop, fast: decisions every 250 samples, buckets of 500, fits due 250 samples
+#: after their request (the stream blocks on them), Algorithm 2 from the defaults' pools
+ONLINE = {"recovery": "online", "bucket_size": 500, "window_buckets": 16, "fit_delay": 250,
+          "warmup_tol": 0.1}
+
+
+def _cfg(broker, names, pool, recovery):
+    fit = ({"recovery": "epochs", "pool": pool, "mu_pool": pool, "warmup": pool,
+            "holdout": pool} if recovery == "epochs" else ONLINE)
     return daemon_config(
         broker.bootstrap, names, http_port=free_port(), partitions=2,
-        defaults={"pool": pool, "mu_pool": pool, "warmup": pool, "holdout": pool,
-                  "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
+        defaults={**fit, "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
         models={m: {"k": k} for m, k in MODELS},
         state={"checkpoint_interval_seconds": 0.5}, shutdown_grace_seconds=GRACE)
 
@@ -125,6 +148,50 @@ def _daemon_warnings(*daemons: FastDaemon, limit: int = 40) -> str:
     return "\n".join(out)
 
 
+def _without_stamps(x):
+    """``x`` (a calibrator's checkpoint) with the bin maps it embeds parsed, without what
+    differs between two runs making the same decisions (``created_at``, ``checksum``), without
+    a fit request's result (whether it is back at the final checkpoint is timing) and without
+    the byte budget (``max_bytes``: the model's share of ``state.max_bytes_total``, which
+    depends on how many models the replica owned when it was set; here far above the window,
+    so it drops no bucket)."""
+    if isinstance(x, dict):
+        return {k: _without_stamps(v) for k, v in x.items()
+                if k not in ("created_at", "checksum", "result", "max_bytes")}
+    if isinstance(x, list):
+        return [_without_stamps(v) for v in x]
+    if isinstance(x, str) and x.startswith("{"):
+        with contextlib.suppress(ValueError):
+            return _without_stamps(orjson.loads(x))
+    return x
+
+
+def _same(a, b, path: str = "") -> str | None:
+    """Where ``a`` and ``b`` (JSON values) differ, floats to 1e-9 relative; None if nowhere."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{path}: keys {sorted(a.keys() ^ b.keys())}"
+        return next((w for k in a if (w := _same(a[k], b[k], f"{path}.{k}"))), None)
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{path}: lengths {len(a)} / {len(b)}"
+        return next((w for i, (x, y) in enumerate(zip(a, b))
+                     if (w := _same(x, y, f"{path}[{i}]"))), None)
+    if isinstance(a, float) and isinstance(b, float):
+        return None if np.isclose(a, b, rtol=1e-9, atol=1e-12) else f"{path}: {a} / {b}"
+    return None if a == b else f"{path}: {str(a)[:60]} / {str(b)[:60]}"
+
+
+async def _topic_order(bootstrap: str, topic: str) -> dict[str, list[int]]:
+    """{model: the versions of its records on the bin-map topic, in offset order}."""
+    recs = sorted(await read_records(bootstrap, topic, timeout=60),
+                  key=lambda r: (r.partition, r.offset))
+    out: dict[str, list[int]] = {}
+    for rec in recs:
+        out.setdefault(rec.key.decode(), []).append(BinMap.from_json(rec.value).version)
+    return out
+
+
 async def _versions(bootstrap: str, topic: str) -> dict[str, dict[int, dict]]:
     """{model: {version: bin map content without created_at/checksum}}, the last record of
     each version (see :func:`binmap_contents`)."""
@@ -132,8 +199,9 @@ async def _versions(bootstrap: str, topic: str) -> dict[str, dict[int, dict]]:
             for m, by_version in (await binmap_contents(bootstrap, topic)).items()}
 
 
+@pytest.mark.parametrize("recovery", ["epochs", "online"])
 async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
-        broker, topic_prefix, tmp_path, soak, figures):
+        broker, topic_prefix, tmp_path, soak, figures, recovery):
     n_events = 1_000_002 if soak else 60_000
     kills = 100 if soak else 5
     pool = 3000 if soak else 300
@@ -145,8 +213,8 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
     ref_names, crash_names = run_names(base, "ref"), run_names(base, "crash")
     await create_topics(broker.bootstrap, ref_names, partitions=2)
     await create_topics(broker.bootstrap, crash_names, partitions=2)
-    ref = FastDaemon(_cfg(broker, ref_names, pool), tmp_path, name="ref")
-    crash = FastDaemon(_cfg(broker, crash_names, pool), tmp_path, name="crash")
+    ref = FastDaemon(_cfg(broker, ref_names, pool, recovery), tmp_path, name="ref")
+    crash = FastDaemon(_cfg(broker, crash_names, pool, recovery), tmp_path, name="crash")
     n_sample = n_events * len(SAMPLE_MODELS) // len(MODELS)
     n_join = n_events - n_sample
     per_model = {m: len(range(j, n_sample, len(SAMPLE_MODELS)))
@@ -236,14 +304,18 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
         crash_state = await read_state(broker.bootstrap, crash_names.state, timeout=big)
         ref_maps = await _versions(broker.bootstrap, ref_names.binmaps)
         crash_maps = await _versions(broker.bootstrap, crash_names.binmaps)
+        bodies = {name: await binmap_contents(broker.bootstrap, n.binmaps)
+                  for name, n in (("ref", ref_names), ("crash", crash_names))}
+        order = {name: await _topic_order(broker.bootstrap, n.binmaps)
+                 for name, n in (("ref", ref_names), ("crash", crash_names))}
         dlq = [len(await read_records(broker.bootstrap, n.deadletter)) for n in
                (ref_names, crash_names)]
     finally:
         ref.stop_quietly()
         crash.stop_quietly()
 
-    lost = doubled = pool_lost = pool_doubled = 0
-    mismatches, join_epochs = [], {}
+    lost = doubled = pool_lost = pool_doubled = online_runs = 0
+    mismatches, join_epochs, calibrators = [], {}, {}
     for m, n in per_model.items():
         r, c = ref_state.models[m], crash_state.models[m]
         if r.samples_total != n:
@@ -272,6 +344,14 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
                     mismatches.append(f"{m}: {label} final checkpoint covers {topic}[{part}] "
                                       f"to {got}, beyond the log's end "
                                       f"{log_ends.get((topic, part))}")
+        for label in ("crash", "ref"):
+            seq = order[label].get(m, [])
+            if any(b < a for a, b in itertools.pairwise(seq)):
+                mismatches.append(f"{m}: {label} versions go down on the topic: {seq}")
+            twice = [v for v, bs in bodies[label].get(m, {}).items()
+                     if any(b != bs[0] for b in bs)]
+            if twice:
+                mismatches.append(f"{m}: {label} published versions {twice} with two contents")
         rv, cv = ref_maps.get(m, {}), crash_maps.get(m, {})
         if sorted(rv) != list(range(1, len(rv) + 1)) or not rv:
             mismatches.append(f"{m}: reference versions {sorted(rv)}")
@@ -282,18 +362,30 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
             # topics interleave, so epoch boundaries differ between ANY two runs
             join_epochs[m] = (c.fill_epoch, r.fill_epoch)
             continue
-        pairs = [("filling", c.filling, r.filling)]
-        pairs += [(f"sealed[{i}]", cs, rs) for i, ((_, cs), (_, rs)) in
-                  enumerate(zip(c.sealed, r.sealed))]
-        for what, got, want in pairs:
-            lo, do = pool_diff(got, want)
-            pool_lost += lo
-            pool_doubled += do
-            if got != want:
-                mismatches.append(f"{m}: {what} pools differ (lost {lo}, doubled {do})")
-        if len(c.sealed) != len(r.sealed) or c.fill_epoch != r.fill_epoch:
-            mismatches.append(f"{m}: epochs {c.fill_epoch}/{len(c.sealed)} sealed vs "
-                              f"{r.fill_epoch}/{len(r.sealed)}")
+        if recovery == "online":
+            online_runs += 1
+            for label, st in (("crash", c), ("ref", r)):
+                if st.online is None or st.backlog is not None:
+                    mismatches.append(f"{m}: {label} run ended without a calibrator or with "
+                                      "rows waiting")
+            why = _same(_without_stamps(cenv["state"]["online"]),
+                        _without_stamps(renv["state"]["online"]))
+            if why:
+                mismatches.append(f"{m}: calibrator differs from the reference at {why}")
+            calibrators[m] = (c.online.n_seen, c.online.version) if c.online else None
+        else:
+            pairs = [("filling", c.filling, r.filling)]
+            pairs += [(f"sealed[{i}]", cs, rs) for i, ((_, cs), (_, rs)) in
+                      enumerate(zip(c.sealed, r.sealed))]
+            for what, got, want in pairs:
+                lo, do = pool_diff(got, want)
+                pool_lost += lo
+                pool_doubled += do
+                if got != want:
+                    mismatches.append(f"{m}: {what} pools differ (lost {lo}, doubled {do})")
+            if len(c.sealed) != len(r.sealed) or c.fill_epoch != r.fill_epoch:
+                mismatches.append(f"{m}: epochs {c.fill_epoch}/{len(c.sealed)} sealed vs "
+                                  f"{r.fill_epoch}/{len(r.sealed)}")
         why = _raw_monitor_diff(cenv, renv)
         if why:
             mismatches.append(f"{m}: raw monitor: {why}")
@@ -303,7 +395,13 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
             if cv[v] != rv[v]:
                 mismatches.append(f"{m}: bin map version {v} differs from the reference")
 
-    figures("crash safety", {
+    if recovery == "online":  # the online loop published and fitted during the kills
+        for m, got in calibrators.items():
+            if got is None or got[1] < 2:
+                mismatches.append(f"{m}: the online loop published {got} (sample count, "
+                                  "version): too little to compare")
+    figures(f"crash safety ({recovery})", {
+        "recovery": recovery,
         "joined samples (input)": n_events, "models": len(MODELS), "SIGKILLs": kills_done,
         "kills while /readyz was 200": ready_at_kill,
         "kill phase seconds": round(kill_phase, 1),
@@ -313,6 +411,8 @@ async def test_sigkill_at_random_moments_loses_and_doubles_nothing(
         "bin-map versions per model (crash / reference)":
             {m: (max(crash_maps.get(m, {0: 0})), max(ref_maps.get(m, {0: 0}))) for m in per_model},
         "joined model: epochs (crash / reference)": join_epochs,
+        "online calibrators compared (sample models)": online_runs,
+        "online calibrators (samples, version), crash run": calibrators,
         "dead letters (ref, crash)": tuple(dlq),
         "input offset holes filled/skipped (ref, crash's last incarnation)": holes,
         "exit codes at SIGTERM (ref, crash)": (rc_ref, rc_crash),

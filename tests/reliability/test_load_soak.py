@@ -84,7 +84,7 @@ async def test_sustained_rate_bounded_memory_and_lag_no_poll_gap(
     n_events = int(RATE * duration)
     names = await deployment.topics(2)
     cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), partitions=2,
-                        defaults={"pool": 400, "mu_pool": 400, "warmup": 400, "holdout": 400,
+                        defaults={"pool": 400, "mu_pool": 400, "warmup": 400, "holdout": 400, "recovery": "epochs",
                                   "drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
                         models={m: {"k": k} for m, k in MODELS},
                         state={"checkpoint_interval_seconds": 5.0},

@@ -221,7 +221,7 @@ async def test_secrets_never_in_logs_or_responses_and_events_bounded(broker, top
     await create_topics(broker.bootstrap, names, partitions=1)
     limit = 2048
     cfg = daemon_config(broker.bootstrap, names, http_port=free_port(), log_level="DEBUG",
-                        defaults={"pool": 50, "mu_pool": 50, "warmup": 100, "holdout": 100},
+                        defaults={"pool": 50, "mu_pool": 50, "warmup": 100, "holdout": 100, "recovery": "epochs"},
                         models={"sec-m": {"k": 3}},
                         kafka={"max_message_bytes": limit})
     secrets = _secrets(tmp_path, sasl=False)  # PLAINTEXT broker: a SASL password is refused
