@@ -577,10 +577,10 @@ def test_several_maps_published_in_one_batch_leave_the_loop_as_small_batches_do(
     order without installing them back into the loop (which would reset its tests and its
     record of the live map depending on batching): its whole state is the one of small
     batches."""
-    msgs = traffic(12_000, seed=7)
+    msgs = traffic(20_000, seed=7)
     small, big = new_state(**ONLINE), new_state(**ONLINE)
     feed_online(small, parser(), msgs, batch=50, complete="at_once")
-    out = feed_online(big, parser(), msgs, batch=6000, complete="at_once")
+    out = feed_online(big, parser(), msgs, batch=10_000, complete="at_once")
     assert max(len(r.published) for r in out) >= 2  # the case this is about
     assert big.binmap_version == small.binmap_version == big.online.version >= 3
     assert _calibrator_state(big) == _calibrator_state(small)
