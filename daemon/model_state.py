@@ -248,6 +248,14 @@ class CheckpointCache:
             self._used.add(key)
         return frag
 
+    def limit(self, max_bytes: int) -> None:
+        """Set :attr:`max_bytes`; entries beyond it are dropped at once."""
+        self.max_bytes = int(max_bytes)
+        if self.nbytes > self.max_bytes:
+            self._entries.clear()
+            self._used.clear()
+            self.nbytes = 0
+
     def sweep(self) -> None:
         """Drop the entries not used since the last sweep."""
         for key in [key for key in self._entries if key not in self._used]:
@@ -828,8 +836,8 @@ class ModelState:
         :data:`PACKED_CHECKPOINT_FORMAT`: :meth:`to_dict`'s document with packed count
         tables; parts unchanged since the last call come from :attr:`checkpoint_cache`."""
         cache = self.checkpoint_cache
-        if self.budget is not None:
-            cache.max_bytes = min(CHECKPOINT_CACHE_BYTES, self.budget // 4)
+        cache.limit(CHECKPOINT_CACHE_BYTES if self.budget is None
+                    else min(CHECKPOINT_CACHE_BYTES, self.budget // 4))
         try:
             return orjson.dumps(self._packed_dict(cache))
         finally:
