@@ -265,3 +265,29 @@ def test_unpack_checks_sizes_before_allocating():
     with pytest.raises(InputError, match="base64"):
         unpack_arrays({"dtypes": d["dtypes"], "data": base64.b64encode(b"12345")[:-1]
                        .decode() + "!"}, [3, 2], "x")
+
+
+def test_an_envelope_packs_the_frozen_pools_of_a_fit_once_and_reads_both_forms():
+    from daemon.checkpoint.envelope import Envelope, decode_envelope, encode_envelope
+    from daemon.registry import Inflight, ModelSlot
+
+    st = new_state()
+    feed(st, parser(), traffic(2000, seed=3))
+    assert st.sealed
+    slot = ModelSlot(st, 1, Inflight(st.pools, "pools_full", 2), 0)
+    raw = encode_envelope(MODEL, slot)
+    d = orjson.loads(raw)
+    assert "data" in d["inflight"]["pools"]["tables"]["mu"]
+    assert d["state"]["format"] == "lpcal.model_state/5"
+    cached = st.checkpoint_cache_bytes
+    assert orjson.loads(encode_envelope(MODEL, slot))["inflight"] == d["inflight"]
+    assert st.checkpoint_cache_bytes == cached  # the frozen pools came from the cache
+    for inflight in (d["inflight"]["pools"], slot.inflight.pools.to_dict()):  # /5 and before
+        d["inflight"]["pools"] = inflight
+        env = decode_envelope(MODEL, orjson.dumps(d), limit=64 << 20, wanted=lambda p: True)
+        assert isinstance(env, Envelope) and env.inflight.pools == slot.inflight.pools
+        assert env.state == st
+    d["inflight"]["pools"]["tables"]["mu"] = {"k": 3, "lam": 10, "n": 1, "nnz": 1, "pairs": 0,
+                                              "dtypes": ["<u1"] * 6, "data": "AAAA"}
+    bad = decode_envelope(MODEL, orjson.dumps(d), limit=64 << 20, wanted=lambda p: True)
+    assert bad.reason == "corrupt" and "pool mu" in bad.detail
