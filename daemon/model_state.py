@@ -99,6 +99,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -205,11 +206,24 @@ def _decode_backlog(d: Mapping[str, Any], k: int) -> tuple:
 _SCALARS = (int, float, str, bool, type(None))
 
 
-def _same(a: tuple, b: tuple) -> bool:
-    """The refs of a cache entry still hold: the same objects (identity) and equal scalars."""
-    return len(a) == len(b) and all(
-        x is y or (type(x) is type(y) and type(x) in _SCALARS and x == y)
-        for x, y in zip(a, b))
+def _weak(x: object) -> object:
+    """A weak reference to ``x`` where it takes one (arrays, most objects), so that a cache
+    entry does not keep replaced parts alive; scalars and other objects as they are."""
+    if type(x) in _SCALARS:
+        return x
+    try:
+        return weakref.ref(x)
+    except TypeError:
+        return x
+
+
+def _same(kept: tuple, refs: tuple) -> bool:
+    """The refs of a cache entry still hold: the same objects (identity; a weak reference
+    still pointing to it) and equal scalars."""
+    return len(kept) == len(refs) and all(
+        (k() is y if type(k) is weakref.ref else k is y)
+        or (type(k) is type(y) and type(y) in _SCALARS and k == y)
+        for k, y in zip(kept, refs))
 
 
 class CheckpointCache:
@@ -220,7 +234,9 @@ class CheckpointCache:
     Called as ``cache(owner, refs, make)``: the encoded ``make()`` of ``owner`` (an
     :class:`orjson.Fragment`, embedded as is by ``orjson.dumps``) unless the entry of ``owner``
     was made with the same ``refs`` (identical objects, equal scalars: what the part depends
-    on). An entry holds ``owner``, so its ``id`` cannot be reused while cached. Bounded:
+    on). ``owner`` and the refs are held by weak reference where they take one, so that
+    replaced parts are freed (an entry whose owner died never matches, whoever reuses its
+    ``id``), else by strong reference (its ``id`` is then not reused while cached). Bounded:
     entries are added while :attr:`nbytes` (the encoded bytes held) stays within ``max_bytes``
     (parts beyond are encoded every time); :meth:`sweep`, after each checkpoint, drops the
     entries that checkpoint did not use (parts gone from the state)."""
@@ -228,13 +244,14 @@ class CheckpointCache:
     def __init__(self, max_bytes: int = CHECKPOINT_CACHE_BYTES):
         self.max_bytes = int(max_bytes)
         self.nbytes = 0
+        #: id(owner) -> (owner or a weak reference to it, refs, fragment, bytes)
         self._entries: dict[int, tuple[object, tuple, orjson.Fragment, int]] = {}
         self._used: set[int] = set()
 
     def __call__(self, owner: object, refs: tuple, make: Callable[[], Any]) -> orjson.Fragment:
         key = id(owner)
         e = self._entries.get(key)
-        if e is not None and e[0] is owner and _same(e[1], refs):
+        if e is not None and _same((e[0], *e[1]), (owner, *refs)):
             self._used.add(key)
             return e[2]
         raw = orjson.dumps(make())
@@ -243,7 +260,7 @@ class CheckpointCache:
             del self._entries[key]
             self.nbytes -= e[3]
         if self.nbytes + len(raw) <= self.max_bytes:
-            self._entries[key] = (owner, refs, frag, len(raw))
+            self._entries[key] = (_weak(owner), tuple(map(_weak, refs)), frag, len(raw))
             self.nbytes += len(raw)
             self._used.add(key)
         return frag
@@ -870,7 +887,7 @@ class ModelState:
             "k": self.k,
             "config": memo(self.epoch_spec, (self.monitor_spec,), config),
             "fill_epoch": self.fill_epoch,
-            "filling": self.filling.to_dict(packed=True),
+            "filling": self.filling.to_dict(packed=True, memo=memo),
             "sealed": [{"epoch": e, "pools": memo(ps, (), lambda ps=ps: ps.to_dict(packed=True))}
                        for e, ps in self.sealed],
             "monitor": self.monitor.to_dict(memo=memo),

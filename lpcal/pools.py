@@ -961,19 +961,37 @@ class PoolSet:
             out.holdout_raw = self.holdout_raw.merge(other.holdout_raw)
         return out
 
-    def to_dict(self, *, packed: bool = False) -> dict:
+    def to_dict(self, *, packed: bool = False, memo=None) -> dict:
         """JSON-safe dict; ``packed``: tables and held-out sums as packed arrays
-        (:meth:`CountTable.to_dict`, :func:`pack_holdout`)."""
-        d = {"layout": self.layout.to_dict(),
-             "tables": {n: t.to_dict(packed=packed) for n, t in self.tables.items()}}
+        (:meth:`CountTable.to_dict`, :func:`pack_holdout`).
+
+        ``memo(owner, refs, make)`` (with ``packed``; the daemon's checkpoint cache, see
+        :meth:`lpcal.window.SlidingWindow.to_dict`): a table or held-out sums whose arrays
+        are the same objects as at the last call is not encoded again (their arrays are
+        replaced, never written in place, when samples are added)."""
+        if memo is None or not packed:
+            tables = {n: t.to_dict(packed=packed) for n, t in self.tables.items()}
+        else:
+            tables = {}
+            for n, t in self.tables.items():
+                t.compact()
+                tables[n] = memo(t, (t._h, t._ptr, t._idx, t._val, t._pb, t._pl, t._pc),
+                                 lambda t=t: t.to_dict(packed=True))
+        d = {"layout": self.layout.to_dict(), "tables": tables}
         if self.temperature is not None:
             d["temperature"] = self.temperature
         if self.grid is not None:
             d["grid"] = self.grid.to_dict()
         if self.holdout is not None:
-            enc = pack_holdout if packed else type(self.holdout).to_dict
-            d["holdout"] = enc(self.holdout)
-            d["holdout_raw"] = enc(self.holdout_raw)
+            for key in ("holdout", "holdout_raw"):
+                h = getattr(self, key)
+                if not packed:
+                    d[key] = h.to_dict()
+                elif memo is None:
+                    d[key] = pack_holdout(h)
+                else:
+                    d[key] = memo(h, (h.rows, h.hashes, h.counts, h.sums),
+                                  lambda h=h: pack_holdout(h))
         return d
 
     @classmethod

@@ -291,3 +291,32 @@ def test_an_envelope_packs_the_frozen_pools_of_a_fit_once_and_reads_both_forms()
                                               "dtypes": ["<u1"] * 6, "data": "AAAA"}
     bad = decode_envelope(MODEL, orjson.dumps(d), limit=64 << 20, wanted=lambda p: True)
     assert bad.reason == "corrupt" and "pool mu" in bad.detail
+
+
+def test_the_cache_reuses_unchanged_tables_and_keeps_no_replaced_array_alive():
+    import gc
+    import weakref
+
+    st = new_state()
+    feed(st, parser(), traffic(300, seed=9))
+    cache, made = CheckpointCache(), []
+
+    def memo(owner, refs, make):  # the cache, recording what it had to encode
+        return cache(owner, refs, lambda: made.append(owner) or make())
+
+    ps = st.filling
+    first = orjson.dumps(ps.to_dict(packed=True, memo=memo))
+    assert set(map(id, made)) == set(map(id, ps.tables.values()))
+    made.clear()
+    assert orjson.dumps(ps.to_dict(packed=True, memo=memo)) == first and made == []
+    t = ps.tables["mu"]
+    old = weakref.ref(t._pc)
+    q = parser()
+    q.set_k(MODEL, st.k)
+    feed(st, q, traffic(900, seed=9)[600:])
+    assert st.filling is ps
+    later = orjson.dumps(ps.to_dict(packed=True, memo=memo))
+    assert any(m is t for m in made)  # the table received samples: encoded again
+    assert later == orjson.dumps(ps.to_dict(packed=True))
+    gc.collect()
+    assert old() is None  # the cache held the replaced counts only weakly
