@@ -229,7 +229,8 @@ def _same(kept: tuple, refs: tuple) -> bool:
 class CheckpointCache:
     """Encoded parts of one model's checkpoint, kept from one checkpoint to the next so that
     parts that did not change are not encoded again: the config, the bin map's JSON string,
-    sealed epochs, the monitor's buckets, the online window's sealed buckets and maps.
+    sealed epochs, the filling epoch's tables, the monitor's buckets, the online window's
+    sealed buckets and maps, a fit's frozen pools.
 
     Called as ``cache(owner, refs, make)``: the encoded ``make()`` of ``owner`` (an
     :class:`orjson.Fragment`, embedded as is by ``orjson.dumps``) unless the entry of ``owner``
