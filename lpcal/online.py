@@ -707,7 +707,7 @@ class OnlineCalibrator:
         (:meth:`lpcal.window.SlidingWindow.to_dict`): the window's sealed buckets, the live
         and shadow maps' JSON and a pending request's snapshot are encoded once each."""
         if memo is None:
-            def memo(owner, refs, make):  # noqa: ARG001 - no cache: encode every time
+            def memo(owner, refs, make):  # no cache: encode every time
                 return make()
         window = (self.window.to_dict(packed=packed, memo=memo) if packed
                   else self.window.to_dict())

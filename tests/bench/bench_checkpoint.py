@@ -131,8 +131,8 @@ def measure(kind: str, k: int, n: int, repeats: int) -> dict:
             t_old, old = _timed(lambda: orjson.dumps(st.to_dict()))
             t_new, new = _timed(st.to_checkpoint)
             t_cold, cold = _timed(lambda: orjson.dumps(st._packed_dict(CheckpointCache(0))))
-            d_old, a = _timed(lambda: ModelState.from_checkpoint(old))
-            d_new, b = _timed(lambda: ModelState.from_checkpoint(new))
+            d_old, a = _timed(lambda old=old: ModelState.from_checkpoint(old))
+            d_new, b = _timed(lambda new=new: ModelState.from_checkpoint(new))
         finally:
             if was:
                 gc.enable()
@@ -180,23 +180,23 @@ def run(quick: bool = False) -> list[Table]:
                      _kib(m["zbytes_old"]), _kib(m["zbytes_new"]), _kib(m["cache"]),
                      _kib(m["state_bytes"]))
     enc.notes += [
-        f"Medians over {repeats} repetitions; each ingests {STEP} more samples first (the model "
-        "is dirty, as at a checkpoint while data flows), then times the baseline "
-        "(`orjson.dumps(state.to_dict())`, what `to_checkpoint` was before /5), /5 "
-        "(`to_checkpoint`, with the parts unchanged since the previous checkpoint from the "
-        "model's cache) and /5 with an empty cache, back to back. Ratios: median of the "
-        "per-repetition ratios to the baseline (below 1: /5 is faster).",
+        (f"Medians over {repeats} repetitions; each ingests {STEP} more samples first (the model "
+         "is dirty, as at a checkpoint while data flows), then times the baseline "
+         "(`orjson.dumps(state.to_dict())`, what `to_checkpoint` was before /5), /5 "
+         "(`to_checkpoint`, with the parts unchanged since the previous checkpoint from the "
+         "model's cache) and /5 with an empty cache, back to back. Ratios: median of the "
+         "per-repetition ratios to the baseline (below 1: /5 is faster)."),
         "Decode: `ModelState.from_checkpoint` of each document, validation included.",
-        f"States: default model settings; {PENDING['epochs']:,} predictions wait in the join "
-        f"buffer ({PENDING['small']} in the small ones); epochs states hold a fitted live map "
-        "and a filling epoch, online states published maps and hold a window of sealed "
-        "buckets (see the module docstring).",
+        (f"States: default model settings; {PENDING['epochs']:,} predictions wait in the join "
+         f"buffer ({PENDING['small']} in the small ones); epochs states hold a fitted live map "
+         "and a filling epoch, online states published maps and hold a window of sealed "
+         "buckets (see the module docstring)."),
     ]
     size.notes += [
-        "As stored: after the Kafka store's zlib (level 1, values of 64 KiB and more). "
-        "Cache: encoded parts the model keeps for its next checkpoint (at most 1 MiB, or a "
-        "quarter of its byte budget), counted in its state bytes (last column: pools, window "
-        "sums, online window and the cache; not the join buffer).",
+        ("As stored: after the Kafka store's zlib (level 1, values of 64 KiB and more). "
+         "Cache: encoded parts the model keeps for its next checkpoint (at most 1 MiB, or a "
+         "quarter of its byte budget), counted in its state bytes (last column: pools, window "
+         "sums, online window and the cache; not the join buffer)."),
     ]
     return [enc, size]
 

@@ -13,7 +13,6 @@ import pytest
 
 from daemon.model_state import CheckpointCache, ModelState
 from lpcal.errors import ArtifactError, InputError
-from lpcal.online import run_fit
 from lpcal.pools import CountTable, PoolSet, pack_arrays, tables_from_rows, unpack_arrays
 from tests.daemon.test_model_state import (
     CERTIFIED,
