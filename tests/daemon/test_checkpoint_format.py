@@ -319,3 +319,15 @@ def test_the_cache_reuses_unchanged_tables_and_keeps_no_replaced_array_alive():
     assert later == orjson.dumps(ps.to_dict(packed=True))
     gc.collect()
     assert old() is None  # the cache held the replaced counts only weakly
+
+
+def test_the_checkpoint_benchmark_measures_both_formats_on_the_same_state():
+    """A smoke run of tests/bench/bench_checkpoint.py's measurement (structure, not timing)."""
+    from tests.bench import bench_checkpoint, run_all
+
+    m = bench_checkpoint.measure("small", 10, 300, repeats=1)
+    assert run_all.BENCHMARKS["checkpoint"] is bench_checkpoint
+    assert m["samples"] == 300 + bench_checkpoint.STEP
+    assert min(m["enc_old"], m["enc_new"], m["dec_old"], m["dec_new"]) > 0
+    assert m["bytes_new"] > 0 and m["zbytes_new"] <= m["bytes_new"] + 64
+    assert 0 < m["cache"] <= m["state_bytes"]
