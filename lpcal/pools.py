@@ -33,6 +33,7 @@ import numpy as np
 
 from lpcal.errors import InputError
 from lpcal.levels import (
+    MAX_LAMBDA,
     HashCollision,
     _combine,
     _weights,
@@ -187,8 +188,9 @@ def unpack_rows(lens: np.ndarray, idx: np.ndarray, val: np.ndarray, k: int, lam:
     rows in the canonical order of their :func:`lpcal.levels.row_hash` (strictly increasing,
     so no bin twice); the hashes are computed here from the rows, never read."""
     n = lens.size
-    if not 2 <= k <= MAX_PACKED_K:
-        raise InputError(f"{where}: k={k} outside [2, {MAX_PACKED_K}]")
+    if not 2 <= k <= MAX_PACKED_K or not 1 <= lam <= MAX_LAMBDA:
+        raise InputError(f"{where}: k={k} outside [2, {MAX_PACKED_K}] or lambda={lam} outside "
+                         f"[1, {MAX_LAMBDA}]")
     if (lens < 0).any() or int(lens.sum()) != idx.size or idx.size != val.size:
         raise InputError(f"{where}: bin row lengths do not add up to the entries")
     if idx.size and (idx.min() < 0 or idx.max() >= k or val.min() <= 0 or val.max() > lam):

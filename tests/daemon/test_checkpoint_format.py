@@ -175,6 +175,7 @@ def _cut(s: str) -> str:
     (lambda d: _table(d).update(dtypes=["<f4"] * 6), "dtypes"),
     (lambda d: _table(d).pop("dtypes"), "malformed"),
     (lambda d: _table(d).update(k=10**9), "k="),
+    (lambda d: _table(d).update(lam=1 << 40), "lambda="),
     (lambda d: _table(d).update(lam=1), "count outside|level set"),
     (lambda d: d["filling"]["holdout"].update(data=_cut(d["filling"]["holdout"]["data"])),
      "hold"),
