@@ -1019,6 +1019,12 @@ class WindowMonitor:
         for bk in self.buckets.values():
             for name in PREDICTORS:
                 bk.flush(name)
+        if len(self._block) > 1:  # merged once: the next snapshot merges only new parts
+            self._block = [CellSums.merge_all(self._block, self.k)]
+        block = None
+        if self._block:
+            part = self._block[0]  # never modified (a new part or merge replaces it)
+            block = part.to_dict() if memo is None else memo(part, (), part.to_dict)
         return {
             "k": self.k, "lam": self.lam, "p": "inf" if math.isinf(self.p) else self.p,
             "window_samples": self.window_samples, "window_seconds": self.window_seconds,
@@ -1028,8 +1034,7 @@ class WindowMonitor:
             "buckets": [self._bucket_dict(b, bk, memo) for b, bk in self.buckets.items()],
             "change": None if self.change is None else {
                 "test": self.change.to_dict(), "block_n": self._block_n,
-                "block": (CellSums.merge_all(self._block, self.k).to_dict() if self._block
-                          else None),
+                "block": block,
                 "block_classwise": (None if self._block_cw is None
                                     else self._block_cw.to_dict())},
         }
