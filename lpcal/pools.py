@@ -174,6 +174,10 @@ def unpack_arrays(d: Mapping, sizes: Iterable[int], where: str) -> list[np.ndarr
     return out
 
 
+#: The dtypes of a packed empty table (six arrays)
+_EMPTY = ("<u1",) * 6
+
+
 def pack_rows(ptr: np.ndarray, idx: np.ndarray, val: np.ndarray) -> tuple:
     """``(lens, idx, val)``: the sparse bin rows of a CSR matrix, as :func:`unpack_rows` reads
     them (row lengths instead of the pointer array)."""
@@ -244,6 +248,8 @@ def unpack_holdout(d: Mapping, where: str = "holdout"):
     k = out.k
     if type(n) is not int or not 0 <= n or k > MAX_PACKED_K:
         raise InputError(f"{where}: {n!r} bins of k={k}")
+    if n == nnz == 0 and d.get("data") == "":  # no held-out sample yet (common)
+        return out
     lens, idx, val, cnt, *yqg = unpack_arrays(d, [n, nnz, nnz, n, n * k, n * k, n * k], where)
     sums = np.concatenate([a.reshape(n, k) for a in yqg], axis=1)
     h, ptr, idx, val = unpack_rows(lens, idx, val, k, out.lam, where)
@@ -597,8 +603,12 @@ class CountTable:
             n, nnz, pairs = d["n"], d["nnz"], d["pairs"]
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"{where}: malformed pool ({type(e).__name__}: {e})") from None
-        if k < 2 or lam < 1:
+        if not 2 <= k <= MAX_PACKED_K or not 1 <= lam <= MAX_LAMBDA:
             raise InputError(f"{where}: k={k}, lambda={lam}")
+        if n == nnz == pairs == 0 and d.get("data") == "":  # an empty pool (common)
+            if not isinstance(d.get("dtypes"), list) or len(d["dtypes"]) != len(_EMPTY):
+                raise InputError(f"{where}: malformed packed arrays")
+            return cls(k, lam)
         lens, idx, val, pb, pl, pc = unpack_arrays(d, (n, nnz, nnz, pairs, pairs, pairs), where)
         h, ptr, idx, val = unpack_rows(lens, idx, val, k, lam, where)
         if pb.size:

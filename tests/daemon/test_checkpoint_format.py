@@ -332,3 +332,17 @@ def test_the_checkpoint_benchmark_measures_both_formats_on_the_same_state():
     assert min(m["enc_old"], m["enc_new"], m["dec_old"], m["dec_new"]) > 0
     assert m["bytes_new"] > 0 and m["zbytes_new"] <= m["bytes_new"] + 64
     assert 0 < m["cache"] <= m["state_bytes"]
+
+
+def test_empty_packed_tables_and_held_out_sums_round_trip_and_are_still_checked():
+    ps = new_state(**CERTIFIED).filling
+    assert ps.holdout is not None and ps.holdout.n == 0
+    d = orjson.loads(orjson.dumps(ps.to_dict(packed=True)))
+    assert d["tables"]["mu"]["data"] == "" and d["holdout"]["data"] == ""
+    back = PoolSet.from_dict(d)
+    assert back == ps and back.holdout == ps.holdout
+    for bad, match in (({"dtypes": None}, "malformed"), ({"k": 1 << 30}, "k="),
+                       ({"n": 1}, "bytes of packed arrays")):
+        t = {**d["tables"]["mu"], **bad}
+        with pytest.raises(InputError, match=match):
+            CountTable.from_dict(t)
