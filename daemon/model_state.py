@@ -67,11 +67,18 @@ it is not back) the joined samples not yet consumed wait in ``backlog`` and
 :attr:`ModelState.backlogged` is true: pause the input until :meth:`ModelState.complete_fit`.
 A drift refill calls :meth:`ModelState.notify_drift` (only post-drift buckets count), a manual
 request :meth:`ModelState.request_fit` (the next decision point fits; champion/challenger still
-decides). The checkpoint of an online state is ``lpcal.model_state/4`` (the /3 document plus
-``recovery``, ``online`` and ``backlog``); epochs states keep writing /3, byte for byte. A
+decides). The document of an online state (:meth:`ModelState.to_dict`) is
+``lpcal.model_state/4`` (the /3 document plus ``recovery``, ``online`` and ``backlog``). A
 restore that finds a newer map on the bin-map topic than the checkpoint's hands it to
 :meth:`ModelState.adopt_published`: the replay publishes the same maps again (installed, not
 sent) and the topic's bytes are installed when it reaches their version.
+
+:meth:`ModelState.to_checkpoint` writes ``lpcal.model_state/5`` (:data:`PACKED_CHECKPOINT_FORMAT`):
+the /3 or /4 document with every count table and held-out sums as packed little-endian arrays
+(no per-bin Python work), and the parts that did not change since the last checkpoint (config,
+bin map, sealed epochs, the monitor's buckets, the online window's sealed buckets and maps) taken
+from a byte-bounded cache (:class:`CheckpointCache`). Every earlier format still restores; a
+daemon older than /5 cannot read /5.
 
 Usage::
 
@@ -96,6 +103,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +127,12 @@ from lpcal.spec import FitSpec
 __all__ = ["CHECKPOINT_FORMAT", "CONFIG_KEYS", "IngestResult", "ModelState",
            "binmap_calibrator"]
 
+#: The format :meth:`ModelState.to_checkpoint` writes: the document of /3 (epochs) or /4
+#: (online), with every count table and held-out sums as packed little-endian arrays
+#: (:meth:`lpcal.pools.CountTable.to_dict`) instead of bin keys and integer lists.
+PACKED_CHECKPOINT_FORMAT = "lpcal.model_state/5"
+#: The format of :meth:`ModelState.to_dict` of an epochs-mode state (written by :meth:`to_checkpoint`
+#: before /5).
 CHECKPOINT_FORMAT = "lpcal.model_state/3"
 #: The format of an online-mode state: /3 plus ``recovery``, ``online`` and ``backlog``.
 ONLINE_CHECKPOINT_FORMAT = "lpcal.model_state/4"
@@ -127,7 +141,11 @@ ONLINE_CHECKPOINT_FORMAT = "lpcal.model_state/4"
 # All three restore (/1 and /2 as the paper's mode, which is what they ran). Earlier versions of
 # the daemon cannot read /3 and say so (format mismatch): a certified epoch is not a paper one.
 READABLE_CHECKPOINT_FORMATS = ("lpcal.model_state/1", "lpcal.model_state/2",
-                               CHECKPOINT_FORMAT, ONLINE_CHECKPOINT_FORMAT)
+                               CHECKPOINT_FORMAT, ONLINE_CHECKPOINT_FORMAT,
+                               PACKED_CHECKPOINT_FORMAT)
+#: At most this many bytes of encoded checkpoint parts are kept per model between checkpoints
+#: (:class:`CheckpointCache`; a quarter of the model's byte budget if that is smaller).
+CHECKPOINT_CACHE_BYTES = 1 << 20
 #: Sealed epochs waiting for their fit at which the daemon pauses the model's partition
 #: (backpressure). Epochs are never dropped: every sealed epoch is fitted, in order, so the
 #: published versions depend only on the input, not on how fast fits keep up.
@@ -187,6 +205,84 @@ def _decode_backlog(d: Mapping[str, Any], k: int) -> tuple:
             (u >= 0) & (u < 1)).all() or not np.isfinite(probs).all():
         raise ValueError("backlog: empty, or labels, uniforms or probabilities out of range")
     return probs, labels, u, ts
+
+
+_SCALARS = (int, float, str, bool, type(None))
+
+
+def _weak(x: object) -> object:
+    """A weak reference to ``x`` where it takes one (arrays, most objects), so that a cache
+    entry does not keep replaced parts alive; scalars and other objects as they are."""
+    if type(x) in _SCALARS:
+        return x
+    try:
+        return weakref.ref(x)
+    except TypeError:
+        return x
+
+
+def _same(kept: tuple, refs: tuple) -> bool:
+    """The refs of a cache entry still hold: the same objects (identity; a weak reference
+    still pointing to it) and equal scalars."""
+    return len(kept) == len(refs) and all(
+        (k() is y if type(k) is weakref.ref else k is y)
+        or (type(k) is type(y) and type(y) in _SCALARS and k == y)
+        for k, y in zip(kept, refs))
+
+
+class CheckpointCache:
+    """Encoded parts of one model's checkpoint, kept from one checkpoint to the next so that
+    parts that did not change are not encoded again: the config, the bin map's JSON string,
+    sealed epochs, the filling epoch's tables, the monitor's buckets, the online window's
+    sealed buckets and maps, a fit's frozen pools.
+
+    Called as ``cache(owner, refs, make)``: the encoded ``make()`` of ``owner`` (an
+    :class:`orjson.Fragment`, embedded as is by ``orjson.dumps``) unless the entry of ``owner``
+    was made with the same ``refs`` (identical objects, equal scalars: what the part depends
+    on). ``owner`` and the refs are held by weak reference where they take one, so that
+    replaced parts are freed (an entry whose owner died never matches, whoever reuses its
+    ``id``), else by strong reference (its ``id`` is then not reused while cached). Bounded:
+    entries are added while :attr:`nbytes` (the encoded bytes held) stays within ``max_bytes``
+    (parts beyond are encoded every time); :meth:`sweep`, after each checkpoint, drops the
+    entries that checkpoint did not use (parts gone from the state)."""
+
+    def __init__(self, max_bytes: int = CHECKPOINT_CACHE_BYTES):
+        self.max_bytes = int(max_bytes)
+        self.nbytes = 0
+        #: id(owner) -> (owner or a weak reference to it, refs, fragment, bytes)
+        self._entries: dict[int, tuple[object, tuple, orjson.Fragment, int]] = {}
+        self._used: set[int] = set()
+
+    def __call__(self, owner: object, refs: tuple, make: Callable[[], Any]) -> orjson.Fragment:
+        key = id(owner)
+        e = self._entries.get(key)
+        if e is not None and _same((e[0], *e[1]), (owner, *refs)):
+            self._used.add(key)
+            return e[2]
+        raw = orjson.dumps(make())
+        frag = orjson.Fragment(raw)
+        if e is not None:
+            del self._entries[key]
+            self.nbytes -= e[3]
+        if self.nbytes + len(raw) <= self.max_bytes:
+            self._entries[key] = (_weak(owner), tuple(map(_weak, refs)), frag, len(raw))
+            self.nbytes += len(raw)
+            self._used.add(key)
+        return frag
+
+    def limit(self, max_bytes: int) -> None:
+        """Set :attr:`max_bytes`; entries beyond it are dropped at once."""
+        self.max_bytes = int(max_bytes)
+        if self.nbytes > self.max_bytes:
+            self._entries.clear()
+            self._used.clear()
+            self.nbytes = 0
+
+    def sweep(self) -> None:
+        """Drop the entries not used since the last sweep."""
+        for key in [key for key in self._entries if key not in self._used]:
+            self.nbytes -= self._entries.pop(key)[3]
+        self._used.clear()
 
 
 def config_of(epoch: EpochSpec, monitor: MonitorSpec) -> dict[str, Any]:
@@ -762,13 +858,14 @@ class ModelState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the pools (filling and sealed epochs), held-out sums and window sums (the
-        join buffer has its own budget: :meth:`daemon.join.JoinStore.memory_bytes`)."""
+        """Bytes of the pools (filling and sealed epochs), held-out sums, window sums and the
+        checkpoint cache (the join buffer has its own budget:
+        :meth:`daemon.join.JoinStore.memory_bytes`)."""
         online = 0 if self.online is None else self.online.nbytes
         if self.backlog is not None:
             online += sum(a.nbytes for a in self.backlog if a is not None)
         return (self.filling.nbytes + sum(ps.nbytes for _, ps in self.sealed)
-                + self.monitor.nbytes + online)
+                + self.monitor.nbytes + online + self.checkpoint_cache_bytes)
 
     def start_new_epoch(self, layout: PoolLayout | None = None) -> None:
         """Hand off :attr:`pools`: pop the oldest sealed epoch (its fit was launched) or, with
@@ -810,6 +907,10 @@ class ModelState:
 
     # ---------------------------------------------------------------- checkpoint
     def to_dict(self) -> dict[str, Any]:
+        """The state as the JSON document of ``lpcal.model_state/3`` (epochs) or /4 (online):
+        what :meth:`to_checkpoint` wrote before /5, count tables as bin keys and integer lists
+        (:meth:`from_dict` reads it; kept for comparisons and for checkpoints an older daemon
+        must read)."""
         cfg = config_of(self.epoch_spec, self.monitor_spec)
         cfg["p"] = "inf" if math.isinf(cfg["p"]) else cfg["p"]
         d = {
@@ -840,8 +941,65 @@ class ModelState:
         return d
 
     def to_checkpoint(self) -> bytes:
-        """The whole state as one orjson document (key: the model id)."""
-        return orjson.dumps(self.to_dict())
+        """The whole state as one orjson document (key: the model id), in
+        :data:`PACKED_CHECKPOINT_FORMAT`: :meth:`to_dict`'s document with packed count
+        tables; parts unchanged since the last call come from :attr:`checkpoint_cache`."""
+        cache = self.checkpoint_cache
+        cache.limit(CHECKPOINT_CACHE_BYTES if self.budget is None
+                    else min(CHECKPOINT_CACHE_BYTES, self.budget // 4))
+        try:
+            return orjson.dumps(self._packed_dict(cache))
+        finally:
+            cache.sweep()
+
+    @property
+    def checkpoint_cache(self) -> CheckpointCache:
+        """The encoded parts kept between checkpoints (counted in :attr:`nbytes`)."""
+        cache = self.__dict__.get("_checkpoint_cache")
+        if cache is None:
+            cache = self._checkpoint_cache = CheckpointCache()
+        return cache
+
+    @property
+    def checkpoint_cache_bytes(self) -> int:
+        cache = self.__dict__.get("_checkpoint_cache")
+        return 0 if cache is None else cache.nbytes
+
+    def _packed_dict(self, memo: CheckpointCache) -> dict[str, Any]:
+        """:meth:`to_dict` in :data:`PACKED_CHECKPOINT_FORMAT`, its parts through ``memo``."""
+        def config() -> dict[str, Any]:
+            cfg = config_of(self.epoch_spec, self.monitor_spec)
+            cfg["p"] = "inf" if math.isinf(cfg["p"]) else cfg["p"]
+            return cfg
+
+        binmap = self.binmap
+        d = {
+            "format": PACKED_CHECKPOINT_FORMAT,
+            "model": self.model,
+            "k": self.k,
+            "config": memo(self.epoch_spec, (self.monitor_spec,), config),
+            "fill_epoch": self.fill_epoch,
+            "filling": self.filling.to_dict(packed=True, memo=memo),
+            "sealed": [{"epoch": e, "pools": memo(ps, (), lambda ps=ps: ps.to_dict(packed=True))}
+                       for e, ps in self.sealed],
+            "monitor": self.monitor.to_dict(memo=memo),
+            "join": self.join.to_dict(),
+            "triggers": self.triggers.to_dict(),
+            "binmap": None if binmap is None else memo(binmap, (),
+                                                       lambda: binmap.decode("utf-8")),
+            "binmap_version": self.binmap_version,
+            "offsets": {t: {str(p): o for p, o in sorted(parts.items())}
+                        for t, parts in sorted(self.offsets.items())},
+            "samples_total": self.samples_total,
+            "dropped_labels": self.dropped_labels,
+            "ts_limit": None if math.isinf(self.ts_limit) else self.ts_limit,
+        }
+        if self.online_spec.online:
+            d["recovery"] = self.online_spec.to_dict()
+            d["online"] = (None if self.online is None
+                           else self.online.to_dict(packed=True, memo=memo))
+            d["backlog"] = None if self.backlog is None else _encode_backlog(self.backlog)
+        return d
 
     @classmethod
     def from_checkpoint(cls, data: bytes, *,
@@ -895,10 +1053,11 @@ class ModelState:
             part = "triggers"
             triggers = Triggers.from_dict(d["triggers"])
             part = "recovery"
-            online = (OnlineSpec(**dict(d["recovery"])) if fmt == ONLINE_CHECKPOINT_FORMAT
-                      else None)
+            has_online = fmt == ONLINE_CHECKPOINT_FORMAT or (
+                fmt == PACKED_CHECKPOINT_FORMAT and "recovery" in d)
+            online = OnlineSpec(**dict(d["recovery"])) if has_online else None
             if online is not None and not online.online:
-                raise ValueError("a /4 checkpoint is an online-mode state")
+                raise ValueError("the recovery of a checkpoint with one is online")
             part = "header"
             st = cls(model, k, epoch, mon, pools.layout, join, monitor=monitor,
                      triggers=triggers, calibrator_factory=calibrator_factory,

@@ -81,7 +81,7 @@ from __future__ import annotations
 import base64
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -1007,31 +1007,49 @@ class WindowMonitor:
         return dict(out)
 
     # ---------------------------------------------------------------- snapshots
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, memo: Callable[[object, tuple, Callable[[], Any]], Any] | None = None
+                ) -> dict[str, Any]:
+        """JSON-safe snapshot (arrays little-endian base64); :meth:`from_dict` restores it.
+
+        ``memo(owner, refs, make)`` (optional; the checkpoint's cache, see
+        :meth:`lpcal.window.SlidingWindow.to_dict`): a bucket is encoded again only when its
+        sample count or its merged sums changed (every sample added to a bucket changes
+        both)."""
         self._block_flush()
         for bk in self.buckets.values():
             for name in PREDICTORS:
                 bk.flush(name)
+        if len(self._block) > 1:  # merged once: the next snapshot merges only new parts
+            self._block = [CellSums.merge_all(self._block, self.k)]
+        block = None
+        if self._block:
+            part = self._block[0]  # never modified (a new part or merge replaces it)
+            block = part.to_dict() if memo is None else memo(part, (), part.to_dict)
         return {
             "k": self.k, "lam": self.lam, "p": "inf" if math.isinf(self.p) else self.p,
             "window_samples": self.window_samples, "window_seconds": self.window_seconds,
             "n_buckets": self.n_buckets,
             "clock": None if math.isinf(self.clock) else self.clock,
             "total_samples": self.total_samples,
-            "buckets": [
-                {"id": b, "n": bk.n,
-                 **{name: bk.sums(name, self.k).to_dict() for name in PREDICTORS},
-                 "classwise": {name: None if bk.cw[name] is None else bk.cw[name].to_dict()
-                               for name in PREDICTORS}}
-                for b, bk in self.buckets.items()
-            ],
+            "buckets": [self._bucket_dict(b, bk, memo) for b, bk in self.buckets.items()],
             "change": None if self.change is None else {
                 "test": self.change.to_dict(), "block_n": self._block_n,
-                "block": (CellSums.merge_all(self._block, self.k).to_dict() if self._block
-                          else None),
+                "block": block,
                 "block_classwise": (None if self._block_cw is None
                                     else self._block_cw.to_dict())},
         }
+
+    def _bucket_dict(self, b: int, bk: _Bucket, memo) -> Any:
+        sums = {name: bk.sums(name, self.k) for name in PREDICTORS}
+
+        def make() -> dict[str, Any]:
+            return {"id": b, "n": bk.n, **{name: s.to_dict() for name, s in sums.items()},
+                    "classwise": {name: None if bk.cw[name] is None else bk.cw[name].to_dict()
+                                  for name in PREDICTORS}}
+
+        if memo is None:
+            return make()
+        return memo(bk, (b, bk.n, *sums.values(), *bk.cw.values()), make)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "monitor") -> WindowMonitor:

@@ -138,7 +138,7 @@ from lpcal.levels import beta_for, lambda_for
 from lpcal.pools import PoolLayout, PoolSet, n_levels, pool_names
 from lpcal.spec import parse_p
 from lpcal.warmup import WarmupSums
-from lpcal.window import PoolsSnapshot, SlidingWindow
+from lpcal.window import Memo, PoolsSnapshot, SlidingWindow
 
 __all__ = ["Event", "FitRequest", "OnlineCalibrator", "OnlineConfig", "Update",
            "certify_map", "fit_window_pools", "index_uniforms", "run_fit"]
@@ -366,9 +366,9 @@ class FitRequest:
             self._built.append(self.snapshot.build())
         return self._built[0]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, packed: bool = False) -> dict[str, Any]:
         return {"id": self.id, "n": self.n, "due": self.due, "seed": self.seed,
-                "version": self.version, "snapshot": self.snapshot.to_dict()}
+                "version": self.version, "snapshot": self.snapshot.to_dict(packed=packed)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, model_id: str,
@@ -376,6 +376,13 @@ class FitRequest:
         return cls(int(d["id"]), int(d["n"]), int(d["due"]), int(d["seed"]),
                    int(d["version"]), model_id, PoolsSnapshot.from_dict(d["snapshot"]),
                    config)
+
+
+def _config_dict(config: OnlineConfig) -> dict[str, Any]:
+    """The JSON-safe dict of an :class:`OnlineConfig` (``p = inf`` as ``"inf"``)."""
+    cfg = dataclasses.asdict(config)
+    cfg["p"] = "inf" if math.isinf(cfg["p"]) else cfg["p"]
+    return cfg
 
 
 def run_fit(request: FitRequest) -> BinMap:
@@ -851,27 +858,36 @@ class OnlineCalibrator:
         """Bytes of the window and the warm-up sums."""
         return self.window.nbytes + (self.warm.nbytes if self.warm is not None else 0)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The whole state, JSON-safe (a checkpoint); :meth:`from_dict` restores it exactly."""
-        cfg = dataclasses.asdict(self.config)
-        cfg["p"] = "inf" if math.isinf(cfg["p"]) else cfg["p"]
+    def to_dict(self, *, packed: bool = False, memo: Memo | None = None) -> dict[str, Any]:
+        """The whole state, JSON-safe (a checkpoint); :meth:`from_dict` restores it exactly.
+
+        ``packed``: pools as packed arrays (:meth:`lpcal.pools.PoolSet.to_dict`). ``memo``
+        (:meth:`lpcal.window.SlidingWindow.to_dict`): the window's sealed buckets, the live
+        and shadow maps' JSON and a pending request's snapshot are encoded once each."""
+        if memo is None:
+            def memo(owner, refs, make):  # no cache: encode every time
+                return make()
+        window = (self.window.to_dict(packed=packed, memo=memo) if packed
+                  else self.window.to_dict())
+        cfg = memo(self.config, (), lambda: _config_dict(self.config))
         return {
             "format": "lpcal.online/2", "k": self.k, "model_id": self.model_id, "config": cfg,
             "n_seen": self.n_seen, "regime_start": self.regime_start,
             "warm": None if self.warm is None else self.warm.to_dict(),
-            "pool_temperature": self.pool_temperature, "window": self.window.to_dict(),
-            "live": None if self.live is None else self.live.to_json().decode(),
+            "pool_temperature": self.pool_temperature, "window": window,
+            "live": None if self.live is None else memo(self.live, (),
+                                                        lambda: self.live.to_json().decode()),
             "version": self.version, "tests": self.tests, "next_fit_at": self.next_fit_at,
             "live_fit_n": self.live_fit_n, "live_regime": self.live_regime,
             "warm_n": self.warm_n, "requests_issued": self.requests_issued,
             "waiting": self.waiting, "cert_looks": self.cert_looks,
             "cert_next": self.cert_next,
             "pending": None if self.pending is None else {
-                **self.pending.to_dict(),
+                **self.pending.to_dict(packed=packed),
                 "result": (None if self.result is None else "failed" if self.result is _FAILED
                            else self.result.to_json().decode())},
             "shadow": None if self.shadow is None else {
-                "binmap": self.shadow[0].to_json().decode(),
+                "binmap": memo(self.shadow[0], (), lambda: self.shadow[0].to_json().decode()),
                 "paired": self.shadow[1].to_dict(), "next_test": self.shadow_next_test},
         }
 

@@ -20,6 +20,8 @@ identical pools.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import hashlib
 import math
@@ -31,7 +33,10 @@ import numpy as np
 
 from lpcal.errors import InputError
 from lpcal.levels import (
+    MAX_LAMBDA,
     HashCollision,
+    _combine,
+    _weights,
     bin_counts,
     bin_counts_hashed,
     decode_keys,
@@ -99,6 +104,159 @@ def _csr_to_dense(indptr, indices, values, k):
     out = np.zeros((n, k), dtype=np.int32)
     rows = np.repeat(np.arange(n), np.diff(indptr))
     out[rows, indices] = values
+    return out
+
+
+# ---------------------------------------------------------------------------- packed arrays
+#: The largest ``k`` of a packed table or held-out sums (the row hash's weights are ``16 k``
+#: bytes; the daemon's ``max_k`` is at most 100,000).
+MAX_PACKED_K = 1 << 17
+#: The dtypes a packed array may have: integers as the narrowest unsigned type that holds
+#: them (or int64), floats as float64; little-endian.
+PACKED_DTYPES = ("<u1", "<u2", "<u4", "<i8", "<f8")
+
+
+def _narrow(a: np.ndarray) -> str:
+    """The narrowest of :data:`PACKED_DTYPES` that holds the integers of ``a`` exactly."""
+    if a.dtype.kind == "f":
+        return "<f8"
+    if not a.size:
+        return "<u1"
+    lo, hi = int(a.min()), int(a.max())
+    if lo < 0:
+        return "<i8"
+    return "<u1" if hi < 1 << 8 else "<u2" if hi < 1 << 16 else "<u4" if hi < 1 << 32 else "<i8"
+
+
+def pack_arrays(arrays: Iterable[np.ndarray]) -> dict:
+    """``{"dtypes": [...], "data": base64}``: the arrays' raw little-endian bytes, each in the
+    narrowest of :data:`PACKED_DTYPES` that holds it, one after the other in one base64 string
+    (the checkpoint format ``lpcal.model_state/5``: exact, no per-element Python work). The
+    reader knows every array's length (:func:`unpack_arrays`)."""
+    dts, raw = [], []
+    for a in arrays:
+        a = np.asarray(a)
+        dt = _narrow(a)
+        dts.append(dt)
+        raw.append(np.ascontiguousarray(a, dtype=dt).tobytes())
+    return {"dtypes": dts, "data": base64.b64encode(b"".join(raw)).decode("ascii")}
+
+
+def unpack_arrays(d: Mapping, sizes: Iterable[int], where: str) -> list[np.ndarray]:
+    """Inverse of :func:`pack_arrays` for arrays of ``sizes`` elements: native int64 (float64
+    for ``<f8``) copies. The sizes are checked against the decoded length *before* anything is
+    allocated from them, so a corrupt size costs nothing; :class:`InputError` names what is
+    wrong."""
+    sizes = list(sizes)
+    try:
+        dts, data = list(d["dtypes"]), d["data"]
+    except (KeyError, TypeError) as e:
+        raise InputError(f"{where}: malformed packed arrays ({type(e).__name__}: {e})") from None
+    if type(data) is not str or len(dts) != len(sizes) or any(
+            dt not in PACKED_DTYPES for dt in dts):
+        raise InputError(f"{where}: packed arrays need {len(sizes)} dtypes of "
+                         f"{PACKED_DTYPES} and a base64 string")
+    for n in sizes:
+        if type(n) is not int or n < 0:
+            raise InputError(f"{where}: array length {n!r} is not an integer >= 0")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InputError(f"{where}: packed arrays are not base64 ({e})") from None
+    want = sum(n * int(dt[-1]) for n, dt in zip(sizes, dts))
+    if len(raw) != want:
+        raise InputError(f"{where}: {len(raw)} bytes of packed arrays, expected {want}")
+    out, at = [], 0
+    for n, dt in zip(sizes, dts):
+        a = np.frombuffer(raw, dtype=dt, count=n, offset=at)
+        at += a.nbytes
+        out.append(a.astype(np.float64 if dt == "<f8" else np.int64))
+    return out
+
+
+#: The dtypes of a packed empty table (six arrays)
+_EMPTY = ("<u1",) * 6
+
+
+def pack_rows(ptr: np.ndarray, idx: np.ndarray, val: np.ndarray) -> tuple:
+    """``(lens, idx, val)``: the sparse bin rows of a CSR matrix, as :func:`unpack_rows` reads
+    them (row lengths instead of the pointer array)."""
+    return np.diff(ptr), idx, val
+
+
+def unpack_rows(lens: np.ndarray, idx: np.ndarray, val: np.ndarray, k: int, lam: int,
+                where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(hashes, ptr, idx, val)`` of sparse bin rows as :func:`pack_rows` wrote them, checked
+    without a dense copy: every row a level set of ``lambda V^k`` (entries in ``[0, k)``,
+    strictly increasing, counts positive, row sum ``s`` with ``0 <= lambda - s < k``) and the
+    rows in the canonical order of their :func:`lpcal.levels.row_hash` (strictly increasing,
+    so no bin twice); the hashes are computed here from the rows, never read."""
+    n = lens.size
+    if not 2 <= k <= MAX_PACKED_K or not 1 <= lam <= MAX_LAMBDA:
+        raise InputError(f"{where}: k={k} outside [2, {MAX_PACKED_K}] or lambda={lam} outside "
+                         f"[1, {MAX_LAMBDA}]")
+    if (lens < 0).any() or int(lens.sum()) != idx.size or idx.size != val.size:
+        raise InputError(f"{where}: bin row lengths do not add up to the entries")
+    if idx.size and (idx.min() < 0 or idx.max() >= k or val.min() <= 0 or val.max() > lam):
+        raise InputError(f"{where}: a bin entry is outside [0, {k}) or its count outside "
+                         f"[1, {lam}]")
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=ptr[1:])
+    row = np.repeat(np.arange(n), lens)
+    if idx.size > 1:
+        step = np.diff(idx)
+        start = np.zeros(idx.size, dtype=bool)
+        start[ptr[1:-1][lens[1:] > 0]] = True
+        if (step[~start[1:]] <= 0).any():
+            raise InputError(f"{where}: bin entries are not strictly increasing in a row")
+    s = np.bincount(row, weights=val, minlength=n)
+    if n and ((s > lam) | (lam - s >= k)).any():
+        raise InputError(f"{where}: a bin row is not a level set of V_{lam}^{k}")
+    w = _weights(k)
+    hh = np.empty((n, 2), dtype=np.float64)
+    for c in range(2):  # exact: integer sums below 2^53 (see lpcal.levels.row_hash)
+        hh[:, c] = np.bincount(row, weights=val * w[idx, c], minlength=n)
+    h = _combine(hh)
+    if n > 1 and (h[1:] <= h[:-1]).any():  # (np.diff would overflow)
+        raise InputError(f"{where}: bins are not in canonical order, or one is there twice")
+    return h, ptr, idx.astype(np.int32), val.astype(np.int32)
+
+
+def pack_holdout(h) -> dict:
+    """The packed form of :class:`lpcal.holdout.HoldoutSums` (bins as in
+    :meth:`CountTable.to_dict`, in their hash order; the counts, then the sums' three blocks
+    of ``k`` columns, each in its narrowest dtype)."""
+    ptr, idx, val = _csr_from_dense(h.rows)
+    return {"k": h.k, "lam": h.lam, "n": int(h.rows.shape[0]), "nnz": int(idx.size),
+            **pack_arrays([np.diff(ptr), idx, val, h.counts,
+                           *(h.sums[:, i * h.k:(i + 1) * h.k] for i in range(3))])}
+
+
+def unpack_holdout(d: Mapping, where: str = "holdout"):
+    """Inverse of :func:`pack_holdout`; the unpacked form goes to
+    :meth:`lpcal.holdout.HoldoutSums.from_dict`. Checks what that does (bins level sets, each
+    once; counts positive, sums >= 0) on the packed arrays."""
+    from lpcal.holdout import HoldoutSums
+
+    if not (isinstance(d, Mapping) and "data" in d):
+        return HoldoutSums.from_dict(d, where)
+    try:
+        out = HoldoutSums(int(d["k"]), int(d["lam"]))
+        n, nnz = d["n"], d["nnz"]
+    except (KeyError, TypeError, ValueError, InputError) as e:
+        raise InputError(f"{where}: malformed held-out sums ({e})") from None
+    k = out.k
+    if type(n) is not int or not 0 <= n or k > MAX_PACKED_K:
+        raise InputError(f"{where}: {n!r} bins of k={k}")
+    if n == nnz == 0 and d.get("data") == "":  # no held-out sample yet (common)
+        return out
+    lens, idx, val, cnt, *yqg = unpack_arrays(d, [n, nnz, nnz, n, n * k, n * k, n * k], where)
+    sums = np.concatenate([a.reshape(n, k) for a in yqg], axis=1)
+    h, ptr, idx, val = unpack_rows(lens, idx, val, k, out.lam, where)
+    if n and ((cnt < 1).any() or (sums < 0).any()):
+        raise InputError(f"{where}: counts must be positive integers and sums >= 0")
+    out.rows = _csr_to_dense(ptr, idx, val, k)
+    out.hashes, out.counts, out.sums = h, cnt, sums
     return out
 
 
@@ -373,20 +531,36 @@ class CountTable:
 
     # ------------------------------------------------------------------ serialisation
     @_locked
-    def to_dict(self) -> dict:
-        """JSON-safe dict with canonical bin keys; ``from_dict(to_dict())`` round-trips."""
+    def to_dict(self, *, packed: bool = False) -> dict:
+        """JSON-safe dict; ``from_dict(to_dict())`` round-trips.
+
+        Default: canonical bin keys and lists of integers (``lpcal.model_state/4`` and
+        earlier; a Python loop over the bins). ``packed``: the sparse bin rows and the
+        (bin, label, count) triples as one base64 string of little-endian arrays
+        (:func:`pack_arrays`: row lengths, entries, counts, bins, labels, counts), with their lengths ``n`` (bins), ``nnz``
+        (entries) and ``pairs``: no per-bin Python work (``lpcal.model_state/5``)."""
         self._compact()
-        return {
-            "k": self.k,
-            "lam": self.lam,
-            "bins": self.keys(),
-            "bin": self._pb.tolist(),
-            "label": self._pl.tolist(),
-            "count": self._pc.tolist(),
-        }
+        if not packed:
+            return {
+                "k": self.k,
+                "lam": self.lam,
+                "bins": self.keys(),
+                "bin": self._pb.tolist(),
+                "label": self._pl.tolist(),
+                "count": self._pc.tolist(),
+            }
+        self._materialize()
+        return {"k": self.k, "lam": self.lam, "n": int(self._h.size), "nnz": int(self._idx.size),
+                "pairs": int(self._pb.size),
+                **pack_arrays([*pack_rows(self._ptr, self._idx, self._val), self._pb, self._pl,
+                               self._pc])}
 
     @classmethod
     def from_dict(cls, d: Mapping, where: str = "pool") -> CountTable:
+        """Inverse of :meth:`to_dict` (either form); malformed input raises
+        :class:`InputError` naming ``where``."""
+        if isinstance(d, Mapping) and "data" in d:
+            return cls._from_packed(d, where)
         try:
             k, lam = int(d["k"]), int(d["lam"])
             keys = list(d["bins"])
@@ -419,6 +593,35 @@ class CountTable:
             cnt = np.bincount(where_.reshape(-1), weights=pc, minlength=up.size).astype(np.int64)
             t._assign(CountTable._raw(k, lam, uh, ptr, idx, val, up // k, up % k, cnt))
         return t
+
+    @classmethod
+    def _from_packed(cls, d: Mapping, where: str) -> CountTable:
+        """The packed form of :meth:`to_dict`: checked (rows as :func:`unpack_rows` says;
+        (bin, label) pairs strictly increasing, so canonical and unique; counts positive)."""
+        try:
+            k, lam = int(d["k"]), int(d["lam"])
+            n, nnz, pairs = d["n"], d["nnz"], d["pairs"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"{where}: malformed pool ({type(e).__name__}: {e})") from None
+        if not 2 <= k <= MAX_PACKED_K or not 1 <= lam <= MAX_LAMBDA:
+            raise InputError(f"{where}: k={k}, lambda={lam}")
+        if n == nnz == pairs == 0 and d.get("data") == "":  # an empty pool (common)
+            if not isinstance(d.get("dtypes"), list) or len(d["dtypes"]) != len(_EMPTY):
+                raise InputError(f"{where}: malformed packed arrays")
+            return cls(k, lam)
+        lens, idx, val, pb, pl, pc = unpack_arrays(d, (n, nnz, nnz, pairs, pairs, pairs), where)
+        h, ptr, idx, val = unpack_rows(lens, idx, val, k, lam, where)
+        if pb.size:
+            if pb.min() < 0 or pb.max() >= n:
+                raise InputError(f"{where}: bin position outside [0, {n})")
+            if pl.min() < 0 or pl.max() >= k:
+                raise InputError(f"{where}: label outside [0, {k})")
+            if pc.min() <= 0:
+                raise InputError(f"{where}: counts must be positive")
+            pair = pb * k + pl
+            if pb.size > 1 and (pair[1:] <= pair[:-1]).any():
+                raise InputError(f"{where}: (bin, label) pairs are not in canonical order")
+        return cls._raw(k, lam, h, ptr, idx, val, pb, pl, pc)
 
     @_locked
     def __eq__(self, other: object) -> bool:
@@ -770,21 +973,42 @@ class PoolSet:
             out.holdout_raw = self.holdout_raw.merge(other.holdout_raw)
         return out
 
-    def to_dict(self) -> dict:
-        d = {"layout": self.layout.to_dict(),
-             "tables": {n: t.to_dict() for n, t in self.tables.items()}}
+    def to_dict(self, *, packed: bool = False, memo=None) -> dict:
+        """JSON-safe dict; ``packed``: tables and held-out sums as packed arrays
+        (:meth:`CountTable.to_dict`, :func:`pack_holdout`).
+
+        ``memo(owner, refs, make)`` (with ``packed``; the daemon's checkpoint cache, see
+        :meth:`lpcal.window.SlidingWindow.to_dict`): a table or held-out sums whose arrays
+        are the same objects as at the last call is not encoded again (their arrays are
+        replaced, never written in place, when samples are added)."""
+        if memo is None or not packed:
+            tables = {n: t.to_dict(packed=packed) for n, t in self.tables.items()}
+        else:
+            tables = {}
+            for n, t in self.tables.items():
+                t.compact()
+                tables[n] = memo(t, (t._h, t._ptr, t._idx, t._val, t._pb, t._pl, t._pc),
+                                 lambda t=t: t.to_dict(packed=True))
+        d = {"layout": self.layout.to_dict(), "tables": tables}
         if self.temperature is not None:
             d["temperature"] = self.temperature
         if self.grid is not None:
             d["grid"] = self.grid.to_dict()
         if self.holdout is not None:
-            d["holdout"] = self.holdout.to_dict()
-            d["holdout_raw"] = self.holdout_raw.to_dict()
+            for key in ("holdout", "holdout_raw"):
+                h = getattr(self, key)
+                if not packed:
+                    d[key] = h.to_dict()
+                elif memo is None:
+                    d[key] = pack_holdout(h)
+                else:
+                    d[key] = memo(h, (h.rows, h.hashes, h.counts, h.sums),
+                                  lambda h=h: pack_holdout(h))
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping) -> PoolSet:
-        from lpcal.holdout import HoldoutSums
+        """Inverse of :meth:`to_dict` (either form)."""
         from lpcal.precalibrate import TemperatureGrid
         from lpcal.temperature import check_temperature
 
@@ -796,8 +1020,8 @@ class PoolSet:
             if layout.warmup:
                 out.grid = TemperatureGrid.from_dict(d["grid"])
             if layout.holdout:
-                out.holdout = HoldoutSums.from_dict(d["holdout"], "pool hold")
-                out.holdout_raw = HoldoutSums.from_dict(d["holdout_raw"], "pool hold (raw)")
+                out.holdout = unpack_holdout(d["holdout"], "pool hold")
+                out.holdout_raw = unpack_holdout(d["holdout_raw"], "pool hold (raw)")
                 for h in (out.holdout, out.holdout_raw):
                     if (h.k, h.lam) != (layout.k, layout.lam):
                         raise InputError("held-out sums: (k, lambda) does not match the layout")

@@ -83,6 +83,10 @@ from lpcal.precalibrate import TemperatureGrid
 __all__ = ["Bucket", "PoolsSnapshot", "SlidingWindow", "tree_sum"]
 
 
+#: ``memo(owner, refs, make)``: a cache of encoded parts (see :meth:`SlidingWindow.to_dict`).
+Memo = Callable[[object, tuple, Callable[[], Any]], Any]
+
+
 def _b64(a: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii")
 
@@ -143,11 +147,13 @@ class PoolsSnapshot:
             out.holdout_raw = out.holdout_raw.merge(HoldoutSums(lay.k, lay.lam).update(x, y))
         return out
 
-    def to_dict(self) -> dict[str, Any]:
-        """The parts (``PoolSet.to_dict``, their own held-out sums included) and the held-out
-        samples (little-endian base64), unmerged: no merge on the caller's loop."""
+    def to_dict(self, *, packed: bool = False) -> dict[str, Any]:
+        """The parts (``PoolSet.to_dict``, their own held-out sums included; ``packed``: their
+        packed form) and the held-out samples (little-endian base64), unmerged: no merge on
+        the caller's loop."""
         d: dict[str, Any] = {"layout": self.layout.to_dict(), "temperature": self.temperature,
-                             "parts": [ps.to_dict() for ps in self.parts], "held": None}
+                             "parts": [ps.to_dict(packed=packed) for ps in self.parts],
+                             "held": None}
         if self.held:
             x = np.concatenate([h[0] for h in self.held])
             y = np.concatenate([h[1] for h in self.held])
@@ -262,10 +268,11 @@ class Bucket:
                 + sum(x.nbytes + y.nbytes for x, y in self._held_chunks)
                 + sum(x.nbytes + y.nbytes for x, y in self._cert_chunks))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, packed: bool = False) -> dict[str, Any]:
+        """JSON-safe dict (``packed``: the pools' packed form, :meth:`PoolSet.to_dict`)."""
         d = {"index": self.index, "n": self.n, "grid": self.grid.to_dict(),
              "held": self.held.to_dict(), "temperature": self.temperature,
-             "pools": None if self.pools is None else self.pools.to_dict()}
+             "pools": None if self.pools is None else self.pools.to_dict(packed=packed)}
         if self._held_chunks:
             k = self._held_chunks[0][0].shape[1]
             x, y = self.held_samples(k)
@@ -517,12 +524,28 @@ class SlidingWindow:
         return sum(b.nbytes for b in self.buckets)
 
     # ------------------------------------------------------------------ serialisation
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, packed: bool = False, memo: Memo | None = None) -> dict[str, Any]:
+        """JSON-safe dict; ``packed``: pools as packed arrays (:meth:`PoolSet.to_dict`).
+
+        ``memo(owner, refs, make)`` (optional; the daemon's checkpoint cache) returns what
+        ``make()`` returned for ``owner`` the last time ``refs`` were the same: each sealed
+        bucket (all but the open one) is encoded once while it stays as it is (its sample
+        and held-out counts, temperature, pools and held-out sums, which change when it leaves
+        the held-out buckets)."""
+        buckets: list[Any] = []
+        for i, b in enumerate(self.buckets):
+            if memo is None or i == len(self.buckets) - 1:
+                buckets.append(b.to_dict(packed=packed))
+                continue
+            pools = b.pools
+            refs = (packed, b.n, b.n_held, b.n_cert, b.temperature, pools,
+                    None if pools is None else pools.holdout,
+                    None if pools is None else pools.holdout_raw)
+            buckets.append(memo(b, refs, lambda b=b: b.to_dict(packed=packed)))
         return {"layout": self.layout.to_dict(), "bucket_size": self.bucket_size,
                 "n_buckets": self.n_buckets, "holdout_buckets": self.holdout_buckets,
                 "cert_share": self.cert_share, "cert_buckets": self.cert_buckets,
-                "temperature": self.temperature,
-                "buckets": [b.to_dict() for b in self.buckets]}
+                "temperature": self.temperature, "buckets": buckets}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SlidingWindow:

@@ -4,7 +4,8 @@ manifests, encoded and decoded here only.
 * ``model/<id>``: one model's envelope: ``{"format", "model", "partition", "state",
   "inflight", "prefitted", "saved_at"}``; ``state`` is the model's
   :meth:`~daemon.model_state.ModelState.to_checkpoint`, ``inflight`` the frozen pools of a fit
-  in flight, ``saved_at`` the wall-clock time of the snapshot (absent in envelopes of earlier
+  in flight (:meth:`lpcal.pools.PoolSet.to_dict`, packed since ``lpcal.model_state/5``; both
+  forms are read), ``saved_at`` the wall-clock time of the snapshot (absent in envelopes of earlier
   versions);
 * ``partition/<n>``: ``{"offsets": {topic: next offset}, "models": [...]}``.
 
@@ -57,14 +58,18 @@ def encode_envelope(model: str, slot: ModelSlot) -> bytes:
     count and ``saved_at``, the wall-clock time of this snapshot. The restore compares bin
     maps on the topic with ``saved_at``, not with the record's time: a map published while
     the snapshot was being written came after it."""
-    inf = slot.inflight
+    inf, st = slot.inflight, slot.state
+    state = orjson.Fragment(st.to_checkpoint())
     return orjson.dumps({
         "format": ENVELOPE_FORMAT,
         "model": model,
         "partition": slot.partition,
-        "state": orjson.Fragment(slot.state.to_checkpoint()),
+        "state": state,
         "inflight": None if inf is None else {
-            "pools": inf.pools.to_dict(), "trigger": inf.trigger, "version": inf.version},
+            # frozen while the fit runs: packed once, kept in the state's checkpoint cache
+            "pools": st.checkpoint_cache(inf.pools, (),
+                                         lambda: inf.pools.to_dict(packed=True)),
+            "trigger": inf.trigger, "version": inf.version},
         "prefitted": slot.prefitted,
         "saved_at": time.time(),
     })

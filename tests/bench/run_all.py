@@ -14,7 +14,8 @@ certification rate of the held-out bound on truth-known families, the selection 
 change test's detection delay and false alarms on real networks, against the Err_p threshold),
 ``models`` (ingest from 1 to 10,000 models against a raw reader, bytes per idle model),
 ``recovery`` (samples to a good map at the start and after a drift: the online loop of
-:mod:`lpcal.online` against the fixed epoch schedule and temperature scaling).
+:mod:`lpcal.online` against the fixed epoch schedule and temperature scaling), ``checkpoint``
+(a model's checkpoint encode and decode time and bytes against the previous format's encoder).
 Every timing is a ratio against a baseline measured in the same process (see
 :mod:`tests.bench.common`).
 """
@@ -35,6 +36,7 @@ import numpy as np
 from tests.bench import (
     bench_apply,
     bench_certificate,
+    bench_checkpoint,
     bench_directions,
     bench_drift,
     bench_eps,
@@ -82,6 +84,7 @@ BENCHMARKS = {
     "models": bench_models,
     "recovery": bench_recovery,
     "families": bench_families,
+    "checkpoint": bench_checkpoint,
 }
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 

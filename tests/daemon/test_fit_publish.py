@@ -127,7 +127,7 @@ async def test_publish_failing_at_shutdown_stays_in_flight_for_the_checkpoint(da
     assert daemon.registry.fitting().get(MODEL) is inf and st.binmap_version == 0
     envelope = orjson.loads(encode_envelope(MODEL, daemon.registry.slots[MODEL]))
     assert envelope["inflight"]["version"] == 1
-    assert envelope["inflight"]["pools"] == inf.pools.to_dict()
+    assert envelope["inflight"]["pools"] == inf.pools.to_dict(packed=True)
     # the attempts before the shutdown count as failures; the one cut short by it does not
     assert failures(daemon) == daemon.clients.producer.attempts - 1
 

@@ -363,7 +363,7 @@ def test_checkpoints_of_format_1_still_restore():
     topic written by the previous version restores it to the same state."""
     st = new_state()
     feed(st, parser(), traffic(2500, seed=4), fit=True)
-    d = orjson.loads(st.to_checkpoint())
+    d = st.to_dict()
     assert d["format"] == "lpcal.model_state/3"
     for m in d["join"]["models"].values():
         expired = set(m.pop("recent_expired"))
@@ -388,7 +388,7 @@ def test_checkpoints_of_format_1_still_restore():
 def test_bad_checkpoints_raise_artifact_errors_naming_the_part(mutate, match):
     st = new_state()
     feed(st, parser(), traffic(2500, seed=4), fit=True)
-    d = orjson.loads(st.to_checkpoint())
+    d = st.to_dict()
     mutate(d)
     with pytest.raises(ArtifactError, match=match):
         ModelState.from_checkpoint(orjson.dumps(d))
@@ -469,7 +469,7 @@ def test_a_checkpoint_written_before_the_specs_restores_into_them():
     assert st.epoch_spec == ms.epoch_spec() and st.monitor_spec == ms.monitor_spec()
     assert (st.samples_total, st.join.pending()) == (280, 20) and st.fit_spec.pool_size is None
     assert st.reconcile(ms, join) == (st, "restored", "")
-    assert st.to_checkpoint() == data
+    assert orjson.dumps(st.to_dict()) == data
     # and it runs on like a state created from these settings and fed the same events
     fresh = ModelState.create(MODEL, K, ms, join)
     assert fresh.layout == st.layout and fresh.monitor.change == st.monitor.change
@@ -617,11 +617,11 @@ def test_online_mode_blocks_until_the_fit_is_back_then_drains_the_backlog():
     assert online_trace([res]) == online_trace([res2])
 
 
-def test_online_checkpoint_round_trip_is_exact_and_epochs_states_keep_format_3():
+def test_online_checkpoint_round_trip_is_exact_and_epochs_states_have_no_recovery():
     st, p = new_state(**ONLINE), parser()
     feed_online(st, p, traffic(4000, seed=6))
     blob = st.to_checkpoint()
-    assert orjson.loads(blob)["format"] == "lpcal.model_state/4"
+    assert orjson.loads(blob)["format"] == "lpcal.model_state/5"
     back = ModelState.from_checkpoint(blob)
     assert back == st and back.to_checkpoint() == blob and back.online_spec == st.online_spec
     # the rest of the stream gives the same decisions restored or not
@@ -633,7 +633,7 @@ def test_online_checkpoint_round_trip_is_exact_and_epochs_states_keep_format_3()
     ep = new_state()
     feed(ep, parser(), traffic(500, seed=6))
     d = orjson.loads(ep.to_checkpoint())
-    assert d["format"] == "lpcal.model_state/3" and "recovery" not in d and "online" not in d
+    assert d["format"] == "lpcal.model_state/5" and "recovery" not in d and "online" not in d
     bad = orjson.loads(blob)
     bad["backlog"] = {"n": 2, "probs": "AAAA", "labels": "", "uniforms": "", "ts": None}
     with pytest.raises(ArtifactError, match="backlog"):
