@@ -285,6 +285,24 @@ class CheckpointCache:
         self._used.clear()
 
 
+def _published_at_of(sizing: Any) -> int | None:
+    """The online loop's sample count at the decision that published a map (its
+    ``sizing["evidence"]["samples"]``), or None (not published by the online loop)."""
+    ev = (sizing or {}).get("evidence") if isinstance(sizing, Mapping) else None
+    at = ev.get("samples") if isinstance(ev, Mapping) else None
+    return at if isinstance(at, int) and not isinstance(at, bool) else None
+
+
+def _published_at(data: bytes | None) -> int | None:
+    """:func:`_published_at_of` of a map's JSON bytes (None if they do not parse)."""
+    if data is None:
+        return None
+    try:
+        return _published_at_of(orjson.loads(data).get("sizing"))
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+
+
 def config_of(epoch: EpochSpec, monitor: MonitorSpec) -> dict[str, Any]:
     """The checkpoint's ``config`` object of two specs (:data:`CONFIG_KEYS`; ``p`` a float)."""
     f = epoch.fit
@@ -384,6 +402,8 @@ class ModelState:
         self.triggers = triggers or Triggers(monitor_spec.drift_trigger())
         self.binmap: bytes | None = None
         self.binmap_version = 0
+        #: the online loop's sample count when the live map was published (None: not its map)
+        self._live_at: int | None = None
         self.offsets: dict[str, dict[int, int]] = {}
         self.samples_total = 0
         self.dropped_labels = 0
@@ -626,7 +646,8 @@ class ModelState:
                     if e.version == self.adopting[1].version:
                         self._replayed(e.binmap)
                         continue
-                self._use_binmap(e.binmap.to_json(), e.version)
+                self._use_binmap(e.binmap.to_json(), e.version,
+                                 same_regime=self._same_regime(e.binmap))
         self._monitor_rows(probs[a:], labels[a:], None if ts is None else ts[a:])
         if self.adopting is not None and self.online.n_seen >= self.adopting[2]:
             self._adopt_now()  # the replay went past the topic's map without publishing it
@@ -674,7 +695,8 @@ class ModelState:
         if (dataclasses.replace(bm, created_at=topic.created_at).to_json()
                 == dataclasses.replace(topic).to_json()):
             self.adopting = None
-            self._use_binmap(data, topic.version)  # the loop published this very map
+            # the loop published this very map
+            self._use_binmap(data, topic.version, same_regime=self._same_regime(topic))
         else:
             self._adopt_now()
 
@@ -889,17 +911,37 @@ class ModelState:
         if self.online is not None and self.online.version != self.binmap_version:
             self.online.install(BinMap.from_json(self.binmap), self.binmap_version)
 
-    def _use_binmap(self, data: bytes, version: int) -> None:
+    def _use_binmap(self, data: bytes, version: int, *, same_regime: bool = False) -> None:
         """:meth:`install_binmap` without telling the online loop: for the maps it published
         itself (:meth:`_take_events`). When one call publishes several, the loop is already
         past the earlier ones, and installing them into it would reset its tests and its
-        record of the live map in a way that depends on batching."""
+        record of the live map in a way that depends on batching.
+
+        ``same_regime`` (:meth:`_same_regime`): the map replaces one the loop published in the
+        same regime (no drift notified between them: a refinement, a corrected map, a
+        re-certified copy). The change test then keeps its baseline and its CUSUM: restarting
+        it at every such map would leave it blind while the online loop publishes often (a
+        new 5,000-sample baseline each time), and a refinement published just after a drift
+        began would take its baseline on drifted samples, hiding the drift for good. Only the
+        first map, a map after a drift and a map from outside the loop re-measure it."""
         self._calibrator = self._factory(bytes(data))
         self.binmap = bytes(data)
         self.binmap_version = int(version)
-        self.monitor.reset("calibrated")
+        self._live_at = _published_at(self.binmap)
+        self.monitor.reset("calibrated", keep_change=same_regime)
         self.triggers.recalibrated()
         self._last_eval = None
+
+    def _same_regime(self, bm: BinMap) -> bool:
+        """True when ``bm``, published by the online loop, replaces a live map the loop
+        published since the current regime began (the last drift notification): both carry
+        the loop's sample count at their decision (``sizing["evidence"]["samples"]``)."""
+        if self.online is None or self.binmap is None:
+            return False
+        live_at = self._live_at
+        new_at = _published_at_of(bm.sizing)
+        start = self.online.regime_start
+        return live_at is not None and new_at is not None and start <= live_at <= new_at
 
     @property
     def calibrator(self) -> Calibrator | None:
@@ -1087,6 +1129,7 @@ class ModelState:
             if d["binmap"] is not None:
                 st._calibrator = calibrator_factory(d["binmap"].encode("utf-8"))
                 st.binmap = d["binmap"].encode("utf-8")
+                st._live_at = _published_at(st.binmap)
             st.binmap_version = int(d["binmap_version"])
             if online is not None:
                 part = "online"

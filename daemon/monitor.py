@@ -950,10 +950,14 @@ class WindowMonitor:
                 del self.buckets[b]
         return True
 
-    def reset(self, predictor: str | None = None) -> None:
-        """Forget the window of one predictor (e.g. ``"calibrated"`` after a new bin map) or all."""
+    def reset(self, predictor: str | None = None, *, keep_change: bool = False) -> None:
+        """Forget the window of one predictor (e.g. ``"calibrated"`` after a new bin map) or all.
+
+        ``keep_change``: the change test of the calibrated predictor keeps its baseline, its
+        CUSUM and the block it is filling (a new map of the same regime: the statistics it
+        tests go on, on the new map's outputs)."""
         self._cache.clear()
-        if predictor in (None, "calibrated"):
+        if predictor is None or (predictor == "calibrated" and not keep_change):
             self._block, self._block_n, self._block_cw = [], 0, None
             self._block_rows = _Rowbuf()
             if self.change is not None:

@@ -192,7 +192,9 @@ class Watched:
     """The online loop watched as the daemon watches it (module docstring): its served map's
     outputs feed a :class:`daemon.monitor.WindowMonitor` with the shipped change test, whose
     calibrated window restarts at every publication (at the exact sample, as
-    :meth:`daemon.model_state.ModelState.install_binmap` does); an alarm tells the loop of a
+    :meth:`daemon.model_state.ModelState.install_binmap` does; the change test keeps its
+    baseline when the map replaces one of the same regime, as the daemon's does); an alarm
+    tells the loop of a
     drift once per map (:class:`daemon.trigger.DriftTrigger` fires once until re-armed by the
     next map). ``detections``: the loop's sample counts at the notifications."""
 
@@ -202,6 +204,7 @@ class Watched:
                                  window_samples=10_000,
                                  change=ModelSettings().monitor_spec().change_detector())
         self.armed = True
+        self.live_at: int | None = None  # the loop's sample count when the live map came
         self.detections: list[int] = []
 
     def feed(self, x: np.ndarray, y: np.ndarray) -> list[BinMap]:
@@ -212,7 +215,9 @@ class Watched:
                 b = e.n - start
                 self._watch(x[a:b], y[a:b], start + a)
                 a = b
-                self.mon.reset("calibrated")
+                same = self.live_at is not None and self.live_at >= self.cal.regime_start
+                self.mon.reset("calibrated", keep_change=same)
+                self.live_at = e.n
                 self.armed = True
                 out.append(e.binmap)
         self._watch(x[a:], y[a:], start + a)

@@ -46,12 +46,13 @@ def new_state(**kw) -> ModelState:
                                                                   max_pending_per_model=5000))
 
 
-def traffic(n, seed=0, start=0):
-    """Prediction and outcome messages; outcomes 5 s after their predictions."""
+def traffic(n, seed=0, start=0, power=2.0):
+    """Prediction and outcome messages; outcomes 5 s after their predictions (the model raises
+    the true probabilities to ``power`` and renormalises: overconfident above 1)."""
     rng = np.random.default_rng(seed)
     x = rng.dirichlet(np.ones(K), size=n)
     y = (x.cumsum(axis=1) > rng.random((n, 1))).argmax(axis=1)
-    raw = x**2 / (x**2).sum(axis=1, keepdims=True)  # overconfident model
+    raw = x**power / (x**power).sum(axis=1, keepdims=True)
     preds = [orjson.dumps({"model": MODEL, "id": f"e{start + i}", "ts": (start + i) * 0.01,
                            "probs": raw[i].tolist()}) for i in range(n)]
     outs = [orjson.dumps({"model": MODEL, "id": f"e{start + i}", "ts": (start + i) * 0.01 + 5.0,
@@ -761,3 +762,32 @@ def test_a_map_installed_from_outside_becomes_the_online_champion():
     kept = [e for r in out for e in r.events if e.kind == "kept"]
     assert kept and not [b for r in out for b in r.published]
     assert st.online.version == st.binmap_version == v
+
+
+def test_the_change_test_keeps_its_baseline_across_maps_of_one_regime():
+    """A map the online loop publishes in the regime of the live map (a refinement, a
+    re-certified copy) keeps the change test's baseline and CUSUM (restarting them at every
+    map leaves the test blind while maps come often); the first map after a drift notification
+    restarts them."""
+    st = new_state(**ONLINE, drift_baseline_samples=1_000)
+    p = parser()
+    versions, kept, start = [], [], 0
+    for chunk in range(12):
+        msgs = traffic(2_000, seed=40 + chunk, start=start)
+        start += 2_000
+        before = (st.binmap_version, st.monitor.change.blocks)
+        feed_online(st, p, msgs, batch=500, complete="at_once")
+        if st.binmap_version > before[0] and before[0] >= 1:
+            kept.append(st.monitor.change.blocks >= before[1])
+        versions.append(st.binmap_version)
+    assert st.binmap_version >= 3 and kept, versions  # maps replaced maps of the regime
+    assert all(kept) and st.monitor.change.testing
+    v, blocks = st.binmap_version, st.monitor.change.blocks
+    st.notify_drift()
+    while st.binmap_version == v and start < 120_000:  # the model drifted: underconfident
+        feed_online(st, p, traffic(2_000, seed=start, start=start, power=0.5), batch=500,
+                    complete="at_once")
+        start += 2_000
+    assert st.binmap_version > v, "no map after the drift notification"
+    # the map after the drift restarted the test: fewer blocks than had been counted
+    assert st.monitor.change.blocks < blocks
