@@ -437,6 +437,8 @@ class Fitter:
             stopped="the checkpoint holds it installed and the next owner publishes it")
         if not sent:
             return False
+        if st.use_published_bytes(bm.version, data):  # serve and checkpoint the signed bytes
+            self.registry.dirty.add(model)
         seconds = 0.0
         last = self._online_seconds.get(model)
         if last is not None and last[0] == bm.version:

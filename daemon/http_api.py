@@ -166,6 +166,7 @@ class HttpServer:
         self.status = status
         self.settings = status.settings
         self.stall = stall_seconds
+        self._signer = self.settings.signing.signer()  # None: this replica publishes unsigned
         s = self.settings.http
         self.app = web.Application(client_max_size=s.max_body_bytes,
                                    middlewares=[self._bounded_body])
@@ -342,7 +343,10 @@ class HttpServer:
 
     def _owned_map(self, model: str) -> _MapAnswer | None:
         """The map this replica installed for ``model`` (its own fit, checkpoint or adoption;
-        parsed once per installed map), or None."""
+        parsed once per installed map), or None. When this replica signs its maps, an
+        unsigned installed map is not served: the online loop installs its maps at the
+        sample it decides and the daemon signs them when it publishes them, so until then
+        the topic's (signed) map is the answer."""
         owned = self.status.model(model)
         if owned is None or owned.state.binmap is None:
             self._own.pop(model, None)
@@ -354,9 +358,10 @@ class HttpServer:
         answer = None
         try:
             obj = orjson.loads(raw)
-            answer = _MapAnswer(raw, int(obj["version"]), str(obj["checksum"]),
-                                obj.get("created_at"), obj.get("mode"), obj.get("k"),
-                                obj.get("certificate"))
+            if obj.get("signature") is not None or self._signer is None:
+                answer = _MapAnswer(raw, int(obj["version"]), str(obj["checksum"]),
+                                    obj.get("created_at"), obj.get("mode"), obj.get("k"),
+                                    obj.get("certificate"))
         except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
             answer = None
         self._own[model] = (raw, answer)

@@ -932,6 +932,17 @@ class ModelState:
         self.triggers.recalibrated()
         self._last_eval = None
 
+    def use_published_bytes(self, version: int, data: bytes) -> bool:
+        """The bytes of live map ``version`` as published (signed): the online loop installs
+        its maps unsigned at the sample it decides, the daemon signs them when it sends them.
+        Replaces the installed bytes if ``version`` is still the live one (True), so that what
+        this state serves and checkpoints is the topic's artifact; the map (and so the
+        calibrator, the monitor and the change test) is the same."""
+        if self.binmap_version != int(version) or self.binmap is None:
+            return False
+        self.binmap = bytes(data)
+        return True
+
     def _same_regime(self, bm: BinMap) -> bool:
         """True when ``bm``, published by the online loop, replaces a live map the loop
         published since the current regime began (the last drift notification): both carry

@@ -521,3 +521,40 @@ async def test_restore_does_not_republish_when_the_topic_cannot_be_read(make, mo
     await asyncio.sleep(0.05)
     # the topic may hold a newer version: an older one must not follow it
     assert d2.clients.producer.sent == [] and not d2.fitter.publishing()
+
+
+async def test_a_signing_replica_serves_its_online_map_only_once_it_is_signed(make, tmp_path):
+    """The loop installs its maps unsigned at the sample it decides; the daemon signs them
+    when it publishes them. Over HTTP a signing replica serves no unsigned map: before the
+    publish is acknowledged it answers from the topic (here: no map yet), after it the signed
+    bytes the topic has, which verify against the public key."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from daemon.http_api import HttpServer
+    from lpcal.client import verify_artifact
+    from lpcal.signing import KeyRing, keygen
+
+    private, public, _ = keygen(tmp_path / "keys")
+    s = Settings(defaults={"drift_threshold": 100.0, "drift_false_alarm_rate": 0.0},
+                 models={M: dict(ONLINE)}, signing={"private_key": private.read_text()})
+    d = make(s, failures=10**9)  # the broker refuses every publish for now
+    feed = Feeder(d)
+    await feed.until(lambda: d.registry.get(M) is not None
+                     and d.registry.slots[M].state.binmap_version >= 1, "a map")
+    st = d.registry.slots[M].state
+    assert b'"signature"' not in st.binmap  # installed unsigned at the decision
+    http = HttpServer(d.status())
+
+    def get():
+        req = make_mocked_request("GET", f"/v1/models/{M}/binmap", match_info={"model": M})
+        return http.binmap(req)
+
+    resp = await get()
+    assert resp.status in (404, 503)  # not the unsigned map
+    d.clients.producer.failures = 0  # the broker is back: the retried publish goes through
+    await until(lambda: d.clients.producer.sent, "the publish")
+    await until(lambda: b'"signature"' in st.binmap, "the signed bytes installed")
+    resp = await get()
+    assert resp.status == 200 and resp.body == d.clients.producer.sent[0][2]
+    bm = verify_artifact(resp.body, where="served map", public_keys=KeyRing([public]))
+    assert bm.version == 1
