@@ -1,6 +1,5 @@
-"""``make demo`` (daemon.tools.demo): its main path in reduced form on the embedded broker (one
-drifting model, a shorter change-test baseline), and the refit schedule it plans its switch
-around, checked against the online loop it mirrors."""
+"""``make demo`` (daemon.tools.demo): its configuration, its quality verdict, and its main path
+in reduced form on the embedded broker (one drifting model, a shorter change-test baseline)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from daemon.settings import load_settings
 from daemon.tools import demo
 from daemon.tools.demo_quality import TS_BOUNDS, FreshSamples, verdict
 from daemon.tools.simulate.model import SyntheticModel
-from lpcal.online import OnlineCalibrator, OnlineConfig, run_fit
 
 TOP = "top-label ECE (15 eq-width)"
 
@@ -31,31 +29,6 @@ def test_config_sets_online_recovery_and_the_baseline_per_plan(tmp_path):
         ms = s.model_settings(m.model_id)
         assert ms.recovery == "online" and ms.drift_baseline_samples == 3000
         assert (ms.k, ms.eps, ms.p) == (m.k, m.eps, m.p)
-    assert plan.fit_delay == s.model_settings("fraud-v3").fit_delay
-
-
-def test_the_demo_refit_points_are_the_online_loops():
-    """The demo keeps its switch clear of the online loop's refits: the points it predicts from
-    a map's ``sizing["samples"]`` are where the loop decides (the temperature challenges)."""
-    synth = SyntheticModel("m", 3, 0.25, 8.0, 1.0, seed=4)
-    cal = OnlineCalibrator(3, OnlineConfig(eps=0.05, p=math.inf), model_id="m", fit=run_fit)
-    events = []
-    for _ in range(60):
-        f, _, y = synth.sample(1000)
-        events.extend(cal.update(f, y).events)
-    warm = next(e for e in events if e.kind == "warmup_end")
-    # the temperature challenges: published temperature maps, and candidates kept that were
-    # not a shadow (a shadow's tests carry its version)
-    decided = sorted({e.n for e in events if e.n > warm.n and (
-        e.kind == "published" and e.binmap.n_bins == 0 or e.kind == "kept" and e.version == 0)})
-    first = next(e for e in events if e.kind == "published")
-    assert first.binmap.sizing["samples"] == first.n == warm.n
-    predicted, f_next = [], demo._next_fit_point(warm.n)
-    while f_next <= 60_000:
-        predicted.append(f_next)
-        f_next = demo._next_fit_point(f_next)
-    assert decided and set(decided) <= set(predicted)
-    assert predicted[:len(decided)] == decided
 
 
 def test_quality_verdict_uses_the_ts_bounds():

@@ -60,7 +60,6 @@ from daemon.tools.simulate.model import SyntheticModel
 from daemon.tools.simulate.traffic import MALFORMED_KINDS, Drift, TrafficGenerator
 from lpcal.binmap import BinMap
 from lpcal.client import BinMapRejected, verify_artifact
-from lpcal.online import OnlineConfig
 from lpcal.signing import KeyRing, keygen
 
 TOPICS = {"predictions": "lpcal.predictions", "outcomes": "lpcal.outcomes"}
@@ -99,9 +98,6 @@ class Plan:
     drift_baseline_samples: int = 5_000
     #: joined samples of the drifting model's live map beyond its baseline before the switch
     switch_margin: int = 500
-    #: joined samples after the switch kept free of the online loop's refits (see _switch_limit)
-    detect_room: int = 4_000
-    fit_delay: int = 1_000   # the daemon's default fit_delay (not set in the config)
     #: after the first map after the alarm, joined samples since the switch to wait for a map
     #: within the quality bounds of TS (the demo stops at the first one)
     repair_samples: int = 10_000
@@ -142,12 +138,6 @@ def _config(bootstrap: str, port: int, plan: Plan | None = None) -> str:
         lines += [f'[models."{m.model_id}"]', f"k = {m.k}", f"eps = {m.eps}", f"p = {ps}",
                   'recovery = "online"']
     return "\n".join(lines) + "\n"
-
-
-def _next_fit_point(n: int) -> int:
-    """The online loop's next refit point after one at ``n`` samples (``lpcal.online``)."""
-    cfg = OnlineConfig()
-    return max(cfg.step, math.ceil(n * cfg.growth / cfg.step) * cfg.step)
 
 
 def _free_port() -> int:
@@ -451,8 +441,8 @@ class Demo:
                             return out
                     else:
                         self.say(f"        published {self._since():,} joined samples after the "
-                                 f"switch, before the alarm: the change test's new baseline "
-                                 f"starts on drifted samples")
+                                 f"switch, before the alarm (a map of the same regime: the "
+                                 f"change test keeps its baseline)")
                 for c in controls:
                     if c.score >= 1.0 and not out.control_false_alarm:
                         out.control_false_alarm = True
@@ -505,27 +495,18 @@ class Demo:
         """When to switch: the largest labelled-event count of the drifting model at which the
         drift may start now, or None (not now).
 
-        The change test measures a baseline on the first ``drift_baseline_samples`` after a map
-        is installed, and every map resets it. The online loop refits at geometric sample
-        counts (``f_{j+1} = ceil(growth f_j / step) step``, from the sample count its live
-        temperature map was decided at, ``sizing["samples"]``) and may publish a refinement at
-        each. A drift that starts just before a refit can be masked: the refit's map gets a
-        baseline measured on drifted samples. So the demo switches only when the daemon has
-        passed the live map's baseline and the last refit point (its map would show by now),
-        and at least ``detect_room`` samples before the next refit point."""
-        plan, live = self.plan, t.live
-        if live is None:
+        The change test measures its baseline on the first ``drift_baseline_samples`` after
+        the regime's first map and keeps it across the maps the online loop publishes after
+        it in the same regime (refinements at its geometric refit points), so the demo
+        switches as soon as that baseline and one more test block are complete, wherever the
+        loop's refits fall."""
+        plan, first = self.plan, self.out.first_map
+        if first is None or t.live is None:
             return None
-        n = t.joined
-        s_live = int((live.bm.sizing or {}).get("samples", live.joined))
-        if n < s_live + plan.drift_baseline_samples + BLOCK_SAMPLES + plan.switch_margin:
+        s0 = int((first.bm.sizing or {}).get("samples", first.joined))
+        if t.joined < s0 + plan.drift_baseline_samples + BLOCK_SAMPLES + plan.switch_margin:
             return None
-        f_prev, f_next = s_live, _next_fit_point(s_live)
-        while f_next <= n:
-            f_prev, f_next = f_next, _next_fit_point(f_next)
-        if n < f_prev + plan.fit_delay + plan.switch_margin:
-            return None
-        return f_next - plan.detect_room if n < f_next - plan.detect_room else None
+        return t.joined + plan.max_lead
 
     def _at_switch(self, t: Track) -> None:
         """The map live at the switch beside the first one, before the drift."""
