@@ -239,6 +239,10 @@ class IngestResult:
         return [e.request for e in self.events if e.request is not None]
 
 
+#: what :meth:`ModelState.check_triggers` passes the triggers when the drift condition cannot
+#: hold (no calibrated window to evaluate)
+_NO_STATS: Mapping[str, WindowStats | None] = {}
+
 #: ``k = 0``: a model whose ``k`` is learned from its first prediction, created by outcomes that
 #: arrived first. Its join buffer holds them; its (empty) pools and monitor
 #: are built for this placeholder until :meth:`ModelState.offer` learns ``k``.
@@ -590,8 +594,14 @@ class ModelState:
 
         ``pools_full`` is "a sealed epoch is waiting to be fitted". Evaluating the window costs
         O(window bins * k), so it is redone at most every ``eval_interval`` seconds of ``now``
-        (the drift trigger works at the scale of ``drift_sustain_seconds``); cheap to call per
-        batch."""
+        (the drift trigger works at the scale of ``drift_sustain_seconds``), and not at all
+        while the drift condition cannot hold: without a bin map (no calibrated window) or
+        with fewer samples in the window than the trigger's ``min_samples`` (the condition
+        asks for at least that many calibrated samples, and the calibrated window holds at
+        most the raw window's). Cheap to call per batch."""
+        if stats is None and (self._calibrator is None or sum(
+                bk.n for bk in self.monitor.buckets.values()) < self.triggers.drift.min_samples):
+            stats = _NO_STATS
         if stats is None:
             last = self._last_eval
             if last is not None and 0.0 <= now - last[0] < self.eval_interval:
