@@ -151,7 +151,7 @@ class Fitter:
         refills them."""
         st = slot.state
         event_time = 0.0 if slot.event_time is None else slot.event_time
-        firing = st.check_triggers(event_time, busy=slot.inflight is not None)
+        firing = st.check_triggers(event_time, busy=slot.inflight is not None, lazy=True)
         if (firing is not None and firing.action == "fit" and st.pools.full
                 and slot.prefitted > 0):
             st.start_new_epoch()  # this epoch's bin map was published before a crash

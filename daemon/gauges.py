@@ -103,12 +103,12 @@ class GaugeExporter:
         get, due = self.registry.get, self.due
         end = time.perf_counter() + budget
         done = 0
-        while time.perf_counter() < end:
+        while True:  # at least one model per call, so every model's turn comes
             models = due.pop_due(now, _EVAL_CHUNK)
             if not models:
                 break
             for i, model in enumerate(models):
-                if i and time.perf_counter() >= end:
+                if done and time.perf_counter() >= end:
                     for rest in models[i:]:  # first in line next time
                         due.schedule(rest, -math.inf, earliest=True)
                     return done

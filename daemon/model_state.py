@@ -588,18 +588,18 @@ class ModelState:
         return self.monitor.evaluate(self.monitor_spec.drift_confidence)
 
     def check_triggers(self, now: float, *, busy: bool = False,
-                       stats: Mapping[str, WindowStats | None] | None = None
-                       ) -> Firing | None:
+                       stats: Mapping[str, WindowStats | None] | None = None,
+                       lazy: bool = False) -> Firing | None:
         """Ask the triggers what to do at ``now`` (evaluates the monitor unless ``stats``).
 
         ``pools_full`` is "a sealed epoch is waiting to be fitted". Evaluating the window costs
         O(window bins * k), so it is redone at most every ``eval_interval`` seconds of ``now``
-        (the drift trigger works at the scale of ``drift_sustain_seconds``), and not at all
-        while the drift condition cannot hold: without a bin map (no calibrated window) or
-        with fewer samples in the window than the trigger's ``min_samples`` (the condition
-        asks for at least that many calibrated samples, and the calibrated window holds at
-        most the raw window's). Cheap to call per batch."""
-        if stats is None and (self._calibrator is None or sum(
+        (the drift trigger works at the scale of ``drift_sustain_seconds``); cheap to call per
+        batch. With ``lazy``, not at all while the drift condition cannot hold, which decides
+        the same: without a bin map (no calibrated window) or with fewer samples in the window
+        than the trigger's ``min_samples`` (the condition asks for at least that many
+        calibrated samples, and the calibrated window holds at most the raw window's)."""
+        if stats is None and lazy and (self._calibrator is None or sum(
                 bk.n for bk in self.monitor.buckets.values()) < self.triggers.drift.min_samples):
             stats = _NO_STATS
         if stats is None:
