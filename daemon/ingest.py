@@ -43,7 +43,7 @@ WRONG_PARTITION = "bad_schema"  # a model's events on two partitions: the key co
 #: a model's slice of a batch smaller than this is staged (:mod:`daemon.staging`)
 STAGE_MIN_EVENTS = 256
 #: seconds a staged event waits at most before it is offered (besides checkpoints and releases)
-STAGE_MAX_AGE = 2.0
+STAGE_MAX_AGE = 5.0
 #: bytes staged at most: the smaller of this and an eighth of ``join.max_bytes_total``
 STAGE_MAX_BYTES = 64 << 20
 

@@ -445,9 +445,8 @@ class ModelState:
             self._ingest_online(res, probs, labels, u, ts)
         elif labels.size:
             c, h, pair = bin_rows(probs, self.lam)  # shared by the pools and the monitor
-            if self.filling.full:  # e.g. after a layout change
-                self.seal()
-                res.sealed += 1
+            # pools full already (e.g. after a layout change): add_samples takes nothing and
+            # the loop seals them first
             a, n = 0, labels.size
             while a < n:
                 # the warm-up grid and the held-out sums are exact integers, so batching does

@@ -78,13 +78,15 @@ class Staged(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("k", "nbytes", "n", "since", "slices", "ts_limit")
+    __slots__ = ("first_limit", "k", "nbytes", "n", "since", "slices", "ts_limit")
 
     def __init__(self, k: int, since: float):
         self.k, self.since = k, since
-        self.slices: list[ModelBatch] = []
+        # per slice: (kind, ids, ts, probs, labels, index), compact copies
+        self.slices: list[tuple] = []
         self.n = self.nbytes = 0
-        self.ts_limit = -math.inf
+        self.ts_limit = -math.inf       # the largest ts_limit of the slices
+        self.first_limit: float | None = None  # the first slice's
 
 
 class StagedEvents:
@@ -151,16 +153,21 @@ class StagedEvents:
                              f"got k={mb.k}; take them first")
         # compact copies: the parser's slices are views of the whole batch's columns, which a
         # staged view would keep alive beyond what is counted here
-        mb = ModelBatch(mb.model, mb.k, mb.kind.copy(), mb.ids, mb.ts.copy(), mb.probs.copy(),
-                        mb.labels.copy(), mb.index.copy(), mb.ts_limit)
-        size = batch_nbytes(mb)
-        e.slices.append(mb)
-        e.n += len(mb)
+        ids = mb.ids
+        n = len(ids)
+        cols = (mb.kind.copy(), ids, mb.ts.copy(), mb.probs.copy(), mb.labels.copy(),
+                mb.index.copy())
+        size = (cols[0].nbytes + cols[2].nbytes + cols[3].nbytes + cols[4].nbytes
+                + cols[5].nbytes + sum(map(len, ids)) + ID_OVERHEAD_BYTES * n)
+        e.slices.append(cols)
+        e.n += n
         e.nbytes += size
         if mb.ts_limit > e.ts_limit:
             e.ts_limit = mb.ts_limit
+        if e.first_limit is None:
+            e.first_limit = mb.ts_limit
         self.nbytes += size
-        self.events += len(mb)
+        self.events += n
         return e.n >= self.min_events
 
     def take(self, model: str) -> Staged | None:
@@ -170,7 +177,15 @@ class StagedEvents:
             return None
         self.nbytes -= e.nbytes
         self.events -= e.n
-        return Staged(concat(e.slices), e.ts_limit, len(e.slices))
+        sl = e.slices
+        if len(sl) == 1:
+            kind, ids, ts, probs, labels, index = sl[0]
+        else:
+            kind, ts, probs, labels, index = (np.concatenate([c[i] for c in sl])
+                                              for i in (0, 2, 3, 4, 5))
+            ids = list(itertools.chain.from_iterable(c[1] for c in sl))
+        return Staged(ModelBatch(model, e.k, kind, ids, ts, probs, labels, index,
+                                 e.first_limit), e.ts_limit, len(sl))
 
     def due(self, now: float) -> list[str]:
         """The models whose oldest staged slice is ``max_age`` seconds old or older at

@@ -103,6 +103,7 @@ class Run:
     warm_messages: int = 0
     warm_seconds: float = 0.0
     warm_cpu: float = 0.0
+    complete: bool = True  # False: stopped at ``daemon_read``'s time limit (a partial read)
 
     @property
     def rate(self) -> float:
@@ -271,13 +272,16 @@ def _free_port() -> int:
 
 async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, pool: int,
                       profile: object | None = None, sample_rate: float = 1.0,
-                      extra: dict | None = None, warm_models: int | None = None) -> Run:
+                      extra: dict | None = None, warm_models: int | None = None,
+                      time_limit: float = 600.0, partial: bool = False) -> Run:
     """A real in-process daemon (fresh group and state topic) consumes the whole stream
     (``extra``: more settings, see :func:`_settings`). The run is timed from the first message
     (with ``warm_models``: from the first batch after that many models were admitted; the
     warm-up before is reported apart) until the last message is processed and the events the
     daemon staged (:mod:`daemon.staging`) are in their models' states. ``busy`` and ``cpu``
-    cover ``Ingest.process`` and the offers of staged events outside it."""
+    cover ``Ingest.process`` and the offers of staged events outside it. A read that takes
+    more than ``time_limit`` seconds raises, or with ``partial`` (and a timed part begun) ends
+    there: the run covers the messages processed until then (``complete`` False)."""
     from daemon.service import Daemon
 
     settings = _settings(bootstrap, topics, pool, f"bench.state.{uuid.uuid4().hex[:8]}",
@@ -342,13 +346,19 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
     task = asyncio.create_task(d.serve(install_signals=False))
     try:
         waiter = asyncio.create_task(done.wait())
-        await asyncio.wait({task, waiter}, timeout=600, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, waiter}, timeout=time_limit,
+                           return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             task.result()
             raise RuntimeError("daemon stopped before consuming the stream")
         if not done.is_set():
             waiter.cancel()
-            raise RuntimeError(f"daemon consumed only {state['n']}/{expected} messages")
+            if not (partial and state["t0"] is not None and state["n"]):
+                raise RuntimeError(f"daemon consumed only {state['n']}/{expected} messages")
+            state["t1"], state["c1"] = time.perf_counter(), time.process_time()
+            state["complete"] = False
+            if profile is not None:
+                profile.disable()
     finally:
         d.stopping.set()
         with contextlib.suppress(asyncio.TimeoutError):
@@ -357,7 +367,7 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
     return Run(state["n"], t1 - t0, [p for p in polls if t0 - 1 <= p <= t1],
                [(s, e) for s, e in fits if s <= t1], state["busy"], state["cpu"],
                state["c1"] - state["c0"], state["wn"], state.get("warm_seconds", 0.0),
-               state.get("warm_cpu", 0.0))
+               state.get("warm_cpu", 0.0), state.get("complete", True))
 
 
 # --------------------------------------------------------------------------- stage costs
