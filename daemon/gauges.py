@@ -41,6 +41,7 @@ _GAUGE_EVERY = 10.0  # seconds between two evaluations of a model's window for i
 #: share of the time between two calls of :meth:`GaugeExporter.export_due` its evaluations take
 EVAL_SHARE = 0.05
 EVAL_MIN_SECONDS = 0.002  # evaluation time one call may always take
+EVAL_MAX_SECONDS = 0.1  # ... and at most (after a long pause the loop must not stall)
 _EVAL_CHUNK = 32  # models taken from the due-time heap at once
 _LAG_EVERY = 5.0  # seconds between consumer lag exports
 
@@ -94,12 +95,13 @@ class GaugeExporter:
     def export_due(self, now: float, *, budget: float | None = None) -> int:
         """Evaluate the window gauges of the models due at ``now``, earliest due first, for at
         most ``budget`` seconds (default: :data:`EVAL_SHARE` of the time since the last call,
-        at least :data:`EVAL_MIN_SECONDS`; ``math.inf``: all of them); the models left stay
+        between :data:`EVAL_MIN_SECONDS` and :data:`EVAL_MAX_SECONDS`; ``math.inf``: all of
+        them; at least one model per call); the models left stay
         due. Returns the models evaluated: O(models evaluated)."""
         last, self._last_due = self._last_due, now
         if budget is None:
-            budget = max(EVAL_MIN_SECONDS,
-                         EVAL_SHARE * (now - last) if last is not None else 0.0)
+            budget = min(EVAL_MAX_SECONDS, max(
+                EVAL_MIN_SECONDS, EVAL_SHARE * (now - last) if last is not None else 0.0))
         get, due = self.registry.get, self.due
         end = time.perf_counter() + budget
         done = 0
