@@ -219,8 +219,12 @@ class Ingest:
             staged, now = self.staged, None
             shared = len(pb.by_model) > 1
             self._fed = True
+            get, part, min_events = self.registry.slots.get, tp.partition, staged.min_events
+            staged_k = staged.staged_k
             for model, mb in pb.by_model.items():
-                slot = self._slot_for(model, mb, tp)
+                slot = get(model)
+                if slot is None or slot.partition != part:
+                    slot = self._slot_for(model, mb, tp)
                 if slot is None:
                     for i in mb.index.tolist():
                         deadletter(tp, msgs[i], WRONG_PARTITION)
@@ -239,11 +243,13 @@ class Ingest:
                     rates[model] = st.sample_rate
                 # staged: small slices of batches shared by several models (a batch of one
                 # model costs one offer per batch already)
-                small = len(mb) < staged.min_events and shared
-                if not small and model not in staged:
-                    self._offer(model, slot, mb, topic_kind)
-                    continue
-                if staged.staged_k(model) not in (None, mb.k):
+                small = shared and len(mb.ids) < min_events
+                k_staged = staged_k(model)
+                if k_staged is None:
+                    if not small:
+                        self._offer(model, slot, mb, topic_kind)
+                        continue
+                elif k_staged != mb.k:
                     self._flush_model(model)  # outcomes staged before the model's k was known
                 if st.sample_rate < 1.0:  # counted by topic here; offer() then keeps them all
                     mb, dropped = st.sample(mb)

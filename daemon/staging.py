@@ -23,8 +23,9 @@ the same sequence of events as without staging, in fewer calls: the join is even
 batching, and the online calibrator decides at exact sample counts. What staging changes is
 when: a sample enters the state at most ``max_age`` seconds (and at most one checkpoint) later.
 
-Memory: a staged event keeps its columns (``k`` float64 probabilities, time, label, kind, index;
-copied out of the parsed batch, so nothing else stays alive) and its id;
+Memory: a staged event keeps its columns (``k`` float64 probabilities, time, label, kind; copied
+out of the parsed batch, so nothing else stays alive) and its id; the batch offered has fresh
+positions ``0..n-1`` as its ``index`` (the input positions mean nothing across batches);
 :meth:`StagedEvents.add` counts them (:func:`batch_nbytes`), and the caller flushes the oldest
 models while the total is above ``max_bytes``.
 """
@@ -40,39 +41,28 @@ import numpy as np
 
 from daemon.event_records import ModelBatch
 
-__all__ = ["ID_OVERHEAD_BYTES", "Staged", "StagedEvents", "batch_nbytes", "concat"]
+__all__ = ["ID_OVERHEAD_BYTES", "Staged", "StagedEvents", "batch_nbytes"]
 
 #: bytes of a ``str`` object besides its characters (ASCII, CPython 3.11) plus its list slot
 ID_OVERHEAD_BYTES = 49 + 8
 
 
 def batch_nbytes(mb: ModelBatch) -> int:
-    """Bytes ``mb`` holds: its arrays and its ids (an upper bound for ASCII ids)."""
+    """Bytes :meth:`StagedEvents.add` counts for ``mb``: its columns (but ``index``, not kept)
+    and its ids (an upper bound for ASCII ids)."""
     ids = mb.ids
     return (mb.kind.nbytes + mb.ts.nbytes + mb.probs.nbytes + mb.labels.nbytes
-            + mb.index.nbytes + sum(map(len, ids)) + ID_OVERHEAD_BYTES * len(ids))
-
-
-def concat(slices: list[ModelBatch]) -> ModelBatch:
-    """One batch of ``slices`` (one model, one ``k``), in order. Its ``ts_limit`` is the first
-    slice's: :meth:`~daemon.model_state.ModelState.offer` pulls clocks back to it before the
-    events (as the first slice alone would); the caller raises the state's ``ts_limit`` to the
-    largest of them after the offer (:attr:`Staged.ts_limit`)."""
-    if len(slices) == 1:
-        return slices[0]
-    first = slices[0]
-    return ModelBatch(first.model, first.k, np.concatenate([s.kind for s in slices]),
-                      list(itertools.chain.from_iterable(s.ids for s in slices)),
-                      np.concatenate([s.ts for s in slices]),
-                      np.concatenate([s.probs for s in slices]),
-                      np.concatenate([s.labels for s in slices]),
-                      np.concatenate([s.index for s in slices]), first.ts_limit)
+            + sum(map(len, ids)) + ID_OVERHEAD_BYTES * len(ids))
 
 
 class Staged(NamedTuple):
     """A model's staged events, taken out of :class:`StagedEvents` to be offered."""
 
-    batch: ModelBatch   #: the events in arrival order (:func:`concat`)
+    #: the events in arrival order; its ``ts_limit`` is the first slice's:
+    #: :meth:`~daemon.model_state.ModelState.offer` pulls clocks back to it before the events
+    #: (as the first slice alone would); the caller raises the state's ``ts_limit`` to
+    #: :attr:`ts_limit` after the offer
+    batch: ModelBatch
     ts_limit: float     #: the largest ``ts_limit`` of its slices
     slices: int         #: how many slices were staged
 
@@ -82,7 +72,7 @@ class _Entry:
 
     def __init__(self, k: int, since: float):
         self.k, self.since = k, since
-        # per slice: (kind, ids, ts, probs, labels, index), compact copies
+        # per slice: (kind, ids, ts, probs, labels), compact copies
         self.slices: list[tuple] = []
         self.n = self.nbytes = 0
         self.ts_limit = -math.inf       # the largest ts_limit of the slices
@@ -153,12 +143,13 @@ class StagedEvents:
                              f"got k={mb.k}; take them first")
         # compact copies: the parser's slices are views of the whole batch's columns, which a
         # staged view would keep alive beyond what is counted here
+        # (the input positions, ``index``, mean nothing once slices of several batches are
+        # joined: not kept)
         ids = mb.ids
         n = len(ids)
-        cols = (mb.kind.copy(), ids, mb.ts.copy(), mb.probs.copy(), mb.labels.copy(),
-                mb.index.copy())
+        cols = (mb.kind.copy(), ids, mb.ts.copy(), mb.probs.copy(), mb.labels.copy())
         size = (cols[0].nbytes + cols[2].nbytes + cols[3].nbytes + cols[4].nbytes
-                + cols[5].nbytes + sum(map(len, ids)) + ID_OVERHEAD_BYTES * n)
+                + sum(map(len, ids)) + ID_OVERHEAD_BYTES * n)
         e.slices.append(cols)
         e.n += n
         e.nbytes += size
@@ -179,13 +170,13 @@ class StagedEvents:
         self.events -= e.n
         sl = e.slices
         if len(sl) == 1:
-            kind, ids, ts, probs, labels, index = sl[0]
+            kind, ids, ts, probs, labels = sl[0]
         else:
-            kind, ts, probs, labels, index = (np.concatenate([c[i] for c in sl])
-                                              for i in (0, 2, 3, 4, 5))
+            kind, ts, probs, labels = (np.concatenate([c[i] for c in sl]) for i in (0, 2, 3, 4))
             ids = list(itertools.chain.from_iterable(c[1] for c in sl))
-        return Staged(ModelBatch(model, e.k, kind, ids, ts, probs, labels, index,
-                                 e.first_limit), e.ts_limit, len(sl))
+        return Staged(ModelBatch(model, e.k, kind, ids, ts, probs, labels,
+                                 np.arange(len(ids), dtype=np.int64), e.first_limit),
+                      e.ts_limit, len(sl))
 
     def due(self, now: float) -> list[str]:
         """The models whose oldest staged slice is ``max_age`` seconds old or older at
