@@ -319,12 +319,19 @@ class Ingest:
         every model): before a checkpoint advances the models' offsets, and before their
         partitions are released."""
         get = self.registry.get
-        for model in self.staged.oldest():
-            slot = get(model)
-            if slot is None:
-                self.staged.take(model)
-            elif parts is None or slot.partition in parts:
-                self._flush_model(model)
+        paused = gc.isenabled()  # as in process(): many short-lived objects, no cycles
+        if paused:
+            gc.disable()
+        try:
+            for model in self.staged.oldest():
+                slot = get(model)
+                if slot is None:
+                    self.staged.take(model)
+                elif parts is None or slot.partition in parts:
+                    self._flush_model(model)
+        finally:
+            if paused:
+                gc.enable()
 
     def flush_due(self, now: float) -> None:
         """After each poll: offer the staged events of the models whose oldest staged event
@@ -336,8 +343,18 @@ class Ingest:
                 self.flush_staged()
             return
         self._fed = False
-        for model in self.staged.due(now):
-            self._flush_model(model)
+        due = self.staged.due(now)
+        if not due:
+            return
+        paused = gc.isenabled()  # as in process(): many short-lived objects, no cycles
+        if paused:
+            gc.disable()
+        try:
+            for model in due:
+                self._flush_model(model)
+        finally:
+            if paused:
+                gc.enable()
 
     def _sample_out(self, topic_kind: str, msgs: list, rates: dict[str, float]
                     ) -> tuple[list, list]:
