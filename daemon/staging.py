@@ -68,7 +68,7 @@ class Staged(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("first_limit", "k", "nbytes", "n", "since", "slices", "ts_limit")
+    __slots__ = ("first_limit", "k", "n", "nbytes", "since", "slices", "ts_limit")
 
     def __init__(self, k: int, since: float):
         self.k, self.since = k, since
@@ -153,8 +153,7 @@ class StagedEvents:
         e.slices.append(cols)
         e.n += n
         e.nbytes += size
-        if mb.ts_limit > e.ts_limit:
-            e.ts_limit = mb.ts_limit
+        e.ts_limit = max(e.ts_limit, mb.ts_limit)
         if e.first_limit is None:
             e.first_limit = mb.ts_limit
         self.nbytes += size
