@@ -216,6 +216,16 @@ def _bound_ts(out: ParsedBatch, timestamps: Sequence[Any], skew: float) -> None:
     limit = _record_times(timestamps) + skew
     if limit.shape[0] != out.n:
         return
+    mbs = list(out.by_model.values())
+    if len(mbs) > 1 and all(map(len, mbs)):  # several models: a few array passes in all
+        lim = limit[np.concatenate([mb.index for mb in mbs])]
+        if not (np.concatenate([mb.ts for mb in mbs]) > lim).any():
+            starts = np.zeros(len(mbs), dtype=np.int64)
+            np.cumsum(np.fromiter(map(len, mbs), dtype=np.int64, count=len(mbs))[:-1],
+                      out=starts[1:])
+            for mb, top in zip(mbs, np.maximum.reduceat(lim, starts).tolist()):
+                mb.ts_limit = top
+            return
     moved = False
     for model in list(out.by_model):
         mb = out.by_model[model]

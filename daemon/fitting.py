@@ -124,6 +124,7 @@ class Fitter:
         # models with sealed epochs too: a restored backlog on a paused partition brings no
         # new events (so is never touched), yet its fits must run for ingest to resume
         reg = self.registry
+        reg.flush_due(now)  # staged events that waited their longest (daemon.staging)
         touched, reg.touched = reg.touched, set()
         for model in touched | reg.waiting:
             self.check_model(model, now)
@@ -159,7 +160,7 @@ class Fitter:
         refills them."""
         st = slot.state
         event_time = 0.0 if slot.event_time is None else slot.event_time
-        firing = st.check_triggers(event_time, busy=slot.inflight is not None)
+        firing = st.check_triggers(event_time, busy=slot.inflight is not None, lazy=True)
         if (firing is not None and firing.action == "fit" and st.pools.full
                 and slot.prefitted > 0):
             st.start_new_epoch()  # this epoch's bin map was published before a crash

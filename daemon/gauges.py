@@ -11,13 +11,20 @@ the window's sample count and the change score need an evaluation of the window
 evaluated at most once per :data:`_GAUGE_EVERY` seconds (a model that turns idle is evaluated
 once more after its last change, so it keeps no stale quality); the models due are kept in a
 :class:`daemon.due_times.DueTimes`, so the work per batch follows the models due, not the
-number of models.
+number of models. The evaluations of one call take at most :data:`EVAL_SHARE` of the time since
+the previous call (at least :data:`EVAL_MIN_SECONDS`); the models left over stay due, first in
+line for the next call. So with many models the window gauges refresh less often (every
+``models x evaluation cost / EVAL_SHARE`` seconds at the most), and the cost per message does
+not grow with the number of models. An evaluation is cached by the monitor until its window
+changes, so the drift trigger's evaluation and the gauges' share it when no samples came in
+between.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any, NamedTuple
 
 import orjson
@@ -30,7 +37,12 @@ from lpcal.errors import InputError
 
 log = logging.getLogger("lpcal.daemon")
 
-_GAUGE_EVERY = 1.0  # seconds between two evaluations of a model's window for its gauges
+_GAUGE_EVERY = 10.0  # seconds between two evaluations of a model's window for its gauges
+#: share of the time between two calls of :meth:`GaugeExporter.export_due` its evaluations take
+EVAL_SHARE = 0.05
+EVAL_MIN_SECONDS = 0.002  # evaluation time one call may always take
+EVAL_MAX_SECONDS = 0.1  # ... and at most (after a long pause the loop must not stall)
+_EVAL_CHUNK = 32  # models taken from the due-time heap at once
 _LAG_EVERY = 5.0  # seconds between consumer lag exports
 
 
@@ -64,6 +76,7 @@ class GaugeExporter:
         self.registry, self.partitions, self.metrics = registry, partitions, metrics
         self.clients = clients
         self._last_lag = 0.0
+        self._last_due: float | None = None  # the time of the last export_due
         self.due = DueTimes()  # models whose window gauges are to be evaluated, and when
         metrics.read_model_gauges(self.rows)
 
@@ -79,14 +92,34 @@ class GaugeExporter:
         it is due sooner already."""
         self.due.schedule(model, when, earliest=True)
 
-    def export_due(self, now: float) -> None:
-        """Evaluate the window gauges of the models due at ``now``: O(models due)."""
-        get = self.registry.get
-        for model in self.due.pop_due(now):
-            slot = get(model)
-            if slot is not None:  # else released meanwhile
-                slot.gauges_at = now
-                slot.window_gauges = self.evaluate(slot)
+    def export_due(self, now: float, *, budget: float | None = None) -> int:
+        """Evaluate the window gauges of the models due at ``now``, earliest due first, for at
+        most ``budget`` seconds (default: :data:`EVAL_SHARE` of the time since the last call,
+        between :data:`EVAL_MIN_SECONDS` and :data:`EVAL_MAX_SECONDS`; ``math.inf``: all of
+        them; at least one model per call); the models left stay
+        due. Returns the models evaluated: O(models evaluated)."""
+        last, self._last_due = self._last_due, now
+        if budget is None:
+            budget = min(EVAL_MAX_SECONDS, max(
+                EVAL_MIN_SECONDS, EVAL_SHARE * (now - last) if last is not None else 0.0))
+        get, due = self.registry.get, self.due
+        end = time.perf_counter() + budget
+        done = 0
+        while True:  # at least one model per call, so every model's turn comes
+            models = due.pop_due(now, _EVAL_CHUNK)
+            if not models:
+                break
+            for i, model in enumerate(models):
+                if done and time.perf_counter() >= end:
+                    for rest in models[i:]:  # first in line next time
+                        due.schedule(rest, -math.inf, earliest=True)
+                    return done
+                slot = get(model)
+                if slot is not None:  # else released meanwhile
+                    slot.gauges_at = now
+                    slot.window_gauges = self.evaluate(slot)
+                    done += 1
+        return done
 
     @staticmethod
     def evaluate(slot: ModelSlot) -> WindowGauges:
@@ -121,7 +154,8 @@ class GaugeExporter:
             fitting = inflight.pools.nbytes if inflight is not None else 0  # the last quarter
             row = ModelGauges(
                 model, join_pending=join.pending(model),
-                join_buffer_bytes=join.memory_bytes(model), join_buffer_budget=join.max_bytes,
+                join_buffer_bytes=join.memory_bytes(model) + self.registry.staged_bytes(model),
+                join_buffer_budget=join.max_bytes,
                 state_bytes=st.nbytes + fitting, state_budget=st.budget,
                 epochs_waiting=len(st.sealed),
                 drift_threshold=st.monitor_spec.drift_threshold, pools=st.pool_fill())

@@ -7,6 +7,14 @@ processed (:mod:`daemon.offset_gaps`): a hole is counted, and with ``kafka.offse
 "refetch"`` read again, so a broker that hands out a batch before an earlier one (the embedded
 Tansu broker, under load) does not cost the skipped samples. An event at an offset below its
 model's recorded offset is skipped: that model's checkpoint already contains it.
+
+A model's slice of a batch shared by several models, smaller than :data:`STAGE_MIN_EVENTS`
+events, is staged (:mod:`daemon.staging`) and offered to its state with the model's next slices,
+in one call, once they reach that count, :data:`STAGE_MAX_AGE` seconds after the oldest, when
+the staged bytes exceed their budget, when a poll brings nothing (the input is idle), and always
+before a checkpoint and before the model's partition is released (:meth:`Ingest.flush_staged`,
+called through the registry). Large slices, and the batches of a single model, are offered at
+once: a batch of one model costs one offer already.
 """
 
 from __future__ import annotations
@@ -27,17 +35,22 @@ from daemon.event_records import ModelBatch
 from daemon.events import RecordTimestamps
 from daemon.kafka import deadletter as kafka_deadletter
 from daemon.registry import ModelSlot
+from daemon.staging import StagedEvents
 
 log = logging.getLogger("lpcal.daemon")
 
 WRONG_PARTITION = "bad_schema"  # a model's events on two partitions: the key contract is broken
+#: a model's slice of a batch smaller than this is staged (:mod:`daemon.staging`)
+STAGE_MIN_EVENTS = 256
+#: seconds a staged event waits at most before it is offered (besides checkpoints and releases)
+STAGE_MAX_AGE = 5.0
+#: bytes staged at most: the smaller of this and an eighth of ``join.max_bytes_total``
+STAGE_MAX_BYTES = 64 << 20
 
 
 def subset(mb: ModelBatch, keep: np.ndarray) -> ModelBatch:
     """The events of ``mb`` where ``keep`` holds."""
-    idx = np.flatnonzero(keep)
-    return ModelBatch(mb.model, mb.k, mb.kind[idx], [mb.ids[i] for i in idx.tolist()],
-                      mb.ts[idx], mb.probs[idx], mb.labels[idx], mb.index[idx])
+    return mb.select(keep)
 
 
 class DeadLetters:
@@ -116,14 +129,28 @@ class Ingest:
         ``on_online(model, result)``: what an online model's offer did (its
         :class:`daemon.model_state.IngestResult` with events: maps to publish, fits to run);
         the daemon passes :meth:`daemon.fitting.Fitter.online_result`.
+    stage_min_events : int, default :data:`STAGE_MIN_EVENTS`
+        Slices smaller than this are staged (1: nothing is staged).
+    stage_max_age : float, default :data:`STAGE_MAX_AGE`
+        Seconds (of ``clock``) a staged event waits at most (:meth:`flush_due`).
     """
 
     def __init__(self, settings, registry, partitions, parser, metrics, clients, deadletters, *,
                  clock: Callable[[], float] = time.monotonic,
-                 on_online: Callable[[str, Any], None] | None = None):
+                 on_online: Callable[[str, Any], None] | None = None,
+                 stage_min_events: int = STAGE_MIN_EVENTS,
+                 stage_max_age: float = STAGE_MAX_AGE):
         self.registry, self.partitions, self.parser = registry, partitions, parser
         self.metrics, self.clients, self.deadletters = metrics, clients, deadletters
         self.clock, self.on_online = clock, on_online
+        join = getattr(settings, "join", None)
+        total = getattr(join, "max_bytes_total", None)
+        #: the small slices not offered yet (:mod:`daemon.staging`)
+        self.staged = StagedEvents(stage_min_events, stage_max_age,
+                                   STAGE_MAX_BYTES if total is None
+                                   else min(STAGE_MAX_BYTES, int(total) // 8))
+        registry.staging = self  # checkpoints and releases flush through the registry
+        self._fed = False  # a batch was processed since the last flush_due
         # the configured models with a rate < 1, which the prefilter samples on any partition
         # until they are placed (see _sample_out)
         self._hot: dict[str, float] = {
@@ -189,9 +216,15 @@ class Ingest:
             offset_of = attrgetter("offset")
             lowest = msgs[0].offset  # a partition's records come in offset order
             offsets = None
-            dirty, touched = self.registry.dirty, self.registry.touched
+            staged, now = self.staged, None
+            shared = len(pb.by_model) > 1
+            self._fed = True
+            get, part, min_events = self.registry.slots.get, tp.partition, staged.min_events
+            staged_k = staged.staged_k
             for model, mb in pb.by_model.items():
-                slot = self._slot_for(model, mb, tp)
+                slot = get(model)
+                if slot is None or slot.partition != part:
+                    slot = self._slot_for(model, mb, tp)
                 if slot is None:
                     for i in mb.index.tolist():
                         deadletter(tp, msgs[i], WRONG_PARTITION)
@@ -206,33 +239,119 @@ class Ingest:
                         mb = subset(mb, offs >= floor)
                         if not len(mb):
                             continue
-                res = st.offer(mb)
-                if res.events and self.on_online is not None:
-                    self.on_online(model, res)
-                t = float(mb.ts.max())
-                if slot.event_time is None or t > slot.event_time:
-                    slot.event_time = t
-                dirty.add(model)
-                touched.add(model)
-                if res.sampled_out:
-                    self.metrics.inc_sampled_out(model, topic_kind, res.sampled_out)
                 if st.sample_rate < 1.0:
                     rates[model] = st.sample_rate
-                if res.joined:
-                    self.metrics.inc_joined(model, res.joined)
-                if res.sealed_early:
-                    self.metrics.inc_sealed_early(model, res.sealed_early)
-                if res.window_trimmed:
-                    self.metrics.inc_window_trimmed(model, res.window_trimmed)
-                if res.label_out_of_range:
-                    self.metrics.inc_invalid("label_out_of_range", res.label_out_of_range)
-                for reason, k in res.evicted.items():
-                    if k:
-                        self.metrics.inc_evicted(model, reason, k)
-                for kind, k in res.unmatched.items():
-                    if k:
-                        self.metrics.inc_unmatched(model, kind, k)
+                # staged: small slices of batches shared by several models (a batch of one
+                # model costs one offer per batch already)
+                small = shared and len(mb.ids) < min_events
+                k_staged = staged_k(model)
+                if k_staged is None:
+                    if not small:
+                        self._offer(model, slot, mb, topic_kind)
+                        continue
+                elif k_staged != mb.k:
+                    self._flush_model(model)  # outcomes staged before the model's k was known
+                if st.sample_rate < 1.0:  # counted by topic here; offer() then keeps them all
+                    mb, dropped = st.sample(mb)
+                    if dropped:
+                        self.metrics.inc_sampled_out(model, topic_kind, dropped)
+                if now is None:
+                    now = self.clock()
+                if staged.add(mb, now) or not small:
+                    self._flush_model(model)
+            if staged.over_budget:  # the oldest models first, down to half the budget
+                for model in staged.oldest():
+                    if staged.nbytes <= staged.max_bytes // 2:
+                        break
+                    self._flush_model(model)
             ps.positions[tp.topic] = end
+        finally:
+            if paused:
+                gc.enable()
+
+    def _offer(self, model: str, slot: ModelSlot, mb: ModelBatch, topic_kind: str | None
+               ) -> None:
+        """Offer ``mb`` to ``model``'s state and count what the offer did (``topic_kind``: of
+        the slice's topic; None for staged slices, sampled when staged)."""
+        st = slot.state
+        res = st.offer(mb)
+        if res.events and self.on_online is not None:
+            self.on_online(model, res)
+        if len(mb):
+            t = float(mb.ts.max())
+            if slot.event_time is None or t > slot.event_time:
+                slot.event_time = t
+        self.registry.dirty.add(model)
+        self.registry.touched.add(model)
+        metrics = self.metrics
+        if res.sampled_out and topic_kind is not None:
+            metrics.inc_sampled_out(model, topic_kind, res.sampled_out)
+        if res.joined:
+            metrics.inc_joined(model, res.joined)
+        if res.sealed_early:
+            metrics.inc_sealed_early(model, res.sealed_early)
+        if res.window_trimmed:
+            metrics.inc_window_trimmed(model, res.window_trimmed)
+        if res.label_out_of_range:
+            metrics.inc_invalid("label_out_of_range", res.label_out_of_range)
+        for reason, k in res.evicted.items():
+            if k:
+                metrics.inc_evicted(model, reason, k)
+        for kind, k in res.unmatched.items():
+            if k:
+                metrics.inc_unmatched(model, kind, k)
+
+    def _flush_model(self, model: str) -> None:
+        """Offer ``model``'s staged events, in order, in one call."""
+        staged = self.staged.take(model)
+        if staged is None:
+            return
+        slot = self.registry.get(model)
+        if slot is None:  # released meanwhile (the registry flushes before it releases)
+            return
+        self._offer(model, slot, staged.batch, None)
+        st = slot.state
+        if staged.ts_limit > st.ts_limit:  # the offer pulled clocks back to the first slice's
+            st.ts_limit = float(staged.ts_limit)
+
+    def flush_staged(self, parts: set[int] | None = None) -> None:
+        """Offer the staged events of the models on input partitions ``parts`` (default:
+        every model): before a checkpoint advances the models' offsets, and before their
+        partitions are released."""
+        get = self.registry.get
+        paused = gc.isenabled()  # as in process(): many short-lived objects, no cycles
+        if paused:
+            gc.disable()
+        try:
+            for model in self.staged.oldest():
+                slot = get(model)
+                if slot is None:
+                    self.staged.take(model)
+                elif parts is None or slot.partition in parts:
+                    self._flush_model(model)
+        finally:
+            if paused:
+                gc.enable()
+
+    def flush_due(self, now: float) -> None:
+        """After each poll: offer the staged events of the models whose oldest staged event
+        waited ``stage_max_age`` seconds at ``now`` (a time of ``clock``), O(models due); or,
+        when no batch was processed since the last call (the input is idle: nothing to
+        amortise a call over), every model's."""
+        if not self._fed:
+            if len(self.staged):
+                self.flush_staged()
+            return
+        self._fed = False
+        due = self.staged.due(now)
+        if not due:
+            return
+        paused = gc.isenabled()  # as in process(): many short-lived objects, no cycles
+        if paused:
+            gc.disable()
+        try:
+            for model in due:
+                self._flush_model(model)
         finally:
             if paused:
                 gc.enable()

@@ -362,6 +362,10 @@ class IngestResult:
         return [e.request for e in self.events if e.request is not None]
 
 
+#: what :meth:`ModelState.check_triggers` passes the triggers when the drift condition cannot
+#: hold (no calibrated window to evaluate)
+_NO_STATS: Mapping[str, WindowStats | None] = {}
+
 #: ``k = 0``: a model whose ``k`` is learned from its first prediction, created by outcomes that
 #: arrived first. Its join buffer holds them; its (empty) pools and monitor
 #: are built for this placeholder until :meth:`ModelState.offer` learns ``k``.
@@ -571,9 +575,8 @@ class ModelState:
             self._ingest_online(res, probs, labels, u, ts)
         elif labels.size:
             c, h, pair = bin_rows(probs, self.lam)  # shared by the pools and the monitor
-            if self.filling.full:  # e.g. after a layout change
-                self.seal()
-                res.sealed += 1
+            # pools full already (e.g. after a layout change): add_samples takes nothing and
+            # the loop seals them first
             a, n = 0, labels.size
             while a < n:
                 # the warm-up grid and the held-out sums are exact integers, so batching does
@@ -778,14 +781,20 @@ class ModelState:
         return self.monitor.evaluate(self.monitor_spec.drift_confidence)
 
     def check_triggers(self, now: float, *, busy: bool = False,
-                       stats: Mapping[str, WindowStats | None] | None = None
-                       ) -> Firing | None:
+                       stats: Mapping[str, WindowStats | None] | None = None,
+                       lazy: bool = False) -> Firing | None:
         """Ask the triggers what to do at ``now`` (evaluates the monitor unless ``stats``).
 
         ``pools_full`` is "a sealed epoch is waiting to be fitted". Evaluating the window costs
         O(window bins * k), so it is redone at most every ``eval_interval`` seconds of ``now``
         (the drift trigger works at the scale of ``drift_sustain_seconds``); cheap to call per
-        batch."""
+        batch. With ``lazy``, not at all while the drift condition cannot hold, which decides
+        the same: without a bin map (no calibrated window) or with fewer samples in the window
+        than the trigger's ``min_samples`` (the condition asks for at least that many
+        calibrated samples, and the calibrated window holds at most the raw window's)."""
+        if stats is None and lazy and (self._calibrator is None or sum(
+                bk.n for bk in self.monitor.buckets.values()) < self.triggers.drift.min_samples):
+            stats = _NO_STATS
         if stats is None:
             last = self._last_eval
             if last is not None and 0.0 <= now - last[0] < self.eval_interval:

@@ -80,6 +80,7 @@ class Checkpointer:
         if parts is None:
             parts = table.numbers()
         reg = self.registry
+        reg.flush_staged(parts)  # staged events enter their states before offsets advance
         try:
             if self.deadletters.pending:                                     # 1
                 await self.deadletters.flush()

@@ -97,6 +97,13 @@ class Run:
     busy: float = 0.0  # seconds inside Ingest.process (the daemon's own ingest path)
     cpu: float = 0.0   # CPU seconds of the event-loop thread inside Ingest.process
     proc_cpu: float = 0.0  # CPU seconds of the whole process over ``seconds`` (all threads)
+    # the untimed warm-up before ``seconds`` (``daemon_read(warm_models=...)``): messages,
+    # wall seconds and CPU seconds of the whole process from the first message until every
+    # model was admitted
+    warm_messages: int = 0
+    warm_seconds: float = 0.0
+    warm_cpu: float = 0.0
+    complete: bool = True  # False: stopped at ``daemon_read``'s time limit (a partial read)
 
     @property
     def rate(self) -> float:
@@ -265,31 +272,60 @@ def _free_port() -> int:
 
 async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, pool: int,
                       profile: object | None = None, sample_rate: float = 1.0,
-                      extra: dict | None = None) -> Run:
+                      extra: dict | None = None, warm_models: int | None = None,
+                      time_limit: float = 600.0, partial: bool = False) -> Run:
     """A real in-process daemon (fresh group and state topic) consumes the whole stream
-    (``extra``: more settings, see :func:`_settings`)."""
+    (``extra``: more settings, see :func:`_settings`). The run is timed from the first message
+    (with ``warm_models``: from the first batch after that many models were admitted; the
+    warm-up before is reported apart) until the last message is processed and the events the
+    daemon staged (:mod:`daemon.staging`) are in their models' states. ``busy`` and ``cpu``
+    cover ``Ingest.process`` and the offers of staged events outside it. A read that takes
+    more than ``time_limit`` seconds raises, or with ``partial`` (and a timed part begun) ends
+    there: the run covers the messages processed until then (``complete`` False)."""
     from daemon.service import Daemon
 
     settings = _settings(bootstrap, topics, pool, f"bench.state.{uuid.uuid4().hex[:8]}",
                          _free_port(), sample_rate, extra)
     d = Daemon(settings, consumer_options=dict(FAST_CONSUMER))
     done = asyncio.Event()
-    state = {"n": 0, "t0": None, "t1": None, "busy": 0.0, "cpu": 0.0, "c0": 0.0, "c1": 0.0}
+    state = {"n": 0, "t0": None, "t1": None, "busy": 0.0, "cpu": 0.0, "c0": 0.0, "c1": 0.0,
+             "w0": None, "wc0": 0.0, "wn": 0, "warm": warm_models is None}
     polls: list[float] = []
     fits: list[list[float]] = []
     process, mark_poll, launch = d.ingest.process, d.metrics.mark_poll, d.fitter.launch
+    flush_due, flush_staged = d.ingest.flush_due, d.ingest.flush_staged
+
+    def start():
+        state["t0"], state["c0"] = time.perf_counter(), time.process_time()
+        state["busy"] = state["cpu"] = 0.0
+        if profile is not None:
+            profile.enable()
+
+    def timed(fn):
+        def run(*a, **kw):
+            c0, u0 = time.perf_counter(), time.thread_time()
+            fn(*a, **kw)
+            state["busy"] += time.perf_counter() - c0
+            state["cpu"] += time.thread_time() - u0
+        return run
 
     def timed_process(tp, msgs):
+        if not state["warm"]:
+            if state["w0"] is None:
+                state["w0"], state["wc0"] = time.perf_counter(), time.process_time()
+            process(tp, msgs)
+            state["wn"] += len(msgs)
+            if len(d.registry) >= warm_models:
+                state["warm"] = True
+                state["warm_seconds"] = time.perf_counter() - state["w0"]
+                state["warm_cpu"] = time.process_time() - state["wc0"]
+            return
         if state["t0"] is None:
-            state["t0"], state["c0"] = time.perf_counter(), time.process_time()
-            if profile is not None:
-                profile.enable()
-        c0, u0 = time.perf_counter(), time.thread_time()
-        process(tp, msgs)
-        state["busy"] += time.perf_counter() - c0
-        state["cpu"] += time.thread_time() - u0
+            start()
+        timed(process)(tp, msgs)
         state["n"] += len(msgs)
-        if state["n"] >= expected and state["t1"] is None:
+        if state["n"] + state["wn"] >= expected and state["t1"] is None:
+            timed(flush_staged)()  # the staged events of the stream's end, in the timing
             state["t1"], state["c1"] = time.perf_counter(), time.process_time()
             if profile is not None:
                 profile.disable()
@@ -306,16 +342,23 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
         inf.task.add_done_callback(lambda _f: span.__setitem__(1, time.perf_counter()))
 
     d.ingest.process, d.metrics.mark_poll, d.fitter.launch = timed_process, timed_poll, timed_launch
+    d.ingest.flush_due, d.ingest.flush_staged = timed(flush_due), timed(flush_staged)
     task = asyncio.create_task(d.serve(install_signals=False))
     try:
         waiter = asyncio.create_task(done.wait())
-        await asyncio.wait({task, waiter}, timeout=600, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, waiter}, timeout=time_limit,
+                           return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             task.result()
             raise RuntimeError("daemon stopped before consuming the stream")
         if not done.is_set():
             waiter.cancel()
-            raise RuntimeError(f"daemon consumed only {state['n']}/{expected} messages")
+            if not (partial and state["t0"] is not None and state["n"]):
+                raise RuntimeError(f"daemon consumed only {state['n']}/{expected} messages")
+            state["t1"], state["c1"] = time.perf_counter(), time.process_time()
+            state["complete"] = False
+            if profile is not None:
+                profile.disable()
     finally:
         d.stopping.set()
         with contextlib.suppress(asyncio.TimeoutError):
@@ -323,7 +366,8 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
     t0, t1 = state["t0"], state["t1"]
     return Run(state["n"], t1 - t0, [p for p in polls if t0 - 1 <= p <= t1],
                [(s, e) for s, e in fits if s <= t1], state["busy"], state["cpu"],
-               state["c1"] - state["c0"])
+               state["c1"] - state["c0"], state["wn"], state.get("warm_seconds", 0.0),
+               state.get("warm_cpu", 0.0), state.get("complete", True))
 
 
 # --------------------------------------------------------------------------- stage costs

@@ -412,3 +412,30 @@ def test_grouped_fast_path_is_taken_and_splits_in_input_order():
     assert out.by_model["b"].ids == ["0", "2"] and out.by_model["c"].ids == ["3"]
     assert [(i, bad.reason, bad.model) for i, bad in out.invalid] == [(5, "negative", "a")]
     assert out.by_model["b"].probs.tolist() == [[0.25, 0.75], [0.25, 0.75]]
+
+
+def test_event_time_bound_of_a_batch_of_many_models_matches_the_per_model_bound():
+    """A batch of many models is bounded in a few array passes: the same ``ts_limit`` per model
+    as one model at a time, and an event beyond the bound still rejected as ts_out_of_range."""
+    models = [f"m{i}" for i in range(30)]
+    pol = ModelPolicy(k=3)
+    rng = np.random.default_rng(4)
+    n = 300
+    record_ts = (1000.0 + rng.permutation(n)).tolist()  # record timestamps, any order
+    owner = [models[i % 30] for i in range(n)]
+    raws = [orjson.dumps({"model": owner[i], "id": f"x{i}", "ts": record_ts[i] - 1.0,
+                          "probs": [0.2, 0.3, 0.5], "label": i % 3}) for i in range(n)]
+    many = EventParser(lambda m: pol, max_ts_skew=60.0).parse_batch(raws, list(record_ts))
+    assert not many.invalid and set(many.by_model) == set(models)
+    for m in models:  # each model alone: the per-model bound
+        idx = [i for i in range(n) if owner[i] == m]
+        alone = EventParser(lambda _m: pol, max_ts_skew=60.0).parse_batch(
+            [raws[i] for i in idx], [record_ts[i] for i in idx])
+        assert many.by_model[m].ts_limit == alone.by_model[m].ts_limit == max(
+            record_ts[i] for i in idx) + 60.0
+    raws[17] = orjson.dumps({"model": owner[17], "id": "x17", "ts": record_ts[17] + 61.0,
+                             "probs": [0.2, 0.3, 0.5], "label": 0})
+    bad = EventParser(lambda m: pol, max_ts_skew=60.0).parse_batch(raws, list(record_ts))
+    assert [(i, r.reason) for i, r in bad.invalid] == [(17, "ts_out_of_range")]
+    assert "x17" not in bad.by_model[owner[17]].ids
+    assert bad.by_model[owner[18]].ts_limit == many.by_model[owner[18]].ts_limit
