@@ -316,7 +316,7 @@ class Fitter:
         if st.online is None:  # k not known yet
             return
         event_time = 0.0 if slot.event_time is None else slot.event_time
-        firing = st.check_triggers(event_time, busy=False)
+        firing = st.check_triggers(event_time, busy=False, lazy=True)
         if firing is None:
             return
         if firing.action == "refill":

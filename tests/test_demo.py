@@ -45,7 +45,7 @@ def test_quality_verdict_uses_the_ts_bounds():
 
 REDUCED = demo.Plan(
     models=(demo.DemoModel("fraud-v3", 3, 0.25, 8.0, 1.0, 0.05, math.inf),),
-    drift_baseline_samples=2000, detect_room=2000, rate=3000.0, fresh=10_000,
+    drift_baseline_samples=2000, rate=3000.0, fresh=10_000,
     budget_seconds=150.0, repair_samples=15_000, seed=5)
 
 
