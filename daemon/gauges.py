@@ -4,8 +4,9 @@ quality, bin-map certificates and consumer lag.
 The per-model gauges are read from the registry when Prometheus scrapes
 (:meth:`GaugeExporter.rows`, the provider of :class:`daemon.metrics.ModelGaugeCollector`): pool
 fill, join buffers, state bytes, epochs waiting and the drift threshold are the models' current
-values, and nothing about them runs per batch. The windowed quality, the calibration statistics,
-the window's sample count and the change score need an evaluation of the window
+values, and nothing about them runs per batch; so is the change test's score (kept up to date
+by the monitor as samples arrive), so an alarm shows at the next scrape. The windowed quality,
+the calibration statistics and the window's sample count need an evaluation of the window
 (O(window bins * k)), so they are cached: a model checked after a batch
 (:meth:`daemon.fitting.Fitter.check_model`) is scheduled (:meth:`GaugeExporter.schedule`) and
 evaluated at most once per :data:`_GAUGE_EVERY` seconds (a model that turns idle is evaluated
@@ -165,6 +166,9 @@ class GaugeExporter:
             else:
                 row.quality, row.statistics = w.quality, w.statistics
                 row.window_samples, row.drift_change_score = w.window_samples, w.change_score
+            change = st.monitor.change
+            if change is not None:  # read now: the alarm shows at the next scrape, not the
+                row.drift_change_score = change.score  # next window evaluation
             out.append(row)
         return out
 

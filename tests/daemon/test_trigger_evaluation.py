@@ -119,3 +119,29 @@ def test_gauge_evaluations_keep_to_their_budget_and_the_rest_stay_first_in_line(
     rows = {r.model: r for r in d.gauges.rows()}
     assert all(rows[m].window_samples == 30 for m in models)
     assert d.registry.slots[late].gauges_at == 7.0
+
+
+def test_the_change_score_is_read_at_scrape_time_not_at_the_evaluation_cadence():
+    """The window gauges wait for their evaluation; the change test's score (the alert's
+    condition) is the detector's current value at every scrape."""
+    s = Settings(max_models=3, defaults={"drift_baseline_samples": 1_000})
+    d = broker_free_daemon(s)
+    d.registry.create(MODEL, K, 0)
+    st = d.registry.slots[MODEL].state
+    change = st.monitor.change
+    assert change is not None
+    d.gauges.export_due(0.0, budget=math.inf)
+    before = {r.model: r for r in d.gauges.rows()}[MODEL].drift_change_score
+    assert before == 0.0
+    # the test sees blocks (as the monitor hands them over while samples arrive) and alarms;
+    # the window is not evaluated again: the row shows the new score
+    from daemon.drift import STATISTICS
+
+    name = STATISTICS[0]
+    for _ in range(change.baseline_blocks):
+        change.observe_block({name: (0.02, 0.001)})
+    while not change.alarm:
+        change.observe_block({name: (0.5, 0.001)})
+    assert change.score >= 1.0
+    row = {r.model: r for r in d.gauges.rows()}[MODEL]
+    assert row.drift_change_score == change.score
