@@ -124,7 +124,6 @@ class Fitter:
         # models with sealed epochs too: a restored backlog on a paused partition brings no
         # new events (so is never touched), yet its fits must run for ingest to resume
         reg = self.registry
-        reg.flush_due(now)  # staged events that waited their longest (daemon.staging)
         touched, reg.touched = reg.touched, set()
         for model in touched | reg.waiting:
             self.check_model(model, now)

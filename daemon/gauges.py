@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import orjson
@@ -68,14 +69,18 @@ class GaugeExporter:
         Its per-model gauges are read from :meth:`rows` at scrape time.
     clients : daemon.clients.KafkaClients
         Its consumer knows the high watermarks.
+    staged_bytes : callable, optional
+        ``staged_bytes(model)``: bytes of the model's events staged before its state
+        (:meth:`daemon.ingest.Ingest.staged_bytes`), shown as part of its join buffer.
     """
 
     #: seconds between two evaluations of a model's window for its gauges
     every = _GAUGE_EVERY
 
-    def __init__(self, registry, partitions, metrics, clients):
+    def __init__(self, registry, partitions, metrics, clients, *,
+                 staged_bytes: Callable[[str], int] | None = None):
         self.registry, self.partitions, self.metrics = registry, partitions, metrics
-        self.clients = clients
+        self.clients, self.staged_bytes = clients, staged_bytes
         self._last_lag = 0.0
         self._last_due: float | None = None  # the time of the last export_due
         self.due = DueTimes()  # models whose window gauges are to be evaluated, and when
@@ -148,6 +153,7 @@ class GaugeExporter:
         provider of the per-model gauges). A model whose window was not evaluated yet (restored,
         or not checked since it was admitted) exports no window gauges and is scheduled now."""
         out = []
+        staged = self.staged_bytes or (lambda model: 0)
         for model, slot in self.registry.slots.items():
             st = slot.state
             join = st.join
@@ -155,7 +161,7 @@ class GaugeExporter:
             fitting = inflight.pools.nbytes if inflight is not None else 0  # the last quarter
             row = ModelGauges(
                 model, join_pending=join.pending(model),
-                join_buffer_bytes=join.memory_bytes(model) + self.registry.staged_bytes(model),
+                join_buffer_bytes=join.memory_bytes(model) + staged(model),
                 join_buffer_budget=join.max_bytes,
                 state_bytes=st.nbytes + fitting, state_budget=st.budget,
                 epochs_waiting=len(st.sealed),

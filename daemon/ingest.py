@@ -149,7 +149,6 @@ class Ingest:
         self.staged = StagedEvents(stage_min_events, stage_max_age,
                                    STAGE_MAX_BYTES if total is None
                                    else min(STAGE_MAX_BYTES, int(total) // 8))
-        registry.staging = self  # checkpoints and releases flush through the registry
         self._fed = False  # a batch was processed since the last flush_due
         # the configured models with a rate < 1, which the prefilter samples on any partition
         # until they are placed (see _sample_out)
@@ -307,7 +306,7 @@ class Ingest:
         if staged is None:
             return
         slot = self.registry.get(model)
-        if slot is None:  # released meanwhile (the registry flushes before it releases)
+        if slot is None:  # released meanwhile (the daemon flushes before it releases)
             return
         self._offer(model, slot, staged.batch, None)
         st = slot.state
@@ -332,6 +331,10 @@ class Ingest:
         finally:
             if paused:
                 gc.enable()
+
+    def staged_bytes(self, model: str) -> int:
+        """Bytes of ``model``'s staged events (part of its join buffer in the gauges)."""
+        return self.staged.model_nbytes(model)
 
     def flush_due(self, now: float) -> None:
         """After each poll: offer the staged events of the models whose oldest staged event

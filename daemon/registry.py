@@ -100,10 +100,6 @@ class ModelRegistry:
         #: ``published(model)``: the latest verified bin map of ``model`` on the bin-map topic
         #: (a :class:`daemon.binmap_view.Served`) or None; set by the daemon
         self.published = None
-        #: what stages small slices of events before they reach the states (the
-        #: :class:`daemon.ingest.Ingest`, which sets it): :meth:`flush_staged` and
-        #: :meth:`flush_due` go through it
-        self.staging = None
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -128,23 +124,6 @@ class ModelRegistry:
         slot = self.slots.get(model)
         return None if slot is None else ModelInfo(model, slot.state, slot.partition,
                                                    slot.inflight is not None)
-
-    # ------------------------------------------------------------------ staged events
-    def flush_staged(self, parts: set[int] | None = None) -> None:
-        """Offer the staged events (:mod:`daemon.staging`) of the models on input partitions
-        ``parts`` (default: all) to their states: before anything saves or hands over those
-        states (a checkpoint, :meth:`release`)."""
-        if self.staging is not None:
-            self.staging.flush_staged(parts)
-
-    def flush_due(self, now: float) -> None:
-        """Offer the staged events that waited their longest at ``now`` (``time.monotonic()``)."""
-        if self.staging is not None:
-            self.staging.flush_due(now)
-
-    def staged_bytes(self, model: str) -> int:
-        """Bytes of ``model``'s staged events (part of its join buffer in the gauges)."""
-        return 0 if self.staging is None else self.staging.staged.model_nbytes(model)
 
     # ------------------------------------------------------------------ operations
     def create(self, model: str, k: int, partition: int) -> ModelState:
@@ -205,8 +184,7 @@ class ModelRegistry:
     def release(self, parts: set[int], *, park: bool) -> None:
         """Remove the models of revoked partitions ``parts`` (cancelling their fits); with
         ``park``, keep their slots to reinstate if the partitions come back (:meth:`unpark`).
-        Their staged events are offered to their states first."""
-        self.flush_staged(parts)
+        The caller offers their staged events first (:meth:`daemon.ingest.Ingest.flush_staged`)."""
         for model in self.on_partitions(parts):
             slot = self.slots.pop(model)
             inf = slot.inflight

@@ -121,13 +121,15 @@ class Daemon:
         self.ingest = Ingest(settings, self.registry, self.partitions, self.parser,
                              self.metrics, self.clients, self.deadletters,
                              on_online=lambda model, res: self.fitter.online_result(model, res))
-        self.gauges = GaugeExporter(self.registry, self.partitions, self.metrics, self.clients)
+        self.gauges = GaugeExporter(self.registry, self.partitions, self.metrics, self.clients,
+                                    staged_bytes=self.ingest.staged_bytes)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpcal-fit")
         self.fitter = Fitter(settings, self.registry, self.partitions, self.clients,
                              self.metrics, self.gauges, self.stopping, self.executor, fit=fit,
                              retry_policy=retry_policy, online_fit=online_fit)
-        self.checkpointer = Checkpointer(self.store, self.registry, self.partitions,
-                                         self.deadletters, self.clients, self.metrics)
+        self.checkpointer = Checkpointer(
+            self.store, self.registry, self.partitions, self.deadletters, self.clients,
+            self.metrics, flush_staged=lambda parts: self.ingest.flush_staged(parts))
         self.restorer = Restorer(settings, self.store, self.registry, self.partitions,
                                  self.clients, self.fitter, self.gauges, lambda: self.binmaps,
                                  self.metrics, self.stopping)
@@ -240,6 +242,7 @@ class Daemon:
                     if msgs:
                         ingest.process(tp, msgs)
             now = time.monotonic()
+            ingest.flush_due(now)  # staged events that waited their longest (daemon.staging)
             self.fitter.after_batch(now)
             self.gauges.after_batch(now)
             await self.deadletters.after_batch(self.stopping)
@@ -430,6 +433,7 @@ class Daemon:
                           "partitions %s in memory in case they come back", type(e).__name__,
                           e, sorted(parts))
         released = self.registry.on_partitions(parts)
+        self.ingest.flush_staged(parts)  # (after a failed checkpoint: into the parked states)
         self.registry.release(parts, park=not saved)  # parked: the state further along wins
         self.fitter.forget(released)
         self.partitions.release(tps)

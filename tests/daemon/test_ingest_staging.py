@@ -184,13 +184,13 @@ def test_staged_events_wait_at_most_max_age_and_not_while_the_input_is_idle():
     feed(d, ing, [m for m in msgs if m[3] >= 20], 100)    # staged at 101.0
     held = {m: ing.staged.count(m) for m in ing.staged}
     assert set(held) == set(MODELS)
-    d.registry.flush_due(101.9)              # all younger than 2 s: they stay
+    ing.flush_due(101.9)              # all younger than 2 s: they stay
     assert {m: ing.staged.count(m) for m in ing.staged} == held
     feed(d, ing, [m for m in stream(480)[800:] if m[3] >= 20], 100)  # a batch in between
-    d.registry.flush_due(102.0)              # the models staged at 100.0 went in, only they
+    ing.flush_due(102.0)              # the models staged at 100.0 went in, only they
     assert set(ing.staged) == set(MODELS[20:])
     assert all(d.registry.slots[m].state.samples_total > 0 for m in MODELS[:20])
-    d.registry.flush_due(102.5)              # no batch since the last poll: idle, all of it
+    ing.flush_due(102.5)              # no batch since the last poll: idle, all of it
     assert ing.staged.events == 0 and len(ing.staged) == 0
 
 
@@ -232,10 +232,27 @@ def test_a_checkpoint_and_a_release_offer_the_staged_events_first(tmp_path):
     for m in MODELS:
         a, b = d.registry.slots[m].state, plain_d.registry.slots[m].state
         assert a.samples_total == b.samples_total and a.join.stats(m) == b.join.stats(m)
-    # a release (revocation whose checkpoint failed): staged events go into the parked state
-    feed(d, d.ingest, msgs[1600:], 100)
-    assert d.ingest.staged.events > 0
-    before = sum(samples(d).values())
-    d.registry.release({0}, park=True)
-    assert d.ingest.staged.events == 0 and len(d.registry) == 0
-    assert sum(s.state.samples_total for s in d.registry.parked.values()) > before
+    # a revocation whose checkpoint fails: the staged events go into the parked states
+    down = broker_free_daemon(settings(), store=_Unwritable())
+    feed(down, down.ingest, msgs, 100)
+    assert down.ingest.staged.events > 0
+    before = sum(samples(down).values())
+    asyncio.run(down.on_revoked(set(down.partitions.assigned)))
+    assert down.ingest.staged.events == 0 and len(down.registry) == 0
+    assert sum(s.state.samples_total for s in down.registry.parked.values()) > before
+
+
+class _Unwritable(LocalCheckpointStore):
+    """A checkpoint store whose saves fail (the broker is down)."""
+
+    def __init__(self):
+        pass
+
+    async def load_all(self) -> dict[str, bytes]:
+        return {}
+
+    async def save(self, records) -> None:
+        raise OSError("checkpoint store unreachable (stand-in)")
+
+    def where(self, key: str) -> str:
+        return key
