@@ -973,34 +973,7 @@ class ModelState:
         what :meth:`to_checkpoint` wrote before /5, count tables as bin keys and integer lists
         (:meth:`from_dict` reads it; kept for comparisons and for checkpoints an older daemon
         must read)."""
-        cfg = config_of(self.epoch_spec, self.monitor_spec)
-        cfg["p"] = "inf" if math.isinf(cfg["p"]) else cfg["p"]
-        d = {
-            "format": CHECKPOINT_FORMAT,
-            "model": self.model,
-            "k": self.k,
-            "config": cfg,
-            "fill_epoch": self.fill_epoch,
-            "filling": self.filling.to_dict(),
-            "sealed": [{"epoch": e, "pools": ps.to_dict()} for e, ps in self.sealed],
-            "monitor": self.monitor.to_dict(),
-            "join": self.join.to_dict(),
-            "triggers": self.triggers.to_dict(),
-            "binmap": None if self.binmap is None else self.binmap.decode("utf-8"),
-            "binmap_version": self.binmap_version,
-            "offsets": {t: {str(p): o for p, o in sorted(parts.items())}
-                        for t, parts in sorted(self.offsets.items())},
-            "samples_total": self.samples_total,
-            "dropped_labels": self.dropped_labels,
-            "ts_limit": None if math.isinf(self.ts_limit) else self.ts_limit,
-        }
-        if not self.online_spec.online:
-            return d
-        d["format"] = ONLINE_CHECKPOINT_FORMAT
-        d["recovery"] = self.online_spec.to_dict()
-        d["online"] = None if self.online is None else self.online.to_dict()
-        d["backlog"] = None if self.backlog is None else _encode_backlog(self.backlog)
-        return d
+        return self._document(packed=False, memo=None)
 
     def to_checkpoint(self) -> bytes:
         """The whole state as one orjson document (key: the model id), in
@@ -1029,25 +1002,36 @@ class ModelState:
 
     def _packed_dict(self, memo: CheckpointCache) -> dict[str, Any]:
         """:meth:`to_dict` in :data:`PACKED_CHECKPOINT_FORMAT`, its parts through ``memo``."""
+        return self._document(packed=True, memo=memo)
+
+    def _document(self, *, packed: bool, memo: CheckpointCache | None) -> dict[str, Any]:
+        """The checkpoint document: /5 with ``packed`` (count tables as packed arrays, the
+        parts unchanged since the last checkpoint from ``memo``), else /3 or /4."""
+        def keep(owner: object, refs: tuple, make: Callable[[], Any]) -> Any:
+            return make() if memo is None else memo(owner, refs, make)
+
         def config() -> dict[str, Any]:
             cfg = config_of(self.epoch_spec, self.monitor_spec)
             cfg["p"] = "inf" if math.isinf(cfg["p"]) else cfg["p"]
             return cfg
 
+        online = self.online_spec.online
         binmap = self.binmap
         d = {
-            "format": PACKED_CHECKPOINT_FORMAT,
+            "format": (PACKED_CHECKPOINT_FORMAT if packed
+                       else ONLINE_CHECKPOINT_FORMAT if online else CHECKPOINT_FORMAT),
             "model": self.model,
             "k": self.k,
-            "config": memo(self.epoch_spec, (self.monitor_spec,), config),
+            "config": keep(self.epoch_spec, (self.monitor_spec,), config),
             "fill_epoch": self.fill_epoch,
-            "filling": self.filling.to_dict(packed=True, memo=memo),
-            "sealed": [{"epoch": e, "pools": memo(ps, (), lambda ps=ps: ps.to_dict(packed=True))}
+            "filling": self.filling.to_dict(packed=packed, memo=memo),
+            "sealed": [{"epoch": e,
+                        "pools": keep(ps, (), lambda ps=ps: ps.to_dict(packed=packed))}
                        for e, ps in self.sealed],
             "monitor": self.monitor.to_dict(memo=memo),
             "join": self.join.to_dict(),
             "triggers": self.triggers.to_dict(),
-            "binmap": None if binmap is None else memo(binmap, (),
+            "binmap": None if binmap is None else keep(binmap, (),
                                                        lambda: binmap.decode("utf-8")),
             "binmap_version": self.binmap_version,
             "offsets": {t: {str(p): o for p, o in sorted(parts.items())}
@@ -1056,10 +1040,10 @@ class ModelState:
             "dropped_labels": self.dropped_labels,
             "ts_limit": None if math.isinf(self.ts_limit) else self.ts_limit,
         }
-        if self.online_spec.online:
+        if online:
             d["recovery"] = self.online_spec.to_dict()
             d["online"] = (None if self.online is None
-                           else self.online.to_dict(packed=True, memo=memo))
+                           else self.online.to_dict(packed=packed, memo=memo))
             d["backlog"] = None if self.backlog is None else _encode_backlog(self.backlog)
         return d
 

@@ -148,6 +148,17 @@ def gauge(d, name: str, **labels) -> float | None:
     return d.metrics.registry.get_sample_value(name, {"model": M, **labels})
 
 
+def counting_fit():
+    """``(calls, fit)``: :func:`lpcal.online.run_fit` recording each request it runs."""
+    calls = []
+
+    def fit(req):
+        calls.append(req)
+        return run_fit(req)
+
+    return calls, fit
+
+
 async def paused_on_a_gated_fit(make):
     """A daemon whose online fits wait for ``gate``, fed until its partition pauses on the
     first fit request: ``(d, feed, gate, calls)`` (``calls``: the requests the fit received)."""
@@ -248,12 +259,7 @@ async def test_failed_publishes_are_retried_and_versions_go_out_in_order(make):
 
 
 async def test_manual_request_fits_at_the_next_decision_point(make):
-    calls = []
-
-    def counting(req):
-        calls.append(req)
-        return run_fit(req)
-
+    calls, counting = counting_fit()
     d = make(online_fit=counting)
     feed = Feeder(d)
     # past the first (scheduled) fit request, and its result back
@@ -430,12 +436,7 @@ async def test_restore_with_changed_settings_adopts_a_newer_map_at_once(make):
 
 
 async def test_released_models_leave_nothing_in_the_fitter(make):
-    calls = []
-
-    def counting(req):
-        calls.append(req)
-        return run_fit(req)
-
+    calls, counting = counting_fit()
     d = make(online_fit=counting)
     feed = Feeder(d)
     await feed.until(lambda: calls and d.registry.slots[M].state.online.pending is None,
