@@ -26,6 +26,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
@@ -327,7 +328,22 @@ def content(data: bytes) -> dict:
     return d
 
 
-async def test_restore_behind_the_topic_replays_the_same_maps_and_adopts_its_bytes(make):
+class PastCheckpoint(NamedTuple):
+    """A daemon run until a map, checkpointed then (``record``, at input ``at``), and run on
+    until one more map was published (``newest``, version ``top``): what a crash between
+    publishing and checkpointing leaves behind."""
+
+    d: Any
+    feed: Feeder
+    st: Any
+    record: bytes
+    v: int  # the version at the checkpoint
+    at: int
+    top: int
+    newest: bytes
+
+
+async def published_past_the_checkpoint(make) -> PastCheckpoint:
     d = make()
     feed = Feeder(d)
     await feed.until(lambda: d.registry.get(M) is not None
@@ -337,8 +353,28 @@ async def test_restore_behind_the_topic_replays_the_same_maps_and_adopts_its_byt
     v, at = st.binmap_version, feed.next
     await feed.until(lambda: st.binmap_version >= v + 1, "one more map")
     await until(lambda: len(d.clients.producer.sent) == st.binmap_version, "the publishes")
-    top = st.binmap_version
-    newest = d.clients.producer.sent[-1][2]  # the crash came after publishing version top
+    return PastCheckpoint(d, feed, st, record, v, at, st.binmap_version,
+                          d.clients.producer.sent[-1][2])
+
+
+async def restored_behind(make, past: PastCheckpoint, s: Settings | None = None):
+    """A second daemon (of ``s``) restoring ``past.record`` while the bin-map topic holds
+    ``past.newest``."""
+    async def latest(*a, **kw):
+        return {M: past.newest}
+
+    d2 = make(s)
+    d2.restorer.read_latest = latest
+    d2.restorer.restore_model(M, past.record, {0})
+    d2.restorer._restored_from[M] = ("test", None)  # what restore() records for the record
+    await d2.restorer.adopt_published_binmaps({0})
+    return d2
+
+
+async def test_restore_behind_the_topic_replays_the_same_maps_and_adopts_its_bytes(make):
+    past = await published_past_the_checkpoint(make)
+    d, feed, st, v, at = past.d, past.feed, past.st, past.v, past.at
+    top, newest = past.top, past.newest
     # the uninterrupted run goes on until it published a map after the crash point
     await feed.until(lambda: st.binmap_version > top, "a map after the crash", limit=80_000)
     end = feed.next + 1_000
@@ -346,14 +382,7 @@ async def test_restore_behind_the_topic_replays_the_same_maps_and_adopts_its_byt
     await until(lambda: not d.fitter.publishing(), "the publishes")
     ref = {int(h["lpcal.version"]): value for _, _, value, h in d.clients.producer.sent}
 
-    async def latest(*a, **kw):
-        return {M: newest}
-
-    d2 = make()
-    d2.restorer.read_latest = latest
-    d2.restorer.restore_model(M, record, {0})
-    d2.restorer._restored_from[M] = ("test", None)  # what restore() records for the record
-    await d2.restorer.adopt_published_binmaps({0})
+    d2 = await restored_behind(make, past)
     st2 = d2.registry.slots[M].state
     # deferred: the replay from the checkpoint's offsets publishes versions v+1..top again
     assert st2.binmap_version == v and st2.adopting is not None
@@ -374,26 +403,9 @@ async def test_restore_behind_the_topic_replays_the_same_maps_and_adopts_its_byt
 
 
 async def test_restore_behind_a_topic_the_replay_does_not_reproduce_adopts_its_map(make):
-    d = make()
-    feed = Feeder(d)
-    await feed.until(lambda: d.registry.get(M) is not None
-                     and d.registry.slots[M].state.binmap_version >= 1, "a map")
-    st = d.registry.slots[M].state
-    record = encode_envelope(M, d.registry.slots[M])
-    v, at = st.binmap_version, feed.next
-    await feed.until(lambda: st.binmap_version >= v + 1, "one more map")
-    await until(lambda: len(d.clients.producer.sent) == st.binmap_version, "the publishes")
-    newest = d.clients.producer.sent[-1][2]
-    top = st.binmap_version
-
-    async def latest(*a, **kw):
-        return {M: newest}
-
-    d2 = make()
-    d2.restorer.read_latest = latest
-    d2.restorer.restore_model(M, record, {0})
-    d2.restorer._restored_from[M] = ("test", None)
-    await d2.restorer.adopt_published_binmaps({0})
+    past = await published_past_the_checkpoint(make)
+    at, top, newest = past.at, past.top, past.newest
+    d2 = await restored_behind(make, past)
     st2 = d2.registry.slots[M].state
     assert st2.adopting is not None
     due = st2.adopting[2]
