@@ -591,7 +591,7 @@ class OnlineCalibrator:
         before = self.window.open.index
         self.window.add(u, x, y)
         if self.window.open.index != before:
-            self._trim()
+            self._trim(sealed_from=before)
         self.n_seen += int(y.size)
 
     def _live_apply(self, x: np.ndarray) -> np.ndarray:
@@ -604,11 +604,13 @@ class OnlineCalibrator:
         self.config = dataclasses.replace(self.config, max_bytes=max_bytes)
         self._trim()
 
-    def _trim(self) -> None:
+    def _trim(self, sealed_from: int | None = None) -> None:
         """Drop the oldest sealed buckets beyond ``max_bytes`` (sealed buckets are compacted:
-        their size depends on their content only, so trimming is replay-deterministic)."""
+        their size depends on their content only, so trimming is replay-deterministic).
+        ``sealed_from``: the index of the oldest bucket sealed since the last call (the ones
+        before it were compacted when they were sealed, or restored compacted); None: all."""
         for b in self.window.buckets[:-1]:
-            if b.pools is not None:
+            if b.pools is not None and (sealed_from is None or b.index >= sealed_from):
                 b.pools.compact()
         limit = self.config.max_bytes
         if limit is None:
