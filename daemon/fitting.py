@@ -272,6 +272,8 @@ class Fitter:
             slot.inflight = None
             self.registry.dirty.add(model)
             return
+        if self._superseded(model, slot, inf):
+            return
         if not await self._publish(model, inf, data):
             return
         slot = self.registry.get(model)
@@ -293,6 +295,30 @@ class Fitter:
         # for a whole fetch timeout when its partitions are paused
         self.check_model(model, self.clock())
         self.apply_backpressure()
+
+    def _superseded(self, model: str, slot, inf: Inflight) -> bool:
+        """True (and the fit dropped) when the bin-map topic, as this replica's view of it
+        reads it now, already holds version ``inf.version`` or a newer one of ``model``: a
+        restore that could not see the latest maps (the topic read lagging the records a
+        killed predecessor had published) relaunched a fit whose version was published
+        meanwhile. Publishing it would put an older version after a newer one; the newer one
+        is installed instead (when its k and lambda fit), and versions go on after it."""
+        served = None if self.registry.published is None else self.registry.published(model)
+        if served is None or served.version < inf.version:
+            return False
+        st = slot.state
+        log.warning("model %s: version %d is on the bin-map topic already (version %d seen "
+                    "there); the fit of version %d is dropped, versions go on after %d",
+                    model, served.version, served.version, inf.version, served.version)
+        if (served.bm.k, served.bm.lam) == (st.k, st.lam):
+            st.install_binmap(served.raw, served.version)
+        else:
+            st.binmap_version = served.version
+        slot.inflight = None
+        self.registry.dirty.add(model)
+        self.metrics.set_binmap_published(model, served.version)
+        self.check_model(model, self.clock())
+        return True
 
     async def _publish(self, model: str, inf: Inflight, data: bytes) -> bool:
         """Send ``data`` while the fit ``inf`` is still in flight (:meth:`_send`); False on a

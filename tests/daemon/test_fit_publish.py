@@ -285,3 +285,24 @@ async def test_certified_fit_publishes_a_certificate_and_exports_it(certified_da
     assert view["certificate"] == {"selected": cert.selected, "certified": cert.certified,
                                    "bound": cert.bound, "eps": 0.1,
                                    "n_holdout": cert.n_holdout}
+
+
+async def test_a_fit_whose_version_is_on_the_topic_already_is_not_published_again(daemon):
+    """A restore that could not see the latest maps relaunches a fit whose version its
+    predecessor had published: when the replica's view of the topic holds that version (or a
+    newer one) by the time the fit is done, the fit is dropped and the view's map installed,
+    so no older version follows a newer one on the topic; the next epoch goes on after it."""
+    from daemon.binmap_view import Served
+    from lpcal.calibrate import fit_pools
+
+    st = with_sealed(daemon, 2)
+    bm = fit_pools(st.pools, st.fit_spec, model_id=MODEL, version=1)
+    raw = bm.to_json()
+    daemon.registry.published = lambda m: Served(bm, raw, "binmaps[0]@7", len(raw))
+    daemon.clients.producer = FlakyProducer(failures=0)
+    after_batch(daemon)
+    assert daemon.registry.slots[MODEL].inflight.version == 1
+    await until(lambda: len(daemon.clients.producer.sent) == 1, "the next epoch's publish")
+    await until(lambda: MODEL not in daemon.registry.fitting(), "the fits")
+    assert [h["lpcal.version"] for _, _, _, h in daemon.clients.producer.sent] == [b"2"]
+    assert st.binmap_version == 2 and not st.sealed
