@@ -160,6 +160,17 @@ def counting_fit():
     return calls, fit
 
 
+async def past_a_first_fit(make):
+    """A daemon fed past its first (scheduled) fit request and that request's result back:
+    ``(d, feed, calls)`` (``calls``: the requests its fit received)."""
+    calls, counting = counting_fit()
+    d = make(online_fit=counting)
+    feed = Feeder(d)
+    await feed.until(lambda: calls and d.registry.slots[M].state.online.pending is None,
+                     "a first fit")
+    return d, feed, calls
+
+
 async def paused_on_a_gated_fit(make):
     """A daemon whose online fits wait for ``gate``, fed until its partition pauses on the
     first fit request: ``(d, feed, gate, calls)`` (``calls``: the requests the fit received)."""
@@ -260,12 +271,7 @@ async def test_failed_publishes_are_retried_and_versions_go_out_in_order(make):
 
 
 async def test_manual_request_fits_at_the_next_decision_point(make):
-    calls, counting = counting_fit()
-    d = make(online_fit=counting)
-    feed = Feeder(d)
-    # past the first (scheduled) fit request, and its result back
-    await feed.until(lambda: calls and d.registry.slots[M].state.online.pending is None,
-                     "a first fit")
+    d, feed, calls = await past_a_first_fit(make)
     st = d.registry.slots[M].state
     scheduled = st.online.next_fit_at
     assert d.fitter.request_recalibration(M)
@@ -448,11 +454,7 @@ async def test_restore_with_changed_settings_adopts_a_newer_map_at_once(make):
 
 
 async def test_released_models_leave_nothing_in_the_fitter(make):
-    calls, counting = counting_fit()
-    d = make(online_fit=counting)
-    feed = Feeder(d)
-    await feed.until(lambda: calls and d.registry.slots[M].state.online.pending is None,
-                     "a fit")
+    d, feed, _ = await past_a_first_fit(make)
     await until(lambda: M in d.fitter._online_seconds, "the fit's time")
     assert d.fitter.request_recalibration(M)
     feed.batch(1)
