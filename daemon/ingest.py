@@ -13,13 +13,14 @@ events, is staged (:mod:`daemon.staging`) and offered to its state with the mode
 in one call, once they reach that count, :data:`STAGE_MAX_AGE` seconds after the oldest, when
 the staged bytes exceed their budget, when a poll brings nothing (the input is idle), and always
 before a checkpoint and before the model's partition is released (:meth:`Ingest.flush_staged`,
-called through the registry). Large slices, and the batches of a single model, are offered at
+which the daemon hands to its checkpointer and calls before a release). Large slices, and the batches of a single model, are offered at
 once: a batch of one model costs one offer already.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -48,9 +49,20 @@ STAGE_MAX_AGE = 5.0
 STAGE_MAX_BYTES = 64 << 20
 
 
-def subset(mb: ModelBatch, keep: np.ndarray) -> ModelBatch:
-    """The events of ``mb`` where ``keep`` holds."""
-    return mb.select(keep)
+@contextlib.contextmanager
+def _gc_paused():
+    """The cyclic garbage collector paused meanwhile (if it was on): a batch allocates many
+    short-lived acyclic objects (parsed JSON, id lists), which reference counting frees, and a
+    collection triggered mid-batch would traverse them and every long-lived object for
+    nothing; collection resumes after."""
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
 
 
 class DeadLetters:
@@ -189,84 +201,81 @@ class Ingest:
         nothing (it doubled the cost of parsing and joining); collection resumes after the
         batch. Per-message work is done with C-level passes (``map``); record timestamps are
         only read for events without ``ts``, offsets only when a replay may skip events."""
-        paused = gc.isenabled()
-        if paused:
-            gc.disable()
-        try:
-            topic_kind = self.clients.topic_kind(tp.topic)
-            end = msgs[-1].offset + 1
-            self.metrics.inc_consumed(topic_kind, len(msgs))
-            ps = self.partitions.ensure(tp.partition)
-            rates = ps.sampled
-            if rates or self._hot:
-                msgs, values = self._sample_out(topic_kind, msgs, rates)
-                if not msgs:
-                    ps.positions[tp.topic] = end
-                    return
-            else:
-                values = list(map(attrgetter("value"), msgs))
-            if None in values:
-                values = [v or b"" for v in values]
-            n = len(msgs)
-            pb = self.parser.parse_batch(values, RecordTimestamps(msgs))
-            deadletter = self.deadletters.put
-            for i, bad in pb.invalid:
-                deadletter(tp, msgs[i], bad.reason)
-            offset_of = attrgetter("offset")
-            lowest = msgs[0].offset  # a partition's records come in offset order
-            offsets = None
-            staged, now = self.staged, None
-            shared = len(pb.by_model) > 1
-            self._fed = True
-            get, part, min_events = self.registry.slots.get, tp.partition, staged.min_events
-            staged_k = staged.staged_k
-            for model, mb in pb.by_model.items():
-                slot = get(model)
-                if slot is None or slot.partition != part:
-                    slot = self._slot_for(model, mb, tp)
-                if slot is None:
-                    for i in mb.index.tolist():
-                        deadletter(tp, msgs[i], WRONG_PARTITION)
-                    continue
-                st = slot.state
-                floor = st.offsets.get(tp.topic, {}).get(tp.partition, -1)
-                if lowest < floor:  # replay after a restore: some events are in the checkpoint
-                    if offsets is None:
-                        offsets = np.fromiter(map(offset_of, msgs), dtype=np.int64, count=n)
-                    offs = offsets[mb.index]
-                    if offs.min() < floor:
-                        mb = subset(mb, offs >= floor)
-                        if not len(mb):
-                            continue
-                if st.sample_rate < 1.0:
-                    rates[model] = st.sample_rate
-                # staged: small slices of batches shared by several models (a batch of one
-                # model costs one offer per batch already)
-                small = shared and len(mb.ids) < min_events
-                k_staged = staged_k(model)
-                if k_staged is None:
-                    if not small:
-                        self._offer(model, slot, mb, topic_kind)
+        with _gc_paused():
+            self._process(tp, msgs)
+
+    def _process(self, tp: TopicPartition, msgs) -> None:
+        topic_kind = self.clients.topic_kind(tp.topic)
+        end = msgs[-1].offset + 1
+        self.metrics.inc_consumed(topic_kind, len(msgs))
+        ps = self.partitions.ensure(tp.partition)
+        rates = ps.sampled
+        if rates or self._hot:
+            msgs, values = self._sample_out(topic_kind, msgs, rates)
+            if not msgs:
+                ps.positions[tp.topic] = end
+                return
+        else:
+            values = list(map(attrgetter("value"), msgs))
+        if None in values:
+            values = [v or b"" for v in values]
+        n = len(msgs)
+        pb = self.parser.parse_batch(values, RecordTimestamps(msgs))
+        deadletter = self.deadletters.put
+        for i, bad in pb.invalid:
+            deadletter(tp, msgs[i], bad.reason)
+        offset_of = attrgetter("offset")
+        lowest = msgs[0].offset  # a partition's records come in offset order
+        offsets = None
+        staged, now = self.staged, None
+        shared = len(pb.by_model) > 1
+        self._fed = True
+        get, part, min_events = self.registry.slots.get, tp.partition, staged.min_events
+        staged_k = staged.staged_k
+        for model, mb in pb.by_model.items():
+            slot = get(model)
+            if slot is None or slot.partition != part:
+                slot = self._slot_for(model, mb, tp)
+            if slot is None:
+                for i in mb.index.tolist():
+                    deadletter(tp, msgs[i], WRONG_PARTITION)
+                continue
+            st = slot.state
+            floor = st.offsets.get(tp.topic, {}).get(tp.partition, -1)
+            if lowest < floor:  # replay after a restore: some events are in the checkpoint
+                if offsets is None:
+                    offsets = np.fromiter(map(offset_of, msgs), dtype=np.int64, count=n)
+                offs = offsets[mb.index]
+                if offs.min() < floor:
+                    mb = mb.select(offs >= floor)
+                    if not len(mb):
                         continue
-                elif k_staged != mb.k:
-                    self._flush_model(model)  # outcomes staged before the model's k was known
-                if st.sample_rate < 1.0:  # counted by topic here; offer() then keeps them all
-                    mb, dropped = st.sample(mb)
-                    if dropped:
-                        self.metrics.inc_sampled_out(model, topic_kind, dropped)
-                if now is None:
-                    now = self.clock()
-                if staged.add(mb, now) or not small:
-                    self._flush_model(model)
-            if staged.over_budget:  # the oldest models first, down to half the budget
-                for model in staged.oldest():
-                    if staged.nbytes <= staged.max_bytes // 2:
-                        break
-                    self._flush_model(model)
-            ps.positions[tp.topic] = end
-        finally:
-            if paused:
-                gc.enable()
+            if st.sample_rate < 1.0:
+                rates[model] = st.sample_rate
+            # staged: small slices of batches shared by several models (a batch of one
+            # model costs one offer per batch already)
+            small = shared and len(mb.ids) < min_events
+            k_staged = staged_k(model)
+            if k_staged is None:
+                if not small:
+                    self._offer(model, slot, mb, topic_kind)
+                    continue
+            elif k_staged != mb.k:
+                self._flush_model(model)  # outcomes staged before the model's k was known
+            if st.sample_rate < 1.0:  # counted by topic here; offer() then keeps them all
+                mb, dropped = st.sample(mb)
+                if dropped:
+                    self.metrics.inc_sampled_out(model, topic_kind, dropped)
+            if now is None:
+                now = self.clock()
+            if staged.add(mb, now) or not small:
+                self._flush_model(model)
+        if staged.over_budget:  # the oldest models first, down to half the budget
+            for model in staged.oldest():
+                if staged.nbytes <= staged.max_bytes // 2:
+                    break
+                self._flush_model(model)
+        ps.positions[tp.topic] = end
 
     def _offer(self, model: str, slot: ModelSlot, mb: ModelBatch, topic_kind: str | None
                ) -> None:
@@ -318,19 +327,13 @@ class Ingest:
         every model): before a checkpoint advances the models' offsets, and before their
         partitions are released."""
         get = self.registry.get
-        paused = gc.isenabled()  # as in process(): many short-lived objects, no cycles
-        if paused:
-            gc.disable()
-        try:
+        with _gc_paused():
             for model in self.staged.oldest():
                 slot = get(model)
                 if slot is None:
                     self.staged.take(model)
                 elif parts is None or slot.partition in parts:
                     self._flush_model(model)
-        finally:
-            if paused:
-                gc.enable()
 
     def staged_bytes(self, model: str) -> int:
         """Bytes of ``model``'s staged events (part of its join buffer in the gauges)."""
@@ -349,15 +352,9 @@ class Ingest:
         due = self.staged.due(now)
         if not due:
             return
-        paused = gc.isenabled()  # as in process(): many short-lived objects, no cycles
-        if paused:
-            gc.disable()
-        try:
+        with _gc_paused():
             for model in due:
                 self._flush_model(model)
-        finally:
-            if paused:
-                gc.enable()
 
     def _sample_out(self, topic_kind: str, msgs: list, rates: dict[str, float]
                     ) -> tuple[list, list]:
