@@ -306,16 +306,11 @@ class Fitter:
         served = None if self.registry.published is None else self.registry.published(model)
         if served is None or served.version < inf.version:
             return False
-        st = slot.state
-        log.warning("model %s: version %d is on the bin-map topic already (version %d seen "
-                    "there); the fit of version %d is dropped, versions go on after %d",
-                    model, served.version, served.version, inf.version, served.version)
-        if (served.bm.k, served.bm.lam) == (st.k, st.lam):
-            st.install_binmap(served.raw, served.version)
-        else:
-            st.binmap_version = served.version
+        log.warning("model %s: the bin-map topic holds version %d already; the fit of version "
+                    "%d is dropped, versions go on after %d",
+                    model, served.version, inf.version, served.version)
+        self.registry.follow_served(model, slot.state, served)
         slot.inflight = None
-        self.registry.dirty.add(model)
         self.metrics.set_binmap_published(model, served.version)
         self.check_model(model, self.clock())
         return True

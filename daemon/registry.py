@@ -125,6 +125,16 @@ class ModelRegistry:
         return None if slot is None else ModelInfo(model, slot.state, slot.partition,
                                                    slot.inflight is not None)
 
+    def follow_served(self, model: str, st: ModelState, served) -> None:
+        """Let ``st`` continue after ``served``, a verified map of the bin-map topic
+        (:class:`daemon.binmap_view.Served`): installed when its k and lambda fit the state,
+        else (not applicable to this model, or k still to be learned) its version only."""
+        if (served.bm.k, served.bm.lam) == (st.k, st.lam):
+            st.install_binmap(served.raw, served.version)
+        else:
+            st.binmap_version = served.version
+        self.dirty.add(model)
+
     # ------------------------------------------------------------------ operations
     def create(self, model: str, k: int, partition: int) -> ModelState:
         """A model seen for the first time, or whose state was lost, on input ``partition``:
@@ -135,11 +145,7 @@ class ModelRegistry:
         self.metrics.register_model(model)
         served = None if self.published is None else self.published(model)
         if served is not None and served.version > st.binmap_version:
-            if (served.bm.k, served.bm.lam) == (st.k, st.lam):
-                st.install_binmap(served.raw, served.version)
-            else:  # not applicable to this model (or k still to be learned): its version only
-                st.binmap_version = served.version
-            self.dirty.add(model)
+            self.follow_served(model, st, served)
             self.metrics.set_binmap_published(model, served.version)
             log.info("model %s: no state; versions continue after version %d, the latest "
                      "verified bin map on the topic%s", model, served.version,
