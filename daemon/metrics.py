@@ -378,6 +378,12 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
         "gauge", (), "Unix time of the last successful Kafka poll."),
     "lpcal_checkpoints_total": (
         "counter", ("outcome",), "State checkpoints written, by outcome."),
+    "lpcal_checkpoint_duration_seconds": (
+        "gauge", (), "Seconds the last successful periodic checkpoint (all models) took."),
+    "lpcal_checkpoint_interval_seconds": (
+        "gauge", (),
+        ("Seconds between the starts of periodic checkpoints now: the configured interval, or "
+         "the last duration over state.checkpoint_max_cpu_share if that is longer.")),
     "lpcal_state_restores_total": (
         "counter", ("outcome",),
         ("State records restored on partition assignment, by outcome: restored, k_changed, "
@@ -634,6 +640,8 @@ class DaemonMetrics:
         self.consumer_lag = make("lpcal_consumer_lag_messages")
         self.last_poll = make("lpcal_last_poll_timestamp_seconds")
         self.checkpoints = make("lpcal_checkpoints_total")
+        self.checkpoint_duration = make("lpcal_checkpoint_duration_seconds")
+        self.checkpoint_interval = make("lpcal_checkpoint_interval_seconds")
         self.input_offset_gaps = make("lpcal_input_offset_gaps_total")
         self.state_restores = make("lpcal_state_restores_total")
         self.ready = make("lpcal_ready")
@@ -897,6 +905,12 @@ class DaemonMetrics:
     def inc_checkpoint(self, outcome: str) -> None:
         """Count a state checkpoint with outcome ok | error."""
         self.checkpoints.labels(outcome=_check(outcome, CheckpointOutcome, "outcome")).inc()
+
+    def set_checkpoint_pacing(self, duration: float, interval: float) -> None:
+        """Set the last periodic checkpoint's duration and the effective interval (seconds;
+        see :mod:`daemon.checkpoint.pacing`)."""
+        self.checkpoint_duration.set(_finite(duration, "duration"))
+        self.checkpoint_interval.set(_finite(interval, "interval"))
 
     def inc_restore(self, outcome: str) -> None:
         """Count one state record restored (or skipped) on assignment: a :class:`RestoreOutcome`."""

@@ -129,7 +129,9 @@ class Daemon:
                              retry_policy=retry_policy, online_fit=online_fit)
         self.checkpointer = Checkpointer(
             self.store, self.registry, self.partitions, self.deadletters, self.clients,
-            self.metrics, flush_staged=lambda parts: self.ingest.flush_staged(parts))
+            self.metrics, interval=settings.state.checkpoint_interval_seconds,
+            max_share=settings.state.checkpoint_max_cpu_share,
+            flush_staged=lambda parts: self.ingest.flush_staged(parts))
         self.restorer = Restorer(settings, self.store, self.registry, self.partitions,
                                  self.clients, self.fitter, self.gauges, lambda: self.binmaps,
                                  self.metrics, self.stopping)
@@ -246,8 +248,7 @@ class Daemon:
             self.fitter.after_batch(now)
             self.gauges.after_batch(now)
             await self.deadletters.after_batch(self.stopping)
-            interval = self.s.state.checkpoint_interval_seconds
-            if time.monotonic() - self.checkpointer.last_at >= interval:
+            if self.checkpointer.due():  # paced: see daemon.checkpoint.pacing
                 try:
                     await self.checkpointer.commit()
                 except Exception as e:  # noqa: BLE001 - broker trouble: keep the state, retry

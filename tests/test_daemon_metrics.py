@@ -88,6 +88,8 @@ EXPECTED = {
     "lpcal_consumer_lag_messages": ("gauge", ("topic",)),
     "lpcal_last_poll_timestamp_seconds": ("gauge", ()),
     "lpcal_checkpoints_total": ("counter", ("outcome",)),
+    "lpcal_checkpoint_duration_seconds": ("gauge", ()),
+    "lpcal_checkpoint_interval_seconds": ("gauge", ()),
     "lpcal_state_restores_total": ("counter", ("outcome",)),
     "lpcal_input_offset_gaps_total": ("counter", ("topic", "resolution")),
     "lpcal_ready": ("gauge", ()),

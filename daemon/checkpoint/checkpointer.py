@@ -25,6 +25,7 @@ from collections.abc import Callable
 from aiokafka import TopicPartition
 
 from daemon.checkpoint.envelope import encode_envelope, encode_manifest
+from daemon.checkpoint.pacing import DEFAULT_MAX_SHARE, CheckpointPacing
 from daemon.checkpoint.store import CheckpointStore
 
 log = logging.getLogger("lpcal.daemon")
@@ -47,18 +48,37 @@ class Checkpointer:
     clients : daemon.clients.KafkaClients
         Its consumer commits the offsets.
     metrics : daemon.metrics.DaemonMetrics
+    interval : float, default 10
+        ``state.checkpoint_interval_seconds``.
+    max_share : float, default :data:`~daemon.checkpoint.pacing.DEFAULT_MAX_SHARE`
+        ``state.checkpoint_max_cpu_share``: periodic checkpoints are paced (:attr:`pacing`,
+        :meth:`due`) so that they take at most this share of the time.
     clock : callable, default ``time.monotonic``
-        The time of :attr:`last_at`.
+        The pacing's clock.
     """
 
     def __init__(self, store: CheckpointStore, registry, partitions, deadletters, clients,
-                 metrics, *, clock: Callable[[], float] = time.monotonic,
+                 metrics, *, interval: float = 10.0, max_share: float = DEFAULT_MAX_SHARE,
+                 clock: Callable[[], float] = time.monotonic,
                  flush_staged: Callable[[set[int]], None] | None = None):
         self.store, self.registry, self.partitions = store, registry, partitions
         self.deadletters, self.clients, self.metrics = deadletters, clients, metrics
-        self.clock, self.flush_staged = clock, flush_staged
+        self.flush_staged = flush_staged
         self.topics = (clients.t_pred, clients.t_out)
-        self.last_at = clock()  # of the last checkpoint started
+        self.pacing = CheckpointPacing(interval, max_share, clock=clock)
+        metrics.set_checkpoint_pacing(0.0, self.pacing.effective_interval)
+
+    @property
+    def last_at(self) -> float:
+        """When the last checkpoint started (the pacing's clock)."""
+        return self.pacing.last_at
+
+    def due(self) -> bool:
+        """True when the next periodic checkpoint may start: ``state.checkpoint_interval_seconds``
+        after the last one started, or longer after a checkpoint that took more than
+        ``checkpoint_max_cpu_share`` of that (:class:`~daemon.checkpoint.pacing.CheckpointPacing`).
+        Checkpoints before a release or a shutdown call :meth:`commit` directly: never paced."""
+        return self.pacing.due()
 
     async def commit(self, parts: set[int] | None = None, *, commit_offsets: bool = True
                      ) -> None:
@@ -75,8 +95,14 @@ class Checkpointer:
            only after every model record is acknowledged.
         6. On failure, mark the models taken dirty again and count ``error``; else ``ok``.
         7. With ``commit_offsets``, commit the consumer offsets (they only feed lag
-           monitoring: a failed commit is logged, never raised)."""
-        self.last_at = self.clock()
+           monitoring: a failed commit is logged, never raised).
+
+        A full checkpoint (``parts`` None) that succeeds sets the pacing's last duration
+        (``lpcal_checkpoint_duration_seconds``) and so the effective interval
+        (``lpcal_checkpoint_interval_seconds``)."""
+        pacing = self.pacing
+        start = pacing.started()
+        full = parts is None
         table = self.partitions
         if parts is None:
             parts = table.numbers()
@@ -106,8 +132,12 @@ class Checkpointer:
                 raise
             self.metrics.inc_checkpoint("ok")
         except Exception:
+            pacing.finished(start, full=full, ok=False)
             self.metrics.inc_checkpoint("error")
             raise
+        pacing.finished(start, full=full, ok=True)
+        if full:
+            self.metrics.set_checkpoint_pacing(pacing.last_duration, pacing.effective_interval)
         consumer = self.clients.consumer
         if commit_offsets and consumer is not None:                          # 7
             offsets = {TopicPartition(t, p): o for p in parts

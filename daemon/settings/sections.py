@@ -196,6 +196,17 @@ class StateSettings(Strict):
     """``kafka``: compacted state topic (no PersistentVolume needed); ``local``: a directory."""
     local_dir: Path = Path(".lpcal-state")
     checkpoint_interval_seconds: PosFloat = 10.0
+    """Seconds between the starts of periodic checkpoints (each writes every model that
+    changed), unless ``checkpoint_max_cpu_share`` asks for longer."""
+    checkpoint_max_cpu_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.1
+    """Largest share of the time periodic checkpoints may take: the next one starts no sooner
+    than ``max(checkpoint_interval_seconds, last duration / checkpoint_max_cpu_share)`` after
+    the last one started (see :mod:`daemon.checkpoint.pacing`; the daemon ingests nothing while
+    a checkpoint runs). 0.1 leaves ingest at least ~90 % of the time and, at the default
+    interval, only moves checkpoints that take over 1 s (thousands of models). A longer
+    interval means more input to replay after a crash, never a lost or doubled sample.
+    Checkpoints before a rebalance or a shutdown are never delayed. 1: no pacing beyond
+    back-to-back checkpoints."""
     max_record_bytes: Annotated[int, Field(ge=64 * 1024, le=1 << 30)] = MIB
     """Largest record the daemon writes to the state topic (value and key). A model's
     checkpoint that is larger (compressed) is split into records of at most this size, written

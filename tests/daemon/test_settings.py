@@ -430,3 +430,15 @@ def test_model_settings_are_the_only_translation_into_specs():
     assert (m.drift_threshold, m.window_seconds, m.drift_min_samples) == (0.05, 60.0, 1000)
     unset = ModelSettings().epoch_spec()
     assert unset.fit.pool_size is None and unset.layout(3).targets["mu"] == 5000
+
+
+def test_checkpoint_pacing_share_defaults_to_a_tenth_and_must_be_a_share(isolated):
+    s = load_settings()
+    assert s.state.checkpoint_max_cpu_share == 0.1
+    assert load_settings(state={"checkpoint_max_cpu_share": 1}).state.checkpoint_max_cpu_share == 1
+    cfg = write(isolated / "c.toml", "[state]\ncheckpoint_max_cpu_share = 0.25\n")
+    assert load_settings(cfg).state.checkpoint_max_cpu_share == 0.25
+    for bad in (0, -0.1, 1.5):
+        with pytest.raises(SettingsError) as ei:
+            load_settings(state={"checkpoint_max_cpu_share": bad})
+        assert "state.checkpoint_max_cpu_share" in {p for p, _ in ei.value.errors}
