@@ -130,7 +130,10 @@ __all__ = ["CHECKPOINT_FORMAT", "CONFIG_KEYS", "IngestResult", "ModelState",
 #: The format :meth:`ModelState.to_checkpoint` writes: the document of /3 (epochs) or /4
 #: (online), with every count table and held-out sums as packed little-endian arrays
 #: (:meth:`lpcal.pools.CountTable.to_dict`) instead of bin keys and integer lists.
-PACKED_CHECKPOINT_FORMAT = "lpcal.model_state/5"
+PACKED_CHECKPOINT_FORMAT = "lpcal.model_state/6"
+#: The format of the first packed checkpoints: /6's document with the monitor's sums as one
+#: base64 string per array, every table of a pool set (empty ones too); read, no longer written.
+PACKED_5_CHECKPOINT_FORMAT = "lpcal.model_state/5"
 #: The format of :meth:`ModelState.to_dict` of an epochs-mode state (written by :meth:`to_checkpoint`
 #: before /5).
 CHECKPOINT_FORMAT = "lpcal.model_state/3"
@@ -142,7 +145,7 @@ ONLINE_CHECKPOINT_FORMAT = "lpcal.model_state/4"
 # the daemon cannot read /3 and say so (format mismatch): a certified epoch is not a paper one.
 READABLE_CHECKPOINT_FORMATS = ("lpcal.model_state/1", "lpcal.model_state/2",
                                CHECKPOINT_FORMAT, ONLINE_CHECKPOINT_FORMAT,
-                               PACKED_CHECKPOINT_FORMAT)
+                               PACKED_5_CHECKPOINT_FORMAT, PACKED_CHECKPOINT_FORMAT)
 #: At most this many bytes of encoded checkpoint parts are kept per model between checkpoints
 #: (:class:`CheckpointCache`; a quarter of the model's byte budget if that is smaller).
 CHECKPOINT_CACHE_BYTES = 1 << 20
@@ -1028,7 +1031,7 @@ class ModelState:
             "sealed": [{"epoch": e,
                         "pools": keep(ps, (), lambda ps=ps: ps.to_dict(packed=packed))}
                        for e, ps in self.sealed],
-            "monitor": self.monitor.to_dict(memo=memo),
+            "monitor": self.monitor.to_dict(memo=memo, packed=packed),
             "join": self.join.to_dict(),
             "triggers": self.triggers.to_dict(),
             "binmap": None if binmap is None else keep(binmap, (),
@@ -1041,7 +1044,7 @@ class ModelState:
             "ts_limit": None if math.isinf(self.ts_limit) else self.ts_limit,
         }
         if online:
-            d["recovery"] = self.online_spec.to_dict()
+            d["recovery"] = keep(self.online_spec, (), self.online_spec.to_dict)
             d["online"] = (None if self.online is None
                            else self.online.to_dict(packed=packed, memo=memo))
             d["backlog"] = None if self.backlog is None else _encode_backlog(self.backlog)
@@ -1100,7 +1103,8 @@ class ModelState:
             triggers = Triggers.from_dict(d["triggers"])
             part = "recovery"
             has_online = fmt == ONLINE_CHECKPOINT_FORMAT or (
-                fmt == PACKED_CHECKPOINT_FORMAT and "recovery" in d)
+                fmt in (PACKED_5_CHECKPOINT_FORMAT, PACKED_CHECKPOINT_FORMAT)
+                and "recovery" in d)
             online = OnlineSpec(**dict(d["recovery"])) if has_online else None
             if online is not None and not online.online:
                 raise ValueError("the recovery of a checkpoint with one is online")

@@ -131,6 +131,126 @@ def _dec(d: Mapping[str, Any], where: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.dtype(d["dtype"])).astype(dt).reshape(shape)
 
 
+# Packed sums (the checkpoint format ``lpcal.model_state/6``): the arrays of several
+# :class:`CellSums` and :class:`Classwise` in one base64 string of little-endian bytes, in a
+# fixed order whose lengths follow from ``k`` and each sums' bin count ``G``: per sums, ``gap``
+# (15 float64), ``ece_n`` (15 int64), ``ece_q`` (15 float64), ``hashes`` and ``counts`` (G
+# int64), ``s`` and ``q`` (G k float64); per classwise, ``n`` (15 k int64), ``s``, ``q`` (15 k
+# float64). One base64 call and one dict per bucket instead of one per array.
+_SUMS_ARRAYS = (("gap", "<f8"), ("ece_n", "<i8"), ("ece_q", "<f8"), ("hashes", "<i8"),
+                ("counts", "<i8"), ("s", "<f8"), ("q", "<f8"))
+_CW_ARRAYS = (("n", "<i8"), ("s", "<f8"), ("q", "<f8"))
+
+
+def _sums_empty(s: CellSums) -> bool:
+    """No sample and every array zero: a fresh :class:`CellSums`."""
+    return (s.n == 0 and s.hashes.size == 0 and s.brier == 0.0 and s.correct == 0
+            and not (s.gap.any() or s.ece_n.any() or s.ece_q.any()))
+
+
+def pack_sums(sums: list[CellSums | None], classwise: list[Classwise | None]
+              ) -> dict[str, Any]:
+    """``{"sums": [[n, brier, correct, G] | None, ...], "classwise": [0 | 1, ...],
+    "data": base64}``: the packed form of ``sums`` (None: ``None``) and ``classwise``
+    (None: 0), read by :func:`unpack_sums`."""
+    meta: list[Any] = []
+    raw: list[bytes] = []
+    for s in sums:
+        if s is None:
+            meta.append(None)
+            continue
+        meta.append([s.n, s.brier, s.correct, int(s.hashes.size)])
+        raw.extend(np.asarray(getattr(s, name), dtype=dt).tobytes() for name, dt in _SUMS_ARRAYS)
+    flags = []
+    for cw in classwise:
+        flags.append(0 if cw is None else 1)
+        if cw is not None:
+            raw.extend(np.asarray(getattr(cw, name), dtype=dt).tobytes()
+                       for name, dt in _CW_ARRAYS)
+    return {"sums": meta, "classwise": flags,
+            "data": base64.b64encode(b"".join(raw)).decode("ascii")}
+
+
+def unpack_sums(d: Mapping[str, Any], k: int, where: str
+                ) -> tuple[list[CellSums | None], list[Classwise | None]]:
+    """Inverse of :func:`pack_sums` for sums of ``k`` classes, checked as
+    :meth:`CellSums.from_dict` and :meth:`Classwise.from_dict` check theirs (array lengths
+    against the decoded bytes before anything is allocated from them); :class:`InputError`
+    names ``where``."""
+    try:
+        metas, flags, data = list(d["sums"]), list(d["classwise"]), d["data"]
+        if type(data) is not str:
+            raise TypeError("data is not a string")
+        raw = base64.b64decode(data, validate=True)
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"{where}: malformed packed sums ({type(e).__name__}: {e})") from None
+    if not 1 <= k <= 1 << 20:
+        raise InputError(f"{where}: k={k}")
+    rows = []
+    for meta in metas:
+        if meta is None:
+            rows.append(None)
+            continue
+        if not (isinstance(meta, list) and len(meta) == 4 and type(meta[0]) is int
+                and type(meta[1]) in (int, float) and type(meta[2]) is int
+                and type(meta[3]) is int and meta[0] >= 0 and meta[3] >= 0):
+            raise InputError(f"{where}: sums header {meta!r} is not [n, brier, correct, bins]")
+        rows.append(meta)
+    if any(f not in (0, 1) for f in flags):
+        raise InputError(f"{where}: classwise flags {flags!r} are not 0 or 1")
+    want = sum(8 * (3 * ECE_BINS + 2 * m[3] + 2 * m[3] * k) for m in rows if m is not None)
+    want += sum(f * 8 * 3 * ECE_BINS * k for f in flags)
+    if len(raw) != want:
+        raise InputError(f"{where}: {len(raw)} bytes of packed sums, expected {want}")
+    at = 0
+
+    def take(dt: str, count: int) -> np.ndarray:
+        nonlocal at
+        a = np.frombuffer(raw, dtype=dt, count=count, offset=at)
+        at += 8 * count
+        return a.astype(_DTYPES[dt])
+
+    sums: list[CellSums | None] = []
+    for i, meta in enumerate(rows):
+        if meta is None:
+            sums.append(None)
+            continue
+        n, brier, correct, g = meta
+        s = CellSums(k)
+        s.n, s.brier, s.correct = n, float(brier), correct
+        shapes = {"gap": (ECE_BINS,), "ece_n": (ECE_BINS,), "ece_q": (ECE_BINS,),
+                  "hashes": (g,), "counts": (g,), "s": (g, k), "q": (g, k)}
+        for name, dt in _SUMS_ARRAYS:
+            shape = shapes[name]
+            setattr(s, name, take(dt, math.prod(shape)).reshape(shape))
+        if int(s.counts.sum()) != n or (s.counts <= 0).any():
+            raise InputError(f"{where}: sums {i}: bin counts do not add up to n={n}")
+        if int(s.ece_n.sum()) > n:
+            raise InputError(f"{where}: sums {i}: ECE bin counts exceed n={n}")
+        sums.append(s)
+    cws: list[Classwise | None] = []
+    for f in flags:
+        if not f:
+            cws.append(None)
+            continue
+        cw = Classwise(k)
+        for name, dt in _CW_ARRAYS:
+            setattr(cw, name, take(dt, k * ECE_BINS).reshape(k, ECE_BINS))
+        if (cw.n.sum(axis=1) != cw.n[0].sum()).any():
+            raise InputError(f"{where}: classwise sums: classes hold different sample counts")
+        cws.append(cw)
+    return sums, cws
+
+
+def _unpack_n(d: Mapping[str, Any], k: int, n: int, where: str
+              ) -> tuple[list[CellSums | None], list[Classwise | None]]:
+    """:func:`unpack_sums` of exactly ``n`` sums and ``n`` classwise flags."""
+    sums, cws = unpack_sums(d, k, where)
+    if len(sums) != n or len(cws) != n:
+        raise InputError(f"{where}: {len(sums)} sums and {len(cws)} classwise, expected {n}")
+    return sums, cws
+
+
 def fixed_bytes(k: int, n_buckets: int) -> int:
     """Bytes of a window's sums that do not grow with its samples: the calibrated predictor's
     classwise ECE sums (:class:`Classwise`, ``360 k`` bytes) in each bucket and in the change
@@ -1011,9 +1131,13 @@ class WindowMonitor:
         return dict(out)
 
     # ---------------------------------------------------------------- snapshots
-    def to_dict(self, *, memo: Callable[[object, tuple, Callable[[], Any]], Any] | None = None
-                ) -> dict[str, Any]:
+    def to_dict(self, *, memo: Callable[[object, tuple, Callable[[], Any]], Any] | None = None,
+                packed: bool = False) -> dict[str, Any]:
         """JSON-safe snapshot (arrays little-endian base64); :meth:`from_dict` restores it.
+
+        ``packed`` (the checkpoint format ``lpcal.model_state/6``): each bucket's sums, and the
+        change test's block, as one :func:`pack_sums` string (empty sums as ``None``) instead of
+        one base64 string per array.
 
         ``memo(owner, refs, make)`` (optional; the checkpoint's cache, see
         :meth:`lpcal.window.SlidingWindow.to_dict`): a bucket is encoded again only when its
@@ -1025,6 +1149,19 @@ class WindowMonitor:
                 bk.flush(name)
         if len(self._block) > 1:  # merged once: the next snapshot merges only new parts
             self._block = [CellSums.merge_all(self._block, self.k)]
+        if packed:
+            change = None if self.change is None else {
+                "test": self.change.to_dict(), "block_n": self._block_n,
+                **pack_sums([self._block[0] if self._block else None], [self._block_cw])}
+            return {
+                "k": self.k, "lam": self.lam, "p": "inf" if math.isinf(self.p) else self.p,
+                "window_samples": self.window_samples, "window_seconds": self.window_seconds,
+                "n_buckets": self.n_buckets,
+                "clock": None if math.isinf(self.clock) else self.clock,
+                "total_samples": self.total_samples,
+                "buckets": [self._bucket_dict(b, bk, memo, packed=True)
+                            for b, bk in self.buckets.items()],
+                "change": change}
         block = None
         if self._block:
             part = self._block[0]  # never modified (a new part or merge replaces it)
@@ -1043,10 +1180,15 @@ class WindowMonitor:
                                     else self._block_cw.to_dict())},
         }
 
-    def _bucket_dict(self, b: int, bk: _Bucket, memo) -> Any:
+    def _bucket_dict(self, b: int, bk: _Bucket, memo, *, packed: bool = False) -> Any:
         sums = {name: bk.sums(name, self.k) for name in PREDICTORS}
 
         def make() -> dict[str, Any]:
+            if packed:
+                # a predictor's empty sums (no map yet) as None: restored as empty sums
+                return {"id": b, "n": bk.n, **pack_sums(
+                    [None if _sums_empty(s) else s for s in sums.values()],
+                    [bk.cw[name] for name in PREDICTORS])}
             return {"id": b, "n": bk.n, **{name: s.to_dict() for name, s in sums.items()},
                     "classwise": {name: None if bk.cw[name] is None else bk.cw[name].to_dict()
                                   for name in PREDICTORS}}
@@ -1071,6 +1213,10 @@ class WindowMonitor:
                 last = b
                 bk = _Bucket(mon.k, mon.lam)
                 bk.n = int(bd["n"])
+                if "data" in bd:  # packed (lpcal.model_state/6)
+                    mon._packed_bucket(bk, bd, f"{where}.buckets[{i}]")
+                    mon.buckets[b] = bk
+                    continue
                 for name in PREDICTORS:
                     s = CellSums.from_dict(bd[name], f"{where}.buckets[{i}].{name}")
                     if s.k != mon.k:
@@ -1093,7 +1239,14 @@ class WindowMonitor:
             ch = d.get("change")  # absent: written before the change test
             if ch is not None:
                 mon.change = ChangeDetector.from_dict(ch["test"], f"{where}.change")
-                if ch["block"] is not None:
+                if "data" in ch:  # packed (lpcal.model_state/6)
+                    (blk,), (bcw,) = _unpack_n(ch, mon.k, 1, f"{where}.change")
+                    if blk is not None:
+                        if blk.n != int(ch["block_n"]):
+                            raise ValueError("change block does not match its count")
+                        mon._block = [blk]
+                    mon._block_cw = bcw
+                elif ch["block"] is not None:
                     blk = CellSums.from_dict(ch["block"], f"{where}.change.block")
                     if blk.k != mon.k or blk.n != int(ch["block_n"]):
                         raise ValueError("change block does not match its count or k")
@@ -1109,6 +1262,24 @@ class WindowMonitor:
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"{where}: malformed snapshot ({type(e).__name__}: {e})") from None
         return mon
+
+    def _packed_bucket(self, bk: _Bucket, bd: Mapping[str, Any], where: str) -> None:
+        """Fill ``bk`` from its packed form (:func:`pack_sums`: raw, calibrated sums, then
+        their classwise sums), checked as the unpacked form is."""
+        sums, cws = _unpack_n(bd, self.k, len(PREDICTORS), where)
+        for name, s, cw in zip(PREDICTORS, sums, cws):
+            s = CellSums(self.k) if s is None else s
+            bk.merged[name] = s
+            bk.nbytes += s.nbytes
+            if cw is not None:
+                if cw.total != s.n:
+                    raise ValueError(f"{where} {name}: classwise sums hold {cw.total} samples, "
+                                     f"not {s.n}")
+                bk.cw[name] = cw
+                bk.nbytes += cw.nbytes
+        if bk.merged["raw"].n != bk.n:  # type: ignore[union-attr]
+            raise ValueError(f"{where}: n={bk.n} but raw sums hold "
+                             f"{bk.merged['raw'].n}")  # type: ignore[union-attr]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, WindowMonitor):

@@ -60,6 +60,8 @@ Mariano, *Comparing predictive accuracy*, JBES 1995 (the paired loss-difference 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -298,19 +300,37 @@ class LossGrid:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (*self.sums.values(), *self.prods.values()))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, packed: bool = False) -> dict[str, Any]:
+        """JSON-safe dict. ``packed`` (the checkpoint format ``lpcal.model_state/6``): the sums
+        and products as one base64 string of little-endian int64 (the sums of each loss, then
+        the products of each loss, in :data:`LOSSES` order), left out while no sample was
+        added; else integer lists."""
+        if packed:
+            d: dict[str, Any] = {"grid": _GRID_ID, "scale": int(SCALE), "n": self.n}
+            if self.n or any(v.any() for v in (*self.sums.values(), *self.prods.values())):
+                d["data"] = base64.b64encode(b"".join(
+                    np.asarray(a, dtype="<i8").tobytes()
+                    for a in (*(self.sums[x] for x in LOSSES), *(self.prods[x] for x in LOSSES))
+                )).decode("ascii")
+            return d
         return {"grid": _GRID_ID, "scale": int(SCALE), "n": self.n,
                 "sums": {k: v.tolist() for k, v in self.sums.items()},
                 "prods": {k: v.tolist() for k, v in self.prods.items()}}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LossGrid:
-        """Inverse of :meth:`to_dict`; malformed input raises :class:`InputError`."""
+        """Inverse of :meth:`to_dict` (either form); malformed input raises
+        :class:`InputError`."""
         out = cls()
         try:
             if d["grid"] != _GRID_ID or int(d["scale"]) != int(SCALE):
                 raise ValueError(f"unknown grid {d['grid']!r} or scale {d['scale']!r}")
             out.n = int(d["n"])
+            if "sums" not in d:  # packed
+                out._unpack(d.get("data"))
+                if out.n < 0:
+                    raise ValueError(f"n={out.n}")
+                return out
             for loss in LOSSES:
                 out.sums[loss] = np.asarray(d["sums"][loss], dtype=np.int64)
                 out.prods[loss] = np.asarray(d["prods"][loss], dtype=np.int64)
@@ -320,6 +340,26 @@ class LossGrid:
                             for x in LOSSES):
             raise InputError("malformed loss grid (arrays out of shape or range)")
         return out
+
+    def _unpack(self, data: Any) -> None:
+        """Set the sums and products from :meth:`to_dict`'s packed ``data`` (None: all zero)."""
+        if data is None:
+            return
+        if type(data) is not str:
+            raise ValueError("packed loss grid data is not a string")
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except binascii.Error as e:
+            raise ValueError(f"packed loss grid is not base64 ({e})") from None
+        m, t = _G, _IU[0].size
+        if len(raw) != 8 * len(LOSSES) * (m + t):
+            raise ValueError(f"packed loss grid has {len(raw)} bytes, expected "
+                             f"{8 * len(LOSSES) * (m + t)}")
+        a = np.frombuffer(raw, dtype="<i8").astype(np.int64)
+        for i, loss in enumerate(LOSSES):
+            self.sums[loss] = a[i * m:(i + 1) * m]
+            at = len(LOSSES) * m + i * t
+            self.prods[loss] = a[at:at + t]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, LossGrid):

@@ -222,10 +222,18 @@ def unpack_rows(lens: np.ndarray, idx: np.ndarray, val: np.ndarray, k: int, lam:
     return h, ptr, idx.astype(np.int32), val.astype(np.int32)
 
 
+#: Count tables and held-out sums with fewer (bin, label) pairs or bins than this are packed at
+#: every checkpoint instead of through the checkpoint cache (:meth:`PoolSet.to_dict`): for them
+#: the cache's lookup costs more than the packing.
+MEMO_MIN_PAIRS = 256
+
+
 def pack_holdout(h) -> dict:
     """The packed form of :class:`lpcal.holdout.HoldoutSums` (bins as in
     :meth:`CountTable.to_dict`, in their hash order; the counts, then the sums' three blocks
     of ``k`` columns, each in its narrowest dtype)."""
+    if h.rows.shape[0] == 0 and h.counts.size == 0:  # no held-out sample yet (common)
+        return {"k": h.k, "lam": h.lam, "n": 0, "nnz": 0, "dtypes": ["<u1"] * 7, "data": ""}
     ptr, idx, val = _csr_from_dense(h.rows)
     return {"k": h.k, "lam": h.lam, "n": int(h.rows.shape[0]), "nnz": int(idx.size),
             **pack_arrays([np.diff(ptr), idx, val, h.counts,
@@ -465,6 +473,13 @@ class CountTable:
     @_locked
     def total(self) -> int:
         return int(self._pc.sum()) + self._npend
+
+    @property
+    @_locked
+    def empty(self) -> bool:
+        """No bin and no sample (buffered ones included): equal to a new table."""
+        return (self._h.size == 0 and self._pb.size == 0 and self._npend == 0
+                and not self._pending and self._lazy is None)
 
     @property
     @_locked
@@ -973,22 +988,35 @@ class PoolSet:
             out.holdout_raw = self.holdout_raw.merge(other.holdout_raw)
         return out
 
-    def to_dict(self, *, packed: bool = False, memo=None) -> dict:
+    def to_dict(self, *, packed: bool = False, memo=None,
+                memo_min_pairs: int = MEMO_MIN_PAIRS) -> dict:
         """JSON-safe dict; ``packed``: tables and held-out sums as packed arrays
-        (:meth:`CountTable.to_dict`, :func:`pack_holdout`).
+        (:meth:`CountTable.to_dict`, :func:`pack_holdout`), empty tables left out (the
+        checkpoint format ``lpcal.model_state/6``; :meth:`from_dict` makes every table of the
+        layout, empty, before it reads those given).
 
         ``memo(owner, refs, make)`` (with ``packed``; the daemon's checkpoint cache, see
-        :meth:`lpcal.window.SlidingWindow.to_dict`): a table or held-out sums whose arrays
-        are the same objects as at the last call is not encoded again (their arrays are
-        replaced, never written in place, when samples are added)."""
-        if memo is None or not packed:
-            tables = {n: t.to_dict(packed=packed) for n, t in self.tables.items()}
+        :meth:`lpcal.window.SlidingWindow.to_dict`): a table or held-out sums with at least
+        ``memo_min_pairs`` (bin, label) pairs or bins whose arrays are the same objects as at
+        the last call is not encoded again (their arrays are replaced, never written in place,
+        when samples are added); smaller ones are packed every time, which costs less than
+        their cache entry."""
+        if not packed:
+            tables = {n: t.to_dict() for n, t in self.tables.items()}
         else:
+            # packed (lpcal.model_state/6): empty tables are left out (the reader makes every
+            # table of the layout empty first); small ones are encoded every time, which costs
+            # less than their cache entry
             tables = {}
             for n, t in self.tables.items():
                 t.compact()
-                tables[n] = memo(t, (t._h, t._ptr, t._idx, t._val, t._pb, t._pl, t._pc),
-                                 lambda t=t: t.to_dict(packed=True))
+                if t.empty:
+                    continue
+                if memo is None or t._pb.size < memo_min_pairs:
+                    tables[n] = t.to_dict(packed=True)
+                else:
+                    tables[n] = memo(t, (t._h, t._ptr, t._idx, t._val, t._pb, t._pl, t._pc),
+                                     lambda t=t: t.to_dict(packed=True))
         d = {"layout": self.layout.to_dict(), "tables": tables}
         if self.temperature is not None:
             d["temperature"] = self.temperature
@@ -999,7 +1027,7 @@ class PoolSet:
                 h = getattr(self, key)
                 if not packed:
                     d[key] = h.to_dict()
-                elif memo is None:
+                elif memo is None or h.rows.shape[0] < memo_min_pairs:
                     d[key] = pack_holdout(h)
                 else:
                     d[key] = memo(h, (h.rows, h.hashes, h.counts, h.sums),

@@ -271,7 +271,7 @@ class Bucket:
     def to_dict(self, *, packed: bool = False) -> dict[str, Any]:
         """JSON-safe dict (``packed``: the pools' packed form, :meth:`PoolSet.to_dict`)."""
         d = {"index": self.index, "n": self.n, "grid": self.grid.to_dict(),
-             "held": self.held.to_dict(), "temperature": self.temperature,
+             "held": self.held.to_dict(packed=packed), "temperature": self.temperature,
              "pools": None if self.pools is None else self.pools.to_dict(packed=packed)}
         if self._held_chunks:
             k = self._held_chunks[0][0].shape[1]

@@ -1,10 +1,12 @@
-"""The checkpoint format ``lpcal.model_state/5``: packed count tables, the encode cache, the
-older formats it still reads, and corrupt or truncated checkpoints rejected with a reason."""
+"""The checkpoint format ``lpcal.model_state/6`` (/5's packed count tables, plus packed monitor
+sums and loss grids, empty parts left out): the encode cache, the older formats it still reads,
+and corrupt or truncated checkpoints rejected with a reason."""
 
 from __future__ import annotations
 
 import base64
 import gzip
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,14 @@ import pytest
 
 from daemon.model_state import CheckpointCache, ModelState
 from lpcal.errors import ArtifactError, InputError
-from lpcal.pools import CountTable, PoolSet, pack_arrays, tables_from_rows, unpack_arrays
+from lpcal.pools import (
+    MEMO_MIN_PAIRS,
+    CountTable,
+    PoolSet,
+    pack_arrays,
+    tables_from_rows,
+    unpack_arrays,
+)
 from tests.daemon.test_model_state import (
     CERTIFIED,
     MODEL,
@@ -61,7 +70,7 @@ STATES = _states()
 def test_round_trip_of_every_state_kind_is_exact(name):
     st = STATES[name]
     blob = st.to_checkpoint()
-    assert orjson.loads(blob)["format"] == "lpcal.model_state/5"
+    assert orjson.loads(blob)["format"] == "lpcal.model_state/6"
     back = ModelState.from_checkpoint(blob)
     assert back == st
     assert orjson.dumps(back.to_dict()) == orjson.dumps(st.to_dict())  # the /3 or /4 document
@@ -123,6 +132,87 @@ def test_checkpoints_written_before_format_5_load_to_the_same_state(name, fmt):
         assert st.backlogged and st.binmap is not None and st.join.pending() > 0
         assert [r.id for r in back.fit_requests_outstanding] == \
             [r.id for r in st.fit_requests_outstanding]
+
+
+#: The sha256 of ``orjson.dumps(state.to_dict())`` (the /3 or /4 document, every part of the
+#: state) of the states the /5 encoder wrote to the fixtures, taken with that encoder's code
+#: before /6: a part lost by the /5 reader or by the /6 round trip changes it.
+_FIXTURES_5 = {
+    "model_state_5.json.gz":
+        "9639b2d732ad7ea5644ea2f68d19fe0f4289ba4f7e7ef34e146e1cb6064fef13",
+    "model_state_5_certified.json.gz":
+        "3f9e24c26ae0d4182be28efba749802991b29afbe38e854773f9d289b7524d9a",
+}
+
+
+@pytest.mark.parametrize("name", list(_FIXTURES_5))
+def test_checkpoints_written_by_the_format_5_encoder_load_to_the_same_state(name):
+    """The fixtures were written by the /5 encoder (an online state blocked on a fit with a
+    backlog, a live map and pending joins; a certified epochs state with a fitted map and
+    held-out sums): they restore to the state they were written from, and its /6 checkpoint
+    restores the same state."""
+    data = gzip.decompress((DATA / name).read_bytes())
+    assert orjson.loads(data)["format"] == "lpcal.model_state/5"
+    st = ModelState.from_checkpoint(data)
+    doc = orjson.dumps(st.to_dict())
+    assert hashlib.sha256(doc).hexdigest() == _FIXTURES_5[name]
+    blob = st.to_checkpoint()
+    assert orjson.loads(blob)["format"] == "lpcal.model_state/6"
+    back = ModelState.from_checkpoint(blob)
+    assert orjson.dumps(back.to_dict()) == doc and back == st
+    assert back.to_checkpoint() == blob
+    if name == "model_state_5.json.gz":
+        assert st.backlogged and st.binmap is not None and st.join.pending() > 0
+        assert [r.id for r in back.fit_requests_outstanding] == \
+            [r.id for r in st.fit_requests_outstanding]
+    else:
+        assert st.binmap is not None and st.filling.holdout.n > 0
+
+
+def test_the_states_hold_every_part_the_packed_form_writes():
+    """What makes the round trips above mean something: between them, the states hold each
+    part /6 packs or leaves out (so a lost part changes their document)."""
+    online, certified, sealed = STATES["online"], STATES["certified"], STATES["sealed"]
+    for st in (online, certified):
+        bk = list(st.monitor.buckets.values())
+        assert any(b.sums("calibrated", st.k).n for b in bk)      # calibrated sums
+        assert any(b.cw["calibrated"] is not None for b in bk)    # classwise sums
+        assert st.monitor.change is not None
+    assert any(st.monitor._block and st.monitor._block_cw is not None  # the change test's block
+               for st in STATES.values())
+    assert any(b.held.n for b in online.online.window.buckets)    # loss grids
+    assert any(not t.empty for t in sealed.filling.tables.values())
+    fresh = STATES["fresh"].filling
+    assert all(t.empty for t in fresh.tables.values())            # left out
+    for name, st in STATES.items():
+        d = orjson.loads(st.to_checkpoint())
+        for bd in d["monitor"]["buckets"]:
+            assert set(bd) == {"id", "n", "sums", "classwise", "data"}, name
+
+
+def test_a_lost_or_damaged_packed_part_is_noticed():
+    """Dropping or truncating a packed part of the monitor or of a loss grid is an
+    :class:`ArtifactError` naming the part, never a silently different state."""
+    st = STATES["online"]
+    d = orjson.loads(st.to_checkpoint())
+    mon = d["monitor"]
+    cases = []
+    for mutate in (lambda m: m["buckets"][0].update(data=m["buckets"][0]["data"][:-8]),
+                   lambda m: m["buckets"][0].update(sums=m["buckets"][0]["sums"][:1]),
+                   lambda m: m["buckets"][0].update(classwise=[0, 0]),
+                   lambda m: m["change"].update(sums=[])):
+        doc = orjson.loads(orjson.dumps(d))
+        mutate(doc["monitor"])
+        cases.append(doc)
+    for doc in cases:
+        with pytest.raises(ArtifactError, match="monitor"):
+            ModelState.from_dict(doc)
+    held = next(i for i, b in enumerate(d["online"]["window"]["buckets"]) if b["held"]["n"])
+    doc = orjson.loads(orjson.dumps(d))
+    doc["online"]["window"]["buckets"][held]["held"]["data"] = "AAAA"
+    with pytest.raises(ArtifactError, match="online"):
+        ModelState.from_dict(doc)
+    assert mon["buckets"] and ModelState.from_dict(d) == st
 
 
 def test_the_cache_gives_the_same_bytes_and_follows_changes():
@@ -297,7 +387,7 @@ def test_an_envelope_packs_the_frozen_pools_of_a_fit_once_and_reads_both_forms()
     raw = encode_envelope(MODEL, slot)
     d = orjson.loads(raw)
     assert "data" in d["inflight"]["pools"]["tables"]["mu"]
-    assert d["state"]["format"] == "lpcal.model_state/5"
+    assert d["state"]["format"] == "lpcal.model_state/6"
     cached = st.checkpoint_cache_bytes
     assert orjson.loads(encode_envelope(MODEL, slot))["inflight"] == d["inflight"]
     assert st.checkpoint_cache_bytes == cached  # the frozen pools came from the cache
@@ -324,17 +414,23 @@ def test_the_cache_reuses_unchanged_tables_and_keeps_no_replaced_array_alive():
         return cache(owner, refs, lambda: made.append(owner) or make())
 
     ps = st.filling
+    # small tables are packed every time, without the cache
     first = orjson.dumps(ps.to_dict(packed=True, memo=memo))
-    assert set(map(id, made)) == set(map(id, ps.tables.values()))
+    assert all(t._pb.size < MEMO_MIN_PAIRS for t in ps.tables.values()) and made == []
+    assert first == orjson.dumps(ps.to_dict(packed=True))
+    # larger ones through it (a threshold of 0: every non-empty table)
+    first = orjson.dumps(ps.to_dict(packed=True, memo=memo, memo_min_pairs=0))
+    assert set(map(id, made)) == {id(t) for t in ps.tables.values() if not t.empty} != set()
     made.clear()
-    assert orjson.dumps(ps.to_dict(packed=True, memo=memo)) == first and made == []
+    assert orjson.dumps(ps.to_dict(packed=True, memo=memo, memo_min_pairs=0)) == first
+    assert made == []
     t = ps.tables["mu"]
     old = weakref.ref(t._pc)
     q = parser()
     q.set_k(MODEL, st.k)
     feed(st, q, traffic(900, seed=9)[600:])
     assert st.filling is ps
-    later = orjson.dumps(ps.to_dict(packed=True, memo=memo))
+    later = orjson.dumps(ps.to_dict(packed=True, memo=memo, memo_min_pairs=0))
     assert any(m is t for m in made)  # the table received samples: encoded again
     assert later == orjson.dumps(ps.to_dict(packed=True))
     gc.collect()
@@ -357,11 +453,14 @@ def test_empty_packed_tables_and_held_out_sums_round_trip_and_are_still_checked(
     ps = new_state(**CERTIFIED).filling
     assert ps.holdout is not None and ps.holdout.n == 0
     d = orjson.loads(orjson.dumps(ps.to_dict(packed=True)))
-    assert d["tables"]["mu"]["data"] == "" and d["holdout"]["data"] == ""
+    assert d["tables"] == {} and d["holdout"]["data"] == ""  # empty tables are left out
     back = PoolSet.from_dict(d)
     assert back == ps and back.holdout == ps.holdout
+    assert set(back.tables) == set(ps.layout.names) and all(t.empty for t in back.tables.values())
+    empty = orjson.loads(orjson.dumps(ps.tables["mu"].to_dict(packed=True)))
+    assert empty["data"] == "" and CountTable.from_dict(empty) == ps.tables["mu"]
     for bad, match in (({"dtypes": None}, "malformed"), ({"k": 1 << 30}, "k="),
                        ({"n": 1}, "bytes of packed arrays")):
-        t = {**d["tables"]["mu"], **bad}
+        t = {**empty, **bad}
         with pytest.raises(InputError, match=match):
             CountTable.from_dict(t)

@@ -622,7 +622,7 @@ def test_online_checkpoint_round_trip_is_exact_and_epochs_states_have_no_recover
     st, p = new_state(**ONLINE), parser()
     feed_online(st, p, traffic(4000, seed=6))
     blob = st.to_checkpoint()
-    assert orjson.loads(blob)["format"] == "lpcal.model_state/5"
+    assert orjson.loads(blob)["format"] == "lpcal.model_state/6"
     back = ModelState.from_checkpoint(blob)
     assert back == st and back.to_checkpoint() == blob and back.online_spec == st.online_spec
     # the rest of the stream gives the same decisions restored or not
@@ -634,7 +634,7 @@ def test_online_checkpoint_round_trip_is_exact_and_epochs_states_have_no_recover
     ep = new_state()
     feed(ep, parser(), traffic(500, seed=6))
     d = orjson.loads(ep.to_checkpoint())
-    assert d["format"] == "lpcal.model_state/5" and "recovery" not in d and "online" not in d
+    assert d["format"] == "lpcal.model_state/6" and "recovery" not in d and "online" not in d
     bad = orjson.loads(blob)
     bad["backlog"] = {"n": 2, "probs": "AAAA", "labels": "", "uniforms": "", "ts": None}
     with pytest.raises(ArtifactError, match="backlog"):
