@@ -73,12 +73,19 @@ restore that finds a newer map on the bin-map topic than the checkpoint's hands 
 :meth:`ModelState.adopt_published`: the replay publishes the same maps again (installed, not
 sent) and the topic's bytes are installed when it reaches their version.
 
-:meth:`ModelState.to_checkpoint` writes ``lpcal.model_state/5`` (:data:`PACKED_CHECKPOINT_FORMAT`):
+:meth:`ModelState.to_checkpoint` writes ``lpcal.model_state/6`` (:data:`PACKED_CHECKPOINT_FORMAT`):
 the /3 or /4 document with every count table and held-out sums as packed little-endian arrays
-(no per-bin Python work), and the parts that did not change since the last checkpoint (config,
-bin map, sealed epochs, the monitor's buckets, the online window's sealed buckets and maps) taken
-from a byte-bounded cache (:class:`CheckpointCache`). Every earlier format still restores; a
-daemon older than /5 cannot read /5.
+(no per-bin Python work; /5 did the same), and, new in /6, each monitor bucket's sums (both
+predictors and their classwise sums) and the change test's block as one packed string
+(:func:`daemon.monitor.pack_sums`; a predictor without samples as ``None``), the online
+window's loss grids packed (:meth:`lpcal.challenger.LossGrid.to_dict`), and the empty count
+tables of a pool set left out (:meth:`lpcal.pools.PoolSet.to_dict`): a few encoder calls per
+part instead of one per array, which is what a model with few samples pays. The parts that did
+not change since the last checkpoint (config, bin map, sealed epochs, the monitor's buckets,
+the online window's sealed buckets and maps, count tables of at least
+:data:`lpcal.pools.MEMO_MIN_PAIRS` pairs) are taken from a byte-bounded cache
+(:class:`CheckpointCache`). Every earlier format still restores; a daemon older than /6 cannot
+read /6.
 
 Usage::
 
@@ -129,7 +136,8 @@ __all__ = ["CHECKPOINT_FORMAT", "CONFIG_KEYS", "IngestResult", "ModelState",
 
 #: The format :meth:`ModelState.to_checkpoint` writes: the document of /3 (epochs) or /4
 #: (online), with every count table and held-out sums as packed little-endian arrays
-#: (:meth:`lpcal.pools.CountTable.to_dict`) instead of bin keys and integer lists.
+#: (:meth:`lpcal.pools.CountTable.to_dict`) instead of bin keys and integer lists, each monitor
+#: bucket's sums and the online window's loss grids packed, empty count tables left out.
 PACKED_CHECKPOINT_FORMAT = "lpcal.model_state/6"
 #: The format of the first packed checkpoints: /6's document with the monitor's sums as one
 #: base64 string per array, every table of a pool set (empty ones too); read, no longer written.
@@ -236,8 +244,9 @@ def _same(kept: tuple, refs: tuple) -> bool:
 class CheckpointCache:
     """Encoded parts of one model's checkpoint, kept from one checkpoint to the next so that
     parts that did not change are not encoded again: the config, the bin map's JSON string,
-    sealed epochs, the filling epoch's tables, the monitor's buckets, the online window's
-    sealed buckets and maps, a fit's frozen pools.
+    sealed epochs, the filling epoch's tables (those of at least
+    :data:`lpcal.pools.MEMO_MIN_PAIRS` pairs: smaller ones cost less to pack than to look up),
+    the monitor's buckets, the online window's sealed buckets and maps, a fit's frozen pools.
 
     Called as ``cache(owner, refs, make)``: the encoded ``make()`` of ``owner`` (an
     :class:`orjson.Fragment`, embedded as is by ``orjson.dumps``) unless the entry of ``owner``
@@ -981,7 +990,8 @@ class ModelState:
     def to_checkpoint(self) -> bytes:
         """The whole state as one orjson document (key: the model id), in
         :data:`PACKED_CHECKPOINT_FORMAT`: :meth:`to_dict`'s document with packed count
-        tables; parts unchanged since the last call come from :attr:`checkpoint_cache`."""
+        tables, monitor sums and loss grids; parts unchanged since the last call come from
+        :attr:`checkpoint_cache`."""
         cache = self.checkpoint_cache
         cache.limit(CHECKPOINT_CACHE_BYTES if self.budget is None
                     else min(CHECKPOINT_CACHE_BYTES, self.budget // 4))
@@ -1008,8 +1018,9 @@ class ModelState:
         return self._document(packed=True, memo=memo)
 
     def _document(self, *, packed: bool, memo: CheckpointCache | None) -> dict[str, Any]:
-        """The checkpoint document: /5 with ``packed`` (count tables as packed arrays, the
-        parts unchanged since the last checkpoint from ``memo``), else /3 or /4."""
+        """The checkpoint document: /6 with ``packed`` (count tables, monitor sums and loss
+        grids as packed arrays, the parts unchanged since the last checkpoint from ``memo``),
+        else /3 or /4."""
         def keep(owner: object, refs: tuple, make: Callable[[], Any]) -> Any:
             return make() if memo is None else memo(owner, refs, make)
 

@@ -131,7 +131,7 @@ def _narrow(a: np.ndarray) -> str:
 def pack_arrays(arrays: Iterable[np.ndarray]) -> dict:
     """``{"dtypes": [...], "data": base64}``: the arrays' raw little-endian bytes, each in the
     narrowest of :data:`PACKED_DTYPES` that holds it, one after the other in one base64 string
-    (the checkpoint format ``lpcal.model_state/5``: exact, no per-element Python work). The
+    (the checkpoint formats ``lpcal.model_state/5`` and /6: exact, no per-element Python work). The
     reader knows every array's length (:func:`unpack_arrays`)."""
     dts, raw = [], []
     for a in arrays:
@@ -553,7 +553,7 @@ class CountTable:
         earlier; a Python loop over the bins). ``packed``: the sparse bin rows and the
         (bin, label, count) triples as one base64 string of little-endian arrays
         (:func:`pack_arrays`: row lengths, entries, counts, bins, labels, counts), with their lengths ``n`` (bins), ``nnz``
-        (entries) and ``pairs``: no per-bin Python work (``lpcal.model_state/5``)."""
+        (entries) and ``pairs``: no per-bin Python work (``lpcal.model_state/5`` and /6)."""
         self._compact()
         if not packed:
             return {

@@ -4,8 +4,8 @@ manifests, encoded and decoded here only.
 * ``model/<id>``: one model's envelope: ``{"format", "model", "partition", "state",
   "inflight", "prefitted", "saved_at"}``; ``state`` is the model's
   :meth:`~daemon.model_state.ModelState.to_checkpoint`, ``inflight`` the frozen pools of a fit
-  in flight (:meth:`lpcal.pools.PoolSet.to_dict`, packed since ``lpcal.model_state/5``; both
-  forms are read), ``saved_at`` the wall-clock time of the snapshot (absent in envelopes of earlier
+  in flight (:meth:`lpcal.pools.PoolSet.to_dict`, packed since ``lpcal.model_state/5``,
+  without its empty tables since /6; every form is read), ``saved_at`` the wall-clock time of the snapshot (absent in envelopes of earlier
   versions);
 * ``partition/<n>``: ``{"offsets": {topic: next offset}, "models": [...]}``.
 

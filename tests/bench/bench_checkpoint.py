@@ -1,11 +1,12 @@
-"""Benchmark: the cost of a model's checkpoint, ``lpcal.model_state/5`` against the format
-before it.
+"""Benchmark: the cost of a model's checkpoint, ``lpcal.model_state/6`` against the unpacked
+format (/3, /4).
 
 What a replica holding many models spends at every checkpoint (``state.checkpoint_interval``)
 is the encoding of every model that changed since the last one. The **baseline** is the
-encoder of the previous format, run in the same process on the same state:
+encoder of the unpacked format, run in the same process on the same state:
 ``orjson.dumps(state.to_dict())``, exactly what ``ModelState.to_checkpoint`` was before /5
-(bin keys and integer lists for the count tables; ``to_dict`` still writes that document).
+(bin keys and integer lists for the count tables, one base64 string per monitor array;
+``to_dict`` still writes that document).
 A generic serializer (``pickle``) is not the honest peer: a checkpoint must be read by another
 version and validated as hostile input, which pickle cannot do safely (and the state holds
 locks it cannot pickle).
@@ -21,14 +22,18 @@ small states):
 * **online**: online recovery: 60,000 samples, fits run when the calibrator asks (maps
   published, a window of sealed buckets);
 * **small**: epochs, 500 samples: what each model of the many-models benchmark holds (the
-  fixed cost per model).
+  fixed cost per model);
+* **few**: epochs and online, 200 samples, 20 more per repetition, 10 predictions waiting:
+  each model of a replica holding thousands of models, at a checkpoint (the fixed cost per
+  model at its smallest).
 
-Per state, each repetition first ingests one more batch of 200 samples (untimed: the model is
-dirty, as it is at a checkpoint while data flows), then times, back to back, the baseline
-encoder, the /5 encoder (``to_checkpoint``: parts unchanged since the last checkpoint come from
-the model's cache) and the /5 encoder without its cache (every part encoded). Decoding
-(``ModelState.from_checkpoint``, validation included) of the two documents is timed the same way.
-Reported: medians over the repetitions, the median per-repetition ratio /5 : baseline, the
+Per state, each repetition first ingests one more batch of 200 samples (20 in the few-sample
+states; untimed: the model is dirty, as it is at a checkpoint while data flows), then times,
+back to back, the baseline encoder, the /6 encoder (``to_checkpoint``: parts unchanged since the
+last checkpoint come from the model's cache) and the /6 encoder without its cache (every part
+encoded). Decoding (``ModelState.from_checkpoint``, validation included) of the two documents is
+timed the same way. Reported: medians over the repetitions, the median per-repetition ratio
+/6 : baseline, the
 bytes of each document and the bytes the Kafka store writes (its zlib level 1 above 64 KiB,
 :func:`daemon.checkpoint.store.encode_value`), and the bytes the cache holds.
 
@@ -57,17 +62,27 @@ REPEATS = 7
 QUICK_REPEATS = 3
 BATCH = 1_000
 STEP = 200          # samples ingested before each repetition
+#: ... in the few-sample states (a model of many, at one checkpoint interval)
+FEW_STEP = 20
 #: predictions waiting in the join buffer (their outcomes follow later)
-PENDING = {"epochs": 2_000, "online": 2_000, "small": 50}
-SAMPLES = {"epochs": 60_000, "online": 60_000, "small": 500}
-QUICK_SAMPLES = {"epochs": 6_000, "online": 6_000, "small": 500}
+PENDING = {"epochs": 2_000, "online": 2_000, "small": 50, "few": 10, "few online": 10}
+SAMPLES = {"epochs": 60_000, "online": 60_000, "small": 500, "few": 200, "few online": 200}
+QUICK_SAMPLES = {"epochs": 6_000, "online": 6_000, "small": 500, "few": 200,
+                 "few online": 200}
+#: the kinds measured, in the tables' order
+KINDS = ("few", "few online", "small", "epochs", "online")
+
+
+def step_of(kind: str) -> int:
+    """Samples ingested before each repetition of ``kind``."""
+    return FEW_STEP if kind.startswith("few") else STEP
 
 
 class Feed:
     """A state and the stream of joined samples it is fed (ids, probabilities, labels)."""
 
     def __init__(self, kind: str, k: int, n: int, seed: int = 0, pending: int = 0):
-        recovery = "online" if kind == "online" else "epochs"
+        recovery = "online" if kind.endswith("online") else "epochs"
         self.state = ModelState.create("bench", k, ModelSettings(recovery=recovery, k=k),
                                        JoinSettings())
         self.task = Overconfident(k, prototypes=200, proto_share=0.5)
@@ -124,7 +139,7 @@ def measure(kind: str, k: int, n: int, repeats: int) -> dict:
     old = new = b""
     was = gc.isenabled()
     for _ in range(repeats):
-        feed.feed(STEP)
+        feed.feed(step_of(kind))
         gc.collect()
         gc.disable()
         try:
@@ -161,16 +176,16 @@ def _kib(n: int) -> str:
 def run(quick: bool = False) -> list[Table]:
     repeats = QUICK_REPEATS if quick else REPEATS
     samples = QUICK_SAMPLES if quick else SAMPLES
-    enc = Table("Checkpoint encode and decode per model: model_state/5 against the previous "
+    enc = Table("Checkpoint encode and decode per model: model_state/6 against the unpacked "
                 "format's encoder (same state, same run)",
-                ["state", "k", "samples", "encode before (µs)", "encode /5 (µs)",
-                 "ratio", "/5 without cache: ratio", "decode before (µs)",
-                 "decode /5 (µs)", "ratio"], key="checkpoint_time")
-    size = Table("Checkpoint bytes per model", ["state", "k", "before (KiB)", "/5 (KiB)",
-                                                "before, as stored (KiB)",
-                                                "/5, as stored (KiB)", "cache (KiB)",
+                ["state", "k", "samples", "encode unpacked (µs)", "encode /6 (µs)",
+                 "ratio", "/6 without cache: ratio", "decode unpacked (µs)",
+                 "decode /6 (µs)", "ratio"], key="checkpoint_time")
+    size = Table("Checkpoint bytes per model", ["state", "k", "unpacked (KiB)", "/6 (KiB)",
+                                                "unpacked, as stored (KiB)",
+                                                "/6, as stored (KiB)", "cache (KiB)",
                                                 "state bytes (KiB)"], key="checkpoint_bytes")
-    for kind in ("small", "epochs", "online"):
+    for kind in KINDS:
         for k in (10, 100):
             m = measure(kind, k, samples[kind], repeats)
             enc.add(kind, k, m["samples"], _us(m["enc_old"]), _us(m["enc_new"]),
@@ -180,17 +195,19 @@ def run(quick: bool = False) -> list[Table]:
                      _kib(m["zbytes_old"]), _kib(m["zbytes_new"]), _kib(m["cache"]),
                      _kib(m["state_bytes"]))
     enc.notes += [
-        (f"Medians over {repeats} repetitions; each ingests {STEP} more samples first (the model "
-         "is dirty, as at a checkpoint while data flows), then times the baseline "
-         "(`orjson.dumps(state.to_dict())`, what `to_checkpoint` was before /5), /5 "
-         "(`to_checkpoint`, with the parts unchanged since the previous checkpoint from the "
-         "model's cache) and /5 with an empty cache, back to back. Ratios: median of the "
-         "per-repetition ratios to the baseline (below 1: /5 is faster)."),
+        (f"Medians over {repeats} repetitions; each ingests {STEP} more samples first "
+         f"({FEW_STEP} in the few-sample states: the model is dirty, as at a checkpoint while "
+         "data flows), then times the baseline (`orjson.dumps(state.to_dict())`, what "
+         "`to_checkpoint` was before /5), /6 (`to_checkpoint`, with the parts unchanged since "
+         "the previous checkpoint from the model's cache) and /6 with an empty cache, back to "
+         "back. Ratios: median of the per-repetition ratios to the baseline (below 1: /6 is "
+         "faster). The few-sample rows are the fixed cost per model of a replica holding "
+         "thousands of models (k = 10 and 100, 200 samples and more)."),
         "Decode: `ModelState.from_checkpoint` of each document, validation included.",
         (f"States: default model settings; {PENDING['epochs']:,} predictions wait in the join "
-         f"buffer ({PENDING['small']} in the small ones); epochs states hold a fitted live map "
-         "and a filling epoch, online states published maps and hold a window of sealed "
-         "buckets (see the module docstring)."),
+         f"buffer ({PENDING['small']} in the small ones, {PENDING['few']} in the few-sample "
+         "ones); epochs states hold a fitted live map and a filling epoch, online states "
+         "published maps and hold a window of sealed buckets (see the module docstring)."),
     ]
     size.notes += [
         ("As stored: after the Kafka store's zlib (level 1, values of 64 KiB and more). "
