@@ -83,6 +83,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -140,12 +141,6 @@ def _dec(d: Mapping[str, Any], where: str) -> np.ndarray:
 _SUMS_ARRAYS = (("gap", "<f8"), ("ece_n", "<i8"), ("ece_q", "<f8"), ("hashes", "<i8"),
                 ("counts", "<i8"), ("s", "<f8"), ("q", "<f8"))
 _CW_ARRAYS = (("n", "<i8"), ("s", "<f8"), ("q", "<f8"))
-
-
-def _sums_empty(s: CellSums) -> bool:
-    """No sample and every array zero: a fresh :class:`CellSums`."""
-    return (s.n == 0 and s.hashes.size == 0 and s.brier == 0.0 and s.correct == 0
-            and not (s.gap.any() or s.ece_n.any() or s.ece_q.any()))
 
 
 def pack_sums(sums: list[CellSums | None], classwise: list[Classwise | None]
@@ -242,12 +237,31 @@ def unpack_sums(d: Mapping[str, Any], k: int, where: str
     return sums, cws
 
 
-def _unpack_n(d: Mapping[str, Any], k: int, n: int, where: str
+def pack_one_sums(s: CellSums) -> list[Any]:
+    """``[n, brier, correct, G, base64]``: one :class:`CellSums` packed as :func:`pack_sums`
+    packs each of its sums (the checkpoint's unit: a monitor bucket holds several, each encoded
+    once)."""
+    d = pack_sums([s], [])
+    return [*d["sums"][0], d["data"]]
+
+
+def unpack_one_sums(item: Any, k: int, where: str) -> CellSums:
+    """Inverse of :func:`pack_one_sums`, checked as :func:`unpack_sums` checks."""
+    if not (isinstance(item, list) and len(item) == 5):
+        raise InputError(f"{where}: packed sums are not [n, brier, correct, bins, data]")
+    (s,), _ = _unpack_n({"sums": [item[:4]], "classwise": [], "data": item[4]}, k, 1, where, 0)
+    return CellSums(k) if s is None else s  # (never None: the header was checked)
+
+
+def _unpack_n(d: Mapping[str, Any], k: int, n: int, where: str, n_cw: int | None = None
               ) -> tuple[list[CellSums | None], list[Classwise | None]]:
-    """:func:`unpack_sums` of exactly ``n`` sums and ``n`` classwise flags."""
+    """:func:`unpack_sums` of exactly ``n`` sums and ``n_cw`` (default ``n``) classwise
+    flags."""
     sums, cws = unpack_sums(d, k, where)
-    if len(sums) != n or len(cws) != n:
-        raise InputError(f"{where}: {len(sums)} sums and {len(cws)} classwise, expected {n}")
+    n_cw = n if n_cw is None else n_cw
+    if len(sums) != n or len(cws) != n_cw:
+        raise InputError(f"{where}: {len(sums)} sums and {len(cws)} classwise, expected {n} "
+                         f"and {n_cw}")
     return sums, cws
 
 
@@ -1135,9 +1149,10 @@ class WindowMonitor:
                 packed: bool = False) -> dict[str, Any]:
         """JSON-safe snapshot (arrays little-endian base64); :meth:`from_dict` restores it.
 
-        ``packed`` (the checkpoint format ``lpcal.model_state/6``): each bucket's sums, and the
-        change test's block, as one :func:`pack_sums` string (empty sums as ``None``) instead of
-        one base64 string per array.
+        ``packed`` (the checkpoint format ``lpcal.model_state/6``): each bucket's sums as they
+        are held, merged sums and the parts added since (:meth:`_packed_bucket_dict`), and the
+        change test's block, each as one :func:`pack_sums` string instead of one base64 string
+        per array; nothing is merged to write them.
 
         ``memo(owner, refs, make)`` (optional; the checkpoint's cache, see
         :meth:`lpcal.window.SlidingWindow.to_dict`): a bucket is encoded again only when its
@@ -1147,12 +1162,12 @@ class WindowMonitor:
         for bk in self.buckets.values():
             for name in PREDICTORS:
                 bk.flush(name)
-        if len(self._block) > 1:  # merged once: the next snapshot merges only new parts
-            self._block = [CellSums.merge_all(self._block, self.k)]
         if packed:
             change = None if self.change is None else {
                 "test": self.change.to_dict(), "block_n": self._block_n,
-                **pack_sums([self._block[0] if self._block else None], [self._block_cw])}
+                "block": [pack_one_sums(s) if memo is None else memo(s, (), partial(
+                    pack_one_sums, s)) for s in self._block],
+                "block_classwise": pack_sums([], [self._block_cw])}
             return {
                 "k": self.k, "lam": self.lam, "p": "inf" if math.isinf(self.p) else self.p,
                 "window_samples": self.window_samples, "window_seconds": self.window_seconds,
@@ -1162,6 +1177,8 @@ class WindowMonitor:
                 "buckets": [self._bucket_dict(b, bk, memo, packed=True)
                             for b, bk in self.buckets.items()],
                 "change": change}
+        if len(self._block) > 1:  # merged once: the next snapshot merges only new parts
+            self._block = [CellSums.merge_all(self._block, self.k)]
         block = None
         if self._block:
             part = self._block[0]  # never modified (a new part or merge replaces it)
@@ -1181,14 +1198,11 @@ class WindowMonitor:
         }
 
     def _bucket_dict(self, b: int, bk: _Bucket, memo, *, packed: bool = False) -> Any:
+        if packed:
+            return self._packed_bucket_dict(b, bk, memo)
         sums = {name: bk.sums(name, self.k) for name in PREDICTORS}
 
         def make() -> dict[str, Any]:
-            if packed:
-                # a predictor's empty sums (no map yet) as None: restored as empty sums
-                return {"id": b, "n": bk.n, **pack_sums(
-                    [None if _sums_empty(s) else s for s in sums.values()],
-                    [bk.cw[name] for name in PREDICTORS])}
             return {"id": b, "n": bk.n, **{name: s.to_dict() for name, s in sums.items()},
                     "classwise": {name: None if bk.cw[name] is None else bk.cw[name].to_dict()
                                   for name in PREDICTORS}}
@@ -1196,6 +1210,22 @@ class WindowMonitor:
         if memo is None:
             return make()
         return memo(bk, (b, bk.n, *sums.values(), *bk.cw.values()), make)
+
+    def _packed_bucket_dict(self, b: int, bk: _Bucket, memo) -> dict[str, Any]:
+        """A bucket as it is held (its waiting rows summed by :meth:`to_dict`), not merged: per
+        predictor its merged sums (or ``None``) then the sums added since the last merge, each
+        :func:`pack_one_sums` through ``memo`` (sums are never modified, a merge or an update
+        makes new ones: each is encoded once however often the bucket is written), and the
+        classwise sums (:func:`pack_sums`). Writing it merges nothing, and the restored bucket
+        merges exactly as this one would."""
+        out: dict[str, Any] = {"id": b, "n": bk.n}
+        for name in PREDICTORS:
+            m = bk.merged[name]
+            out[name] = [None if s is None else
+                         pack_one_sums(s) if memo is None else memo(s, (), partial(pack_one_sums, s))
+                         for s in (m, *bk.parts[name])]
+        out["classwise"] = pack_sums([], [bk.cw[name] for name in PREDICTORS])
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "monitor") -> WindowMonitor:
@@ -1213,7 +1243,7 @@ class WindowMonitor:
                 last = b
                 bk = _Bucket(mon.k, mon.lam)
                 bk.n = int(bd["n"])
-                if "data" in bd:  # packed (lpcal.model_state/6)
+                if isinstance(bd["raw"], list):  # packed (lpcal.model_state/6)
                     mon._packed_bucket(bk, bd, f"{where}.buckets[{i}]")
                     mon.buckets[b] = bk
                     continue
@@ -1239,21 +1269,23 @@ class WindowMonitor:
             ch = d.get("change")  # absent: written before the change test
             if ch is not None:
                 mon.change = ChangeDetector.from_dict(ch["test"], f"{where}.change")
-                if "data" in ch:  # packed (lpcal.model_state/6)
-                    (blk,), (bcw,) = _unpack_n(ch, mon.k, 1, f"{where}.change")
-                    if blk is not None:
-                        if blk.n != int(ch["block_n"]):
-                            raise ValueError("change block does not match its count")
+                if isinstance(ch["block"], list):  # packed (lpcal.model_state/6): its parts
+                    parts = [unpack_one_sums(it, mon.k, f"{where}.change.block[{j}]")
+                             for j, it in enumerate(ch["block"])]
+                    _, (bcw,) = _unpack_n(ch["block_classwise"], mon.k, 0,
+                                          f"{where}.change.block_classwise", 1)
+                    if sum(p.n for p in parts) != int(ch["block_n"]):
+                        raise ValueError("change block does not match its count")
+                    mon._block, mon._block_cw = parts, bcw
+                else:
+                    if ch["block"] is not None:
+                        blk = CellSums.from_dict(ch["block"], f"{where}.change.block")
+                        if blk.k != mon.k or blk.n != int(ch["block_n"]):
+                            raise ValueError("change block does not match its count or k")
                         mon._block = [blk]
-                    mon._block_cw = bcw
-                elif ch["block"] is not None:
-                    blk = CellSums.from_dict(ch["block"], f"{where}.change.block")
-                    if blk.k != mon.k or blk.n != int(ch["block_n"]):
-                        raise ValueError("change block does not match its count or k")
-                    mon._block = [blk]
-                if ch.get("block_classwise") is not None:
-                    mon._block_cw = Classwise.from_dict(ch["block_classwise"], mon.k,
-                                                        f"{where}.change.block_classwise")
+                    if ch.get("block_classwise") is not None:
+                        mon._block_cw = Classwise.from_dict(ch["block_classwise"], mon.k,
+                                                            f"{where}.change.block_classwise")
                 mon._block_n = int(ch["block_n"])
                 if not 0 <= mon._block_n < mon.change.block_samples:
                     raise ValueError(f"change block_n={mon._block_n} out of range")
@@ -1264,22 +1296,29 @@ class WindowMonitor:
         return mon
 
     def _packed_bucket(self, bk: _Bucket, bd: Mapping[str, Any], where: str) -> None:
-        """Fill ``bk`` from its packed form (:func:`pack_sums`: raw, calibrated sums, then
-        their classwise sums), checked as the unpacked form is."""
-        sums, cws = _unpack_n(bd, self.k, len(PREDICTORS), where)
-        for name, s, cw in zip(PREDICTORS, sums, cws):
-            s = CellSums(self.k) if s is None else s
-            bk.merged[name] = s
-            bk.nbytes += s.nbytes
+        """Fill ``bk`` from :meth:`_packed_bucket_dict`'s form, checked as the unpacked form
+        is: every sums of ``k`` classes, the raw samples adding up to the bucket's ``n``,
+        classwise sums holding their predictor's samples."""
+        _, cws = _unpack_n(bd["classwise"], self.k, 0, f"{where}.classwise", len(PREDICTORS))
+        for name, cw in zip(PREDICTORS, cws):
+            items = bd[name]
+            if not isinstance(items, list) or not items:
+                raise ValueError(f"{where}.{name}: not a list of sums")
+            m = None if items[0] is None else unpack_one_sums(items[0], self.k,
+                                                              f"{where}.{name}[0]")
+            parts = [unpack_one_sums(it, self.k, f"{where}.{name}[{j}]")
+                     for j, it in enumerate(items[1:], 1)]
+            bk.merged[name], bk.parts[name] = m, parts
+            bk.nbytes += sum(s.nbytes for s in parts) + (m.nbytes if m is not None else 0)
+            n = (m.n if m is not None else 0) + sum(s.n for s in parts)
+            if name == "raw" and n != bk.n:
+                raise ValueError(f"{where}: n={bk.n} but raw sums hold {n}")
             if cw is not None:
-                if cw.total != s.n:
+                if cw.total != n:
                     raise ValueError(f"{where} {name}: classwise sums hold {cw.total} samples, "
-                                     f"not {s.n}")
+                                     f"not {n}")
                 bk.cw[name] = cw
                 bk.nbytes += cw.nbytes
-        if bk.merged["raw"].n != bk.n:  # type: ignore[union-attr]
-            raise ValueError(f"{where}: n={bk.n} but raw sums hold "
-                             f"{bk.merged['raw'].n}")  # type: ignore[union-attr]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, WindowMonitor):
