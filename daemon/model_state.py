@@ -75,14 +75,14 @@ sent) and the topic's bytes are installed when it reaches their version.
 
 :meth:`ModelState.to_checkpoint` writes ``lpcal.model_state/6`` (:data:`PACKED_CHECKPOINT_FORMAT`):
 the /3 or /4 document with every count table and held-out sums as packed little-endian arrays
-(no per-bin Python work; /5 did the same), and, new in /6, each monitor bucket's sums (both
-predictors and their classwise sums) and the change test's block as one packed string
-(:func:`daemon.monitor.pack_sums`; a predictor without samples as ``None``), the online
-window's loss grids packed (:meth:`lpcal.challenger.LossGrid.to_dict`), and the empty count
-tables of a pool set left out (:meth:`lpcal.pools.PoolSet.to_dict`): a few encoder calls per
-part instead of one per array, which is what a model with few samples pays. The parts that did
-not change since the last checkpoint (config, bin map, sealed epochs, the monitor's buckets,
-the online window's sealed buckets and maps, count tables of at least
+(no per-bin Python work; /5 did the same), and, new in /6, the monitor's sums as they are
+held (each bucket's merged sums and the sums added since, each one packed string,
+:func:`daemon.monitor.pack_one_sums`, instead of one per array; nothing is merged to write
+them), the online window's loss grids packed (:meth:`lpcal.challenger.LossGrid.to_dict`), and
+the empty count tables of a pool set left out (:meth:`lpcal.pools.PoolSet.to_dict`): a few
+encoder calls per part instead of one per array, which is what a model with few samples pays.
+The parts that did not change since the last checkpoint (config, bin map, sealed epochs, the
+monitor's sums, the online window's sealed buckets and maps, count tables of at least
 :data:`lpcal.pools.MEMO_MIN_PAIRS` pairs) are taken from a byte-bounded cache
 (:class:`CheckpointCache`). Every earlier format still restores; a daemon older than /6 cannot
 read /6.
@@ -136,8 +136,9 @@ __all__ = ["CHECKPOINT_FORMAT", "CONFIG_KEYS", "IngestResult", "ModelState",
 
 #: The format :meth:`ModelState.to_checkpoint` writes: the document of /3 (epochs) or /4
 #: (online), with every count table and held-out sums as packed little-endian arrays
-#: (:meth:`lpcal.pools.CountTable.to_dict`) instead of bin keys and integer lists, each monitor
-#: bucket's sums and the online window's loss grids packed, empty count tables left out.
+#: (:meth:`lpcal.pools.CountTable.to_dict`) instead of bin keys and integer lists, the monitor's
+#: sums (as held: merged and added since) and the online window's loss grids packed, empty
+#: count tables left out.
 PACKED_CHECKPOINT_FORMAT = "lpcal.model_state/6"
 #: The format of the first packed checkpoints: /6's document with the monitor's sums as one
 #: base64 string per array, every table of a pool set (empty ones too); read, no longer written.
