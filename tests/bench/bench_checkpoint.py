@@ -203,6 +203,10 @@ def run(quick: bool = False) -> list[Table]:
          "back. Ratios: median of the per-repetition ratios to the baseline (below 1: /6 is "
          "faster). The few-sample rows are the fixed cost per model of a replica holding "
          "thousands of models (k = 10 and 100, 200 samples and more)."),
+        ("The baseline runs first, so it also sums the monitor's waiting rows (its encoder "
+         "merges each bucket's sums, which /6 writes as held): /6 then finds those merged "
+         "sums new and encodes them again; a daemon's /6 checkpoint re-encodes only the sums "
+         "added since its last one."),
         "Decode: `ModelState.from_checkpoint` of each document, validation included.",
         (f"States: default model settings; {PENDING['epochs']:,} predictions wait in the join "
          f"buffer ({PENDING['small']} in the small ones, {PENDING['few']} in the few-sample "
