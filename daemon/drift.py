@@ -8,7 +8,9 @@ statistic ``s`` (:data:`STATISTICS`; :func:`daemon.monitor.block_statistics`), a
 ``T_s`` and its standard error ``se_s``:
 
 * ``confidence_gap``: accuracy minus mean confidence of the top label (signed: negative when
-  over-confident), tested in both directions;
+  over-confident); the test watches its size ``|T|`` (:data:`ABSOLUTE`), so a drift either way
+  away from calibration raises it, and a map that removes a gap the previous one had (a
+  refinement published without a drift, whose baseline the test keeps) does not alarm;
 * ``ece_top``, ``ece_classwise``: the debiased squared l2 top-label and classwise ECE
   (:func:`lpcal.metrics.binned_sq_error`: the per-bin sampling-noise term subtracted);
 * ``err_p``: the plug-in Err_p at the live lambda.
@@ -31,7 +33,7 @@ least ``min_shift`` in the statistic's own units: for the squared statistics, in
     z_s = (T_s - B_s - Delta_s / 2 - Z_BASE se_B) / sqrt(se_s^2 + se_B^2)
     C_s = max(0, C_s + z_s - KREF)                                   (KREF = 0.5)
 
-(and the mirror image for a decrease of the confidence gap); the test *alarms* when some
+(with ``T_s = |gap|`` for the confidence gap, baseline blocks included); the test *alarms* when some
 ``C_s > h``. The baseline's own error is shared by every later block, so it is not averaged
 away by the CUSUM: the margin ``Z_BASE = 2`` baseline standard errors absorbs it. Under no
 change, while the baseline's error is within its margin, and under the normal approximation the
@@ -59,11 +61,11 @@ from typing import Any
 from lpcal.errors import InputError
 
 __all__ = [
+    "ABSOLUTE",
     "BLOCK_SAMPLES",
     "KREF",
     "SQUARED",
     "STATISTICS",
-    "TWO_SIDED",
     "Z_BASE",
     "ChangeDetector",
     "cusum_threshold",
@@ -73,8 +75,8 @@ __all__ = [
 STATISTICS = ("confidence_gap", "ece_top", "ece_classwise", "err_p")
 #: Statistics estimated on the squared scale (their minimum shift applies to the square root).
 SQUARED = frozenset(("ece_top", "ece_classwise"))
-#: Signed statistics, tested for a change in either direction (two one-sided CUSUMs).
-TWO_SIDED = frozenset(("confidence_gap",))
+#: Signed statistics whose size is tested (``T_s = |T|``): an increase of the gap either way.
+ABSOLUTE = frozenset(("confidence_gap",))
 #: Joined samples per block.
 BLOCK_SAMPLES = 1_000
 #: CUSUM reference value, in standard errors.
@@ -135,7 +137,7 @@ class ChangeDetector:
         self.block_samples = int(block_samples)
         self.baseline_blocks = -(-self.baseline_samples // self.block_samples)
         if self.false_alarm_rate > 0.0:
-            tests = len(STATISTICS) + len(TWO_SIDED)  # one-sided CUSUMs
+            tests = len(STATISTICS)  # one one-sided CUSUM per statistic
             arl = tests / (self.false_alarm_rate * self.block_samples)
             self.threshold = cusum_threshold(max(arl, 1.0))
         else:
@@ -149,7 +151,6 @@ class ChangeDetector:
         self.base_var = dict.fromkeys(STATISTICS, 0.0)           # sum of baseline se_s^2
         self.base_n = dict.fromkeys(STATISTICS, 0)               # baseline blocks with T_s
         self.cusum = dict.fromkeys(STATISTICS, 0.0)
-        self.cusum_low = dict.fromkeys(TWO_SIDED, 0.0)            # decreases (signed stats)
         self.last = dict.fromkeys(STATISTICS, 0.0)               # last z_s
         self.alarm = False
         self.alarm_statistic: str | None = None
@@ -172,13 +173,16 @@ class ChangeDetector:
         """``max_s C_s / h``: the alarm is at 1 (0 while disabled or in the baseline)."""
         if not math.isfinite(self.threshold):
             return 0.0
-        return max(*self.cusum.values(), *self.cusum_low.values()) / self.threshold
+        return max(self.cusum.values()) / self.threshold
 
     def observe_block(self, stats: Mapping[str, tuple[float, float]]) -> bool:
         """Record one block's ``{statistic: (T, se)}``; True exactly when the test alarms now.
         Statistics missing from ``stats`` or not finite are skipped for this block."""
         self.blocks += 1
         usable = _usable(stats)
+        for name in ABSOLUTE.intersection(usable):
+            t, se = usable[name]
+            usable[name] = (abs(t), se)
         if self.blocks <= self.baseline_blocks:
             for name, (t, se) in usable.items():
                 self.base_sum[name] += t
@@ -203,12 +207,7 @@ class ChangeDetector:
             z = (t - b - margin) / sd
             self.last[name] = (t - b) / sd
             self.cusum[name] = max(0.0, self.cusum[name] + z - KREF)
-            high = self.cusum[name]
-            if name in TWO_SIDED:
-                z_low = (b - t - margin) / sd
-                self.cusum_low[name] = max(0.0, self.cusum_low[name] + z_low - KREF)
-                high = max(high, self.cusum_low[name])
-            if not self.alarm and high > self.threshold:
+            if not self.alarm and self.cusum[name] > self.threshold:
                 self.alarm, fired = True, True
                 self.alarm_statistic, self.alarm_block = name, self.blocks
         return fired
@@ -222,8 +221,8 @@ class ChangeDetector:
                 "baseline_samples": self.baseline_samples, "min_shift": self.min_shift,
                 "block_samples": self.block_samples, "blocks": self.blocks,
                 "base_sum": dict(self.base_sum), "base_var": dict(self.base_var),
-                "base_n": dict(self.base_n), "cusum": dict(self.cusum), "cusum_low": dict(self.cusum_low),
-                "last": dict(self.last),
+                "base_n": dict(self.base_n), "cusum": dict(self.cusum),
+                "last": dict(self.last), "absolute": sorted(ABSOLUTE),
                 "alarm": self.alarm, "alarm_statistic": self.alarm_statistic,
                 "alarm_block": self.alarm_block}
 
@@ -238,16 +237,19 @@ class ChangeDetector:
             det.base_var = {s: float(d["base_var"][s]) for s in STATISTICS}
             det.base_n = {s: int(d["base_n"][s]) for s in STATISTICS}
             det.cusum = {s: float(d["cusum"][s]) for s in STATISTICS}
-            det.cusum_low = {s: float(d["cusum_low"][s]) for s in TWO_SIDED}
             det.last = {s: float(d["last"][s]) for s in STATISTICS}
+            # a snapshot written before the gap's size was tested holds a signed baseline:
+            # that statistic starts a new baseline at the next reset (a new map)
+            for s in ABSOLUTE.difference(d.get("absolute", ())):
+                det.base_sum[s] = det.base_var[s] = det.cusum[s] = 0.0
+                det.base_n[s] = 0
             det.alarm = bool(d["alarm"])
             stat = d["alarm_statistic"]
             if stat is not None and stat not in STATISTICS:
                 raise ValueError(f"unknown statistic {stat!r}")
             det.alarm_statistic = stat
             det.alarm_block = None if d["alarm_block"] is None else int(d["alarm_block"])
-            if det.blocks < 0 or any(v < 0 for v in (*det.cusum.values(),
-                                                      *det.cusum_low.values())):
+            if det.blocks < 0 or any(v < 0 for v in det.cusum.values()):
                 raise ValueError("negative block count or CUSUM")
         except InputError:
             raise

@@ -325,10 +325,11 @@ class Fitter:
 
     # ------------------------------------------------------------------ online mode
     def check_online(self, model: str, now: float) -> None:
-        """An online model's triggers (``recovery = "online"``): a drift's refill keeps only
-        the post-drift buckets (:meth:`daemon.model_state.ModelState.notify_drift`), a manual
-        request fits at the next decision point (:meth:`~daemon.model_state.ModelState.request_fit`);
-        the calibrator decides when to fit and publish otherwise (never ``pools_full``)."""
+        """An online model's triggers (``recovery = "online"``), acted on by
+        :meth:`daemon.model_state.ModelState.respond_online`: a drift the change test declared
+        keeps only the post-drift buckets; the absolute threshold and a manual request fit at
+        the next decision point and keep the window. The calibrator decides when to fit and
+        publish otherwise (never ``pools_full``)."""
         slot = self.registry.get(model)
         if slot is None:
             return
@@ -339,20 +340,21 @@ class Fitter:
         firing = st.check_triggers(event_time, busy=False, lazy=True)
         if firing is None:
             return
-        if firing.action == "refill":
+        did = st.respond_online(firing)
+        self._online_cause[model] = "manual" if firing.trigger == "manual" else "drift"
+        if did == "window_reset":
             log.info("model %s: drift detected; the online window keeps only samples from here "
                      "on (the live map stays until a candidate beats it)", model)
-            st.notify_drift()
-            self._online_cause[model] = "drift"
             # a fit the stream was blocked on is dropped with the pre-drift window: the rows
             # waiting behind it go on
             self.online_result(model, st.feed_backlog())
             self.apply_backpressure()
-        else:
+        elif firing.trigger == "manual":
             log.info("model %s: manual recalibration: the online loop fits at its next "
                      "decision point", model)
-            st.request_fit()
-            self._online_cause[model] = "manual"
+        else:
+            log.info("model %s: the live map's windowed Err_p stays above drift_threshold: the "
+                     "online loop fits at its next decision point (window kept)", model)
 
     def online_result(self, model: str, res) -> None:
         """Act on what an online model's :meth:`~daemon.model_state.ModelState.offer` or

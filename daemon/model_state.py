@@ -775,6 +775,26 @@ class ModelState:
             return None
         return self.online.notify_drift()
 
+    def respond_online(self, firing: Firing) -> str:
+        """Online mode: act on a trigger firing; returns ``"window_reset"`` or ``"fit_requested"``.
+
+        * A drift the **change test** declared (``cause == "change"``): the data changed, so
+          only post-drift buckets count (:meth:`notify_drift`); the trigger stays disarmed until
+          the next map.
+        * The **absolute threshold** (the live map's windowed Err_p lower bound above
+          ``drift_threshold``): the map is not good enough, which says nothing about when the
+          data changed; throwing the window away would only delay the repair. The next decision
+          point fits (:meth:`request_fit`; champion/challenger decides) and the trigger is
+          re-armed at once, so the change test keeps watching while no new map comes.
+        * A **manual** request: :meth:`request_fit`."""
+        if firing.action == "refill" and self.triggers.drift.cause != "threshold":
+            self.notify_drift()
+            return "window_reset"
+        self.request_fit()
+        if firing.action == "refill":
+            self.triggers.drift.rearm()
+        return "fit_requested"
+
     def request_fit(self) -> list[Event]:
         """Online mode: a manual request (:meth:`lpcal.online.OnlineCalibrator.request_fit`):
         the next decision point fits; champion/challenger decides what is published."""

@@ -45,10 +45,10 @@ def test_false_alarms_stay_below_the_design_rate_under_no_change():
     """Normal blocks with no change: the mean number of blocks to a false alarm is at least
     the design run length (Siegmund's approximation is conservative for KREF = 0.5 with the
     baseline margin)."""
-    rate = 1.0 / (200 * BLOCK_SAMPLES)            # design: 200 blocks per statistic and side
+    rate = 1.0 / (200 * BLOCK_SAMPLES)            # design: 200 blocks per statistic
     det = ChangeDetector(false_alarm_rate=rate, baseline_samples=5 * BLOCK_SAMPLES,
                          min_shift=0.0)
-    design = (len(STATISTICS) + 1) / (rate * BLOCK_SAMPLES)  # blocks per false alarm
+    design = len(STATISTICS) / (rate * BLOCK_SAMPLES)  # blocks per false alarm
     rng = np.random.default_rng(0)
     blocks, alarms = 0, 0
     while blocks < 20 * design:
@@ -75,20 +75,55 @@ def test_detects_a_shift_after_the_baseline_and_latches():
     assert not det.alarm and det.blocks == 0 and det.score == 0.0
 
 
-def test_confidence_gap_is_two_sided_and_min_shift_is_respected():
+def _gap_detector(min_shift: float = 0.0) -> ChangeDetector:
+    return ChangeDetector(false_alarm_rate=1e-7, baseline_samples=5 * BLOCK_SAMPLES,
+                          min_shift=min_shift)
+
+
+@pytest.mark.parametrize("drifted", [-0.1, 0.1])
+def test_a_confidence_gap_opening_either_way_alarms(drifted):
     rng = np.random.default_rng(2)
-    det = ChangeDetector(false_alarm_rate=1e-7, baseline_samples=5 * BLOCK_SAMPLES,
-                         min_shift=0.0)
+    det = _gap_detector()
     for _ in range(5):
         det.observe_block(block(rng, se=0.01, gap=0.0))
-    hits = [det.observe_block(block(rng, se=0.01, gap=-0.1)) for _ in range(5)]
+    hits = [det.observe_block(block(rng, se=0.01, gap=drifted)) for _ in range(5)]
     assert any(hits) and det.alarm_statistic == "confidence_gap"
-    # the same drop, below a minimum shift of 0.5: never declared
-    det = ChangeDetector(false_alarm_rate=1e-7, baseline_samples=5 * BLOCK_SAMPLES,
-                         min_shift=0.5)
+    # the same shift, below a minimum shift of 0.5: never declared
+    det = _gap_detector(min_shift=0.5)
     for _ in range(5):
         det.observe_block(block(rng, se=0.01, gap=0.0))
-    assert not any(det.observe_block(block(rng, se=0.01, gap=-0.1)) for _ in range(200))
+    assert not any(det.observe_block(block(rng, se=0.01, gap=drifted)) for _ in range(200))
+
+
+@pytest.mark.parametrize("baseline_gap", [-0.08, 0.08])
+def test_a_confidence_gap_closing_never_alarms(baseline_gap):
+    """A map that removes the gap its predecessor had (a refinement in one regime, whose
+    baseline the test keeps) is not a drift; a signed two-sided test alarmed here."""
+    rng = np.random.default_rng(5)
+    det = _gap_detector()
+    for _ in range(5):
+        det.observe_block(block(rng, se=0.01, gap=baseline_gap))
+    assert not any(det.observe_block(block(rng, se=0.01, gap=0.0)) for _ in range(500))
+    # the gap opening past its baseline size, on the other side, still alarms
+    assert any(det.observe_block(block(rng, se=0.01, gap=-2.5 * baseline_gap))
+               for _ in range(5))
+
+
+def test_a_snapshot_with_a_signed_gap_baseline_restarts_that_baseline_only():
+    rng = np.random.default_rng(6)
+    det = _gap_detector()
+    for _ in range(6):
+        det.observe_block(block(rng, se=0.01, gap=0.05))
+    old = det.to_dict()
+    del old["absolute"]  # written before the gap's size was tested
+    restored = ChangeDetector.from_dict(old)
+    assert restored.baseline("confidence_gap") is None
+    assert restored.baseline("ece_top") == det.baseline("ece_top")
+    assert restored.blocks == det.blocks and restored.testing
+    # the other statistics keep testing: a shift of them still alarms
+    assert any(restored.observe_block(block(rng, mean=1.0, se=0.01)) for _ in range(5))
+    restored.reset()
+    assert restored.baseline("confidence_gap") is None and restored.blocks == 0
 
 
 def test_disabled_at_rate_zero_and_validation():

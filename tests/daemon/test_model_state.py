@@ -459,8 +459,9 @@ def test_a_changed_change_test_setting_keeps_the_window_and_restarts_the_test():
 def test_a_checkpoint_written_before_the_specs_restores_into_them():
     """``tests/data/model_state_3.json`` was written by the daemon that kept a config dict
     (certified, ``pool`` unset, 280 joined samples, 20 predictions waiting): it restores into
-    the specs its settings give, reconciles as unchanged and is written back byte for byte (so
-    a daemon rolled back to that version reads it as its own)."""
+    the specs its settings give, reconciles as unchanged and is written back as it was, but for
+    the change test's snapshot (the confidence gap is tested by its size since: the signed
+    test's ``cusum_low`` is gone, ``absolute`` names the statistics tested by size)."""
     from pathlib import Path
 
     data = (Path(__file__).parents[1] / "data" / "model_state_3.json").read_bytes()
@@ -471,7 +472,12 @@ def test_a_checkpoint_written_before_the_specs_restores_into_them():
     assert st.epoch_spec == ms.epoch_spec() and st.monitor_spec == ms.monitor_spec()
     assert (st.samples_total, st.join.pending()) == (280, 20) and st.fit_spec.pool_size is None
     assert st.reconcile(ms, join) == (st, "restored", "")
-    assert orjson.dumps(st.to_dict()) == data
+    back, orig = st.to_dict(), orjson.loads(data)
+    test, orig_test = back["monitor"]["change"]["test"], orig["monitor"]["change"]["test"]
+    assert orig_test.pop("cusum_low") == {"confidence_gap": 0.0}
+    assert test.pop("absolute") == ["confidence_gap"] and test == orig_test
+    back["monitor"]["change"]["test"] = orig["monitor"]["change"]["test"] = None
+    assert orjson.dumps(back) == orjson.dumps(orig)
     # and it runs on like a state created from these settings and fed the same events
     fresh = ModelState.create(MODEL, K, ms, join)
     assert fresh.layout == st.layout and fresh.monitor.change == st.monitor.change
@@ -651,6 +657,31 @@ def test_online_drift_refill_keeps_only_post_drift_samples_and_the_live_map():
     assert ev.kind == "drift" and st.online.warming and st.online.window.n == 0
     assert st.binmap == live and st.binmap_version == version   # kept until beaten
     assert st.request_fit() == []                                # nothing to fit: warming
+
+
+class _Stats:
+    """A window evaluation whose Err_p lower bound is far above any drift threshold."""
+    n, lower = 10**6, 1.0
+
+
+def test_online_threshold_firing_fits_and_keeps_the_window_a_change_alarm_resets_it():
+    """The absolute threshold says the live map is not good enough, not that the data changed:
+    the window stays and the next decision point fits; only the change test resets it."""
+    st, p = new_state(**ONLINE), parser()
+    feed_online(st, p, traffic(6000, seed=7))
+    n, start = st.online.window.n, st.online.regime_start
+    drift = st.triggers.drift
+    assert drift.observe(_Stats(), 0.0) is False or drift.sustain == 0
+    f = st.triggers.check(now=drift.sustain + 1.0, pools_full=False, stats=_Stats())
+    assert (f.trigger, f.action, drift.cause) == ("drift", "refill", "threshold")
+    assert st.respond_online(f) == "fit_requested"
+    assert st.online.window.n == n and st.online.regime_start == start
+    assert st.online.next_fit_at is not None and not st.online.warming
+    assert drift.armed                    # the change test can still declare a drift
+    f = st.triggers.check(now=drift.sustain + 2.0, pools_full=False, stats=None, change=True)
+    assert (f.action, drift.cause) == ("refill", "change")
+    assert st.respond_online(f) == "window_reset"
+    assert st.online.window.n == 0 and st.online.warming and not drift.armed
 
 
 def test_online_manual_request_schedules_a_fit_at_the_next_decision_point():

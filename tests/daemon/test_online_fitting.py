@@ -499,15 +499,21 @@ async def test_restore_reruns_the_fit_requests_of_the_checkpoint(make, monkeypat
 
 
 async def test_drift_trigger_restarts_the_warm_up_and_labels_the_next_map(make):
-    # the absolute rule as a drift trigger that fires as soon as a map is live
-    d = make(settings(drift_threshold=1e-9, drift_sustain_seconds=0.0, drift_confidence=0.0,
-                      drift_min_samples=100, drift_false_alarm_rate=0.0))
+    # the change test, with a short baseline and a high false-alarm rate so that the drift
+    # below is declared soon (the absolute rule, which in online mode only asks for a fit,
+    # is out of the way)
+    d = make(settings(drift_threshold=1.0, drift_false_alarm_rate=1e-3,
+                      drift_baseline_samples=2000))
     feed = Feeder(d)
     await feed.until(lambda: d.registry.get(M) is not None
                      and d.registry.slots[M].state.binmap_version >= 1, "a first map")
-    feed.scale = 0.6  # the network turns under-confident: the live map's temperature is wrong
     st = d.registry.slots[M].state
+    # the drift comes once the change test has its baseline (a drift inside the baseline is
+    # the live map's own level: not a change of it)
+    await feed.until(lambda: st.monitor.change.testing, "the change test's baseline")
+    feed.scale = 0.6  # the network turns under-confident: the live map's temperature is wrong
     await feed.until(lambda: st.online.regime_start > 0, "a drift refill")
+    assert st.triggers.drift.cause == "change"
     assert gauge(d, "lpcal_calibrations_total", trigger="drift") in (None, 0.0)
     assert st.online.warming  # the warm-up restarted at the drift
     v = st.binmap_version
