@@ -2,6 +2,7 @@
 soon as the pools can fit it, and its shadow test uses the test-share samples that arrived while
 it was fitted."""
 
+import itertools
 import json
 import math
 
@@ -112,10 +113,10 @@ def test_the_shadow_is_tested_again_when_its_samples_grew_by_the_growth_factor()
     cal = OnlineCalibrator(3, cfg)
     req = until_blocked(cal, f, y).requests[0]
     cal.complete(req, run_fit(req))
-    bm, acc = cal.shadow
-    # force a loss: the shadow against itself as the live map is never better
-    cal.live = bm
-    cal.shadow = (bm, PairedLoss(cfg.loss))
+    bm = cal.shadow[0]
+    # force losses: the shadow against itself as the live map is never better
+    cal.install(bm, cal.version)
+    cal.shadow, cal.shadow_next_test = (bm, PairedLoss(cfg.loss)), cfg.min_heldout
     n = cal.n_seen
     tested = []
     while len(tested) < 3 and n < y.size:
@@ -124,5 +125,5 @@ def test_the_shadow_is_tested_again_when_its_samples_grew_by_the_growth_factor()
         tested += [e.decision.n for e in up.events if e.kind == "kept"]
     assert len(tested) == 3
     assert tested[0] >= cfg.min_heldout
-    for a, b in zip(tested, tested[1:]):
+    for a, b in itertools.pairwise(tested):
         assert b >= math.ceil(cfg.growth * a) and b < 1.9 * a
