@@ -441,8 +441,9 @@ class Update:
 class Event:
     """Something the calibrator did at sample ``n``: ``kind`` is ``"warmup_end"``,
     ``"published"``, ``"kept"`` (a candidate lost its test), ``"shadow"`` (a corrected map is
-    now tested prospectively), ``"fit_requested"`` (``request``: run it), ``"fit_scheduled"``
-    (:meth:`OnlineCalibrator.request_fit`), ``"fit_done"`` (a
+    now tested prospectively; ``detail`` says how many paired test-share samples it starts
+    with, those that arrived while it was fitted), ``"fit_requested"`` (``request``: run
+    it), ``"fit_scheduled"`` (:meth:`OnlineCalibrator.request_fit`), ``"fit_done"`` (a
     request's result took effect; ``detail`` says whether it was a corrected map) or
     ``"drift"``; ``version`` and ``temperature`` of the map concerned, the test's
     :class:`Decision` (if any), and ``binmap`` when published."""
