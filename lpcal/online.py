@@ -384,9 +384,11 @@ class FitRequest:
         return self._built[0]
 
     def to_dict(self, *, packed: bool = False) -> dict[str, Any]:
-        return {"id": self.id, "n": self.n, "due": self.due, "seed": self.seed,
-                "version": self.version, "snapshot": self.snapshot.to_dict(packed=packed),
-                "held_from": None if self.held_from is None else list(self.held_from)}
+        out = {"id": self.id, "n": self.n, "due": self.due, "seed": self.seed,
+               "version": self.version, "snapshot": self.snapshot.to_dict(packed=packed)}
+        if self.held_from is not None:  # absent from a request restored without it
+            out["held_from"] = list(self.held_from)
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, model_id: str,
