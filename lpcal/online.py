@@ -19,7 +19,10 @@ k = 10 model's first map) with four pieces:
    so ``O(log n)`` fits): the temperature of the window's fit share (temperature scaling) and,
    once the pools hold ``pools_from`` samples, Algorithm 2 on the window's pools through
    :func:`lpcal.calibrate.fit_pools` (its held-out certificate picks the pre-calibrator or the
-   corrected map; only a corrected map is a new candidate).
+   corrected map; only a corrected map is a new candidate). While the pools hold fewer, the
+   next fit point is brought forward to the decision point at which the fit share will have
+   filled them (and the schedule continues from there): Algorithm 2 is not held back to the
+   next geometric point, up to a factor ``growth`` later.
 4. **Champion and challenger** (:mod:`lpcal.challenger`): a candidate is published only when the
    paired held-out loss difference against the live map (the identity before the first map) has
    a one-sided upper bound below 0 at level ``alpha_j = alpha / (j (j + 1))`` for the ``j``-th
@@ -28,8 +31,14 @@ k = 10 model's first map) with four pieces:
    times as many samples of the same regime, needs only a lower held-out mean loss).
    Temperature candidates are tested at once on the window's held-out
    :class:`lpcal.challenger.LossGrid` (held out of every fit by routing); a corrected map is
-   tested prospectively (*shadow*): both maps score the held-out samples that arrive after it was
-   fitted, and it is tested when their count doubles from ``min_heldout``.
+   tested prospectively (*shadow*): both maps score the test-share samples that arrived after
+   the snapshot it was fitted on, those that came while the fit ran (kept raw in the window's
+   buckets) and those that follow, and it is tested when their count reaches ``min_heldout``,
+   then each time it grew by a factor ``growth``. The samples after the snapshot are
+   independent of the candidate (a function of the samples before it) and of the live map,
+   if that is still the one live at the request (otherwise only the samples from the fit's
+   ``due`` sample on count); so the test keeps its level, and the fit delay no longer delays
+   it.
 
 :meth:`OnlineCalibrator.notify_drift` (a detected drift: the daemon's change test) keeps only the
 buckets after the drift (:meth:`lpcal.window.SlidingWindow.reset_after`), re-opens the warm-up
@@ -198,9 +207,12 @@ class OnlineConfig:
     min_heldout : int
         Held-out samples below which no test decides.
     growth : float
-        Candidates are fitted when the samples since the warm-up began grow by this factor.
+        Candidates are fitted when the samples since the warm-up began grow by this factor; a
+        shadow challenger is tested again when its paired samples grew by this factor.
     pools_from : int
-        Fit-share samples in the window's pools before Algorithm 2 is run.
+        Fit-share samples in the window's pools before Algorithm 2 is run (the first fit point
+        of a regime comes when the pools are expected to hold them, if that is earlier than
+        the geometric schedule's).
     fit_delay : int
         Samples after a fit request at which its result takes effect (a multiple of ``step``,
         at least ``step``): decisions depend on the input order only, never on how long the
@@ -347,7 +359,11 @@ class FitRequest:
     (:class:`lpcal.window.PoolsSnapshot`), merged into :attr:`pools` on first use, i.e. in the
     thread that runs the fit; ``seed`` and ``version`` the fit's arguments. The fit is
     deterministic given these, so a restore re-issues the request and gets the same map (the
-    checkpoint holds the snapshot unmerged: :meth:`lpcal.window.PoolsSnapshot.to_dict`)."""
+    checkpoint holds the snapshot unmerged: :meth:`lpcal.window.PoolsSnapshot.to_dict`).
+    ``held_from``: ``(bucket index, test-share samples it held)`` of the window's open bucket
+    at the request, i.e. where the test-share samples that arrive after the snapshot begin
+    (the shadow test of a corrected result scores them at once: module docstring, 4.); None in
+    a request restored from a state written without it."""
 
     id: int
     n: int
@@ -357,6 +373,7 @@ class FitRequest:
     model_id: str
     snapshot: PoolsSnapshot = field(repr=False)
     config: OnlineConfig = field(repr=False)
+    held_from: tuple[int, int] | None = None
     _built: list = field(default_factory=list, repr=False)
 
     @property
@@ -367,15 +384,19 @@ class FitRequest:
         return self._built[0]
 
     def to_dict(self, *, packed: bool = False) -> dict[str, Any]:
-        return {"id": self.id, "n": self.n, "due": self.due, "seed": self.seed,
-                "version": self.version, "snapshot": self.snapshot.to_dict(packed=packed)}
+        out = {"id": self.id, "n": self.n, "due": self.due, "seed": self.seed,
+               "version": self.version, "snapshot": self.snapshot.to_dict(packed=packed)}
+        if self.held_from is not None:  # absent from a request restored without it
+            out["held_from"] = list(self.held_from)
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, model_id: str,
                   config: OnlineConfig) -> FitRequest:
+        mark = d.get("held_from")
         return cls(int(d["id"]), int(d["n"]), int(d["due"]), int(d["seed"]),
                    int(d["version"]), model_id, PoolsSnapshot.from_dict(d["snapshot"]),
-                   config)
+                   config, None if mark is None else (int(mark[0]), int(mark[1])))
 
 
 def _config_dict(config: OnlineConfig) -> dict[str, Any]:
@@ -422,8 +443,9 @@ class Update:
 class Event:
     """Something the calibrator did at sample ``n``: ``kind`` is ``"warmup_end"``,
     ``"published"``, ``"kept"`` (a candidate lost its test), ``"shadow"`` (a corrected map is
-    now tested prospectively), ``"fit_requested"`` (``request``: run it), ``"fit_scheduled"``
-    (:meth:`OnlineCalibrator.request_fit`), ``"fit_done"`` (a
+    now tested prospectively; ``detail`` says how many paired test-share samples it starts
+    with, those that arrived while it was fitted), ``"fit_requested"`` (``request``: run
+    it), ``"fit_scheduled"`` (:meth:`OnlineCalibrator.request_fit`), ``"fit_done"`` (a
     request's result took effect; ``detail`` says whether it was a corrected map) or
     ``"drift"``; ``version`` and ``temperature`` of the map concerned, the test's
     :class:`Decision` (if any), and ``binmap`` when published."""
@@ -635,6 +657,7 @@ class OnlineCalibrator:
             self.pool_temperature = d.temperature
             self.window.set_temperature(d.temperature)
             self.next_fit_at = max(cfg.step, math.ceil(n_reg * cfg.growth / cfg.step) * cfg.step)
+            self._fit_when_pools_ready(0)
             events.append(Event(self.n_seen, "warmup_end", temperature=d.temperature,
                                 detail=d.reason or f"+-{d.half_width:.3f} in ln T"))
             events.extend(self._challenge_temperature(d.temperature, self.warm_n))
@@ -770,14 +793,35 @@ class OnlineCalibrator:
             return []
         snap = self.window.snapshot()
         if snap is None or snap.fit_samples < self.config.pools_from:
+            self._fit_when_pools_ready(0 if snap is None else snap.fit_samples)
             return []
         self.requests_issued += 1
+        open_ = self.window.open
         req = FitRequest(self.requests_issued, self.n_seen, self.n_seen + self.config.fit_delay,
-                         self.n_seen, self.version + 1, self.model_id, snap, self.config)
+                         self.n_seen, self.version + 1, self.model_id, snap, self.config,
+                         (open_.index, open_.n_held))
         self.pending, self.result = req, None
         if self.fit is not None:
             self.result = self.fit(req)
         return [Event(self.n_seen, "fit_requested", req.version, request=req)]
+
+    def _fit_when_pools_ready(self, fit_samples: int) -> None:
+        """The pools hold ``fit_samples < pools_from``: bring the next fit point forward to the
+        first decision point at which they will hold ``pools_from`` (the fit share's expected
+        samples, rounded up to a decision point; if routing leaves them short, the point after
+        that is set the same way), instead of holding Algorithm 2 back to the next point of the
+        geometric schedule, up to a factor ``growth`` later. The schedule continues from that
+        point (no extra fit point, unless routing left the pools short). Only while no bucket
+        of the regime was dropped (otherwise the pools do not grow at that rate)."""
+        cfg = self.config
+        n_reg = self.n_seen - self.regime_start
+        if self.warm is not None or self.window.n < n_reg:
+            return
+        share = float(self.window.layout.cumulative_weights()[len(self.window.layout.names) - 1])
+        need = math.ceil((cfg.pools_from - fit_samples) / share)
+        at = n_reg + max(1, math.ceil(need / cfg.step)) * cfg.step
+        if self.next_fit_at is None or at < self.next_fit_at:
+            self.next_fit_at = at
 
     def _apply_fit(self) -> list[Event]:
         """The outstanding request's result takes effect (at ``due``): a corrected map becomes
@@ -790,24 +834,53 @@ class OnlineCalibrator:
         done = Event(self.n_seen, "fit_done", req.version, bm.temperature,
                      detail="corrected" if bm.n_bins else "pre-calibrator")
         if bm.n_bins:
-            return [done, *self._start_shadow(dataclasses.replace(bm, version=req.version))]
+            bm = dataclasses.replace(bm, version=req.version)
+            return [done, *self._start_shadow(bm, self._paired_since(req, bm))]
         if self.live is not None and self.live.n_bins and self.warm is None:
             grid = self.window.grid()
             if grid.n:
                 return [done, *self._challenge_temperature(grid.fit(), grid.n)]
         return [done]
 
-    def _start_shadow(self, bm: BinMap) -> list[Event]:
-        self.shadow = (bm, PairedLoss(self.config.loss))
+    def _paired_since(self, req: FitRequest, bm: BinMap) -> PairedLoss:
+        """The paired losses of ``bm`` (the result of ``req``) against the live map on the
+        test-share samples that arrived after ``req``'s snapshot, i.e. while the fit ran
+        (module docstring, 4.): independent of ``bm`` (a function of the samples before the
+        request) and of the live map, if that is still the one live at the request (else,
+        and for a request without ``held_from``, none: the test is prospective from now)."""
+        acc = PairedLoss(self.config.loss)
+        if req.held_from is None or self.version + 1 != req.version:
+            return acc
+        index, count = req.held_from
+        parts = []
+        for b in self.window.buckets:
+            if b.index < index or not b.n_held:
+                continue
+            x, y = b.held_samples(self.k)
+            if b.index == index:
+                x, y = x[count:], y[count:]
+            parts.append((x, y))
+        if not parts:
+            return acc
+        x = np.concatenate([p[0] for p in parts])
+        y = np.concatenate([p[1] for p in parts])
+        if not y.size:
+            return acc
+        return PairedLoss.score(bm.apply(x, check=False), self._live_apply(x), y,
+                                self.config.loss)
+
+    def _start_shadow(self, bm: BinMap, paired: PairedLoss | None = None) -> list[Event]:
+        self.shadow = (bm, PairedLoss(self.config.loss) if paired is None else paired)
         self.shadow_next_test = self.config.min_heldout
-        return [Event(self.n_seen, "shadow", bm.version, bm.temperature)]
+        return [Event(self.n_seen, "shadow", bm.version, bm.temperature,
+                      detail=f"{self.shadow[1].n} paired since the request")]
 
     def _test_shadow(self) -> list[Event]:
         bm, acc = self.shadow
         dec = challenge(acc, alpha=self._alpha(), min_samples=self.config.min_heldout)
         if dec.publish:
             return [self._publish(bm, dec)]
-        self.shadow_next_test = 2 * acc.n
+        self.shadow_next_test = math.ceil(self.config.growth * acc.n)
         return [Event(self.n_seen, "kept", bm.version, bm.temperature, dec)]
 
     def install(self, binmap: BinMap | None, version: int) -> None:
