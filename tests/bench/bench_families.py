@@ -179,13 +179,11 @@ def run_stream(family: str, seed: int) -> dict:
         grids[phase].update(x, y)
         take(st.ingest(ids, x, y, ts), phase, start)
         firing = st.check_triggers(float(ts[-1]))
-        if firing is not None and firing.action == "refill":
+        # what the daemon does (daemon.fitting.Fitter.check_online)
+        if firing is not None and st.respond_online(firing) == "window_reset":
             if phase and out["detected"] is None:
                 out["detected"] = b - DRIFT_AT
-            st.notify_drift()
             take(st.feed_backlog(), phase, start)
-        elif firing is not None:
-            st.request_fit()
         if not drift and out["cert_floor"] is None:
             # what the certificate alone allows: the first corrected candidate's first
             # certificate (delta / 2) on the certification samples at this point (a diagnostic
@@ -243,8 +241,9 @@ def run(quick: bool = False) -> list[Table]:
              f"{CAP['two-prototypes']:,} (two-prototypes) and {DRIFT_AT:,} + "
              f"{CAP['drift']:,} (drift) samples."),
             ("daemon.model_state.ModelState from daemon.settings.ModelSettings(recovery="
-             "'online', eps=0.05, p=inf), default byte budget; fits run synchronously; a drift "
-             "is notified only when the daemon's change test fires (checked after every batch "
+             "'online', eps=0.05, p=inf), default byte budget; fits run synchronously; the "
+             "triggers act as in the daemon (ModelState.respond_online: a change-test alarm "
+             "declares a drift, the absolute threshold asks for a fit; checked after every batch "
              f"of {BATCH}, event time at {RATE:g} samples per second). True Err_p: "
              f"lpcal.metrics.err_p_true on {N_TRUTH:,} independent samples of the family."),
             ("TS alone: temperature scaling fitted on every sample seen (since the switch, "
