@@ -80,6 +80,7 @@ _INV_T = 2.0 ** -LOSS_GRID_LOG2_T
 _G = LOSS_GRID_LOG2_T.size
 _GRID_ID = "log2T:-4:4:1/4"
 _IU = np.triu_indices(_G)
+_IU_FLAT = _IU[0] * _G + _IU[1]
 #: Fixed-point units per unit of loss (per-sample losses are rounded to ``1 / SCALE``).
 SCALE = float(1 << 14)
 #: Largest per-sample log-loss summed, in nats (a label given probability ``< e^-32``).
@@ -254,7 +255,8 @@ class LossGrid:
             v *= SCALE
             np.rint(v, out=v)                                            # integers, as float
             sums = v.sum(axis=2).astype(np.int64)
-            prods = np.matmul(v, v.transpose(0, 2, 1))[:, _IU[0], _IU[1]].astype(np.int64)
+            prods = np.take(np.matmul(v, v.transpose(0, 2, 1)).reshape(2, _G * _G), _IU_FLAT,
+                            axis=1).astype(np.int64)
             for i, loss in enumerate(LOSSES):
                 self.sums[loss] += sums[i]
                 self.prods[loss] += prods[i]

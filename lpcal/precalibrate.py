@@ -81,9 +81,9 @@ def pairwise_planes(a: np.ndarray) -> np.ndarray:
             res += a[j]
         return res
     if n <= 128:
-        r = a[:8].copy()
         stop = n - n % 8
-        for j in range(8, stop, 8):
+        r = a[:8] if stop == 8 else a[:8] + a[8:16]
+        for j in range(16, stop, 8):
             r += a[j:j + 8]
         h = r[0::2] + r[1::2]             # r0 + r1, r2 + r3, r4 + r5, r6 + r7
         res = (h[0] + h[1]) + (h[2] + h[3])
@@ -154,7 +154,9 @@ def nll_fixed(S: np.ndarray, zy: np.ndarray) -> np.ndarray:
     np.minimum(S, NLL_CLIP, out=S)
     S *= NLL_SCALE
     np.rint(S, out=S)
-    return S.astype(np.int64).sum(axis=1)
+    # integers up to 2^30 per sample: their float64 sum over a chunk (far below 2^23 rows) is
+    # exact
+    return S.sum(axis=1).astype(np.int64)
 
 
 def _grid_nll(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, int]:
