@@ -71,6 +71,9 @@ SCALE = float(1 << 16)
 #: Largest magnitude of a per-sample ``s``, ``h`` (and of ``s^2``) summed.
 CLIP = 4096.0
 _INV_T = 2.0 ** -GRID_LOG2_T
+_INV_COL = _INV_T[:, None]
+_NEG_INV_COL = -_INV_COL
+_INV2_COL = _INV_COL**2
 _LN2 = math.log(2.0)
 #: Curvature in ``theta`` of the grid fit's prior ``(log2 T)^2 / 8`` (:mod:`lpcal.precalibrate`).
 PRIOR_CURVATURE = 1.0 / (4.0 * _LN2 * _LN2)
@@ -134,7 +137,7 @@ def _grid_terms(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, ...]:
     zy = z[np.arange(n), y]
     zf = np.where(np.isfinite(z), z, 0.0)
     zf2 = zf * zf
-    inv = _INV_T[:, None]
+    inv, neg_inv, inv2 = _INV_COL, _NEG_INV_COL, _INV2_COL
     for a, b, e, S in grid_exp(z, _INV_T):
         e /= S[None]                                                    # q at each T
         q = np.ascontiguousarray(e.transpose(1, 2, 0))                  # (G, m, k)
@@ -143,12 +146,12 @@ def _grid_terms(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, ...]:
         out[0] += nll_fixed(S, zy[a:b])
         v = np.empty((3, *m1.shape))                                    # s, s^2, h
         gap = m1 - zy[None, a:b]                                        # E_q z - z_y
-        np.multiply(-inv, gap, out=v[0])
+        np.multiply(neg_inv, gap, out=v[0])
         np.multiply(v[0], v[0], out=v[1])
         m1 *= m1
         np.subtract(m2, m1, out=m2)
         np.maximum(m2, 0.0, out=m2)
-        np.multiply(inv**2, m2, out=v[2])
+        np.multiply(inv2, m2, out=v[2])
         gap *= inv
         v[2] += gap
         np.maximum(v, -CLIP, out=v)                                     # clip to +-CLIP

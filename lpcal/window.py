@@ -61,7 +61,8 @@ a window written with held-out sums in its buckets' pools still restores and cou
 the usual factor of text over int64).
 
 Cost: adding ``n`` samples costs what the underlying sums cost (``O(n k G)`` for the grids, the
-binning of ``g`` for the pools); :meth:`SlidingWindow.pools` merges the buckets pairwise (a
+binning of ``g`` of the fit share for the pools; :meth:`SlidingWindow.add` given the warm-up's
+:class:`lpcal.warmup.WarmupSums` fills them from the bucket grid's exponentials); :meth:`SlidingWindow.pools` merges the buckets pairwise (a
 balanced tree: ``O(W log B)`` for ``W`` stored bins); memory is bounded by ``n_buckets`` buckets.
 """
 
