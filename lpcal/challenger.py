@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 
 from lpcal.errors import InputError
-from lpcal.precalibrate import grid_exp, shifted_log
+from lpcal.precalibrate import chunk_rows, grid_exp, shifted_log
 from lpcal.warmup import lagrange_weights, normal_quantile
 
 __all__ = ["LOSSES", "LOSS_GRID_LOG2_T", "NLL_CLIP", "SCALE", "Decision", "LossGrid",
@@ -86,9 +86,9 @@ SCALE = float(1 << 14)
 #: Largest per-sample log-loss summed, in nats (a label given probability ``< e^-32``).
 NLL_CLIP = 32.0
 LOSSES = ("brier", "nll")
-#: Cells per chunk of the grid's exponentials: at most ``2^16 / (2 G) < 2^10`` rows, so the
-#: products of per-sample losses (integers below ``2^38``) sum exactly in float64 (below 2^53).
-_CHUNK_CELLS = 1 << 16
+#: Rows per chunk of the grid's exponentials, at most: the products of per-sample losses
+#: (integers up to ``2^38``) then sum exactly in float64 (below ``2^53``).
+_EXACT_ROWS = 1 << 14
 
 
 def per_sample_loss(h: np.ndarray, labels: np.ndarray, loss: str) -> np.ndarray:
@@ -239,7 +239,7 @@ class LossGrid:
         if n == 0:
             return self
         z = shifted_log(x)
-        for a, b, e, S in grid_exp(z, _INV_T, _CHUNK_CELLS):
+        for a, b, e, S in grid_exp(z, _INV_T, min(_EXACT_ROWS, chunk_rows(_G, x.shape[1]))):
             e /= S[None]                                                 # q, (k, G, m)
             m = b - a
             qy = e[y[a:b], :, np.arange(m)].T                            # (G, m)

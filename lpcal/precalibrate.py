@@ -58,7 +58,9 @@ __all__ = ["GRID_LOG2_T", "TemperatureGrid"]
 GRID_LOG2_T = np.arange(-8, 9, dtype=np.float64) / 2.0
 _GRID_ID = "log2T:-4:4:1/2"
 _INV_T = 2.0 ** -GRID_LOG2_T
-_CHUNK_CELLS = 1 << 16  # rows * grid * classes evaluated at once (fits in L2)
+_CHUNK_CELLS = 1 << 20  # rows * grid * classes evaluated at once, at most (8 MB)
+#: Rows per chunk of the grid's exponentials, at most (:func:`chunk_rows`).
+CHUNK_ROWS = 512
 #: Fixed-point units per nat of the NLL sums, and the largest per-sample term (nats).
 NLL_SCALE = float(1 << 20)
 NLL_CLIP = 1024.0
@@ -103,11 +105,18 @@ def shifted_log(x: np.ndarray) -> np.ndarray:
     return z
 
 
-def grid_exp(zs: np.ndarray, inv_t: np.ndarray, chunk_cells: int = _CHUNK_CELLS):
+def chunk_rows(g: int, k: int) -> int:
+    """Rows per chunk of :func:`grid_exp` for ``g`` grid points and ``k`` classes: up to
+    :data:`CHUNK_ROWS` (long enough loops over rows), and at most ``_CHUNK_CELLS`` cells."""
+    return max(1, min(CHUNK_ROWS, _CHUNK_CELLS // (g * k)))
+
+
+def grid_exp(zs: np.ndarray, inv_t: np.ndarray, rows: int | None = None):
     """The exponentials of temperature scaling on a grid, in row chunks of bounded memory.
 
     For shifted log-probabilities ``zs`` (n, k) (:func:`shifted_log`) and inverse temperatures
-    ``inv_t`` (G,), yields ``(a, b, e, S)`` for consecutive row chunks ``[a, b)``:
+    ``inv_t`` (G,), yields ``(a, b, e, S)`` for consecutive row chunks ``[a, b)`` of ``rows``
+    rows (default :func:`chunk_rows`):
     ``e[j, g, i] = exp(zs[a + i, j] inv_t[g])`` (classes first: every pass is a long
     contiguous loop) and ``S[g, i] = sum_j e[j, g, i]``, each value bit-identical to
     ``exp(zs[:, None, :] * inv_t[None, :, None]).sum(axis=2)`` (:func:`pairwise_planes`).
@@ -117,7 +126,7 @@ def grid_exp(zs: np.ndarray, inv_t: np.ndarray, chunk_cells: int = _CHUNK_CELLS)
     """
     n, k = zs.shape
     g = inv_t.size
-    step = max(1, min(n, chunk_cells // (g * k)))
+    step = max(1, min(n, chunk_rows(g, k) if rows is None else int(rows)))
     zt = np.ascontiguousarray(zs.T)                      # (k, n)
     buf = np.empty(k * g * step)
     for a in range(0, n, step):
