@@ -59,6 +59,7 @@ consecutive blocks for ``mu`` and every estimation pool. Everything is determini
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -341,6 +342,13 @@ def _scanned(probs, lam: int, tol: float = 1e-4):
     return _scanned(x / x.sum(axis=1, keepdims=True), lam, tol)
 
 
+@functools.lru_cache(maxsize=256)
+def _min_certifiable_holdout(eps: float, p: float, delta: float, k: int, candidates: int) -> int:
+    """:func:`lpcal.certificate.min_certifiable_holdout`, computed once per setting (a binary
+    search over the bound, milliseconds: a fit of ten thousand samples takes tens)."""
+    return min_certifiable_holdout(eps, p, delta, k, candidates=candidates)
+
+
 def fit(
     probs,
     labels,
@@ -423,7 +431,7 @@ def fit(
     n_hold = round(n * hf)
     if (spec.mode is Mode.CERTIFIED and spec.holdout_fraction is None
             and prescale is Prescale.TEMPERATURE
-            and n_hold < min_certifiable_holdout(eps, p, delta, k, candidates=2)):
+            and n_hold < _min_certifiable_holdout(eps, p, delta, k, 2)):
         return _precalibrator_only(x, y, eps=eps, p=p, delta=delta, model_id=model_id)
     if hf > 0 and not (1 <= n_hold < n):
         raise InputError(f"holdout_fraction={hf} of {n} samples leaves no held-out or no fit "
@@ -466,8 +474,7 @@ def _precalibrator_only(x: np.ndarray, y: np.ndarray, *, eps: float, p: float, d
         model_id=model_id, version=1, created_at=utc_now(), eps=float(eps), p=float(p),
         delta=float(delta), beta=beta, lam=lam, k=k, temperature=grid.fit(), outside="identity",
         sizing={"mode": "precalibrator-only", "samples": int(x.shape[0]),
-                "min_certifiable_holdout": min_certifiable_holdout(eps, p, delta, k,
-                                                                   candidates=2)},
+                "min_certifiable_holdout": _min_certifiable_holdout(eps, p, delta, k, 2)},
         iterations=0, stop_reason="not_run", est_error={}, bins=(),
         group=np.zeros(0, np.int64), preds=np.zeros((0, k)), mode="certified",
         certificate=cert, floor={"eta": FLOOR_SHARE * float(eps) / int(seen.size),

@@ -70,6 +70,7 @@ from typing import Any
 import numpy as np
 
 from lpcal.errors import InputError
+from lpcal.precalibrate import chunk_rows, grid_exp, shifted_log
 from lpcal.warmup import lagrange_weights, normal_quantile
 
 __all__ = ["LOSSES", "LOSS_GRID_LOG2_T", "NLL_CLIP", "SCALE", "Decision", "LossGrid",
@@ -81,12 +82,15 @@ _INV_T = 2.0 ** -LOSS_GRID_LOG2_T
 _G = LOSS_GRID_LOG2_T.size
 _GRID_ID = "log2T:-4:4:1/4"
 _IU = np.triu_indices(_G)
+_IU_FLAT = _IU[0] * _G + _IU[1]
 #: Fixed-point units per unit of loss (per-sample losses are rounded to ``1 / SCALE``).
 SCALE = float(1 << 14)
 #: Largest per-sample log-loss summed, in nats (a label given probability ``< e^-32``).
 NLL_CLIP = 32.0
 LOSSES = ("brier", "nll")
-_CHUNK_CELLS = 1 << 20
+#: Rows per chunk of the grid's exponentials, at most: the products of per-sample losses
+#: (integers up to ``2^38``) then sum exactly in float64 (below ``2^53``).
+_EXACT_ROWS = 1 << 14
 
 
 def per_sample_loss(h: np.ndarray, labels: np.ndarray, loss: str) -> np.ndarray:
@@ -233,26 +237,31 @@ class LossGrid:
         if x.ndim != 2 or y.shape != (x.shape[0],):
             raise InputError(f"LossGrid.update: probs {x.shape} and labels {y.shape} do not "
                              "match")
-        n, k = x.shape
+        n = x.shape[0]
         if n == 0:
             return self
-        with np.errstate(divide="ignore"):
-            z = np.log(x)
-        z -= z.max(axis=1, keepdims=True)
-        rows = np.arange(n)
-        step = max(1, _CHUNK_CELLS // (_G * k))
-        for a in range(0, n, step):
-            b = min(a + step, n)
-            e = np.exp(z[a:b, None, :] * _INV_T[None, :, None])          # (m, G, k)
-            e /= e.sum(axis=2, keepdims=True)
-            qy = e[rows[: b - a], :, y[a:b]]                             # (m, G)
+        z = shifted_log(x)
+        for a, b, e, S in grid_exp(z, _INV_T, min(_EXACT_ROWS, chunk_rows(_G, x.shape[1]))):
+            e /= S[None]                                                 # q, (k, G, m)
+            m = b - a
+            qy = e[y[a:b], :, np.arange(m)].T                            # (G, m)
+            q = np.ascontiguousarray(e.transpose(1, 2, 0))               # (G, m, k)
+            v = np.empty((2, _G, m))                                     # brier, nll
+            np.einsum("gmk,gmk->gm", q, q, out=v[0])
+            v[0] -= 2.0 * qy
+            v[0] += 1.0
             with np.errstate(divide="ignore"):
-                per = {"brier": np.einsum("mgk,mgk->mg", e, e) - 2.0 * qy + 1.0,
-                       "nll": np.minimum(-np.log(qy), NLL_CLIP)}
-            for loss, v in per.items():
-                q = _fixed(v)
-                self.sums[loss] += q.sum(axis=0)
-                self.prods[loss] += (q.T @ q)[_IU]
+                np.log(qy, out=v[1])
+            np.negative(v[1], out=v[1])
+            np.minimum(v[1], NLL_CLIP, out=v[1])
+            v *= SCALE
+            np.rint(v, out=v)                                            # integers, as float
+            sums = v.sum(axis=2).astype(np.int64)
+            prods = np.take(np.matmul(v, v.transpose(0, 2, 1)).reshape(2, _G * _G), _IU_FLAT,
+                            axis=1).astype(np.int64)
+            for i, loss in enumerate(LOSSES):
+                self.sums[loss] += sums[i]
+                self.prods[loss] += prods[i]
         self.n += n
         return self
 

@@ -599,19 +599,17 @@ class OnlineCalibrator:
         return [self.pending] if self.pending is not None and self.result is None else []
 
     def _ingest(self, u: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
-        if self.warm is not None or self.shadow is not None:
+        if self.shadow is not None:
             fit = self.window.layout.route_uniforms(u) < len(self.window.layout.names)
             hold = ~fit & ~self.window.certifying(u)  # the test share
-            if self.warm is not None:
-                self.warm.update(x[fit], y[fit])
-            if self.shadow is not None and hold.any():
+            if hold.any():
                 bm, acc = self.shadow
                 xs, ys = x[hold], y[hold]
                 self.shadow = (bm, acc + PairedLoss.score(bm.apply(xs, check=False),
                                                           self._live_apply(xs), ys,
                                                           self.config.loss))
         before = self.window.open.index
-        self.window.add(u, x, y)
+        self.window.add(u, x, y, warmup=self.warm)  # the warm-up takes the fit share
         if self.window.open.index != before:
             self._trim(sealed_from=before)
         self.n_seen += int(y.size)

@@ -774,6 +774,7 @@ class PoolLayout:
         object.__setattr__(self, "targets", {n: int(self.targets[n]) for n in names})
         object.__setattr__(self, "holdout", int(self.holdout))
         object.__setattr__(self, "warmup", int(self.warmup))
+        object.__setattr__(self, "_cumulative", self._cumulative_weights())
 
     @property
     def total_target(self) -> int:
@@ -785,9 +786,15 @@ class PoolLayout:
         return self.names + (("hold",) if self.holdout else ())
 
     def cumulative_weights(self) -> np.ndarray:
+        """Cumulative shares of the routed destinations (read-only; computed once)."""
+        return self._cumulative
+
+    def _cumulative_weights(self) -> np.ndarray:
         t = np.array([self.targets[n] for n in self.names]
                      + ([self.holdout] if self.holdout else []), dtype=np.float64)
-        return np.cumsum(t) / t.sum()
+        cw = np.cumsum(t) / t.sum()
+        cw.flags.writeable = False
+        return cw
 
     def route(self, ids: Iterable[str | bytes]) -> np.ndarray:
         """Destination index (into :attr:`routes`) of each event id, with probability

@@ -58,36 +58,126 @@ __all__ = ["GRID_LOG2_T", "TemperatureGrid"]
 GRID_LOG2_T = np.arange(-8, 9, dtype=np.float64) / 2.0
 _GRID_ID = "log2T:-4:4:1/2"
 _INV_T = 2.0 ** -GRID_LOG2_T
-_CHUNK_CELLS = 1 << 20  # rows * grid * classes evaluated at once
+_CHUNK_CELLS = 1 << 20  # rows * grid * classes evaluated at once, at most (8 MB)
+#: Rows per chunk of the grid's exponentials, at most (:func:`chunk_rows`).
+CHUNK_ROWS = 512
 #: Fixed-point units per nat of the NLL sums, and the largest per-sample term (nats).
 NLL_SCALE = float(1 << 20)
 NLL_CLIP = 1024.0
 
 
-def _grid_nll(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, int]:
-    """``(sum_i NLL_i(T_g) in fixed point for every grid point g, samples with f_y = 0)``."""
-    n, k = x.shape
-    fy = x[np.arange(n), y]
-    keep = fy > 0
-    skipped = int(n - np.count_nonzero(keep))
-    if skipped:
-        x, y, fy = x[keep], y[keep], fy[keep]
-        n = x.shape[0]
-    total = np.zeros(_INV_T.size, dtype=np.int64)
-    if n == 0:
-        return total, skipped
+def pairwise_planes(a: np.ndarray) -> np.ndarray:
+    """``a.sum(axis=0)`` added in the order numpy adds the elements of one contiguous row.
+
+    numpy sums a contiguous row pairwise: below 8 terms one after the other, up to 128 terms in
+    8 running accumulators combined as ``((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))``
+    and then the remainder, above 128 the two halves (the first a multiple of 8) separately.
+    Here each term is a whole plane ``a[j]``, so the additions are long contiguous loops, and
+    the result equals the row sums of ``a``'s values laid out as contiguous rows
+    (``np.ascontiguousarray(np.moveaxis(a, 0, -1)).sum(axis=-1)``) bit for bit (tested).
+    """
+    n = a.shape[0]
+    if n < 8:
+        res = a[0] + 0.0
+        for j in range(1, n):
+            res += a[j]
+        return res
+    if n <= 128:
+        stop = n - n % 8
+        r = a[:8] if stop == 8 else a[:8] + a[8:16]
+        for j in range(16, stop, 8):
+            r += a[j:j + 8]
+        h = r[0::2] + r[1::2]             # r0 + r1, r2 + r3, r4 + r5, r6 + r7
+        res = (h[0] + h[1]) + (h[2] + h[3])
+        for j in range(stop, n):
+            res += a[j]
+        return res
+    n2 = n // 2
+    n2 -= n2 % 8
+    return pairwise_planes(a[:n2]) + pairwise_planes(a[n2:])
+
+
+def shifted_log(x: np.ndarray) -> np.ndarray:
+    """``log x - max_j log x_j`` row-wise (``<= 0``; ``-inf`` where ``x`` is 0)."""
     with np.errstate(divide="ignore"):
         z = np.log(x)
-    zmax = z.max(axis=1, keepdims=True)
-    zs = z - zmax                                  # <= 0, -inf at zeros
-    zy = np.log(fy) - zmax[:, 0]                   # <= 0, finite
-    step = max(1, _CHUNK_CELLS // (_INV_T.size * k))
+    z -= z.max(axis=1, keepdims=True)
+    return z
+
+
+def chunk_rows(g: int, k: int) -> int:
+    """Rows per chunk of :func:`grid_exp` for ``g`` grid points and ``k`` classes: up to
+    :data:`CHUNK_ROWS` (long enough loops over rows), and at most ``_CHUNK_CELLS`` cells."""
+    return max(1, min(CHUNK_ROWS, _CHUNK_CELLS // (g * k)))
+
+
+def grid_exp(zs: np.ndarray, inv_t: np.ndarray, rows: int | None = None):
+    """The exponentials of temperature scaling on a grid, in row chunks of bounded memory.
+
+    For shifted log-probabilities ``zs`` (n, k) (:func:`shifted_log`) and inverse temperatures
+    ``inv_t`` (G,), yields ``(a, b, e, S)`` for consecutive row chunks ``[a, b)`` of ``rows``
+    rows (default :func:`chunk_rows`):
+    ``e[j, g, i] = exp(zs[a + i, j] inv_t[g])`` (classes first: every pass is a long
+    contiguous loop) and ``S[g, i] = sum_j e[j, g, i]``, each value bit-identical to
+    ``exp(zs[:, None, :] * inv_t[None, :, None]).sum(axis=2)`` (:func:`pairwise_planes`).
+    Every temperature-scaling sum of lpcal (the grid NLL, the warm-up scores, the held-out
+    loss grid) is computed from these: one implementation of the ``O(n k G)`` exponentials.
+    ``e`` and ``S`` are reused buffers: a consumer may write them, and must not keep them.
+    """
+    n, k = zs.shape
+    g = inv_t.size
+    step = max(1, min(n, chunk_rows(g, k) if rows is None else int(rows)))
+    zt = np.ascontiguousarray(zs.T)                      # (k, n)
+    buf = np.empty(k * g * step)
     for a in range(0, n, step):
         b = min(a + step, n)
-        e = np.exp(zs[a:b, None, :] * _INV_T[None, :, None])   # (m, G, k)
-        term = np.log(e.sum(axis=2)) - zy[a:b, None] * _INV_T   # (m, G) NLL, >= 0
-        q = np.rint(np.minimum(term, NLL_CLIP) * NLL_SCALE).astype(np.int64)
-        total += q.sum(axis=0)
+        e = buf[: k * g * (b - a)].reshape(k, g, b - a)
+        np.multiply(zt[:, None, a:b], inv_t[None, :, None], out=e)
+        np.exp(e, out=e)
+        yield a, b, e, pairwise_planes(e)
+
+
+def checked_batch(probs, labels, who: str) -> tuple[np.ndarray, np.ndarray]:
+    """``probs`` as float64 (n, k) and ``labels`` as int64 (n,), or :class:`InputError`."""
+    x = np.asarray(probs, dtype=np.float64)
+    y = np.asarray(labels, dtype=np.int64)
+    if x.ndim != 2 or y.shape != (x.shape[0],):
+        raise InputError(f"{who}: probs {x.shape} and labels {y.shape} do not match")
+    return x, y
+
+
+def positive_rows(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(x, y, skipped)`` without the rows whose observed class has probability 0."""
+    keep = x[np.arange(x.shape[0]), y] > 0
+    skipped = int(keep.size - np.count_nonzero(keep))
+    if skipped:
+        x, y = x[keep], y[keep]
+    return x, y, skipped
+
+
+def nll_fixed(S: np.ndarray, zy: np.ndarray) -> np.ndarray:
+    """Fixed-point NLL sums ``(G,)`` of one chunk from its ``S`` (G, m) (overwritten) and the
+    shifted log-probabilities ``zy`` (m,) of the observed classes."""
+    np.log(S, out=S)
+    S -= zy[None, :] * _INV_T[:, None]                   # NLL, >= 0
+    np.minimum(S, NLL_CLIP, out=S)
+    S *= NLL_SCALE
+    np.rint(S, out=S)
+    # integers up to 2^30 per sample: their float64 sum over a chunk (far below 2^23 rows) is
+    # exact
+    return S.sum(axis=1).astype(np.int64)
+
+
+def _grid_nll(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, int]:
+    """``(sum_i NLL_i(T_g) in fixed point for every grid point g, samples with f_y = 0)``."""
+    x, y, skipped = positive_rows(x, y)
+    total = np.zeros(_INV_T.size, dtype=np.int64)
+    if x.shape[0] == 0:
+        return total, skipped
+    zs = shifted_log(x)
+    zy = zs[np.arange(zs.shape[0]), y]
+    for a, b, _, S in grid_exp(zs, _INV_T):
+        total += nll_fixed(S, zy[a:b])
     return total, skipped
 
 
@@ -121,16 +211,18 @@ class TemperatureGrid:
 
     def update(self, probs: np.ndarray, labels: np.ndarray) -> TemperatureGrid:
         """Add a batch of validated rows ``probs`` (n, k) and labels (n,); returns ``self``."""
-        x = np.asarray(probs, dtype=np.float64)
-        y = np.asarray(labels, dtype=np.int64)
-        if x.ndim != 2 or y.shape != (x.shape[0],):
-            raise InputError(f"TemperatureGrid.update: probs {x.shape} and labels {y.shape} "
-                             "do not match")
+        x, y = checked_batch(probs, labels, "TemperatureGrid.update")
         if x.shape[0] == 0:
             return self
         s, skipped = _grid_nll(x, y)
-        self.nll += s
-        self.n += int(x.shape[0]) - skipped
+        return self.add_sums(s, int(x.shape[0]) - skipped, skipped)
+
+    def add_sums(self, nll: np.ndarray, n: int, skipped: int) -> TemperatureGrid:
+        """Add the fixed-point sums ``nll`` (G,) of ``n`` samples (and ``skipped`` left out),
+        computed elsewhere from the same kernel (:meth:`lpcal.warmup.WarmupSums.update` feeds a
+        bucket's grid this way); returns ``self``."""
+        self.nll += nll
+        self.n += n
         self.skipped += skipped
         return self
 

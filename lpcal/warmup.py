@@ -39,8 +39,9 @@ bit-identical however the samples were batched. Values between grid points are c
 interpolations in ``log2 T`` through the four nearest grid points (the functions are smooth in
 ``theta``; measured error of ``se`` below 1% at the grid's spacing of 1/2).
 
-Cost: ``O(n k G)`` exponentials for ``n`` samples, ``k`` classes, ``G = 17`` grid points (the
-grid's own cost, about twice); memory ``4 G`` int64.
+Cost: ``O(n k G)`` exponentials for ``n`` samples, ``k`` classes, ``G = 17`` grid points: the
+grid's own, computed once for the NLL and the score sums (and, through ``update(grid=...)``, for
+a window bucket's grid fed the same samples); memory ``4 G`` int64.
 """
 
 from __future__ import annotations
@@ -53,7 +54,15 @@ from typing import Any
 import numpy as np
 
 from lpcal.errors import InputError
-from lpcal.precalibrate import GRID_LOG2_T, TemperatureGrid
+from lpcal.precalibrate import (
+    GRID_LOG2_T,
+    TemperatureGrid,
+    checked_batch,
+    grid_exp,
+    nll_fixed,
+    positive_rows,
+    shifted_log,
+)
 
 __all__ = ["CLIP", "SCALE", "Determination", "WarmupSums", "normal_quantile"]
 
@@ -62,10 +71,12 @@ SCALE = float(1 << 16)
 #: Largest magnitude of a per-sample ``s``, ``h`` (and of ``s^2``) summed.
 CLIP = 4096.0
 _INV_T = 2.0 ** -GRID_LOG2_T
+_INV_COL = _INV_T[:, None]
+_NEG_INV_COL = -_INV_COL
+_INV2_COL = _INV_COL**2
 _LN2 = math.log(2.0)
 #: Curvature in ``theta`` of the grid fit's prior ``(log2 T)^2 / 8`` (:mod:`lpcal.precalibrate`).
 PRIOR_CURVATURE = 1.0 / (4.0 * _LN2 * _LN2)
-_CHUNK_CELLS = 1 << 20
 
 
 def normal_quantile(p: float) -> float:
@@ -114,32 +125,43 @@ def lagrange_weights(x: float, nodes: np.ndarray, order: int = 4) -> tuple[int, 
     return first, w
 
 
-def _score_terms(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Fixed-point ``(sum s, sum s^2, sum h)`` at every grid point (rows with ``f_y = 0`` are
-    the caller's to drop)."""
+def _grid_terms(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Fixed-point ``(NLL sums, sum s, sum s^2, sum h)`` at every grid point, from one pass of
+    the grid's exponentials (:func:`lpcal.precalibrate.grid_exp`; rows with ``f_y = 0`` are the
+    caller's to drop). The NLL sums are those of :class:`TemperatureGrid` to the bit."""
     n, k = x.shape
-    out = [np.zeros(_INV_T.size, dtype=np.int64) for _ in range(3)]
+    out = [np.zeros(_INV_T.size, dtype=np.int64) for _ in range(4)]
     if n == 0:
-        return out[0], out[1], out[2]
-    with np.errstate(divide="ignore"):
-        z = np.log(x)
-    z -= z.max(axis=1, keepdims=True)
+        return tuple(out)
+    z = shifted_log(x)
     zy = z[np.arange(n), y]
-    pos = np.isfinite(z)
-    zf = np.where(pos, z, 0.0)
-    step = max(1, _CHUNK_CELLS // (_INV_T.size * k))
-    for a in range(0, n, step):
-        b = min(a + step, n)
-        e = np.exp(z[a:b, None, :] * _INV_T[None, :, None])               # (m, G, k)
-        e /= e.sum(axis=2, keepdims=True)                                  # q at each T
-        m1 = np.einsum("mgk,mk->mg", e, zf[a:b])
-        m2 = np.einsum("mgk,mk->mg", e, zf[a:b] * zf[a:b])
-        gap = m1 - zy[a:b, None]                                           # E_q z - z_y
-        s = -_INV_T * gap
-        h = _INV_T**2 * np.maximum(m2 - m1 * m1, 0.0) + _INV_T * gap
-        for o, v in zip(out, (s, s * s, h)):
-            o += np.rint(np.clip(v, -CLIP, CLIP) * SCALE).astype(np.int64).sum(axis=0)
-    return out[0], out[1], out[2]
+    zf = np.where(np.isfinite(z), z, 0.0)
+    zf2 = zf * zf
+    inv, neg_inv, inv2 = _INV_COL, _NEG_INV_COL, _INV2_COL
+    for a, b, e, S in grid_exp(z, _INV_T):
+        e /= S[None]                                                    # q at each T
+        q = np.ascontiguousarray(e.transpose(1, 2, 0))                  # (G, m, k)
+        m1 = np.einsum("gmk,mk->gm", q, zf[a:b])
+        m2 = np.einsum("gmk,mk->gm", q, zf2[a:b])
+        out[0] += nll_fixed(S, zy[a:b])
+        v = np.empty((3, *m1.shape))                                    # s, s^2, h
+        gap = m1 - zy[None, a:b]                                        # E_q z - z_y
+        np.multiply(neg_inv, gap, out=v[0])
+        np.multiply(v[0], v[0], out=v[1])
+        m1 *= m1
+        np.subtract(m2, m1, out=m2)
+        np.maximum(m2, 0.0, out=m2)
+        np.multiply(inv2, m2, out=v[2])
+        gap *= inv
+        v[2] += gap
+        np.maximum(v, -CLIP, out=v)                                     # clip to +-CLIP
+        np.minimum(v, CLIP, out=v)
+        v *= SCALE
+        # integers up to 2^28 per sample: their float64 sums over a chunk are exact
+        t = np.rint(v, out=v).sum(axis=2).astype(np.int64)
+        for o, row in zip(out[1:], t):
+            o += row
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -201,17 +223,20 @@ class WarmupSums:
         """Samples summed (those with ``f_y > 0``)."""
         return self.grid.n
 
-    def update(self, probs: np.ndarray, labels: np.ndarray) -> WarmupSums:
-        """Add validated rows ``probs`` (n, k) with labels (n,); returns ``self``."""
-        x = np.asarray(probs, dtype=np.float64)
-        y = np.asarray(labels, dtype=np.int64)
-        self.grid.update(x, y)  # checks shapes
+    def update(self, probs: np.ndarray, labels: np.ndarray, *,
+               grid: TemperatureGrid | None = None) -> WarmupSums:
+        """Add validated rows ``probs`` (n, k) with labels (n,); returns ``self``.
+
+        ``grid``: also add the samples' NLL sums to this grid (a window bucket's, fed the same
+        samples), from the same exponentials: they are computed once for both."""
+        x, y = checked_batch(probs, labels, "WarmupSums.update")
         if x.shape[0] == 0:
             return self
-        keep = x[np.arange(x.shape[0]), y] > 0
-        if not keep.all():
-            x, y = x[keep], y[keep]
-        s, s2, h = _score_terms(x, y)
+        x, y, skipped = positive_rows(x, y)
+        nll, s, s2, h = _grid_terms(x, y)
+        for g in (self.grid, grid):
+            if g is not None:
+                g.add_sums(nll, int(x.shape[0]), skipped)
         self.s += s
         self.s2 += s2
         self.h += h

@@ -61,7 +61,8 @@ a window written with held-out sums in its buckets' pools still restores and cou
 the usual factor of text over int64).
 
 Cost: adding ``n`` samples costs what the underlying sums cost (``O(n k G)`` for the grids, the
-binning of ``g`` for the pools); :meth:`SlidingWindow.pools` merges the buckets pairwise (a
+binning of ``g`` of the fit share for the pools; :meth:`SlidingWindow.add` given the warm-up's
+:class:`lpcal.warmup.WarmupSums` fills them from the bucket grid's exponentials); :meth:`SlidingWindow.pools` merges the buckets pairwise (a
 balanced tree: ``O(W log B)`` for ``W`` stored bins); memory is bounded by ``n_buckets`` buckets.
 """
 
@@ -79,6 +80,7 @@ from lpcal.errors import InputError
 from lpcal.holdout import HoldoutSums
 from lpcal.pools import PoolLayout, PoolSet
 from lpcal.precalibrate import TemperatureGrid
+from lpcal.warmup import WarmupSums
 
 __all__ = ["Bucket", "PoolsSnapshot", "SlidingWindow", "tree_sum"]
 
@@ -409,9 +411,12 @@ class SlidingWindow:
             b.temperature = self.temperature
             b.pools = PoolSet(self.layout, temperature=self.temperature)
 
-    def add(self, uniforms: np.ndarray, probs: np.ndarray, labels: np.ndarray) -> None:
+    def add(self, uniforms: np.ndarray, probs: np.ndarray, labels: np.ndarray, *,
+            warmup: WarmupSums | None = None) -> None:
         """Add samples in order (validated ``probs`` (n, k), labels, routing uniforms),
-        sealing buckets at their exact boundaries."""
+        sealing buckets at their exact boundaries. ``warmup``: also add the fit share to these
+        warm-up sums (the grid's exponentials are computed once for both: the bucket's grid
+        gets the very sums the warm-up's grid does)."""
         y = np.asarray(labels, dtype=np.int64)
         n = y.shape[0]
         x = np.asarray(probs, dtype=np.float64)
@@ -424,10 +429,11 @@ class SlidingWindow:
             if self.open.n >= self.bucket_size:
                 self._start_bucket()
             b = min(n, a + self.bucket_size - self.open.n)
-            self._add_to(self.open, u[a:b], x[a:b], y[a:b])
+            self._add_to(self.open, u[a:b], x[a:b], y[a:b], warmup)
             a = b
 
-    def _add_to(self, bucket: Bucket, u: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+    def _add_to(self, bucket: Bucket, u: np.ndarray, x: np.ndarray, y: np.ndarray,
+                warmup: WarmupSums | None) -> None:
         route = self.layout.route_uniforms(u)
         n_pools = len(self.layout.names)
         fit = route < n_pools
@@ -436,12 +442,15 @@ class SlidingWindow:
         fit = np.flatnonzero(fit)
         if self.cert_share:
             bucket.keep_cert(x[cert], y[cert])
-        bucket.grid.update(x[fit], y[fit])
+        xf, yf = x[fit], y[fit]
+        if warmup is not None:
+            warmup.update(xf, yf, grid=bucket.grid)
+        else:
+            bucket.grid.update(xf, yf)
         bucket.held.update(x[hold], y[hold])
         if bucket.pools is not None:
             from lpcal.binmap import scale_temperature
-            g = scale_temperature(x, bucket.temperature)
-            bucket.pools.add(route[fit], g[fit], y[fit])
+            bucket.pools.add(route[fit], scale_temperature(xf, bucket.temperature), yf)
             bucket.keep_held(x[hold], y[hold])
         bucket.n += int(y.size)
 

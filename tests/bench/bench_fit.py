@@ -12,7 +12,8 @@ Targets (k = 100 and |B| <= 1000):
 Data: :class:`tests.bench.common.Overconfident` (logits ``N(0, s^2)``, labels from
 ``softmax(T log f)``) with a share of the rows on fixed prototypes, so that ``B`` is not empty.
 
-Run alone: ``python -m tests.bench.bench_fit [--quick]``.
+Run alone: ``python -m tests.bench.bench_fit [--quick]``; only the certified default against
+temperature scaling: ``python -m tests.bench.bench_fit --only certified [--k 10,100]``.
 """
 
 from __future__ import annotations
@@ -253,12 +254,14 @@ def profile_table(quick: bool = False, top: int = 8) -> Table:
     return tab
 
 
-def certified_fit_table(quick: bool) -> Table:
+def certified_fit_table(quick: bool, ks: list[int] | None = None) -> Table:
     """The certified default against the fit a user would otherwise run: temperature scaling
-    (:func:`lpcal.temperature.fit_temperature`, Brent on the exact NLL) on the same array."""
+    (:func:`lpcal.temperature.fit_temperature`, Brent on the exact NLL) on the same array
+    (``ks``: only these class counts)."""
     from lpcal.temperature import fit_temperature
 
     grid = [(10, 2000)] if quick else [(k, n) for k in (10, 100, 1000) for n in (10**4, 10**5)]
+    grid = [(k, n) for k, n in grid if ks is None or k in ks]
     tab = Table("Fit of the certified default: `fit(probs, labels)` vs temperature scaling's fit "
                 "on the same array", ["k", "n", "selected", "|B|", "TS fit (median)",
                                       "default fit (median)", "default / TS"],
@@ -285,6 +288,20 @@ def run(quick: bool = False) -> list[Table]:
             profile_table(quick)]
 
 
-if __name__ == "__main__":
-    for t in run("--quick" in sys.argv[1:]):
+def main(argv: list[str]) -> None:
+    """``[--quick] [--only certified] [--k 10,100]``: every table, or only the certified
+    default against temperature scaling (``--k``: only those class counts)."""
+    quick = "--quick" in argv
+    if "--only" in argv and argv[argv.index("--only") + 1] == "certified":
+        ks = None
+        if "--k" in argv:
+            ks = [int(v) for v in argv[argv.index("--k") + 1].split(",")]
+        tables = [certified_fit_table(quick, ks)]
+    else:
+        tables = run(quick)
+    for t in tables:
         print(t.to_markdown())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
