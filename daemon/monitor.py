@@ -263,7 +263,8 @@ def _segment_sums(r: _Rows, bounds: np.ndarray) -> list[CellSums]:
     out = []
     for i in range(nseg):
         a, b, ga, gb = int(bounds[i]), int(bounds[i + 1]), int(starts[i]), int(starts[i + 1])
-        c = CellSums(k)
+        c = CellSums.__new__(CellSums)  # every field set here: no empty arrays to replace
+        c.k = k
         # copies: a view would keep every segment's arrays alive as long as any one of them
         c.hashes, c.counts = uh[ga:gb].copy(), counts[ga:gb].copy()
         c.s, c.q = (sums, sq) if one else (sums[ga:gb].copy(), sq[ga:gb].copy())
