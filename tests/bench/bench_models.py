@@ -26,7 +26,7 @@ daemon runs with ``max_models`` raised to ``M`` and byte budgets raised so that 
 keeps the share one model has (``join.max_bytes_total = M x join.max_bytes_per_model``,
 likewise ``state``): the runs differ in the number of models only, never in evictions, trimmed
 windows or epochs sealed early. More raw/1-model pairs follow until the 1-model target has its
-10 pairs. Fewer repetitions run at 10,000 models (the table states how many).
+10 pairs. Fewer repetitions run at 100 and 10,000 models (the table states how many).
 
 Steady state and admission apart: a daemon run is timed from the first batch after every model
 of its stream was admitted (the warm-up, untimed, is the stream's first messages: about one
@@ -86,8 +86,10 @@ from tests.bench.common import Table, yes_no
 MODEL_COUNTS = (1, 100, 1_000, 10_000)
 QUICK_MODEL_COUNTS = (1, 20)
 #: events of each model count's stream: enough for :data:`SPAN` seconds at the rates measured
-#: (one model is the fastest); at 10,000 models 15 predictions and 15 outcomes per model
-EVENTS = {1: 500_000, 100: 250_000, 1_000: 150_000, 10_000: 150_000}
+#: from 100 models on (at 10,000 models 4 predictions and 4 outcomes per model); one model's
+#: stream lasts several seconds (it is never staged and checkpoints one model: a shorter span
+#: holds what a long one does, and producing it is what takes longest)
+EVENTS = {1: 200_000, 100: 150_000, 1_000: 100_000, 10_000: 40_000}
 #: seconds of a timed daemon run: one or two checkpoints (every 10 s) and three staging ages
 #: (5 s) in each, whatever the model count (a stream that ends sooner ends it)
 SPAN = 15.0
@@ -101,7 +103,8 @@ EPOCHS_COUNTS = (1, 1_000)
 RUN_LIMIT = 120.0
 QUICK_EVENTS = 2_000
 REPEATS = 3
-REPEATS_10K = 1  # fewer repetitions at 10,000 models keep the run within minutes
+#: fewer repetitions at 100 and 10,000 models keep the run within minutes
+FEWER_REPEATS = {100: 2, 10_000: 1}
 RAW_PAIRS = 10  # interleaved raw / 1-model pairs for the 1-model target
 QUICK_REPEATS, QUICK_RAW_PAIRS = 1, 1
 IDLE_MODELS, IDLE_RSS_MODELS = 200, 2000  # models measured per idle figure (heap, resident)
@@ -351,10 +354,10 @@ async def measure(counts: tuple[int, ...], events: dict[int, int], repeats: dict
                 topics[m] = {"predictions": f"{p}.preds", "outcomes": f"{p}.outs",
                              "binmaps": f"{p}.binmaps", "deadletter": f"{p}.dlq"}
                 total[m] = await produce(broker.bootstrap, topics[m], m,
-                                         events.get(m, max(EVENTS.values())))
+                                         events.get(m, max(events.values())))
             prof = cProfile.Profile()
             run, _, _ = await measured_daemon_read(broker.bootstrap, topics[m], total[m], m,
-                                                   profile=prof, span=span)
+                                                   profile=prof, span=SPAN)
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
             profile_text = (f"cProfile of the daemon at {m} models ({total[m]:,} messages, "
@@ -473,7 +476,9 @@ def render(res: dict) -> list[Table]:
          + (f" a span of {res['span']:g} s holds one or two checkpoints and three staging "
             "ages; the staged events at its end are offered inside the timing. The streams "
             "have the same event rate and delay; their lengths differ so that each lasts the "
-            "span." if res.get("span") else " a span of a few seconds holds fewer of both than "
+            "span from 100 models on; one model's stream ends sooner (a model alone is never "
+            "staged and its checkpoint is one model's: a short span holds what a long one "
+            "does)." if res.get("span") else " a span of a few seconds holds fewer of both than "
             "a long run; the staged events at its end are offered inside the timing.")),
         (f"Recovery: every model count runs the shipped default, `recovery = \"{RECOVERY}\"` "
          "(warm-up, sliding window, champion/challenger, fits and publishes as they come); "
@@ -568,7 +573,7 @@ def run(quick: bool = False, events: int | None = None, repeats: int | None = No
     ev = {m: events or (QUICK_EVENTS if quick else EVENTS[m]) for m in counts}
     reps = {m: repeats or (QUICK_REPEATS if quick else REPEATS) for m in counts}
     if not quick and repeats is None:
-        reps[10_000] = REPEATS_10K
+        reps.update(FEWER_REPEATS)
     res = asyncio.run(measure(counts, ev, reps,
                               QUICK_RAW_PAIRS if quick else RAW_PAIRS, log, profile_models,
                               QUICK_IDLE if quick else (IDLE_MODELS, IDLE_RSS_MODELS),
