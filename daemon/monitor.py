@@ -51,7 +51,7 @@ window without a budget is unbounded in samples. Evaluating merges the buckets i
 copy of the window's sums, transiently.
 
 **Small updates** (fewer than :data:`SMALL_UPDATE` samples, as when a batch spreads over many
-models) do not pay the fixed cost of computing sums (a few dozen NumPy calls, whatever the
+models, or a model's staged slices are offered) do not pay the fixed cost of computing sums (a few dozen NumPy calls, whatever the
 sample count): their rows are copied into their bucket (and the change test's block) and summed
 in one vectorised pass once :data:`FLUSH_ROWS` of them wait there, when a block completes (so
 the change test sees every block as it completes), or when anything reads the sums
@@ -81,7 +81,7 @@ from __future__ import annotations
 import base64
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -90,21 +90,25 @@ import numpy as np
 
 from daemon.drift import ChangeDetector
 from lpcal.errors import InputError
-from lpcal.levels import bin_rows, group_hashed
+from lpcal.levels import HashCollision, bin_rows
 from lpcal.metrics import Estimate, binned_sq_error, l2_of_squared
 from lpcal.metrics import lp_norm as _lp_norm
 
 __all__ = ["CLASSWISE_MAX_K", "PREDICTORS", "CellSums", "Classwise", "WindowMonitor",
-           "WindowStats", "block_statistics", "cell_bounds", "fixed_bytes", "sample_bytes"]
+           "WindowStats", "block_statistics", "cell_bounds", "fixed_bytes", "flush_waiting",
+           "sample_bytes"]
 
 PREDICTORS = ("raw", "calibrated")
 ECE_BINS = 15
 _COMPACT_PARTS = 32
-#: an update of fewer samples is buffered as rows (copies) in its bucket and the change test's
-#: block; their sums are computed at once when :data:`FLUSH_ROWS` rows wait there, or when the
-#: sums are read (see "Small updates" in the module docstring)
-SMALL_UPDATE = 64
+#: rows of small updates waiting in a bucket (or the change test's block) are summed at once
+#: when this many wait there, or when the sums are read
 FLUSH_ROWS = 512
+#: an update of fewer samples is buffered as rows (copies) in its bucket and the change test's
+#: block (see "Small updates" in the module docstring): every update that would not fill a
+#: flush on its own, so a model's staged offers (:mod:`daemon.staging`, tens to hundreds of
+#: samples) pay one vectorised pass per :data:`FLUSH_ROWS` rows instead of one per offer
+SMALL_UPDATE = FLUSH_ROWS
 
 
 # --------------------------------------------------------------------------- array codec
@@ -304,6 +308,14 @@ class _Rows:
         self.ece_bin = np.searchsorted(_ECE_INNER, self.conf, side="left")
         self.cw_cell: np.ndarray | None = None  # classwise cells, computed when first used
 
+    def subset(self, sel: slice | np.ndarray) -> _Rows:
+        """The rows ``sel`` (views for a slice), without computing anything again."""
+        out = _Rows.__new__(_Rows)
+        for name in ("conf", "ece_bin", "fy", "h", "hit", "pair", "sq", "x", "y"):
+            setattr(out, name, getattr(self, name)[sel])
+        out.cw_cell = None if self.cw_cell is None else self.cw_cell[sel]
+        return out
+
 
 _ECE_INNER = np.linspace(0.0, 1.0, ECE_BINS + 1)[1:-1]
 
@@ -319,25 +331,114 @@ class _Small(NamedTuple):
     cal: np.ndarray | None
 
 
-def _cell_stats(r: _Rows, sel: slice | np.ndarray):
-    """``(hashes, N, S, Q)`` of the rows ``sel`` of ``r``: per bin ``v`` (sorted row hashes) the
-    count ``N_v``, ``S_vj = sum (x_ij - 1[y_i = j])`` and ``Q_vj = sum (x_ij - 1[y_i = j])^2``,
-    the latter as ``sum x_ij^2 - sum_{y_i = j} (2 x_ij - 1)``. Same statistics as
+def _segments(r: _Rows, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                         np.ndarray]:
+    """Group the rows of ``r`` by (segment, bin): segment ``i`` is the rows
+    ``bounds[i]:bounds[i + 1]``. Returns ``(inverse, group hashes, group starts per segment,
+    segment of each row)``: ``inverse[row]`` is the row's group, groups are numbered by segment,
+    then by hash (so each segment's groups are its sorted distinct hashes, as
+    :func:`lpcal.levels.group_hashed` numbers them); rows of a group must share both exact
+    hashes (checked, :class:`lpcal.levels.HashCollision` otherwise)."""
+    n, nseg = r.h.shape[0], bounds.size - 1
+    seg = np.repeat(np.arange(nseg), np.diff(bounds))
+    # a stable sort: the first row of each group is its first occurrence
+    order = (np.argsort(r.h, kind="stable") if nseg == 1
+             else np.lexsort((r.h, seg)))
+    hs, ss = r.h[order], seg[order]
+    new = np.empty(n, dtype=bool)
+    new[:1] = True
+    np.not_equal(hs[1:], hs[:-1], out=new[1:])
+    if nseg > 1:
+        new[1:] |= ss[1:] != ss[:-1]
+    gid = np.cumsum(new) - 1
+    inv = np.empty(n, dtype=np.int64)
+    inv[order] = gid
+    first = order[new]
+    if first.size != n and not np.array_equal(r.pair[first][inv], r.pair):
+        raise HashCollision("two distinct bins share a 64-bit hash")
+    starts = np.searchsorted(ss[new], np.arange(nseg + 1))
+    return inv, hs[new], starts, seg
+
+
+def _segment_sums(r: _Rows, bounds: np.ndarray) -> list[CellSums]:
+    """:class:`CellSums` of each segment ``bounds[i]:bounds[i + 1]`` (non-empty) of the rows
+    ``r``: per bin ``v`` (sorted row hashes) the count ``N_v``, ``S_vj = sum (x_ij - 1[y_i =
+    j])`` and ``Q_vj = sum (x_ij - 1[y_i = j])^2``, the latter as ``sum x_ij^2 - sum_{y_i = j}
+    (2 x_ij - 1)``, and the scalar metric sums. Same statistics as
     :func:`lpcal.metrics.batch_stats` (up to float rounding), with ``np.bincount`` over the
-    flattened (bin, class) cells instead of the much slower unbuffered ``ufunc.at``."""
-    x, y = r.x[sel], r.y[sel]
-    uh, _, inv = group_hashed(r.h[sel], r.pair[sel])
+    flattened (group, class) cells instead of the much slower unbuffered ``ufunc.at``.
+
+    The one implementation of summing rows: one segment for an update's rows in a bucket,
+    many for the waiting rows of many monitors (:func:`flush_waiting`). Every cell and bin is
+    summed over its rows in row order, and each segment's scalars over its own rows, so a
+    segment's sums are those of its rows alone, to the bit."""
+    x, y = r.x, r.y
     k = x.shape[1]
+    inv, uh, starts, seg = _segments(r, bounds)
     g = uh.size
-    inv = inv.astype(np.int64, copy=False)
     counts = np.bincount(inv, minlength=g).astype(np.int64)
     cells = (inv[:, None] * k + np.arange(k)).ravel()
-    hit = inv * k + y
-    s = np.bincount(cells, weights=x.ravel(), minlength=g * k)
-    s -= np.bincount(hit, minlength=g * k)
-    q = np.bincount(cells, weights=(x * x).ravel(), minlength=g * k)
-    q -= np.bincount(hit, weights=2.0 * r.fy[sel] - 1.0, minlength=g * k)
-    return uh, counts, s.reshape(g, k), q.reshape(g, k)
+    hit_cell = inv * k + y
+    sums = np.bincount(cells, weights=x.ravel(), minlength=g * k)
+    sums -= np.bincount(hit_cell, minlength=g * k)
+    sq = np.bincount(cells, weights=(x * x).ravel(), minlength=g * k)
+    sq -= np.bincount(hit_cell, weights=2.0 * r.fy - 1.0, minlength=g * k)
+    sums, sq = sums.reshape(g, k), sq.reshape(g, k)
+    nseg = bounds.size - 1
+    res = r.hit - r.conf
+    eb = seg * ECE_BINS + r.ece_bin
+    m = nseg * ECE_BINS
+    gap = np.bincount(eb, weights=res, minlength=m).astype(np.float64).reshape(nseg, ECE_BINS)
+    ece_n = np.bincount(eb, minlength=m).astype(np.int64).reshape(nseg, ECE_BINS)
+    ece_q = np.bincount(eb, weights=res * res, minlength=m).astype(np.float64).reshape(
+        nseg, ECE_BINS)
+    brier = r.sq - 2.0 * r.fy + 1.0
+    one = nseg == 1
+    out = []
+    for i in range(nseg):
+        a, b, ga, gb = int(bounds[i]), int(bounds[i + 1]), int(starts[i]), int(starts[i + 1])
+        c = CellSums.__new__(CellSums)  # every field set here: no empty arrays to replace
+        c.k = k
+        # copies: a view would keep every segment's arrays alive as long as any one of them
+        c.hashes, c.counts = uh[ga:gb].copy(), counts[ga:gb].copy()
+        c.s, c.q = (sums, sq) if one else (sums[ga:gb].copy(), sq[ga:gb].copy())
+        c.n = b - a
+        c.brier = float(np.sum(brier[a:b]))
+        c.correct = int(r.hit[a:b].sum())
+        c.gap, c.ece_n, c.ece_q = gap[i].copy(), ece_n[i].copy(), ece_q[i].copy()
+        out.append(c)
+    return out
+
+
+def _segment_classwise(r: _Rows, bounds: np.ndarray) -> list[Classwise]:
+    """:class:`Classwise` sums of each segment ``bounds[i]:bounds[i + 1]`` of the rows ``r``
+    (as :func:`_segment_sums`: one implementation, each cell summed over its rows in order)."""
+    x, y = r.x, r.y
+    k = x.shape[1]
+    if r.cw_cell is None:  # class j, equal-width bin b of x_ij: cell j * ECE_BINS + b
+        r.cw_cell = (np.searchsorted(_ECE_INNER, x, side="left")
+                     + np.arange(k) * ECE_BINS)
+    nseg = bounds.size - 1
+    per = k * ECE_BINS
+    cw = r.cw_cell
+    if nseg > 1:
+        cw = cw + (np.repeat(np.arange(nseg), np.diff(bounds)) * per)[:, None]
+    m = nseg * per
+    cells = cw.ravel()
+    on_y = cw[np.arange(y.shape[0]), y]
+    n = np.bincount(cells, minlength=m).reshape(nseg, k, ECE_BINS)
+    s = (np.bincount(on_y, minlength=m)
+         - np.bincount(cells, weights=x.ravel(), minlength=m)).reshape(nseg, k, ECE_BINS)
+    q = (np.bincount(cells, weights=(x * x).ravel(), minlength=m)
+         + np.bincount(on_y, weights=1.0 - 2.0 * r.fy, minlength=m)).reshape(nseg, k, ECE_BINS)
+    out = []
+    for i in range(nseg):
+        c = Classwise(k)
+        c.n += n[i]
+        c.s += s[i]
+        c.q += q[i]
+        out.append(c)
+    return out
 
 
 class CellSums:
@@ -374,17 +475,8 @@ class CellSums:
     def from_rows(cls, r: _Rows, sel: slice | np.ndarray) -> CellSums:
         """Sums of the rows ``sel`` (a non-empty slice or index array) of a batch's
         :class:`_Rows`."""
-        out = cls(r.x.shape[1])
-        out.hashes, out.counts, out.s, out.q = _cell_stats(r, sel)
-        hit, conf = r.hit[sel], r.conf[sel]
-        out.n = hit.shape[0]
-        out.brier = float(np.sum(r.sq[sel] - 2.0 * r.fy[sel] + 1.0))
-        out.correct = int(hit.sum())
-        eb, res = r.ece_bin[sel], hit - conf
-        out.gap = np.bincount(eb, weights=res, minlength=ECE_BINS).astype(np.float64)
-        out.ece_n = np.bincount(eb, minlength=ECE_BINS).astype(np.int64)
-        out.ece_q = np.bincount(eb, weights=res * res, minlength=ECE_BINS).astype(np.float64)
-        return out
+        sub = r.subset(sel)
+        return _segment_sums(sub, np.array([0, sub.y.shape[0]]))[0]
 
     @classmethod
     def merge_all(cls, parts: list[CellSums], k: int) -> CellSums:
@@ -485,19 +577,8 @@ class Classwise:
 
     def add(self, r: _Rows, sel: slice | np.ndarray) -> None:
         """Add the rows ``sel`` of a batch's :class:`_Rows`."""
-        if r.cw_cell is None:  # class j, equal-width bin b of x_ij: cell j * ECE_BINS + b
-            r.cw_cell = (np.searchsorted(_ECE_INNER, r.x, side="left")
-                         + np.arange(r.x.shape[1]) * ECE_BINS)
-        x, y, cw = r.x[sel], r.y[sel], r.cw_cell[sel]
-        m = self.n.size
-        cells = cw.ravel()
-        on_y = cw[np.arange(y.shape[0]), y]
-        self.n += np.bincount(cells, minlength=m).reshape(self.n.shape)
-        self.s += (np.bincount(on_y, minlength=m)
-                   - np.bincount(cells, weights=x.ravel(), minlength=m)).reshape(self.n.shape)
-        self.q += (np.bincount(cells, weights=(x * x).ravel(), minlength=m)
-                   + np.bincount(on_y, weights=1.0 - 2.0 * r.fy[sel], minlength=m)
-                   ).reshape(self.n.shape)
+        sub = r.subset(sel)
+        self.iadd(_segment_classwise(sub, np.array([0, sub.y.shape[0]]))[0])
 
     def iadd(self, other: Classwise) -> None:
         """Add ``other``'s sums to these, in place."""
@@ -700,20 +781,69 @@ class _Rowbuf:
         self.nbytes += nb
         return nb
 
-    def take(self, lam: int) -> _Rows | None:
-        """The waiting rows as one :class:`_Rows` (None if none); empties the buffer."""
+    def take(self) -> list[tuple]:
+        """The waiting pieces; empties the buffer."""
         pieces = self.pieces
-        if not pieces:
-            return None
         self.pieces, self.nrows, self.nbytes = [], 0, 0
-        if len(pieces) == 1:
-            x, y, h, pair = pieces[0]
+        return pieces
+
+
+#: a flush of waiting rows: ``(lambda, the rows, whether classwise sums are wanted,
+#: sink(sums, classwise sums or None))``
+_Job = tuple[int, _Rowbuf, bool, Callable[[CellSums, "Classwise | None"], None]]
+
+
+def _flush_rows(jobs: list[_Job]) -> None:
+    """Sum the waiting rows of every job and hand each job its sums: the rows of all jobs of
+    the same ``k``, lambda and classwise wish in one vectorised pass (:func:`_segment_sums`,
+    one segment per job), so that many monitors' small buffers cost about what one large one
+    does. Each job gets the sums of its rows alone, to the bit (the one implementation of a
+    flush, of one buffer or of many)."""
+    groups: dict[tuple[int, int, bool], list[tuple[int, Callable]]] = {}
+    pieces: dict[tuple[int, int, bool], list[tuple]] = {}
+    for lam, buf, want_cw, sink in jobs:
+        if not buf.pieces:
+            continue
+        key = (buf.pieces[0][0].shape[1], lam, want_cw)
+        nrows = buf.nrows
+        groups.setdefault(key, []).append((nrows, sink))
+        pieces.setdefault(key, []).extend(buf.take())
+    for key, items in groups.items():
+        _, lam, want_cw = key
+        ps = pieces[key]
+        if len(ps) == 1:
+            x, y, h, pair = ps[0]
         else:
-            xs, ys, hs, pairs = zip(*pieces)
+            xs, ys, hs, pairs = zip(*ps)
             x, y = np.concatenate(xs), np.concatenate(ys)
+            # the hashes are exact integer dot products: computed once for the whole
+            # concatenation when any piece lacks them, they are each row's own
             h = None if any(v is None for v in hs) else np.concatenate(hs)
             pair = None if h is None else np.concatenate(pairs)
-        return _Rows(x, y, lam, None if h is None or pair is None else (h, pair))
+        r = _Rows(x, y, lam, None if h is None or pair is None else (h, pair))
+        bounds = np.zeros(len(items) + 1, dtype=np.int64)
+        np.cumsum([n for n, _ in items], out=bounds[1:])
+        sums = _segment_sums(r, bounds)
+        cws = _segment_classwise(r, bounds) if want_cw else [None] * len(items)
+        for (_, sink), c, w in zip(items, sums, cws):
+            sink(c, w)
+
+
+def flush_waiting(monitors: Iterable[WindowMonitor]) -> None:
+    """Sum the rows of small updates waiting in ``monitors`` (their buckets and change-test
+    blocks) in one vectorised pass per ``(k, lambda)``, instead of one pass per monitor and
+    bucket when each is next read (a snapshot, an evaluation): what many models' small offers
+    left waiting (:mod:`daemon.staging`) costs about one model's pass. The sums are those each
+    monitor would compute alone, to the bit."""
+    jobs: list[_Job] = []
+    for mon in monitors:
+        if mon._block_rows.pieces:
+            jobs.append(mon._block_job())
+        for bk in mon.buckets.values():
+            for name in PREDICTORS:
+                if bk.waiting[name].pieces:
+                    jobs.append(bk.job(name))
+    _flush_rows(jobs)
 
 
 class _Bucket:
@@ -740,16 +870,21 @@ class _Bucket:
 
     def flush(self, name: str) -> None:
         """Sum the rows waiting for predictor ``name``."""
+        if self.waiting[name].pieces:
+            _flush_rows([self.job(name)])
+
+    def job(self, name: str) -> _Job:
+        """The flush of the rows waiting for predictor ``name`` (:func:`_flush_rows`; their
+        bytes leave this bucket's count now, their sums enter it with the sink)."""
         buf = self.waiting[name]
-        if not buf.pieces:
-            return
         self.nbytes -= buf.nbytes
-        r = buf.take(self.lam)
-        cw = None
-        if name == "calibrated" and self.k <= CLASSWISE_MAX_K:
-            cw = Classwise(self.k)
-            cw.add(r, slice(None))
-        self.add(name, CellSums.from_rows(r, slice(None)), self.k, cw)
+        # classwise sums of the calibrated predictor only (the live map)
+        want_cw = name == "calibrated" and self.k <= CLASSWISE_MAX_K
+
+        def sink(sums: CellSums, cw: Classwise | None) -> None:
+            self.add(name, sums, self.k, cw)
+
+        return self.lam, buf, want_cw, sink
 
     def classwise(self, name: str) -> Classwise | None:
         self.flush(name)
@@ -962,9 +1097,12 @@ class WindowMonitor:
 
     def _block_flush(self) -> None:
         """Sum the block's waiting rows into one part."""
-        r = self._block_rows.take(self.lam)
-        if r is not None:
-            self._block_part(CellSums.from_rows(r, slice(None)), self._classwise(r, slice(None)))
+        if self._block_rows.pieces:
+            _flush_rows([self._block_job()])
+
+    def _block_job(self) -> _Job:
+        """The flush of the block's waiting rows (:func:`_flush_rows`)."""
+        return self.lam, self._block_rows, self.k <= CLASSWISE_MAX_K, self._block_part
 
     def _block_part(self, part: CellSums, cw: Classwise | None) -> None:
         self._block.append(part)

@@ -277,7 +277,7 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
                       profile: object | None = None, sample_rate: float = 1.0,
                       extra: dict | None = None, warm_models: int | None = None,
                       time_limit: float = 600.0, partial: bool = False,
-                      recovery: str = "epochs") -> Run:
+                      recovery: str = "epochs", span: float | None = None) -> Run:
     """A real in-process daemon (fresh group and state topic) consumes the whole stream
     (``extra``: more settings, see :func:`_settings`). The run is timed from the first message
     (with ``warm_models``: from the first batch after that many models were admitted; the
@@ -285,7 +285,9 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
     daemon staged (:mod:`daemon.staging`) are in their models' states. ``busy`` and ``cpu``
     cover ``Ingest.process`` and the offers of staged events outside it. A read that takes
     more than ``time_limit`` seconds raises, or with ``partial`` (and a timed part begun) ends
-    there: the run covers the messages processed until then (``complete`` False)."""
+    there: the run covers the messages processed until then (``complete`` False). ``span``:
+    the timed part ends at the first batch processed ``span`` seconds or more after it began
+    (then the staged events are offered, in the timing), or at the stream's end if sooner."""
     from daemon.service import Daemon
 
     settings = _settings(bootstrap, topics, pool, f"bench.state.{uuid.uuid4().hex[:8]}",
@@ -328,7 +330,8 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
             start()
         timed(process)(tp, msgs)
         state["n"] += len(msgs)
-        if state["n"] + state["wn"] >= expected and state["t1"] is None:
+        if state["t1"] is None and (state["n"] + state["wn"] >= expected or (
+                span is not None and time.perf_counter() - state["t0"] >= span)):
             timed(flush_staged)()  # the staged events of the stream's end, in the timing
             state["t1"], state["c1"] = time.perf_counter(), time.process_time()
             if profile is not None:

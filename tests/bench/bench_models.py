@@ -6,23 +6,27 @@ aiokafka reader (median of 10 interleaved pairs); an idle ``k = 10`` model takes
 outside its configured pools and windows.
 
 Setup (one process, one embedded Tansu broker, the readers of :mod:`tests.bench.bench_ingest`):
-for each model count ``M`` a :class:`daemon.tools.simulate.traffic.TrafficGenerator` stream of ``N``
-events is produced once into its own predictions/outcomes topic pair (1 partition each): event
-``i`` belongs to model ``i mod M`` (``M`` seeded ``k = 10`` :class:`SyntheticModel` s), its
-outcome follows 5 s of event time later. Every stream has the same event count, event rate and
-delay, so only the number of models differs. The count is large enough that at 10,000 models
-each model still sees several events after its first.
+for each model count ``M`` a :class:`daemon.tools.simulate.traffic.TrafficGenerator` stream of
+``EVENTS[M]`` events is produced once into its own predictions/outcomes topic pair (1 partition
+each): event ``i`` belongs to model ``i mod M`` (``M`` seeded ``k = 10``
+:class:`SyntheticModel` s), its outcome follows 5 s of event time later. Every stream has the
+same event rate and delay, so only the number of models differs; its length lets a daemon run
+last :data:`SPAN` seconds (15 s: one or two checkpoints, three staging ages) at that count's
+rate, and at 10,000 models each model still sees several events after its first. The daemons
+run the shipped default, ``recovery = "online"`` (:data:`RECOVERY`); ``recovery = "epochs"``
+(huge pools, no fit) is measured once at 1 and 1,000 models for comparison.
 
-Each repetition reads, with fresh consumer groups: the 1-model stream with the raw reader
+Each repetition reads, with fresh consumer groups: the first :data:`RAW_MESSAGES` of the
+1-model stream with the raw reader
 (``getmany(5000)`` + ``orjson.loads``, :func:`tests.bench.bench_ingest.raw_read`), then every
 stream with a real in-process :class:`daemon.service.Daemon`
 (:func:`tests.bench.bench_ingest.daemon_read`: parsing, join, pools, monitor, triggers, gauges,
-Kafka checkpoints at the default 10 s interval; pools too large to fill, so no fit runs). Each
+Kafka checkpoints at the default 10 s interval; online fits and publishes as they come). Each
 daemon runs with ``max_models`` raised to ``M`` and byte budgets raised so that every model
 keeps the share one model has (``join.max_bytes_total = M x join.max_bytes_per_model``,
 likewise ``state``): the runs differ in the number of models only, never in evictions, trimmed
 windows or epochs sealed early. More raw/1-model pairs follow until the 1-model target has its
-10 pairs. Fewer repetitions run at 10,000 models (the table states how many).
+10 pairs. Fewer repetitions run at 100 and 10,000 models (the table states how many).
 
 Steady state and admission apart: a daemon run is timed from the first batch after every model
 of its stream was admitted (the warm-up, untimed, is the stream's first messages: about one
@@ -81,12 +85,26 @@ from tests.bench.common import Table, yes_no
 
 MODEL_COUNTS = (1, 100, 1_000, 10_000)
 QUICK_MODEL_COUNTS = (1, 20)
-EVENTS = 200_000  # at 10,000 models: 20 predictions and 20 outcomes per model
+#: events of each model count's stream: enough for :data:`SPAN` seconds at the rates measured
+#: from 100 models on (at 10,000 models 4 predictions and 4 outcomes per model); one model's
+#: stream lasts several seconds (it is never staged and checkpoints one model: a shorter span
+#: holds what a long one does, and producing it is what takes longest)
+EVENTS = {1: 200_000, 100: 150_000, 1_000: 100_000, 10_000: 40_000}
+#: seconds of a timed daemon run: one or two checkpoints (every 10 s) and three staging ages
+#: (5 s) in each, whatever the model count (a stream that ends sooner ends it)
+SPAN = 15.0
+#: messages the raw reader reads of the 1-model stream (its rate is steady from the start)
+RAW_MESSAGES = 400_000
+#: the recovery mode measured: the shipped default; ``recovery = "epochs"`` (huge pools, no
+#: fit) is measured once at :data:`EPOCHS_COUNTS` models for comparison
+RECOVERY = "online"
+EPOCHS_COUNTS = (1, 1_000)
 #: seconds a daemon run may take (beyond it, the run reports the messages read until then)
 RUN_LIMIT = 120.0
 QUICK_EVENTS = 2_000
 REPEATS = 3
-REPEATS_10K = 1  # fewer repetitions at 10,000 models keep the run within minutes
+#: fewer repetitions at 100 and 10,000 models keep the run within minutes
+FEWER_REPEATS = {100: 2, 10_000: 1}
 RAW_PAIRS = 10  # interleaved raw / 1-model pairs for the 1-model target
 QUICK_REPEATS, QUICK_RAW_PAIRS = 1, 1
 IDLE_MODELS, IDLE_RSS_MODELS = 200, 2000  # models measured per idle figure (heap, resident)
@@ -165,10 +183,12 @@ def _reset_peak() -> bool:
 
 
 async def measured_daemon_read(bootstrap: str, topics: dict[str, str], expected: int,
-                               models: int, profile: object | None = None
+                               models: int, profile: object | None = None,
+                               recovery: str = RECOVERY, span: float | None = SPAN
                                ) -> tuple[Run, float | None, float | None]:
-    """:func:`daemon_read` with ``models``' settings; returns the run, the peak RSS during it
-    and its growth over the RSS before it (MiB; None where ``/proc`` does not tell)."""
+    """:func:`daemon_read` with ``models``' settings, ``recovery`` and the timed ``span``;
+    returns the run, the peak RSS during it and its growth over the RSS before it (MiB; None
+    where ``/proc`` does not tell)."""
     from daemon import heap
 
     gc.unfreeze()  # the previous daemon froze its objects: let them be collected
@@ -178,7 +198,7 @@ async def measured_daemon_read(bootstrap: str, topics: dict[str, str], expected:
     reset = _reset_peak()
     run = await daemon_read(bootstrap, topics, expected, HUGE_POOL, profile=profile,
                             extra=extra_settings(models), warm_models=models,
-                            time_limit=RUN_LIMIT, partial=True)
+                            time_limit=RUN_LIMIT, partial=True, recovery=recovery, span=span)
     peak = _status_kib("VmHWM") if reset else None
     if peak is None or before is None:
         return run, None, None
@@ -274,10 +294,15 @@ def idle_model_bytes(k: int, n: int = 200) -> dict[str, float]:
 async def measure(counts: tuple[int, ...], events: dict[int, int], repeats: dict[int, int],
                   raw_pairs: int,
                   log=print, profile_models: int | None = None,
-                  idle: tuple[int, int] = (IDLE_MODELS, IDLE_RSS_MODELS)) -> dict:
+                  idle: tuple[int, int] = (IDLE_MODELS, IDLE_RSS_MODELS),
+                  span: float | None = SPAN, raw_messages: int | None = RAW_MESSAGES,
+                  epochs_counts: tuple[int, ...] = EPOCHS_COUNTS) -> dict:
     """Every run of the benchmark: ``events`` and ``repeats`` per model count (``counts[0]``
-    is the 1-model baseline, read ``max(its repeats, raw_pairs)`` times); ``idle``: the models
-    measured by :func:`idle_model_bytes` and :func:`idle_model_rss`."""
+    is the 1-model baseline, read ``max(its repeats, raw_pairs)`` times), each daemon run
+    timed over ``span`` seconds with :data:`RECOVERY`, and once, after the first repetition,
+    with ``recovery = "epochs"`` at ``epochs_counts``; the raw reader reads ``raw_messages``
+    of the 1-model stream; ``idle``: the models measured by :func:`idle_model_bytes` and
+    :func:`idle_model_rss`."""
     from daemon.tools.embedded_broker import EmbeddedBroker
 
     # first, while the heap has no free chunks of earlier runs to reuse (resident growth)
@@ -299,10 +324,12 @@ async def measure(counts: tuple[int, ...], events: dict[int, int], repeats: dict
         pair = [topics[one]["predictions"], topics[one]["outcomes"]]
         raws: list[Run] = []
         runs: dict[int, list[tuple[Run, float | None, float | None]]] = {m: [] for m in counts}
+        epochs: dict[int, tuple[Run, float | None, float | None]] = {}
+        raw_n = total[one] if raw_messages is None else min(total[one], raw_messages)
         for r in range(max(*repeats.values(), raw_pairs)):
             gc.unfreeze()  # the last daemon froze its objects: collect them before timing
             gc.collect()
-            raws.append(await raw_read(broker.bootstrap, pair, total[one]))
+            raws.append(await raw_read(broker.bootstrap, pair, raw_n))
             log(f"[models] rep {r}: raw {raws[-1].rate:,.0f} msg/s")
             for m in [c for c in counts if r < repeats[c] or c == one]:
                 runs[m].append(await measured_daemon_read(broker.bootstrap, topics[m],
@@ -313,6 +340,12 @@ async def measure(counts: tuple[int, ...], events: dict[int, int], repeats: dict
                     f"({run.proc_cpu / run.messages * 1e6:.1f} us CPU/msg, admission "
                     f"{admission(run, m) * 1e6:,.0f} us CPU/model, peak RSS "
                     f"{_mib(runs[m][-1][1])} MiB)")
+            if r == 0:
+                for m in [c for c in epochs_counts if c in topics]:
+                    epochs[m] = await measured_daemon_read(broker.bootstrap, topics[m],
+                                                           total[m], m, recovery="epochs",
+                                                           span=span)
+                    log(f"[models] rep {r}: {m} models, epochs {epochs[m][0].rate:,.0f} msg/s")
         profile_text = None
         if profile_models is not None:
             m = profile_models
@@ -320,15 +353,17 @@ async def measure(counts: tuple[int, ...], events: dict[int, int], repeats: dict
                 p = f"{prefix}.prof{m}"
                 topics[m] = {"predictions": f"{p}.preds", "outcomes": f"{p}.outs",
                              "binmaps": f"{p}.binmaps", "deadletter": f"{p}.dlq"}
-                total[m] = await produce(broker.bootstrap, topics[m], m, events.get(m, EVENTS))
+                total[m] = await produce(broker.bootstrap, topics[m], m,
+                                         events.get(m, max(events.values())))
             prof = cProfile.Profile()
             run, _, _ = await measured_daemon_read(broker.bootstrap, topics[m], total[m], m,
-                                                   profile=prof)
+                                                   profile=prof, span=SPAN)
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
             profile_text = (f"cProfile of the daemon at {m} models ({total[m]:,} messages, "
                             f"{run.rate:,.0f} msg/s under the profiler)\n{buf.getvalue()}")
     return {"counts": counts, "events": events, "messages": total, "raw": raws, "runs": runs,
+            "epochs": epochs, "span": span, "raw_messages": raw_n,
             "profile": profile_text,
             "idle_n": idle,
             "idle": idle_bytes}
@@ -354,14 +389,15 @@ def render(res: dict) -> list[Table]:
     one = counts[0]
     base = [r for r, _, _ in runs[one]]
     tab = Table(
-        f"Ingest from 1 to {counts[-1]:,} models (k = 10 JSON events, real broker)",
+        f"Ingest from 1 to {counts[-1]:,} models, `recovery = \"{RECOVERY}\"` (the shipped "
+        "default; k = 10 JSON events, real broker)",
         ["models", "events (messages)", "msgs/s (median)", "per repetition",
          "of 1-model rate", "of raw aiokafka", "CPU us / msg, process",
          "CPU us / msg, `Ingest`", "admission, CPU us / model (warm-up messages)",
          "peak RSS MiB (growth)", "target", "met"],
         key="models")
     tab.add("raw aiokafka reader (1-model stream)",
-            f"{res['events'][one]:,} ({res['messages'][one]:,})",
+            f"({res['raw_messages']:,} of the 1-model stream)",
             f"{statistics.median(r.rate for r in raws):,.0f}",
             ", ".join(f"{r.rate:,.0f}" for r in raws), "", "1.00",
             _us(statistics.median(r.proc_cpu / r.messages for r in raws)), "", "", "", "",
@@ -398,6 +434,18 @@ def render(res: dict) -> list[Table]:
                 f"{statistics.median(admission(r, m) for r in rs) * 1e6:,.0f} "
                 f"({statistics.median(r.warm_messages for r in rs):,.0f})", rss, target,
                 "" if ok is None else yes_no(ok))
+    ep = res.get("epochs") or {}
+    if one in ep:
+        base_ep = ep[one][0]
+        for m in sorted(ep):
+            r, p, g = ep[m]
+            tab.add(f"{m:,}, `recovery = \"epochs\"` (no fit)",
+                    f"{res['events'][m]:,} ({res['messages'][m]:,})", f"{r.rate:,.0f}",
+                    f"{r.rate:,.0f}", f"{r.rate / base_ep.rate:.2f} (of epochs, 1 model)",
+                    f"{r.rate / raws[0].rate:.2f}", _us(r.proc_cpu / r.messages),
+                    _us(r.cpu / r.messages),
+                    f"{admission(r, m) * 1e6:,.0f} ({r.warm_messages:,.0f})",
+                    "n/a" if p is None else f"{_mib(p)} ({_mib(g)})", "", "")
     tab.notes += [
         ("Each repetition reads raw, then the daemon at each model count in that order; "
          "repetitions per model count: "
@@ -412,7 +460,8 @@ def render(res: dict) -> list[Table]:
          "models only."),
         ("Steady state: a daemon run is timed from the first batch after every model was "
          "admitted (the warm-up before it, about one event per model, is untimed) until the "
-         "last message is processed and every staged event is in its model's state; the "
+         "span ends (or the last message is processed) and every staged event is in its "
+         "model's state; the "
          "messages column counts the whole stream, the rates the timed part. Admission: the "
          "warm-up's process CPU time minus its messages at the run's steady-state CPU per "
          "message, per admitted model (median; the warm-up's messages in parentheses)."),
@@ -420,10 +469,21 @@ def render(res: dict) -> list[Table]:
          + ", ".join(f"{m:,} model{'s' if m != 1 else ''}: "
                      f"{statistics.median(r.seconds for r, _, _ in runs[m]):.1f} s"
                      for m in counts)
+         + (f"; each run is timed for {res['span']:g} s (or to its stream's end, if sooner)"
+            if res.get("span") else "")
          + f". Staged events wait at most {STAGE_MAX_AGE:g} s (`daemon.ingest."
          "STAGE_MAX_AGE`) and checkpoints run every 10 s (`state.checkpoint_interval_seconds`):"
-         " a span of a few seconds holds fewer of both than a long run, and its last staged "
-         "events are offered at its end, inside the timing."),
+         + (f" a span of {res['span']:g} s holds one or two checkpoints and three staging "
+            "ages; the staged events at its end are offered inside the timing. The streams "
+            "have the same event rate and delay; their lengths differ so that each lasts the "
+            "span from 100 models on; one model's stream ends sooner (a model alone is never "
+            "staged and its checkpoint is one model's: a short span holds what a long one "
+            "does)." if res.get("span") else " a span of a few seconds holds fewer of both than "
+            "a long run; the staged events at its end are offered inside the timing.")),
+        (f"Recovery: every model count runs the shipped default, `recovery = \"{RECOVERY}\"` "
+         "(warm-up, sliding window, champion/challenger, fits and publishes as they come); "
+         "the `epochs` rows (huge pools: no fit) ran once, in the first repetition, their "
+         "ratios against the epochs 1-model run and the first raw run."),
         ("CPU per message: CPU time of the whole process (all threads) over the timed part, "
          "over its messages; `Ingest`: the event-loop thread inside `Ingest.process` and the "
          "offers of staged events (parse, join, pools, monitor), without the per-batch work "
@@ -510,14 +570,16 @@ def run(quick: bool = False, events: int | None = None, repeats: int | None = No
     logging.getLogger("lpcal.daemon").setLevel(logging.WARNING)
     logging.getLogger("aiokafka").setLevel(logging.ERROR)
     counts = QUICK_MODEL_COUNTS if quick else MODEL_COUNTS
-    n = events or (QUICK_EVENTS if quick else EVENTS)
-    ev = {m: n for m in counts}
+    ev = {m: events or (QUICK_EVENTS if quick else EVENTS[m]) for m in counts}
     reps = {m: repeats or (QUICK_REPEATS if quick else REPEATS) for m in counts}
     if not quick and repeats is None:
-        reps[10_000] = REPEATS_10K
+        reps.update(FEWER_REPEATS)
     res = asyncio.run(measure(counts, ev, reps,
                               QUICK_RAW_PAIRS if quick else RAW_PAIRS, log, profile_models,
-                              QUICK_IDLE if quick else (IDLE_MODELS, IDLE_RSS_MODELS)))
+                              QUICK_IDLE if quick else (IDLE_MODELS, IDLE_RSS_MODELS),
+                              span=None if quick else SPAN,
+                              raw_messages=None if quick else RAW_MESSAGES,
+                              epochs_counts=counts if quick else EPOCHS_COUNTS))
     if res["profile"]:
         log(res["profile"])
     return render(res)

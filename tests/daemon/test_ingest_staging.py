@@ -159,6 +159,41 @@ def test_staged_ingest_reaches_the_same_states_as_unstaged(size):
                     == plain_d.metrics.registry.get_sample_value(name, labels))
 
 
+def _waiting_rows(d) -> int:
+    """Rows of small updates waiting unsummed in the monitors of ``d``'s models."""
+    return sum(buf.nrows for slot in d.registry.slots.values()
+               for bk in slot.state.monitor.buckets.values() for buf in bk.waiting.values())
+
+
+@pytest.mark.parametrize("recovery", ["epochs", "online"])
+def test_flush_staged_sums_every_changed_monitor_in_one_pass_as_each_alone(recovery):
+    """Before a checkpoint, ``flush_staged`` sums the rows the models' small offers left in
+    their monitors in one batched pass (``daemon.monitor.flush_waiting``); every state is then
+    what summing its own rows alone gives (the unstaged daemon's monitors are summed one by
+    one by their snapshots): equal to the bit."""
+    def make(stage_min_events):
+        s = Settings(max_models=len(MODELS) + 1,
+                     defaults={"recovery": recovery, "drift_threshold": 100.0,
+                               "drift_false_alarm_rate": 0.0,
+                               **({"pool": 40, "mu_pool": 80, "mode": "paper"}
+                                  if recovery == "epochs" else {})},
+                     models={m: {"k": K} for m in MODELS})
+        d = broker_free_daemon(s)
+        return d, Ingest(d.s, d.registry, d.partitions, d.parser, d.metrics, d.clients,
+                         d.deadletters, stage_min_events=stage_min_events)
+
+    msgs = stream(2000, seed=4)
+    (staged_d, staged), (plain_d, plain) = make(256), make(1)
+    feed(staged_d, staged, msgs, 120)
+    feed(plain_d, plain, msgs, 120)
+    staged.flush_staged()
+    assert _waiting_rows(staged_d) == 0 and _waiting_rows(plain_d) > 0
+    assert sum(samples(plain_d).values()) > 1000
+    for m in MODELS:
+        a, b = staged_d.registry.slots[m].state, plain_d.registry.slots[m].state
+        assert orjson.dumps(a.to_dict()) == orjson.dumps(b.to_dict()), m
+
+
 def test_a_model_is_offered_once_its_staged_events_reach_the_threshold():
     d, ing = daemon(20)
     preds = [m for m in stream(800) if m[0] == "predictions"]

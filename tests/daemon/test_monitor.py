@@ -350,3 +350,69 @@ def test_cached_merge_of_older_buckets_equals_merging_every_bucket(window):
             assert np.array_equal(got.hashes, want.hashes)
             assert np.array_equal(got.counts, want.counts)
             assert np.allclose(got.s, want.s) and np.allclose(got.q, want.q)
+
+
+def _monitors_fed(seed):
+    """Monitors of several k, lambda, window kinds and change tests, fed small updates (some
+    with the raw rows' bin hashes, some with calibrated rows): their rows wait unsummed."""
+    from lpcal.levels import bin_rows
+
+    rng = np.random.default_rng(seed)
+    specs = [(4, 10, {"window_samples": 300}, True), (4, 10, {"window_samples": 5000}, False),
+             (4, 7, {"window_seconds": 20.0}, True), (6, 10, {"window_samples": 1000}, True),
+             (4, 10, {"window_samples": 2000}, True)]
+    mons = []
+    for i, (k, lam, window, change) in enumerate(specs * 3):
+        mon = WindowMonitor(k, lam, 2.0 if i % 2 else math.inf,
+                            change=_change(50) if change else None, **window)
+        n = int(rng.integers(5, 400))
+        x, y = data(n, k=k, seed=seed * 100 + i)
+        cal = np.sqrt(x) / np.sqrt(x).sum(axis=1, keepdims=True)
+        ts = np.sort(rng.uniform(0, 60, n))
+        a = 0
+        while a < n:
+            b = min(n, a + int(rng.integers(1, 120)))
+            hashes = bin_rows(x[a:b], lam)[1:] if i % 3 == 0 else None
+            mon.update(x[a:b], y[a:b], ts[a:b], calibrated=cal[a:b] if i % 4 else None,
+                       hashes=hashes)
+            a = b
+        mons.append(mon)
+    return mons
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_flush_waiting_gives_each_monitor_its_own_sums_to_the_bit(seed):
+    """The batched flush of many monitors' waiting rows (one pass per k and lambda) leaves every
+    monitor exactly as flushing it alone does: equal snapshots (sums, counts, change test),
+    equal evaluations, and equal states after more updates."""
+    from daemon.monitor import flush_waiting
+
+    alone, batched = _monitors_fed(seed), _monitors_fed(seed)
+    assert any(bk.waiting["raw"].pieces for m in batched for bk in m.buckets.values())
+    assert any(m._block_rows.pieces for m in batched)
+    flush_waiting(batched)
+    assert not any(bk.waiting[name].pieces for m in batched for bk in m.buckets.values()
+                   for name in ("raw", "calibrated"))
+    for a, b in zip(alone, batched):
+        assert orjson.dumps(a.to_dict()) == orjson.dumps(b.to_dict())  # flushes a alone
+        assert a.nbytes == b.nbytes
+        assert a.evaluate() == b.evaluate()
+    x, y = data(90, k=4, seed=seed)
+    for a, b in zip(alone, batched):
+        if a.k == 4:
+            for m in (a, b):
+                m.update(x, y, np.full(90, 59.0), calibrated=x)
+            flush_waiting([b])
+            assert a == b and a.evaluate() == b.evaluate()
+
+
+def test_flush_waiting_of_nothing_and_of_summed_monitors_changes_nothing():
+    from daemon.monitor import flush_waiting
+
+    x, y = data(700, k=4, seed=9)
+    mon = WindowMonitor(4, 10, math.inf, window_samples=1000)
+    mon.update(x, y, calibrated=x)  # large: summed at once
+    before = orjson.dumps(mon.to_dict())
+    flush_waiting([mon, WindowMonitor(4, 10, math.inf, window_samples=10)])
+    flush_waiting([])
+    assert orjson.dumps(mon.to_dict()) == before
