@@ -129,7 +129,7 @@ def _grid_terms(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, ...]:
     """Fixed-point ``(NLL sums, sum s, sum s^2, sum h)`` at every grid point, from one pass of
     the grid's exponentials (:func:`lpcal.precalibrate.grid_exp`; rows with ``f_y = 0`` are the
     caller's to drop). The NLL sums are those of :class:`TemperatureGrid` to the bit."""
-    n, k = x.shape
+    n = x.shape[0]
     out = [np.zeros(_INV_T.size, dtype=np.int64) for _ in range(4)]
     if n == 0:
         return tuple(out)
