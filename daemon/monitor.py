@@ -1283,6 +1283,14 @@ class WindowMonitor:
         return dict(out)
 
     # ---------------------------------------------------------------- snapshots
+    def _header(self) -> dict[str, Any]:
+        """The snapshot's scalar part (the same in both forms)."""
+        return {"k": self.k, "lam": self.lam, "p": "inf" if math.isinf(self.p) else self.p,
+                "window_samples": self.window_samples, "window_seconds": self.window_seconds,
+                "n_buckets": self.n_buckets,
+                "clock": None if math.isinf(self.clock) else self.clock,
+                "total_samples": self.total_samples}
+
     def to_dict(self, *, memo: Callable[[object, tuple, Callable[[], Any]], Any] | None = None,
                 packed: bool = False) -> dict[str, Any]:
         """JSON-safe snapshot (arrays little-endian base64); :meth:`from_dict` restores it.
@@ -1306,15 +1314,10 @@ class WindowMonitor:
                 "block": [pack_one_sums(s) if memo is None else memo(s, (), partial(
                     pack_one_sums, s)) for s in self._block],
                 "block_classwise": pack_sums([], [self._block_cw])}
-            return {
-                "k": self.k, "lam": self.lam, "p": "inf" if math.isinf(self.p) else self.p,
-                "window_samples": self.window_samples, "window_seconds": self.window_seconds,
-                "n_buckets": self.n_buckets,
-                "clock": None if math.isinf(self.clock) else self.clock,
-                "total_samples": self.total_samples,
-                "buckets": [self._bucket_dict(b, bk, memo, packed=True)
-                            for b, bk in self.buckets.items()],
-                "change": change}
+            return {**self._header(),
+                    "buckets": [self._bucket_dict(b, bk, memo, packed=True)
+                                for b, bk in self.buckets.items()],
+                    "change": change}
         if len(self._block) > 1:  # merged once: the next snapshot merges only new parts
             self._block = [CellSums.merge_all(self._block, self.k)]
         block = None
@@ -1322,11 +1325,7 @@ class WindowMonitor:
             part = self._block[0]  # never modified (a new part or merge replaces it)
             block = part.to_dict() if memo is None else memo(part, (), part.to_dict)
         return {
-            "k": self.k, "lam": self.lam, "p": "inf" if math.isinf(self.p) else self.p,
-            "window_samples": self.window_samples, "window_seconds": self.window_seconds,
-            "n_buckets": self.n_buckets,
-            "clock": None if math.isinf(self.clock) else self.clock,
-            "total_samples": self.total_samples,
+            **self._header(),
             "buckets": [self._bucket_dict(b, bk, memo) for b, bk in self.buckets.items()],
             "change": None if self.change is None else {
                 "test": self.change.to_dict(), "block_n": self._block_n,
