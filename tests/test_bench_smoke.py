@@ -229,7 +229,10 @@ def test_models_quick_tables():
     ingest, idle = bench_models.run(quick=True, log=lambda m: None)
     assert run_all.BENCHMARKS["models"] is bench_models
     assert ingest.key == "models" and idle.key == "models_idle"
-    assert ingest.column("models")[1:] == [f"{m:,}" for m in bench_models.QUICK_MODEL_COUNTS]
+    counts = [f"{m:,}" for m in bench_models.QUICK_MODEL_COUNTS]
+    # the shipped default (online) at every count, then the epochs rows
+    assert ingest.column("models")[1:] == \
+        counts + [f'{m}, `recovery = "epochs"` (no fit)' for m in counts]
     assert ingest.column("of 1-model rate")[1] == "1.00"
     assert all(float(c.replace(",", "")) > 0 for c in ingest.column("msgs/s (median)"))
     assert all(float(c) > 0 for c in ingest.column("CPU us / msg, process"))
