@@ -19,7 +19,7 @@ TOP = "top-label ECE (15 eq-width)"
 
 def test_config_sets_online_recovery_and_the_baseline_per_plan(tmp_path):
     plan = demo.Plan(drift_baseline_samples=3000)
-    text = demo._config("127.0.0.1:1", 8080, plan)
+    text = demo.daemon_config("127.0.0.1:1", 8080, plan)
     parsed = tomllib.loads(text)
     assert {m: parsed["models"][m]["recovery"] for m in parsed["models"]} == {
         "fraud-v3": "online", "churn-v1": "online"}

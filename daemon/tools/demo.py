@@ -38,21 +38,17 @@ import asyncio
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from daemon.drift import BLOCK_SAMPLES
+from daemon.tools.demo_probe import format_statistics, free_port, get, scrape, value
 from daemon.tools.demo_quality import FreshSamples, beyond_bounds, format_quality, verdict
 from daemon.tools.embedded_broker import EmbeddedBroker
 from daemon.tools.simulate.driver import simulate
@@ -118,7 +114,8 @@ class Plan:
 # --------------------------------------------------------------------------- daemon config
 
 
-def _config(bootstrap: str, port: int, plan: Plan | None = None) -> str:
+def daemon_config(bootstrap: str, port: int, plan: Plan | None = None) -> str:
+    """The TOML config the demo's daemon runs with (``plan``'s models, the dev profile)."""
     plan = plan or Plan()
     lines = [
         # the dev profile: no idempotent producer (the embedded broker has no InitProducerId),
@@ -138,58 +135,6 @@ def _config(bootstrap: str, port: int, plan: Plan | None = None) -> str:
         lines += [f'[models."{m.model_id}"]', f"k = {m.k}", f"eps = {m.eps}", f"p = {ps}",
                   'recovery = "online"']
     return "\n".join(lines) + "\n"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except OSError:
-        return 0, b""
-
-
-def _scrape(base: str) -> dict:
-    status, body = _get(base + "/metrics")
-    out: dict = {}
-    if status != 200:
-        return out
-    for fam in text_string_to_metric_families(body.decode()):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
-
-
-def _val(metrics: dict, name: str, **labels) -> float | None:
-    for lab, v in metrics.get(name, []):
-        if all(lab.get(k) == v_ for k, v_ in labels.items()):
-            return v
-    return None
-
-
-def _stat(metrics: dict, model: str, statistic: str) -> tuple[float, float] | None:
-    """The calibrated predictor's windowed debiased ``statistic`` and its standard error."""
-    v = _val(metrics, "lpcal_calibration_statistic", model=model, predictor="calibrated",
-             statistic=statistic)
-    se = _val(metrics, "lpcal_calibration_statistic_stderr", model=model,
-              predictor="calibrated", statistic=statistic)
-    return None if v is None or se is None else (v, se)
-
-
-def _fmt_stats(metrics: dict, model: str) -> str:
-    parts = []
-    for name in ("confidence_gap", "ece_top", "ece_classwise"):
-        s = _stat(metrics, model, name)
-        if s is not None:
-            parts.append(f"{name} {s[0]:+.4f} ± {s[1]:.4f}")
-    return ", ".join(parts) or "(no statistics yet)"
 
 
 # --------------------------------------------------------------------------- the loop's record
@@ -318,12 +263,12 @@ class Demo:
         new = []
         for t in self.tracks.values():
             mid = t.model.model_id
-            t.joined = int(_val(m, "lpcal_joined_samples_total", model=mid) or t.joined)
-            t.score = _val(m, "lpcal_drift_change_score", model=mid) or 0.0
-            version = int(_val(m, "lpcal_binmap_version", model=mid) or 0)
+            t.joined = int(value(m, "lpcal_joined_samples_total", model=mid) or t.joined)
+            t.score = value(m, "lpcal_drift_change_score", model=mid) or 0.0
+            version = int(value(m, "lpcal_binmap_version", model=mid) or 0)
             if version <= (t.live.bm.version if t.live else 0):
                 continue
-            status, body = _get(f"{self.base}/v1/models/{mid}/binmap", timeout=5.0)
+            status, body = get(f"{self.base}/v1/models/{mid}/binmap", timeout=5.0)
             if status != 200:
                 continue  # seen on the next scrape
             try:
@@ -421,7 +366,7 @@ class Demo:
                     out.missing = (f"the stream ended after {self.gen.produced:,} events "
                                    f"(max_events) before the loop completed")
                     return out
-                m = _scrape(self.base)
+                m = scrape(self.base)
                 if not m:
                     continue
                 for t, pub in self._observe(m):
@@ -452,7 +397,7 @@ class Demo:
                     ready = all(c.live is not None for c in controls)
                     limit = self._switch_limit(drift) if ready else None
                     if limit is not None:  # the last scrape before the switch
-                        last_stats = _fmt_stats(m, drift.model.model_id)
+                        last_stats = format_statistics(m, drift.model.model_id)
                         self.switch.live_version = drift.live.bm.version
                     self.switch_limit = limit
                 elif math.isnan(self.switch.seconds):
@@ -473,7 +418,7 @@ class Demo:
                              f"= {drift.score:.2f} >= 1 (the LpcalCalibrationDrift alert's "
                              f"condition), {out.detected_since:,} joined samples since the "
                              f"switch\n        calibrated statistics now: "
-                             f"{_fmt_stats(m, drift.model.model_id)}")
+                             f"{format_statistics(m, drift.model.model_id)}")
                 if (out.repair is not None and not out.repair_within
                         and self._since() >= plan.repair_samples):
                     self.say(f"{self._elapsed():6.1f}s {drift.model.model_id}: no map within "
@@ -571,10 +516,10 @@ def run(plan: Plan, keep: bool = False, say: Callable[[str], None] = print) -> O
     work = Path(tempfile.mkdtemp(prefix="lpcal-demo-"))
     say("starting the embedded Kafka broker ...")
     with EmbeddedBroker() as broker:
-        port = _free_port()
+        port = free_port()
         base = f"http://127.0.0.1:{port}"
         cfg = work / "lpcal.toml"
-        cfg.write_text(_config(broker.bootstrap, port, plan))
+        cfg.write_text(daemon_config(broker.bootstrap, port, plan))
         log_path = work / "daemon.log"
         log = open(log_path, "wb")  # noqa: SIM115 - the daemon writes it until stopped
         say(f"broker on {broker.bootstrap}; starting `lpcal serve --config {cfg}` "
@@ -590,7 +535,7 @@ def run(plan: Plan, keep: bool = False, say: Callable[[str], None] = print) -> O
         out = Outcome()
         try:
             deadline = time.time() + plan.ready_seconds
-            while _get(base + "/readyz")[0] != 200:  # topics exist once it is ready
+            while get(base + "/readyz")[0] != 200:  # topics exist once it is ready
                 if daemon.poll() is not None:
                     out.missing = f"the daemon exited early ({daemon.returncode}); see {log_path}"
                     return out
@@ -603,7 +548,7 @@ def run(plan: Plan, keep: bool = False, say: Callable[[str], None] = print) -> O
             out = demo.watch()
             if daemon.poll() is not None and not out.ok:
                 out.missing += f" (the daemon exited with {daemon.returncode}; see {log_path})"
-            final = _scrape(base)
+            final = scrape(base)
             dead = sum(v for _, v in final.get("lpcal_events_invalid_total", []))
             joined = sum(v for _, v in final.get("lpcal_joined_samples_total", []))
             say(f"\ndaemon counted {joined:,.0f} joined samples and dead-lettered {dead:,.0f} "

@@ -118,7 +118,7 @@ def test_demo_uses_the_dev_profile_and_the_moved_modules(isolated):
     profile (its three settings are not repeated) and whose daemon is ``daemon.cli serve``."""
     from daemon.tools import demo
 
-    text = demo._config("127.0.0.1:1", 8080)
+    text = demo.daemon_config("127.0.0.1:1", 8080)
     parsed = tomllib.loads(text)
     assert parsed["profile"] == "dev" and "enable_idempotence" not in parsed["kafka"]
     assert "offset_gaps" not in parsed["kafka"] and "create_topics" not in parsed["kafka"]
