@@ -1178,8 +1178,7 @@ class ModelState:
                     if (st.online.k, st.online.model_id) != (k, model):
                         raise ValueError(f"calibrator of (k, model) = ({st.online.k}, "
                                          f"{st.online.model_id!r})")
-                    want = online.config(st.fit_spec, st.online.config.max_bytes)
-                    if st.online.config != want:
+                    if not online.accepts(st.online.config, st.fit_spec):
                         raise ValueError("the calibrator's settings do not match the "
                                          "checkpoint's recovery and fit settings")
                 elif k:

@@ -208,5 +208,21 @@ class OnlineSpec:
                             n_buckets=self.window_buckets, alpha=self.challenger_alpha,
                             fit_delay=self.fit_delay, max_bytes=max_bytes)
 
+    #: The :class:`lpcal.online.OnlineConfig` fields that :meth:`config` sets from these
+    #: settings and the fit spec (the others are the library's defaults at creation).
+    SET_FIELDS: ClassVar[tuple[str, ...]] = (
+        "eps", "p", "delta", "warmup_tol", "bucket_size", "n_buckets", "alpha", "fit_delay",
+        "max_bytes")
+
+    def accepts(self, config: OnlineConfig, fit: FitSpec) -> bool:
+        """Whether a restored calibrator's ``config`` is what these settings and ``fit`` make
+        (:meth:`config`, at its own byte bound), on every field they set. The library's own
+        knobs (the held-out and certification shares, ``pools_from``, ...) stay as the
+        calibrator was created with: a checkpoint written before their defaults changed
+        restores exactly (its window is routed by them), and a fresh calibrator (a new model,
+        a changed online setting) takes the current defaults."""
+        want = self.config(fit, config.max_bytes)
+        return all(getattr(config, f) == getattr(want, f) for f in self.SET_FIELDS)
+
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)

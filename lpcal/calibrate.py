@@ -388,7 +388,7 @@ def fit(
     BinMap
         With a ``certificate`` whenever a share was held out. With the certified defaults, a
         sample whose 30% could not certify anything whatever the data
-        (:func:`lpcal.certificate.min_certifiable_holdout`: 144 samples for eps = 0.05,
+        (:func:`lpcal.certificate.min_certifiable_holdout`: 162 samples for eps = 0.05,
         p = inf, delta = 0.1, k = 10) gets temperature scaling fitted on all of it, with a
         certificate that says it is not certified.
 

@@ -18,8 +18,9 @@ def test_recovery_quick_table():
     mb = {h: float(v.split()[0]) for h, v in b.items() if v.endswith(" MB")}
     assert 0 < mb["of which test-share samples"] < mb["online state"]
     assert 0 < mb["of which certification samples"] < mb["online state"]
-    # the certification samples: 15% of the newest 20 buckets, 8 k + 8 bytes each
+    # the certification samples: 18% of the newest 20 buckets (3,600), the test share's
+    # 12% of the newest 10 (1,200), 8 k + 8 bytes each
     test_n, cert_n = (int(v.replace(",", "")) for v in b["samples kept (test / certification)"]
                       .split(" / "))
-    assert 2_500 < cert_n < 3_500 and 1_200 < test_n < 1_800
+    assert 3_100 < cert_n < 4_100 and 900 < test_n < 1_500
     assert abs(mb["of which certification samples"] * 1e6 - cert_n * 88) < 0.006e6

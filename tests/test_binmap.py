@@ -130,6 +130,11 @@ def test_the_same_fit_writes_the_same_artifact_as_before():
         for key in ("created_at", "checksum", "signature"):
             want.pop(key, None)
             got.pop(key, None)
+        # the p = inf bound itself was tightened since (lpcal.certificate): its figures move,
+        # what it estimated and chose does not
+        for doc in (want, got):
+            for e in doc["certificate"]["estimates"].values():
+                assert e.pop("bound") >= e["err_p"]
         assert got == want, name
 
 

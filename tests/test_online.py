@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import math
 
 import numpy as np
 import pytest
@@ -256,3 +257,22 @@ def test_a_failed_fit_completes_without_a_candidate_and_survives_a_checkpoint():
     assert trace(back.complete(back.outstanding[0], None)) == trace(ev)
     assert json.loads(json.dumps(cal.to_dict()))["pending"] is None
     assert cal.update(f[up.consumed:], y[up.consumed:]).consumed == 12000 - up.consumed
+
+
+def test_a_checkpointed_calibrator_keeps_the_library_knobs_it_was_created_with():
+    """The daemon restores a calibrator whose shares and pools_from are an earlier release's
+    defaults (its window is routed by them), and refuses one whose eps or fit delay differ from
+    the settings."""
+    import dataclasses
+
+    from daemon.specs import OnlineSpec
+    from lpcal.spec import FitSpec
+
+    spec, fit = OnlineSpec(recovery="online"), FitSpec(eps=0.05, p=math.inf)
+    now = spec.config(fit, 10**6)
+    earlier = dataclasses.replace(now, cert_share=0.5, pools_from=4_000)
+    assert spec.accepts(now, fit) and spec.accepts(earlier, fit)
+    assert not spec.accepts(dataclasses.replace(now, eps=0.1), fit)
+    assert not spec.accepts(dataclasses.replace(earlier, fit_delay=500), fit)
+    cal = OnlineCalibrator.from_dict(OnlineCalibrator(10, earlier).to_dict())
+    assert cal.config == earlier and cal.window.cert_share == 0.5

@@ -111,7 +111,8 @@ def run_coverage(reps: int, n_truth: int) -> Table:
          f"{1 - DELTA:g}); certified: bound <= eps; vacuous: the raw model's own bound <= eps."),
         ("bound / true: median over the draws whose true Err_p > 0.005 ('–' when fewer than "
          "half are)."),
-        ("Bounds: p = inf, Bernstein per cell with a union over the heavy cells and Chernoff "
+        ("Bounds: p = inf, Bernstein per cell with a union over the heavy cells (second "
+         "moments by a union weighted by level-set mass) and Chernoff "
          "mass bounds for the light ones; p = 2, Bousquet's bound on the whole residual vector "
          "(lpcal/certificate.py docstring); each of the 2 candidates at delta/2."),
     ]

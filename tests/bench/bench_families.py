@@ -265,7 +265,7 @@ def run(quick: bool = False) -> list[Table]:
              "Err_p below eps on the drifted law (logits halved turn a temperature map's "
              "outputs softer, towards level sets where Err_inf is small). What the online loop "
              "needs its thousands of samples for is the certificate: enough certification "
-             "samples (15% of the stream) for the bound to reach eps. The raw model's true "
+             "samples (18% of the stream) for the bound to reach eps. The raw model's true "
              "Err_p is above eps on tempered and two-prototypes, so eps is not vacuous there."),
         ])
     for fam in fams:

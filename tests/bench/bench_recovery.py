@@ -366,10 +366,11 @@ def run(quick: bool = False) -> list[Table]:
              "p inf), every full epoch fitted and published. TS alone: samples until TS "
              "fitted on them is within the same bounds of TS fitted on the whole stream pool."),
             ("Online loop: lpcal.online.OnlineConfig defaults (warm-up until the 95% interval "
-             "of ln T is within +-0.05, window of 32 buckets of 1,000, 30% held out, half of it "
-             "the test share and half the certification share, champion/challenger on the "
-             "test share's paired log-loss difference at alpha 0.05 spent over the "
-             "tests; Algorithm 2's fits take effect 1,000 samples after they are requested). "
+             "of ln T is within +-0.05, window of 32 buckets of 1,000, 30% held out, 12% of the "
+             "samples the test share and 18% the certification share, champion/challenger on "
+             "the test share's paired log-loss difference at alpha 0.05 spent over the "
+             "tests; Algorithm 2 once the pools hold 3,500 fit-share samples, its fits taking "
+             "effect 1,000 samples after they are requested). "
              "'Published worse than replaced': publications whose test-split Brier "
              "exceeds the replaced map's by more than 1e-4."),
         ])

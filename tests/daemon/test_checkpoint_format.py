@@ -15,6 +15,7 @@ import pytest
 
 from daemon.model_state import CheckpointCache, ModelState
 from lpcal.errors import ArtifactError, InputError
+from lpcal.online import OnlineConfig
 from lpcal.pools import (
     MEMO_MIN_PAIRS,
     CountTable,
@@ -102,9 +103,10 @@ def _with_certification_share(doc: dict) -> dict:
     online = doc.get("online")
     if online is None:
         return doc
-    online["config"].update(cert_share=0.5, cert_growth=1.25, cert_buckets=20)
+    share = OnlineConfig.cert_share  # the current default, which such a state adopts
+    online["config"].update(cert_share=share, cert_growth=1.25, cert_buckets=20)
     window = online["window"]
-    window.update(cert_share=0.5, cert_buckets=20)
+    window.update(cert_share=share, cert_buckets=20)
     online.update(cert_looks=0, cert_next=0)
     return doc
 

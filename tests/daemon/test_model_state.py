@@ -585,7 +585,7 @@ def test_several_maps_published_in_one_batch_leave_the_loop_as_small_batches_do(
     order without installing them back into the loop (which would reset its tests and its
     record of the live map depending on batching): its whole state is the one of small
     batches."""
-    msgs = traffic(20_000, seed=7)
+    msgs = traffic(30_000, seed=7)
     small, big = new_state(**ONLINE), new_state(**ONLINE)
     feed_online(small, parser(), msgs, batch=50, complete="at_once")
     out = feed_online(big, parser(), msgs, batch=10_000, complete="at_once")
@@ -689,7 +689,7 @@ def test_online_manual_request_schedules_a_fit_at_the_next_decision_point():
     st.triggers.request_manual()
     assert st.online.warming and st.check_triggers(0.0) is None   # waits for the warm-up
     msgs = traffic(6100, seed=8)
-    feed_online(st, p, msgs[:-200])
+    feed_online(st, p, msgs[:-200], complete="at_once")   # no request left unrun
     assert not st.online.warming
     f = st.check_triggers(1.0)
     assert (f.trigger, f.action) == ("manual", "fit")
