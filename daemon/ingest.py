@@ -10,8 +10,7 @@ model's recorded offset is skipped: that model's checkpoint already contains it.
 
 A model's slice of a batch shared by several models, smaller than :data:`STAGE_MIN_EVENTS`
 events, is staged (:mod:`daemon.staging`) and offered to its state with the model's next slices,
-in one call, once they reach that count, :data:`STAGE_MAX_AGE` seconds and
-:data:`STAGE_MIN_POLLS` polls after the oldest (or :data:`STAGE_MAX_WAIT` seconds), when
+in one call, once they reach that count, :data:`STAGE_MAX_AGE` seconds after the oldest, when
 the staged bytes exceed their budget, when a poll brings nothing (the input is idle), and always
 before a checkpoint and before the model's partition is released (:meth:`Ingest.flush_staged`,
 which the daemon hands to its checkpointer and calls before a release). Large slices, and the batches of a single model, are offered at
@@ -47,13 +46,6 @@ WRONG_PARTITION = "bad_schema"  # a model's events on two partitions: the key co
 STAGE_MIN_EVENTS = 256
 #: seconds a staged event waits at most before it is offered (besides checkpoints and releases)
 STAGE_MAX_AGE = 5.0
-#: ... and at least this many polls that brought records ended since it was staged (while the
-#: daemon keeps up, polls come every few milliseconds and only the age counts; when it falls
-#: behind, a model's slices of several polls are offered in one call: :mod:`daemon.staging`)
-STAGE_MIN_POLLS = 8
-#: seconds a staged event waits at most, whatever the polls (checkpoints and releases offer
-#: it sooner)
-STAGE_MAX_WAIT = 30.0
 #: bytes staged at most: the smaller of this and an eighth of ``join.max_bytes_total``
 STAGE_MAX_BYTES = 64 << 20
 
@@ -153,22 +145,14 @@ class Ingest:
     stage_min_events : int, default :data:`STAGE_MIN_EVENTS`
         Slices smaller than this are staged (1: nothing is staged).
     stage_max_age : float, default :data:`STAGE_MAX_AGE`
-        Seconds (of ``clock``) a staged event waits at least before :meth:`flush_due` offers
-        it ...
-    stage_min_polls : int, default :data:`STAGE_MIN_POLLS`
-        ... once this many polls that brought records ended since it was staged (1: the age
-        alone counts) ...
-    stage_max_wait : float, default :data:`STAGE_MAX_WAIT`
-        ... or once it waited this many seconds, whatever the polls.
+        Seconds (of ``clock``) a staged event waits at most (:meth:`flush_due`).
     """
 
     def __init__(self, settings, registry, partitions, parser, metrics, clients, deadletters, *,
                  clock: Callable[[], float] = time.monotonic,
                  on_online: Callable[[str, Any], None] | None = None,
                  stage_min_events: int = STAGE_MIN_EVENTS,
-                 stage_max_age: float = STAGE_MAX_AGE,
-                 stage_min_polls: int = STAGE_MIN_POLLS,
-                 stage_max_wait: float = STAGE_MAX_WAIT):
+                 stage_max_age: float = STAGE_MAX_AGE):
         self.registry, self.partitions, self.parser = registry, partitions, parser
         self.metrics, self.clients, self.deadletters = metrics, clients, deadletters
         self.clock, self.on_online = clock, on_online
@@ -177,8 +161,7 @@ class Ingest:
         #: the small slices not offered yet (:mod:`daemon.staging`)
         self.staged = StagedEvents(stage_min_events, stage_max_age,
                                    STAGE_MAX_BYTES if total is None
-                                   else min(STAGE_MAX_BYTES, int(total) // 8),
-                                   stage_min_polls, max(stage_max_wait, stage_max_age))
+                                   else min(STAGE_MAX_BYTES, int(total) // 8))
         self._fed = False  # a batch was processed since the last flush_due
         # the configured models with a rate < 1, which the prefilter samples on any partition
         # until they are placed (see _sample_out)
@@ -365,17 +348,14 @@ class Ingest:
 
     def flush_due(self, now: float) -> None:
         """After each poll: offer the staged events of the models whose oldest staged event
-        waited ``stage_max_age`` seconds at ``now`` (a time of ``clock``) and
-        ``stage_min_polls`` polls, or ``stage_max_wait`` seconds (:meth:`StagedEvents.due
-        <daemon.staging.StagedEvents.due>`), O(models due); or, when no batch was processed
-        since the last call (the input is idle: nothing to amortise a call over), every
-        model's."""
+        waited ``stage_max_age`` seconds at ``now`` (a time of ``clock``), O(models due); or,
+        when no batch was processed since the last call (the input is idle: nothing to
+        amortise a call over), every model's."""
         if not self._fed:
             if len(self.staged):
                 self.flush_staged()
             return
         self._fed = False
-        self.staged.tick()
         due = self.staged.due(now)
         if not due:
             return

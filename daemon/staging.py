@@ -10,16 +10,7 @@ arrival order, in one call:
 
 * when they reach ``min_events`` (a slice at least that large is offered at once, after any
   staged events of its model: a one-model stream never waits here);
-* when the oldest of them was staged ``max_age`` seconds ago and at least ``min_polls``
-  polls that brought records ended since it was staged (the one that staged it included;
-  :meth:`StagedEvents.tick` counts them), or
-  ``max_wait`` seconds ago whatever the polls (:meth:`StagedEvents.due`). While the daemon
-  keeps up, polls come every few milliseconds and only the age counts; when it falls behind
-  and one poll's records take longer than ``max_age / min_polls`` to process, the age alone
-  would offer each model's slices of the last poll or two, one model at a time, at the
-  fixed cost of an offer per model and per poll, which makes it fall further behind: the
-  polls keep the slices staged until ``min_polls`` polls' worth of each model is offered in
-  one call (a model's delay then follows the lag, which is there anyway, up to ``max_wait``);
+* when the oldest of them was staged ``max_age`` seconds ago (:meth:`StagedEvents.due`);
 * when the staged bytes of all models exceed ``max_bytes`` (the oldest models first,
   :meth:`StagedEvents.oldest`);
 * before anything reads a model's state for correctness: a checkpoint, the release of its
@@ -77,11 +68,10 @@ class Staged(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("first_limit", "k", "n", "nbytes", "polls", "since", "slices", "ts_limit")
+    __slots__ = ("first_limit", "k", "n", "nbytes", "since", "slices", "ts_limit")
 
-    def __init__(self, k: int, since: float, polls: int):
+    def __init__(self, k: int, since: float):
         self.k, self.since = k, since
-        self.polls = polls  # the poll count when the oldest slice was staged
         # per slice: (kind, ids, ts, probs, labels), compact copies
         self.slices: list[tuple] = []
         self.n = self.nbytes = 0
@@ -101,30 +91,16 @@ class StagedEvents:
         ... or once the oldest of them was staged this many seconds ago.
     max_bytes : int
         The bytes of all staged events above which the caller flushes the oldest models.
-    min_polls : int, default 1
-        ... once, besides, this many polls that brought records ended (:meth:`tick`, called
-        after a poll's records are staged) since the oldest was staged, the one that staged
-        it included (1: the age alone counts) ...
-    max_wait : float, optional
-        ... or once the oldest was staged this many seconds ago, whatever the polls
-        (default: ``max_age``, the polls do not count).
     """
 
-    __slots__ = ("_models", "events", "max_age", "max_bytes", "max_wait", "min_events",
-                 "min_polls", "nbytes", "polls")
+    __slots__ = ("_models", "events", "max_age", "max_bytes", "min_events", "nbytes")
 
-    def __init__(self, min_events: int, max_age: float, max_bytes: int, min_polls: int = 1,
-                 max_wait: float | None = None):
-        max_wait = max_age if max_wait is None else max_wait
-        if (min_events < 1 or not max_age >= 0 or max_bytes < 0 or min_polls < 1
-                or not max_wait >= max_age):
-            raise ValueError(f"StagedEvents: min_events {min_events} and min_polls "
-                             f"{min_polls} must be >= 1, max_age {max_age} and max_bytes "
-                             f"{max_bytes} >= 0, max_wait {max_wait} >= max_age")
+    def __init__(self, min_events: int, max_age: float, max_bytes: int):
+        if min_events < 1 or not max_age >= 0 or max_bytes < 0:
+            raise ValueError(f"StagedEvents: min_events {min_events} must be >= 1, max_age "
+                             f"{max_age} and max_bytes {max_bytes} >= 0")
         self.min_events, self.max_age, self.max_bytes = int(min_events), float(max_age), \
             int(max_bytes)
-        self.min_polls, self.max_wait = int(min_polls), float(max_wait)
-        self.polls = 0  #: polls that brought records (:meth:`tick`)
         # model -> entry; insertion order is the order of their oldest staged slice (an entry
         # is removed when taken), so the models due come first
         self._models: dict[str, _Entry] = {}
@@ -161,7 +137,7 @@ class StagedEvents:
         staged) at time ``now``; True once its model's staged events reach ``min_events``."""
         e = self._models.get(mb.model)
         if e is None:
-            e = self._models[mb.model] = _Entry(mb.k, now, self.polls)
+            e = self._models[mb.model] = _Entry(mb.k, now)
         elif e.k != mb.k:
             raise ValueError(f"StagedEvents: model {mb.model!r} has slices of k={e.k} staged, "
                              f"got k={mb.k}; take them first")
@@ -201,20 +177,13 @@ class StagedEvents:
                                  np.arange(len(ids), dtype=np.int64), e.first_limit),
                       e.ts_limit, len(sl))
 
-    def tick(self) -> None:
-        """Count a poll that brought records, after its slices were staged."""
-        self.polls += 1
-
     def due(self, now: float) -> list[str]:
         """The models whose oldest staged slice is ``max_age`` seconds old or older at
-        ``now`` and was staged ``min_polls`` polls ago or more, or is ``max_wait`` seconds old
-        or older: O(models due). (Entries are in the order of their oldest slice, whose time
-        and poll count both grow along it: the first entry not due ends the scan.)"""
+        ``now``: O(models due)."""
         out = []
-        limit, wait = now - self.max_age, now - self.max_wait
-        polls = self.polls - self.min_polls
+        limit = now - self.max_age
         for model, e in self._models.items():
-            if e.since > limit or (e.polls > polls and e.since > wait):
+            if e.since > limit:
                 break
             out.append(model)
         return out

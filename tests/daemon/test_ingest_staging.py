@@ -212,7 +212,7 @@ def test_staged_events_wait_at_most_max_age_and_not_while_the_input_is_idle():
     now = [100.0]
     d = broker_free_daemon(settings())
     ing = Ingest(d.s, d.registry, d.partitions, d.parser, d.metrics, d.clients, d.deadletters,
-                 clock=lambda: now[0], stage_max_age=2.0, stage_min_polls=1)
+                 clock=lambda: now[0], stage_max_age=2.0)
     msgs = stream(400)
     feed(d, ing, [m for m in msgs if m[3] < 20], 100)     # staged at 100.0
     now[0] = 101.0
@@ -227,69 +227,6 @@ def test_staged_events_wait_at_most_max_age_and_not_while_the_input_is_idle():
     assert all(d.registry.slots[m].state.samples_total > 0 for m in MODELS[:20])
     ing.flush_due(102.5)              # no batch since the last poll: idle, all of it
     assert ing.staged.events == 0 and len(ing.staged) == 0
-
-
-def test_the_polls_rule_keeps_slices_staged_while_polls_are_slow_up_to_max_wait():
-    s = StagedEvents(min_events=100, max_age=1.0, max_bytes=1 << 20, min_polls=3, max_wait=5.0)
-    s.add(batch("a", [KIND_PREDICTION], 0), now=0.0)
-    s.tick()                                  # the poll that staged "a"
-    s.add(batch("b", [KIND_PREDICTION], 10), now=2.0)
-    s.tick()
-    # "a" is 3 s old but only 2 polls ended since it was staged: it stays
-    assert s.due(3.0) == []
-    s.tick()
-    assert s.due(3.0) == ["a"]                # 3 polls: due by age and polls
-    assert s.due(0.5) == []                   # polls alone never make a slice due
-    assert s.due(7.0) == ["a", "b"]           # "b": 2 polls, but 5 s: max_wait
-    # min_polls 1 is the age rule alone (the poll that staged a slice counts)
-    one = StagedEvents(min_events=100, max_age=1.0, max_bytes=1 << 20)
-    one.add(batch("a", [KIND_PREDICTION], 0), now=0.0)
-    one.tick()
-    assert one.due(0.9) == [] and one.due(1.0) == ["a"]
-    with pytest.raises(ValueError, match="max_wait"):
-        StagedEvents(min_events=1, max_age=2.0, max_bytes=0, max_wait=1.0)
-    with pytest.raises(ValueError, match="min_polls"):
-        StagedEvents(min_events=1, max_age=2.0, max_bytes=0, min_polls=0)
-
-
-def test_slow_polls_offer_a_models_slices_of_several_polls_in_one_call_same_states():
-    """Polls slower than the age (every poll 3 s, the age 2 s): with the age alone each
-    model is offered its slices of every poll or two; with ``stage_min_polls = 4`` its slices
-    of at least four polls, in fewer calls; after ``flush_staged`` the states are the same
-    (and the same as unstaged)."""
-    msgs = stream(1600, seed=2)
-
-    def run(min_polls: int, stage_min_events: int = 256):
-        now = [100.0]
-        d = broker_free_daemon(settings())
-        ing = Ingest(d.s, d.registry, d.partitions, d.parser, d.metrics, d.clients,
-                     d.deadletters, clock=lambda: now[0], stage_max_age=2.0,
-                     stage_min_polls=min_polls, stage_max_wait=60.0,
-                     stage_min_events=stage_min_events)
-        offers = [0]
-        offer = ing._offer
-
-        def counted(*a, **kw):
-            offers[0] += 1
-            return offer(*a, **kw)
-
-        ing._offer = counted
-        for a in range(0, len(msgs), 160):   # one poll: 80 events per topic
-            feed(d, ing, msgs[a:a + 160], 80)
-            now[0] += 3.0
-            ing.flush_due(now[0])
-        ing.flush_staged()
-        return d, offers[0]
-
-    (age_d, age_offers), (polls_d, polls_offers) = run(1), run(4)
-    plain_d, _ = run(1, stage_min_events=1)
-    assert polls_offers * 2 < age_offers
-    assert sum(samples(plain_d).values()) > 1000
-    for m in MODELS:
-        a, b, c = (age_d.registry.slots[m].state, polls_d.registry.slots[m].state,
-                   plain_d.registry.slots[m].state)
-        assert orjson.dumps(a.to_dict()) == orjson.dumps(b.to_dict()), m
-        assert orjson.dumps(b.to_dict()) == orjson.dumps(c.to_dict()), m
 
 
 def test_staged_bytes_stay_within_their_budget():
