@@ -114,7 +114,9 @@ def parse_columnar(raws: Sequence[bytes], policies: ModelPolicies, max_bytes: in
         bounds = np.searchsorted(codes[order], np.arange(len(umodels) + 1)).tolist()
         ids_of = itemgetter(*order.tolist()) if n > 1 else None
         ordered_ids = list(ids_of(ids)) if ids_of is not None else list(ids)
-        if len(set(ks)) == 1 and len(set(pols)) == 1:  # one k and policy: validate once
+        # one k and policy (most often the very same policy object): validate once
+        p0 = pols[0]
+        if len(set(ks)) == 1 and (all(p is p0 for p in pols) or len(set(pols)) == 1):
             vall = np.flatnonzero(hv)
             mat = cols.matrix(vall, ks[0]) if vall.size else None
             if vall.size and mat is None:

@@ -1025,7 +1025,10 @@ class WindowMonitor:
             self._trim()
             return counted
         if ts is not None and len(ts):
-            self.clock = max(self.clock, float(np.max(ts)))
+            # the method, not np.max: the same reduction without the dispatch, which took a
+            # third of a small update
+            self.clock = max(self.clock, float(ts.max() if type(ts) is np.ndarray
+                                               else np.max(ts)))
         a = 0
         # under a byte budget a bucket closes early at half of it, and one slice adds at most
         # that much (at the worst case of sample_bytes): the trim then keeps the newest

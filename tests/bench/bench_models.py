@@ -59,8 +59,10 @@ sample, so nothing of this is in its configured pools or windows. A cross-check,
 (allocator overhead included), measured before any daemon runs.
 
 Run alone: ``python -m tests.bench.bench_models [--quick] [--events N] [--repeats R]
-[--profile M]`` (``--profile M``: one more daemon run at ``M`` models under cProfile; prints its
-top cumulative entries to stderr, not into the table).
+[--profile M [--profile-out PATH]]`` (``--profile M``: one more daemon run at ``M`` models under
+cProfile, on its own stream when the run did not produce one (:func:`profile_events`); prints its
+top entries, cumulative and own time, to stderr, not into the table; ``--profile-out``: also
+dumps its pstats).
 """
 
 from __future__ import annotations
@@ -116,6 +118,13 @@ MIB = 1 << 20
 # per-model shares one model has under the defaults (daemon.settings: JoinSettings,
 # StateSettings max_bytes_per_model)
 JOIN_PER_MODEL, STATE_PER_MODEL = 64 * MIB, 128 * MIB
+
+
+def profile_events(models: int) -> int:
+    """Events of the stream profiled at ``models`` models when the run did not produce one:
+    the full benchmark's (:data:`EVENTS`), else enough for 4 predictions per model, as at
+    10,000 models (every model must be admitted before the timed part begins)."""
+    return EVENTS.get(models, max(4 * models, QUICK_EVENTS))
 
 
 def model_id(i: int) -> str:
@@ -296,7 +305,8 @@ async def measure(counts: tuple[int, ...], events: dict[int, int], repeats: dict
                   log=print, profile_models: int | None = None,
                   idle: tuple[int, int] = (IDLE_MODELS, IDLE_RSS_MODELS),
                   span: float | None = SPAN, raw_messages: int | None = RAW_MESSAGES,
-                  epochs_counts: tuple[int, ...] = EPOCHS_COUNTS) -> dict:
+                  epochs_counts: tuple[int, ...] = EPOCHS_COUNTS,
+                  profile_out: str | None = None) -> dict:
     """Every run of the benchmark: ``events`` and ``repeats`` per model count (``counts[0]``
     is the 1-model baseline, read ``max(its repeats, raw_pairs)`` times), each daemon run
     timed over ``span`` seconds with :data:`RECOVERY`, and once, after the first repetition,
@@ -353,13 +363,17 @@ async def measure(counts: tuple[int, ...], events: dict[int, int], repeats: dict
                 p = f"{prefix}.prof{m}"
                 topics[m] = {"predictions": f"{p}.preds", "outcomes": f"{p}.outs",
                              "binmaps": f"{p}.binmaps", "deadletter": f"{p}.dlq"}
-                total[m] = await produce(broker.bootstrap, topics[m], m,
-                                         events.get(m, max(events.values())))
+                total[m] = await produce(broker.bootstrap, topics[m], m, profile_events(m))
+                log(f"[models] profile, {m} models: produced {total[m]:,} messages")
             prof = cProfile.Profile()
             run, _, _ = await measured_daemon_read(broker.bootstrap, topics[m], total[m], m,
                                                    profile=prof, span=SPAN)
             buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
+            stats = pstats.Stats(prof, stream=buf)
+            stats.sort_stats("cumulative").print_stats(30)
+            stats.sort_stats("tottime").print_stats(30)
+            if profile_out:
+                stats.dump_stats(profile_out)
             profile_text = (f"cProfile of the daemon at {m} models ({total[m]:,} messages, "
                             f"{run.rate:,.0f} msg/s under the profiler)\n{buf.getvalue()}")
     return {"counts": counts, "events": events, "messages": total, "raw": raws, "runs": runs,
@@ -564,7 +578,8 @@ def sizing_table(res: dict) -> Table | None:
 
 
 def run(quick: bool = False, events: int | None = None, repeats: int | None = None,
-        log=None, profile_models: int | None = None) -> list[Table]:
+        log=None, profile_models: int | None = None, profile_out: str | None = None
+        ) -> list[Table]:
     """Run the benchmark; return its tables (quick: two tiny model counts, one repetition)."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     logging.getLogger("lpcal.daemon").setLevel(logging.WARNING)
@@ -579,7 +594,8 @@ def run(quick: bool = False, events: int | None = None, repeats: int | None = No
                               QUICK_IDLE if quick else (IDLE_MODELS, IDLE_RSS_MODELS),
                               span=None if quick else SPAN,
                               raw_messages=None if quick else RAW_MESSAGES,
-                              epochs_counts=counts if quick else EPOCHS_COUNTS))
+                              epochs_counts=counts if quick else EPOCHS_COUNTS,
+                              profile_out=profile_out))
     if res["profile"]:
         log(res["profile"])
     return render(res)
@@ -593,10 +609,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--profile", type=int, default=None, metavar="M",
                     help="one more daemon run at M models under cProfile (stderr)")
+    ap.add_argument("--profile-out", default=None, metavar="PATH",
+                    help="with --profile: also dump the profile's pstats to PATH")
     ap.add_argument("--out", default=None, help="also write the tables to this file")
     a = ap.parse_args(argv)
     text = "\n".join(t.to_markdown() for t in run(a.quick, a.events, a.repeats,
-                                                   profile_models=a.profile))
+                                                   profile_models=a.profile,
+                                                   profile_out=a.profile_out))
     print(text)
     if a.out:
         Path(a.out).write_text(text, encoding="utf-8")
