@@ -18,9 +18,9 @@ from lpcal.challenger import SCALE as LOSS_SCALE
 from lpcal.pools import PoolLayout
 from lpcal.precalibrate import (
     GRID_LOG2_T,
+    GUESS_ROWS,
     NLL_CLIP,
     NLL_SCALE,
-    GUESS_ROWS,
     TemperatureGrid,
     fit_grid_temperature,
     grid_exp,
