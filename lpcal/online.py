@@ -609,7 +609,10 @@ class OnlineCalibrator:
                                                           self._live_apply(xs), ys,
                                                           self.config.loss))
         before = self.window.open.index
-        self.window.add(u, x, y, warmup=self.warm)  # the warm-up takes the fit share
+        # the warm-up takes the fit share; rows short of a decision point are summed at the
+        # next one, all at once (the sums are exact integers: the same state, fewer passes)
+        self.window.add(u, x, y, warmup=self.warm,
+                        defer=(self.n_seen + int(y.size)) % self.config.step != 0)
         if self.window.open.index != before:
             self._trim(sealed_from=before)
         self.n_seen += int(y.size)
@@ -940,6 +943,7 @@ class OnlineCalibrator:
         if memo is None:
             def memo(owner, refs, make):  # no cache: encode every time
                 return make()
+        self.window.flush()  # rows deferred to the next decision point enter the sums now
         window = (self.window.to_dict(packed=packed, memo=memo) if packed
                   else self.window.to_dict())
         cfg = memo(self.config, (), lambda: _config_dict(self.config))
