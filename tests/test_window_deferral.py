@@ -126,3 +126,13 @@ def test_calibrator_state_is_the_same_whatever_the_batching(k, n, largest):
     assert any(e[1] == "published" for e in want if isinstance(e, tuple))
     assert _dump(cal.to_dict()) == _dump(ref.to_dict())
     assert cal.nbytes == ref.nbytes
+
+
+def test_online_calls_benchmark_quick_table():
+    from tests.bench import bench_online_calls
+
+    (tab,) = bench_online_calls.run(quick=True)
+    rows = tab.to_markdown().splitlines()
+    body = [r for r in rows if r.startswith("| 10 |")]
+    assert len(body) == 6                        # two phases, three batch sizes
+    assert all(r.rstrip(" |").endswith("x") for r in body)
