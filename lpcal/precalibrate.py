@@ -204,7 +204,7 @@ def _fit_objective(obj: np.ndarray) -> float:
 
 #: Rows of the subsample whose full-grid fit guesses where the minimum lies
 #: (:func:`fit_grid_temperature`); samples up to twice this are fitted on the full grid.
-GUESS_ROWS = 2048
+GUESS_ROWS = 512
 #: Bound on the error of one sample's computed NLL term, in nats (the rounding of ``log S``
 #: and of ``z_y / T``: below 1e-11 for terms up to :data:`NLL_CLIP`; generous).
 _TERM_ERR = 1e-8
@@ -229,20 +229,20 @@ def _grid_terms(zs: np.ndarray, zy: np.ndarray, idx: list[int]) -> tuple[np.ndar
     return sums, terms
 
 
-def _beyond(terms: dict[int, np.ndarray], near: int, far: int, u: int) -> float:
-    """A lower bound, in nats, on the sum of the clipped NLL terms at grid point ``u`` beyond
-    the evaluated points ``far``, ``near`` (``near`` between ``far`` and ``u``), from the
-    convexity of each sample's ``NLL_i`` in ``1/T``: it lies above the extension of its chord
-    through ``near`` and ``far``. A sample clipped at either point, or whose bound is negative,
-    is bounded by 0 (``NLL_i >= 0``); the rounding of the terms is allowed for (``_TERM_ERR``
-    at each of the two points, amplified by the extension)."""
-    bn, bf, bu = _INV_T[near], _INV_T[far], _INV_T[u]
-    r = (bu - bn) / (bn - bf)                       # > 0: u lies beyond near
+def _beyond(terms: dict[int, np.ndarray], near: int, far: int, us: list[int]) -> np.ndarray:
+    """Lower bounds, in nats, on the sums of the clipped NLL terms at the grid points ``us``
+    beyond the evaluated points ``far``, ``near`` (``near`` between ``far`` and every ``u``),
+    from the convexity of each sample's ``NLL_i`` in ``1/T``: it lies above the extension of
+    its chord through ``near`` and ``far``. A sample clipped at either point, or whose bound is
+    negative, is bounded by 0 (``NLL_i >= 0``); the rounding of the terms is allowed for
+    (``_TERM_ERR`` at each of the two points, amplified by the extension)."""
+    bn, bf = _INV_T[near], _INV_T[far]
+    r = (_INV_T[us] - bn) / (bn - bf)               # > 0: every u lies beyond near
     tn, tf = terms[near], terms[far]
-    lin = tn + (tn - tf) * r
-    ok = (tn < NLL_CLIP) & (tf < NLL_CLIP)
-    lb = np.where(ok, np.clip(lin, 0.0, NLL_CLIP), 0.0)
-    return float(lb.sum()) - tn.size * (1.0 + 2.0 * r) * _TERM_ERR
+    lin = tn[None, :] + (tn - tf)[None, :] * r[:, None]
+    np.clip(lin, 0.0, NLL_CLIP, out=lin)
+    lin[:, (tn >= NLL_CLIP) | (tf >= NLL_CLIP)] = 0.0
+    return lin.sum(axis=1) - tn.size * (1.0 + 2.0 * r) * _TERM_ERR
 
 
 def fit_grid_temperature(probs, labels) -> float:
@@ -306,14 +306,11 @@ def fit_grid_temperature(probs, labels) -> float:
         if not want:
             best = float(obj[g])
             margin = 1e-9 * (abs(best) + 1.0)
-            for u in range(lo - 1, -1, -1):           # nearest first: one failure suffices
-                if _beyond(terms, lo, lo + 1, u) - slack + prior[u] <= best + margin:
-                    want = [lo - 1]
-                    break
-            for u in range(hi + 1, g_n):
-                if _beyond(terms, hi, hi - 1, u) - slack + prior[u] <= best + margin:
-                    want.append(hi + 1)
-                    break
+            for near, far, us in ((lo, lo + 1, list(range(lo))),
+                                  (hi, hi - 1, list(range(hi + 1, g_n)))):
+                if us and (_beyond(terms, near, far, us) - slack + prior[us]
+                           <= best + margin).any():
+                    want.append(near - 1 if near == lo else near + 1)  # widen by one point
             if not want:
                 return _fit_objective(obj)
         evaluate(want)
