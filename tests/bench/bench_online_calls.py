@@ -9,7 +9,8 @@ fresh calibrator) and the steady state (after 20,000 samples, fits run, maps pub
 
 Baseline, in the same run: the same samples in batches of ``step`` rows that end at decision
 points (nothing is deferred there: every row is summed in the call that brings it). The ratio
-is the cost per sample against that baseline's, medians of interleaved repeats. Fit requests
+is the cost per sample against that baseline's: the median of the ratios of pairs run one
+after the other. Fit requests
 are run between calls, outside the timing (the daemon runs them in a worker thread).
 
 Run alone: ``python -m tests.bench.bench_online_calls [--quick]``.
@@ -69,27 +70,22 @@ def online_calls_table(quick: bool = False) -> Table:
         for phase, pre in (("warm-up", 0), ("steady", pre_steady)):
             state = _state(k, f, y, u, pre)
             xs, ys, us = f[pre:pre + m], y[pre:pre + m], u[pre:pre + m]
-            rows = {b: [] for b in batches}
-            base = []
             _feed(OnlineCalibrator.from_dict(state), xs, ys, us, 1000)  # untimed: first use
-            for _ in range(1 if quick else REPEATS):
-                cal = OnlineCalibrator.from_dict(state)
-                t, _calls = _feed(cal, xs, ys, us, cal.config.step)
-                base.append(t / m)
-                for b in batches:
+            for b in batches:
+                rows = []
+                for _ in range(1 if quick else REPEATS):  # baseline and candidate in pairs
+                    cal = OnlineCalibrator.from_dict(state)
+                    t_base, _calls = _feed(cal, xs, ys, us, cal.config.step)
                     cal = OnlineCalibrator.from_dict(state)
                     t, calls = _feed(cal, xs, ys, us, b)
-                    rows[b].append((t / calls, t / m))
-            per_base = statistics.median(base)
-            for b in batches:
-                per_call = statistics.median(r[0] for r in rows[b])
-                per_sample = statistics.median(r[1] for r in rows[b])
-                tab.add(k, phase, b, f"{per_call * 1e6:,.1f} µs", f"{per_sample * 1e6:.2f} µs",
-                        f"{per_sample / per_base:.2f}x")
+                    rows.append((t / calls, t / m, t / t_base))
+                tab.add(k, phase, b, f"{statistics.median(r[0] for r in rows) * 1e6:,.1f} µs",
+                        f"{statistics.median(r[1] for r in rows) * 1e6:.2f} µs",
+                        f"{statistics.median(r[2] for r in rows):.2f}x")
     tab.notes.append(
         "Data: logits N(0, 3^2), labels from softmax(log f / 2) (`Overconfident(k, s=3, T=0.5)`); "
         "routing uniforms `index_uniforms`. The calibrator is restored from the same checkpoint "
-        "for every batch size. Baseline: the same samples in batches of `step` = 250 rows ending "
+        "for every run. Baseline: the same samples in batches of `step` = 250 rows ending "
         "at decision points (nothing deferred). Rows short of a decision point are deferred and "
         "summed there in one pass (`SlidingWindow.add(defer=True)`), so a call of a few rows costs "
         "a copy, and the sums are the same to the bit.")
