@@ -202,16 +202,22 @@ class Bucket:
     samples, ``grid`` (fit share), ``held`` (held-out share), ``pools`` (a
     :class:`PoolSet` binned at ``temperature``, or None before a pool temperature was set;
     its held-out sums stay empty) and the held-out samples routed while ``pools`` was set,
-    raw (``held_x`` (m, k) float64, ``held_y`` (m,) int64; module docstring)."""
+    raw (``held_x`` (m, k) float64, ``held_y`` (m,) int64; module docstring).
 
-    __slots__ = ("_cert_chunks", "_held_chunks", "cert_n", "grid", "held", "index", "n",
-                 "pools", "temperature")
+    Held-out samples that the bucket keeps anyway enter ``held`` when it is read (once per
+    bucket, usually, instead of once per batch): :meth:`keep_held` with ``summed=False``. The
+    loss grid's sums are exact integers, so they are the same whenever they are added."""
+
+    __slots__ = ("_cert_chunks", "_held", "_held_chunks", "_held_lazy", "cert_n", "grid",
+                 "index", "n", "pools", "temperature")
 
     def __init__(self, index: int) -> None:
         self.index = int(index)
         self.n = 0
         self.grid = TemperatureGrid()
-        self.held = LossGrid()
+        self._held = LossGrid()
+        #: the last ``_held_lazy`` kept held-out samples are not in ``_held`` yet
+        self._held_lazy = 0
         self.pools: PoolSet | None = None
         self.temperature: float | None = None
         self._held_chunks: list[tuple[np.ndarray, np.ndarray]] = []
@@ -219,11 +225,27 @@ class Bucket:
         self.cert_n = 0
         self._cert_chunks: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def keep_held(self, x: np.ndarray, y: np.ndarray) -> None:
-        """Keep held-out samples (copies) for the certificate's sums."""
+    @property
+    def held(self) -> LossGrid:
+        """The held-out share's loss grid (kept samples not summed yet are added first)."""
+        if self._held_lazy:
+            x, y = self.held_samples(self._held_chunks[0][0].shape[1])
+            m, self._held_lazy = self._held_lazy, 0
+            self._held.update(x[x.shape[0] - m:], y[y.size - m:])
+        return self._held
+
+    @held.setter
+    def held(self, grid: LossGrid) -> None:
+        self._held, self._held_lazy = grid, 0
+
+    def keep_held(self, x: np.ndarray, y: np.ndarray, *, summed: bool = True) -> None:
+        """Keep held-out samples (copies) for the certificate's sums. ``summed=False``: they
+        are not in :attr:`held` yet, and enter it when it is next read."""
         if y.size:
             self._held_chunks.append((np.array(x, dtype=np.float64),
                                       np.array(y, dtype=np.int64)))
+            if not summed:
+                self._held_lazy += int(y.size)
 
     def held_samples(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The held-out samples kept, in arrival order (one array each)."""
@@ -234,6 +256,8 @@ class Bucket:
         return self._held_chunks[0]
 
     def drop_held(self) -> None:
+        if self._held_lazy:
+            self.held  # noqa: B018 -- adds the samples to the loss grid before they go
         self._held_chunks = []
 
     @property
@@ -265,7 +289,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return (self.grid.nll.nbytes + self.held.nbytes
+        return (self.grid.nll.nbytes + self._held.nbytes
                 + (self.pools.nbytes if self.pools is not None else 0)
                 + sum(x.nbytes + y.nbytes for x, y in self._held_chunks)
                 + sum(x.nbytes + y.nbytes for x, y in self._cert_chunks))
@@ -486,11 +510,12 @@ class SlidingWindow:
             warmup.update(xf, yf, grid=bucket.grid)
         else:
             bucket.grid.update(xf, yf)
-        bucket.held.update(x[hold], y[hold])
         if bucket.pools is not None:
             from lpcal.binmap import scale_temperature
             bucket.pools.add(route[fit], scale_temperature(xf, bucket.temperature), yf)
-            bucket.keep_held(x[hold], y[hold])
+            bucket.keep_held(x[hold], y[hold], summed=False)  # summed when read
+        else:
+            bucket.held.update(x[hold], y[hold])
         bucket.n += int(y.size)
 
     def certifying(self, u: np.ndarray) -> np.ndarray:

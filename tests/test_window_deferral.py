@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 
+from lpcal.challenger import LossGrid
 from lpcal.online import OnlineCalibrator, OnlineConfig, index_uniforms, run_fit
 from lpcal.pools import PoolLayout
 from lpcal.warmup import WarmupSums
@@ -136,3 +137,33 @@ def test_online_calls_benchmark_quick_table():
     body = [r for r in rows if r.startswith("| 10 |")]
     assert len(body) == 6                        # two phases, three batch sizes
     assert all(r.rstrip(" |").endswith("x") for r in body)
+
+
+def test_held_out_loss_grid_summed_when_read_equals_summed_at_once():
+    """Kept held-out samples enter a bucket's loss grid when it is read: the same sums as
+    reading it after every batch, through a new pool temperature mid-bucket and buckets
+    that drop their held-out samples (holdout_buckets) before their grid was read."""
+    rng = np.random.default_rng(7)
+    n = 6000
+    f, y = tempered(n)
+    u = index_uniforms(0, n)
+    lay = PoolLayout(10, 10, 1, "shared", {"mu": 7, "PE0": 7}, holdout=6)
+    lazy, eager = (SlidingWindow(lay, bucket_size=400, n_buckets=8, holdout_buckets=2)
+                   for _ in range(2))
+    for w in (lazy, eager):
+        w.set_temperature(1.5)
+    a = 0
+    for i, b in enumerate(_cuts(rng, n, 150)):
+        for w in (lazy, eager):
+            if i == 20:
+                w.set_temperature(2.5)
+            w.add(u[a:b], f[a:b], y[a:b])
+        for bk in eager.buckets:
+            bk.held  # noqa: B018 -- summed after every batch
+        assert any(bk._held_lazy for bk in lazy.buckets)
+        a = b
+    assert _dump(lazy.to_dict()) == _dump(eager.to_dict())
+    hold = lay.route_uniforms(u) >= len(lay.names)
+    kept = np.zeros(n, bool)
+    kept[n - sum(bk.n for bk in lazy.buckets):] = True
+    assert lazy.held() == LossGrid().update(f[hold & kept], y[hold & kept])
