@@ -73,7 +73,7 @@ from lpcal.errors import InputError
 from lpcal.io import validate_labels, validate_probs
 from lpcal.levels import beta_for, encode_keys, lambda_for, rho
 from lpcal.pools import PoolSet, tables_from_rows
-from lpcal.precalibrate import TemperatureGrid
+from lpcal.precalibrate import fit_grid_temperature
 from lpcal.simplex import lift_zeros
 from lpcal.sizing import Sizing
 from lpcal.spec import FitSpec, Mode, Outside, Prescale
@@ -314,7 +314,7 @@ def auto_eps(probs, labels, spec: FitSpec) -> float:
     rest = np.random.default_rng(spec.seed).permutation(n)[n_hold:]
     g = x[rest]
     if spec.prescale_value is Prescale.TEMPERATURE:
-        g = scale_temperature(g, TemperatureGrid().update(g, y[rest]).fit())
+        g = scale_temperature(g, fit_grid_temperature(g, y[rest]))
     block, yb = g[:n_hold], y[rest][:n_hold]
     for eps in AUTO_EPS_GRID:
         p_spec = dataclasses.replace(spec, eps=eps)
@@ -442,7 +442,7 @@ def fit(
     hold, rest = perm[:n_hold], perm[n_hold:]
     temperature = None
     if prescale is Prescale.TEMPERATURE:
-        temperature = TemperatureGrid().update(x[rest], y[rest]).fit()
+        temperature = fit_grid_temperature(x[rest], y[rest])
         x_raw, x = x, scale_temperature(x, temperature)
         scan = None
     else:
@@ -467,12 +467,12 @@ def _precalibrator_only(x: np.ndarray, y: np.ndarray, *, eps: float, p: float, d
     beta = beta_for(eps, p)
     lam = lambda_for(beta)
     k = x.shape[1]
-    grid = TemperatureGrid().update(x, y)
     seen = np.unique(y)
     cert = Certificate.without_holdout(eps=eps, p=p, lam=lam, delta=delta)
     return BinMap(
         model_id=model_id, version=1, created_at=utc_now(), eps=float(eps), p=float(p),
-        delta=float(delta), beta=beta, lam=lam, k=k, temperature=grid.fit(), outside="identity",
+        delta=float(delta), beta=beta, lam=lam, k=k, temperature=fit_grid_temperature(x, y),
+        outside="identity",
         sizing={"mode": "precalibrator-only", "samples": int(x.shape[0]),
                 "min_certifiable_holdout": _min_certifiable_holdout(eps, p, delta, k, 2)},
         iterations=0, stop_reason="not_run", est_error={}, bins=(),

@@ -546,7 +546,12 @@ class OnlineCalibrator:
         if x.shape != (n, self.k) or y.ndim != 1:
             raise InputError(f"OnlineCalibrator.update: expected probs (n, {self.k}) and "
                              f"labels (n,), got {x.shape} and {y.shape}")
-        if n and (y.min() < 0 or y.max() >= self.k):
+        if n <= 32:  # a few labels: Python's min and max cost less than two reductions
+            yl = y.tolist()
+            lo, hi = (min(yl), max(yl)) if n else (0, 0)
+        else:
+            lo, hi = y.min(), y.max()
+        if lo < 0 or hi >= self.k:
             bad = int(np.flatnonzero((y < 0) | (y >= self.k))[0])
             raise InputError(f"label {int(y[bad])} at row {bad} outside [0, {self.k})")
         u = (index_uniforms(self.n_seen, n) if uniforms is None
@@ -561,6 +566,10 @@ class OnlineCalibrator:
             self.waiting = False
             out.events.extend(self._decide())
         step = self.config.step
+        if self.n_seen % step + n < step:  # short of the next decision point: one call
+            self._ingest(u, x, y)
+            out.consumed = n
+            return out
         a = 0
         while a < n:
             b = min(n, a + step - self.n_seen % step)
@@ -615,9 +624,12 @@ class OnlineCalibrator:
                 self.shadow = (bm, acc + PairedLoss.score(bm.apply(xs, check=False),
                                                           self._live_apply(xs), ys,
                                                           self.config.loss))
-        before = self.window.open.index
-        self.window.add(u, x, y, warmup=self.warm)  # the warm-up takes the fit share
-        if self.window.open.index != before:
+        before = self.window.buckets[-1].index
+        # the warm-up takes the fit share; rows short of a decision point are summed at the
+        # next one, all at once (the sums are exact integers: the same state, fewer passes)
+        self.window.add(u, x, y, warmup=self.warm,
+                        defer=(self.n_seen + int(y.size)) % self.config.step != 0)
+        if self.window.buckets[-1].index != before:
             self._trim(sealed_from=before)
         self.n_seen += int(y.size)
 
@@ -947,6 +959,7 @@ class OnlineCalibrator:
         if memo is None:
             def memo(owner, refs, make):  # no cache: encode every time
                 return make()
+        self.window.flush()  # rows deferred to the next decision point enter the sums now
         window = (self.window.to_dict(packed=packed, memo=memo) if packed
                   else self.window.to_dict())
         cfg = memo(self.config, (), lambda: _config_dict(self.config))

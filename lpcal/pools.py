@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import functools
 import hashlib
 import math
@@ -661,6 +662,51 @@ class CountTable:
         return f"CountTable(k={self.k}, lam={self.lam}, total={self.total})"
 
 
+def compact_tables(tables: list[CountTable]) -> None:
+    """:meth:`CountTable.compact` of every table, with the buffered rows of all of them
+    grouped in one pass: one grouping of the bins by row hash, one sparse encoding of the
+    bins, one count of the (table, bin, label) triples, then each table's share merged into
+    its compacted part as :meth:`CountTable._compact` merges its own. The tables end with the
+    very arrays their own compaction gives (values and dtypes; tested). A hash shared by two
+    distinct bins raises :class:`HashCollision` even when the two are in different tables."""
+    busy = [t for t in tables if t._pending]
+    if len(busy) < 2 or len({(t.k, t.lam) for t in busy}) != 1:
+        for t in tables:
+            t.compact()
+        return
+    with contextlib.ExitStack() as stack:
+        for t in busy:
+            stack.enter_context(t._lock)
+        k, lam = busy[0].k, busy[0].lam
+        parts = [p for t in busy for p in t._pending]
+        sizes = [sum(p[0].shape[0] for p in t._pending) for t in busy]
+        c = np.concatenate([p[0] for p in parts])
+        y = np.concatenate([p[1] for p in parts])
+        h = np.concatenate([p[2] for p in parts])
+        for t in busy:
+            t._pending, t._npend, t._pbytes = [], 0, 0
+        tid = np.repeat(np.arange(len(busy), dtype=np.int64), sizes)
+        uh, first, inv = group_rows(c, h)
+        nb = uh.size
+        ukey, kinv = np.unique(tid * nb + inv, return_inverse=True)   # (table, bin), sorted
+        kinv = kinv.reshape(-1)
+        gbin = ukey % nb
+        start = np.searchsorted(ukey // nb, np.arange(len(busy) + 1))  # each table's bins
+        ptr, idx, val = _csr_from_dense(c[first[gbin]])
+        up, pc = np.unique(kinv * k + y, return_counts=True)          # (table, bin, label)
+        pbin = up // k
+        pstart = np.searchsorted(pbin, start)
+        for i, t in enumerate(busy):
+            a, b = start[i], start[i + 1]
+            pa, pb = pstart[i], pstart[i + 1]
+            other = CountTable._raw(k, lam, uh[gbin[a:b]], ptr[a:b + 1] - ptr[a],
+                                    idx[ptr[a]:ptr[b]], val[ptr[a]:ptr[b]], pbin[pa:pb] - a,
+                                    up[pa:pb] % k, pc[pa:pb])
+            t._assign(t._merge_compacted(other))
+        for t in tables:
+            t.compact()  # the tables without buffered rows (and lazy bins) as before
+
+
 def tables_from_rows(probs: np.ndarray, labels: np.ndarray, assign: np.ndarray, n_tables: int,
                      k: int, lam: int, scan=None) -> list[CountTable]:
     """Build ``n_tables`` pools at once: row ``i`` goes to pool ``assign[i]`` (-1: unused).
@@ -952,9 +998,9 @@ class PoolSet:
         return b
 
     def compact(self) -> None:
-        """Compact every table (before handing the pools to another thread)."""
-        for t in self.tables.values():
-            t.compact()
+        """Compact every table (before handing the pools to another thread): the buffered
+        rows of all tables are grouped in one pass (:func:`compact_tables`)."""
+        compact_tables(list(self.tables.values()))
 
     def fill(self) -> dict[str, tuple[int, int]]:
         out = {n: (self.tables[n].total, self.layout.targets[n]) for n in self.layout.names}

@@ -202,16 +202,22 @@ class Bucket:
     samples, ``grid`` (fit share), ``held`` (held-out share), ``pools`` (a
     :class:`PoolSet` binned at ``temperature``, or None before a pool temperature was set;
     its held-out sums stay empty) and the held-out samples routed while ``pools`` was set,
-    raw (``held_x`` (m, k) float64, ``held_y`` (m,) int64; module docstring)."""
+    raw (``held_x`` (m, k) float64, ``held_y`` (m,) int64; module docstring).
 
-    __slots__ = ("_cert_chunks", "_held_chunks", "cert_n", "grid", "held", "index", "n",
-                 "pools", "temperature")
+    Held-out samples that the bucket keeps anyway enter ``held`` when it is read (once per
+    bucket, usually, instead of once per batch): :meth:`keep_held` with ``summed=False``. The
+    loss grid's sums are exact integers, so they are the same whenever they are added."""
+
+    __slots__ = ("_cert_chunks", "_held", "_held_chunks", "_held_lazy", "cert_n", "grid",
+                 "index", "n", "pools", "temperature")
 
     def __init__(self, index: int) -> None:
         self.index = int(index)
         self.n = 0
         self.grid = TemperatureGrid()
-        self.held = LossGrid()
+        self._held = LossGrid()
+        #: the last ``_held_lazy`` kept held-out samples are not in ``_held`` yet
+        self._held_lazy = 0
         self.pools: PoolSet | None = None
         self.temperature: float | None = None
         self._held_chunks: list[tuple[np.ndarray, np.ndarray]] = []
@@ -219,11 +225,27 @@ class Bucket:
         self.cert_n = 0
         self._cert_chunks: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def keep_held(self, x: np.ndarray, y: np.ndarray) -> None:
-        """Keep held-out samples (copies) for the certificate's sums."""
+    @property
+    def held(self) -> LossGrid:
+        """The held-out share's loss grid (kept samples not summed yet are added first)."""
+        if self._held_lazy:
+            x, y = self.held_samples(self._held_chunks[0][0].shape[1])
+            m, self._held_lazy = self._held_lazy, 0
+            self._held.update(x[x.shape[0] - m:], y[y.size - m:])
+        return self._held
+
+    @held.setter
+    def held(self, grid: LossGrid) -> None:
+        self._held, self._held_lazy = grid, 0
+
+    def keep_held(self, x: np.ndarray, y: np.ndarray, *, summed: bool = True) -> None:
+        """Keep held-out samples (copies) for the certificate's sums. ``summed=False``: they
+        are not in :attr:`held` yet, and enter it when it is next read."""
         if y.size:
             self._held_chunks.append((np.array(x, dtype=np.float64),
                                       np.array(y, dtype=np.int64)))
+            if not summed:
+                self._held_lazy += int(y.size)
 
     def held_samples(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The held-out samples kept, in arrival order (one array each)."""
@@ -234,6 +256,8 @@ class Bucket:
         return self._held_chunks[0]
 
     def drop_held(self) -> None:
+        if self._held_lazy:
+            self.held  # noqa: B018 -- adds the samples to the loss grid before they go
         self._held_chunks = []
 
     @property
@@ -265,7 +289,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return (self.grid.nll.nbytes + self.held.nbytes
+        return (self.grid.nll.nbytes + self._held.nbytes
                 + (self.pools.nbytes if self.pools is not None else 0)
                 + sum(x.nbytes + y.nbytes for x, y in self._held_chunks)
                 + sum(x.nbytes + y.nbytes for x, y in self._cert_chunks))
@@ -375,17 +399,37 @@ class SlidingWindow:
         self.n_buckets = int(n_buckets)
         self.buckets: list[Bucket] = [Bucket(0)]
         self.temperature: float | None = None
+        #: rows added with ``defer=True`` and not yet summed (:meth:`add`), in order, and the
+        #: warm-up sums they go to
+        self._deferred: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._deferred_n = 0
+        self._deferred_warm: WarmupSums | None = None
 
     # ------------------------------------------------------------------ filling
     @property
     def open(self) -> Bucket:
-        """The bucket being filled (the newest)."""
+        """The bucket being filled (the newest). Its sums leave out rows still deferred
+        (:meth:`add`); its ``index`` is final (deferred rows never open a bucket)."""
         return self.buckets[-1]
+
+    def flush(self) -> None:
+        """Sum the rows deferred by :meth:`add` into the open bucket (and their warm-up sums):
+        every method that reads or changes the buckets' sums calls it first."""
+        if not self._deferred:
+            return
+        parts, warm = self._deferred, self._deferred_warm
+        self._deferred, self._deferred_n, self._deferred_warm = [], 0, None
+        if len(parts) == 1:
+            u, x, y = parts[0]
+        else:
+            u, x, y = (np.concatenate([p[i] for p in parts]) for i in range(3))
+        self._add_to(self.open, u, x, y, warm)
 
     def set_temperature(self, temperature: float | None) -> None:
         """Bin Algorithm 2's pools at ``temperature`` from the next sample on (None: stop
         filling pools). The open bucket's pools restart at the new temperature (they would
         mix two binnings); sealed buckets keep theirs, used only at their own temperature."""
+        self.flush()
         t = None if temperature is None else float(temperature)
         self.temperature = t
         b = self.open
@@ -412,11 +456,20 @@ class SlidingWindow:
             b.pools = PoolSet(self.layout, temperature=self.temperature)
 
     def add(self, uniforms: np.ndarray, probs: np.ndarray, labels: np.ndarray, *,
-            warmup: WarmupSums | None = None) -> None:
+            warmup: WarmupSums | None = None, defer: bool = False) -> None:
         """Add samples in order (validated ``probs`` (n, k), labels, routing uniforms),
         sealing buckets at their exact boundaries. ``warmup``: also add the fit share to these
         warm-up sums (the grid's exponentials are computed once for both: the bucket's grid
-        gets the very sums the warm-up's grid does)."""
+        gets the very sums the warm-up's grid does).
+
+        ``defer``: keep copies of the rows and sum them later, together with the rows deferred
+        after them, at the next call without ``defer`` or the next method that reads or changes
+        the sums (:meth:`flush`): one pass over many small batches instead of one per batch.
+        Rows are deferred only while they fit in the open bucket (with the same ``warmup``);
+        otherwise everything is summed at once. Every sum is an exact integer and the kept
+        samples are concatenated in arrival order, so the state after the flush is the very
+        state the rows summed one call at a time would give. Deferred rows count in :attr:`n`
+        and :attr:`nbytes`."""
         y = np.asarray(labels, dtype=np.int64)
         n = y.shape[0]
         x = np.asarray(probs, dtype=np.float64)
@@ -424,6 +477,16 @@ class SlidingWindow:
         if x.shape != (n, self.layout.k) or u.shape != (n,):
             raise InputError(f"SlidingWindow.add: expected probs (n, {self.layout.k}), labels "
                              f"and uniforms (n,); got {x.shape}, {y.shape}, {u.shape}")
+        if not n:
+            return
+        if defer and (self._deferred_warm is warmup or not self._deferred) and (
+                self.open.n + self._deferred_n + n <= self.bucket_size
+                and self.open.n < self.bucket_size):
+            self._deferred.append((u.copy(), x.copy(), y.copy()))
+            self._deferred_n += n
+            self._deferred_warm = warmup
+            return
+        self.flush()
         a = 0
         while a < n:
             if self.open.n >= self.bucket_size:
@@ -447,11 +510,12 @@ class SlidingWindow:
             warmup.update(xf, yf, grid=bucket.grid)
         else:
             bucket.grid.update(xf, yf)
-        bucket.held.update(x[hold], y[hold])
         if bucket.pools is not None:
             from lpcal.binmap import scale_temperature
             bucket.pools.add(route[fit], scale_temperature(xf, bucket.temperature), yf)
-            bucket.keep_held(x[hold], y[hold])
+            bucket.keep_held(x[hold], y[hold], summed=False)  # summed when read
+        else:
+            bucket.held.update(x[hold], y[hold])
         bucket.n += int(y.size)
 
     def certifying(self, u: np.ndarray) -> np.ndarray:
@@ -467,6 +531,7 @@ class SlidingWindow:
         """Keep only the buckets with an index above ``index`` (after a drift at bucket
         ``index``: only later samples count). If the open bucket is dropped, a new one opens
         (its pools at the current temperature)."""
+        self.flush()
         keep = [b for b in self.buckets if b.index > index]
         if keep:
             self.buckets = keep
@@ -480,20 +545,23 @@ class SlidingWindow:
     # ------------------------------------------------------------------ reading
     @property
     def n(self) -> int:
-        """Samples in the window."""
-        return sum(b.n for b in self.buckets)
+        """Samples in the window (deferred rows included)."""
+        return sum(b.n for b in self.buckets) + self._deferred_n
 
     def grid(self) -> TemperatureGrid:
         """The fit share's temperature grid over the window."""
+        self.flush()
         return tree_sum([b.grid for b in self.buckets], TemperatureGrid.merge)
 
     def held(self) -> LossGrid:
         """The held-out share's loss grid over the window."""
+        self.flush()
         return tree_sum([b.held for b in self.buckets], LossGrid.merge)
 
     def cert_samples(self) -> tuple[np.ndarray, np.ndarray]:
         """The certification share's samples kept in the window (those of the newest
         ``holdout_buckets`` buckets), oldest first: ``(probs (m, k), labels (m,))``."""
+        self.flush()
         k = self.layout.k
         parts = [b.cert_samples(k) for b in self.buckets if b.n_cert]
         if not parts:
@@ -509,6 +577,7 @@ class SlidingWindow:
     def snapshot(self, temperature: float | None = None) -> PoolsSnapshot | None:
         """What :meth:`pools` merges, frozen now and merged later (:class:`PoolsSnapshot`);
         None if no bucket has pools at ``temperature`` (default: the pool temperature)."""
+        self.flush()
         t = self.temperature if temperature is None else float(temperature)
         mine = [b for b in self.buckets if b.pools is not None and b.temperature == t]
         if t is None or not mine:
@@ -529,8 +598,9 @@ class SlidingWindow:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the arrays of every bucket."""
-        return sum(b.nbytes for b in self.buckets)
+        """Bytes of the arrays of every bucket, and of the rows deferred (:meth:`add`)."""
+        return sum(b.nbytes for b in self.buckets) + sum(
+            u.nbytes + x.nbytes + y.nbytes for u, x, y in self._deferred)
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self, *, packed: bool = False, memo: Memo | None = None) -> dict[str, Any]:
@@ -541,6 +611,7 @@ class SlidingWindow:
         bucket (all but the open one) is encoded once while it stays as it is (its sample
         and held-out counts, temperature, pools and held-out sums, which change when it leaves
         the held-out buckets)."""
+        self.flush()
         buckets: list[Any] = []
         for i, b in enumerate(self.buckets):
             if memo is None or i == len(self.buckets) - 1:
@@ -583,6 +654,8 @@ class SlidingWindow:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SlidingWindow):
             return NotImplemented
+        self.flush()
+        other.flush()
         return (self.layout == other.layout and self.bucket_size == other.bucket_size
                 and self.n_buckets == other.n_buckets
                 and self.holdout_buckets == other.holdout_buckets

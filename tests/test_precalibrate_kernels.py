@@ -18,9 +18,11 @@ from lpcal.challenger import SCALE as LOSS_SCALE
 from lpcal.pools import PoolLayout
 from lpcal.precalibrate import (
     GRID_LOG2_T,
+    GUESS_ROWS,
     NLL_CLIP,
     NLL_SCALE,
     TemperatureGrid,
+    fit_grid_temperature,
     grid_exp,
     pairwise_planes,
     shifted_log,
@@ -180,3 +182,61 @@ def test_window_feeds_the_warmup_its_fit_share():
     fit = lay.route_uniforms(u) < len(lay.names)
     assert warm == WarmupSums().update(x[fit], y[fit])
     assert warm.grid == plain.grid()
+
+
+# ------------------------------------------------------------------ the fit's lazy grid
+def _tempered(rng, n, k, scale, t_true):
+    """Rows ``softmax(scale z)`` with labels drawn from ``softmax(scale z / t_true)``."""
+    z = rng.normal(size=(n, k)) * scale
+    x = np.exp(z - z.max(axis=1, keepdims=True))
+    x /= x.sum(axis=1, keepdims=True)
+    q = np.exp((z - z.max(axis=1, keepdims=True)) / t_true)
+    q /= q.sum(axis=1, keepdims=True)
+    y = (q.cumsum(axis=1) > rng.random((n, 1)) * q.sum(axis=1, keepdims=True)).argmax(axis=1)
+    return x, y
+
+
+@pytest.mark.parametrize("k,t_true", [(2, 0.3), (3, 8.0), (10, 0.5), (10, 1.0), (10, 2.5),
+                                      (10, 0.05), (10, 40.0), (100, 0.7), (100, 3.0)])
+def test_lazy_grid_fit_is_the_full_grid_fit_to_the_bit(k, t_true):
+    """The certified default fits its temperature evaluating only the grid points that can
+    matter: the same float as the full grid's fit, also at the ends of the grid."""
+    rng = np.random.default_rng(k * 100 + int(t_true * 10))
+    n = 3 * GUESS_ROWS if k == 100 else 6 * GUESS_ROWS
+    x, y = _tempered(rng, n, k, 3.0, t_true)
+    assert fit_grid_temperature(x, y) == TemperatureGrid().update(x, y).fit()
+
+
+def test_lazy_grid_fit_widens_when_the_guess_is_wrong():
+    """The guess comes from every ``n // GUESS_ROWS``-th row: make those rows a different model
+    (much sharper labels), so the guessed argmin is far from the true one; the widened search
+    still ends at the full grid's fit."""
+    rng = np.random.default_rng(5)
+    n = 5 * GUESS_ROWS
+    x, y = _tempered(rng, n, 10, 3.0, 6.0)
+    stride = n // GUESS_ROWS
+    xs, ys = _tempered(rng, n, 10, 3.0, 0.1)
+    x[::stride], y[::stride] = xs[::stride], ys[::stride]
+    guess = TemperatureGrid().update(x[::stride], y[::stride]).fit()
+    full = TemperatureGrid().update(x, y).fit()
+    assert abs(np.log2(guess) - np.log2(full)) > 1.5      # the guess is more than 3 steps off
+    assert fit_grid_temperature(x, y) == full
+
+
+def test_lazy_grid_fit_with_clipped_terms_and_zero_probabilities():
+    """Labels of probability below e^-64 (their NLL is clipped at the sharp end of the grid),
+    exact zeros and labels of probability 0 (left out)."""
+    rng = np.random.default_rng(6)
+    x, y = sample(rng, 4 * GUESS_ROWS, 10, zeros=0.2)
+    tiny = rng.random(x.shape[0]) < 0.02
+    x[tiny] = np.where(np.arange(10) == 0, 1e-40, 1.0)[None, :]
+    x[tiny] /= x[tiny].sum(axis=1, keepdims=True)
+    y[tiny] = 0
+    assert fit_grid_temperature(x, y) == TemperatureGrid().update(x, y).fit()
+    assert fit_grid_temperature(x[:50], y[:50]) == TemperatureGrid().update(x[:50], y[:50]).fit()
+
+
+def test_lazy_grid_fit_on_a_real_network():
+    from tests.bench.common import load_record
+    x, y = load_record("lenet-5-cifar-100")
+    assert fit_grid_temperature(x, y) == TemperatureGrid().update(x, y).fit()

@@ -5,7 +5,8 @@
     python -m tests.bench.run_all --only fit,apply     # reruns two; their sections only
     python -m tests.bench.run_all --only fit,apply --out /tmp/results.md
 
-Benchmarks: ``fit`` (fit time from raw arrays and from pools), ``apply`` (apply throughput),
+Benchmarks: ``fit`` (fit time from raw arrays and from pools), ``online_calls`` (the online
+calibrator's cost per call and per sample, by batch size), ``apply`` (apply throughput),
 ``quality`` (CIFAR records), ``variants`` (split vs shared pools, theory vs practical sizing),
 ``directions`` (the design directions b and d against the default), ``scale`` (1 replica
 against 2, failover with a 10,000-model state topic), ``certificate`` (coverage, tightness and
@@ -44,6 +45,7 @@ from tests.bench import (
     bench_fit,
     bench_ingest,
     bench_models,
+    bench_online_calls,
     bench_quality,
     bench_recovery,
     bench_scale,
@@ -72,6 +74,7 @@ class _MarkdownBench:
 
 BENCHMARKS = {
     "fit": bench_fit,
+    "online_calls": bench_online_calls,
     "apply": bench_apply,
     "quality": bench_quality,
     "variants": bench_variants,
