@@ -37,6 +37,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from lpcal.errors import InputError, shown
+from lpcal.p_norm import parse_p
 
 FLOOR_TOL = 1e-9
 _SNAP_REL = 1e-9
@@ -48,9 +49,7 @@ def beta_for(eps: float, p: float) -> float:
     if not (0.0 < eps < 1.0) or not math.isfinite(eps):
         raise InputError(f"eps must lie in (0, 1), got {shown(eps)}")
     if not (isinstance(p, float | int) and p > 1.0):
-        from lpcal.spec import parse_p  # the one statement of p's domain (raises)
-
-        p = parse_p(p)
+        p = parse_p(p)  # the one statement of p's domain (raises)
     if math.isinf(p):
         return float(eps)
     return float(eps ** (p / (p - 1.0)) / 2.0 ** (1.0 / (p - 1.0)))

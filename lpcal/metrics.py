@@ -42,7 +42,7 @@ from lpcal.errors import InputError, shown
 from lpcal.holdout import BinSums, merge_bin_sums
 from lpcal.io import DEFAULT_TOL, validate_labels, validate_probs
 from lpcal.levels import bin_counts_hashed, decode_keys, encode_keys, group_rows, row_hash
-from lpcal.spec import parse_p
+from lpcal.p_norm import parse_p
 
 _QUAD_CHUNK = 1 << 21  # cells * nodes evaluated at once by the debiasing quadrature
 

@@ -148,8 +148,8 @@ from lpcal.challenger import LOSSES, Decision, PairedLoss, challenge
 from lpcal.errors import InputError
 from lpcal.holdout import HoldoutSums
 from lpcal.levels import beta_for, lambda_for
+from lpcal.p_norm import parse_p
 from lpcal.pools import PoolLayout, PoolSet, n_levels, pool_names
-from lpcal.spec import parse_p
 from lpcal.warmup import WarmupSums
 from lpcal.window import Memo, PoolsSnapshot, SlidingWindow
 

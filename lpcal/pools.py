@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lpcal.errors import InputError
+from lpcal.holdout import HoldoutSums
+from lpcal.kernels import scale_temperature
 from lpcal.levels import (
     MAX_LAMBDA,
     HashCollision,
@@ -44,7 +46,10 @@ from lpcal.levels import (
     encode_keys,
     group_rows,
     row_hash,
+    scan_rows,
 )
+from lpcal.precalibrate import TemperatureGrid
+from lpcal.temperature import check_temperature
 
 _COMPACT_EVERY = 1 << 16
 #: Buffered (dense, ``4 k`` bytes per row) rows of a table are folded in once they take more
@@ -245,8 +250,6 @@ def unpack_holdout(d: Mapping, where: str = "holdout"):
     """Inverse of :func:`pack_holdout`; the unpacked form goes to
     :meth:`lpcal.holdout.HoldoutSums.from_dict`. Checks what that does (bins level sets, each
     once; counts positive, sums >= 0) on the packed arrays."""
-    from lpcal.holdout import HoldoutSums
-
     if not (isinstance(d, Mapping) and "data" in d):
         return HoldoutSums.from_dict(d, where)
     try:
@@ -717,8 +720,6 @@ def tables_from_rows(probs: np.ndarray, labels: np.ndarray, assign: np.ndarray, 
     tables keep a reference to ``probs`` and compute a bin's row only when asked for it (for the
     bins of ``B`` during a fit, or for all of them when serialised).
     """
-    from lpcal.levels import scan_rows
-
     h, pair = (scan_rows(probs, lam)[:2] if scan is None else scan[:2])
     sel = np.flatnonzero(assign >= 0)
     if sel.size < assign.size:
@@ -883,9 +884,6 @@ class PoolSet:
 
     def __init__(self, layout: PoolLayout, tables: Mapping[str, CountTable] | None = None, *,
                  temperature: float | None = None):
-        from lpcal.holdout import HoldoutSums
-        from lpcal.precalibrate import TemperatureGrid
-
         self.layout = layout
         self.tables = {n: CountTable(layout.k, layout.lam) for n in layout.names}
         if tables:
@@ -976,7 +974,6 @@ class PoolSet:
         route = route[: b - a]
         xs, ys = x[a:b], y[a:b]
         if self.temperature is not None:
-            from lpcal.binmap import scale_temperature
             g = scale_temperature(xs, self.temperature)
             counts, hashes = bin_counts_hashed(g, self.layout.lam)
         else:
@@ -1090,9 +1087,6 @@ class PoolSet:
     @classmethod
     def from_dict(cls, d: Mapping) -> PoolSet:
         """Inverse of :meth:`to_dict` (either form)."""
-        from lpcal.precalibrate import TemperatureGrid
-        from lpcal.temperature import check_temperature
-
         try:
             layout = PoolLayout.from_dict(d["layout"])
             tables = {n: CountTable.from_dict(t, where=f"pool {n}") for n, t in d["tables"].items()}

@@ -100,7 +100,7 @@ def test_p_inf_is_accepted_as_a_string_like_the_cli_and_the_daemon(given):
 def test_p_domain_is_defined_once(tmp_path):
     from daemon import settings
     from lpcal.cli import build_parser
-    from lpcal.spec import P_DOMAIN, parse_p
+    from lpcal.p_norm import P_DOMAIN, parse_p
 
     assert parse_p("inf") == math.inf and parse_p(2) == 2.0
     for bad in (1, 1.0, "1", 0.5, "nan", float("nan"), True, None):
@@ -118,7 +118,7 @@ def test_p_domain_is_defined_once(tmp_path):
     assert settings.load_settings(toml, secrets_dir=tmp_path).defaults.p == math.inf
     # evaluating Err_p also allows p = 1, with the same parser
     from lpcal import metrics
-    from lpcal.spec import ERR_P_DOMAIN
+    from lpcal.p_norm import ERR_P_DOMAIN
 
     probs, labels = np.full((4, 2), 0.5), np.array([0, 1, 0, 1])
     assert metrics.err_p(probs, labels, 10, 1) == metrics.err_p(probs, labels, 10, "1")

@@ -16,7 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from lpcal.errors import InputError
-from lpcal.spec import parse_p
+from lpcal.p_norm import parse_p
 
 __all__ = ["MIB", "NonNegFloat", "NonNegInt", "PNorm", "PosFloat", "PosInt", "Prob",
            "SettingsError", "Strict", "field_errors"]
@@ -62,7 +62,7 @@ def _lower(v: Any) -> Any:
 
 
 def _p(v: Any) -> float:
-    """:func:`lpcal.spec.parse_p`, its message as the field's error."""
+    """:func:`lpcal.p_norm.parse_p`, its message as the field's error."""
     try:
         return parse_p(v)
     except InputError as e:
@@ -72,7 +72,7 @@ def _p(v: Any) -> float:
 Upper = BeforeValidator(_upper)
 Lower = BeforeValidator(_lower)
 Prob = Annotated[float, Field(gt=0.0, lt=1.0)]
-#: The ``p`` of ``Err_p``: :func:`lpcal.spec.parse_p`, the domain (:data:`lpcal.spec.P_DOMAIN`)
+#: The ``p`` of ``Err_p``: :func:`lpcal.p_norm.parse_p`, the domain (:data:`lpcal.p_norm.P_DOMAIN`)
 #: the library and CLI use.
 PNorm = Annotated[float, BeforeValidator(_p)]
 PosInt = Annotated[int, Field(gt=0)]
