@@ -438,6 +438,58 @@ class CountTable:
         pc = np.bincount(where.reshape(-1), weights=cnt, minlength=up.size).astype(np.int64)
         return CountTable._raw(self.k, self.lam, uh, ptr, idx, val, up // self.k, up % self.k, pc)
 
+    @classmethod
+    def merge_many(cls, tables: list[CountTable]) -> CountTable:
+        """The pool of the union of all ``tables``' samples in one pass (none is modified):
+        the same arrays, to the dtype, as adding them pairwise in any order (each bin's sparse
+        row is checked against the first table holding it, as :meth:`merge` checks common
+        bins: :class:`HashCollision` if two distinct bins share a 64-bit hash). One
+        ``np.unique`` over every table's bins and one over the (bin, label) pairs, instead of
+        one of each per pairwise merge: a window of ``B`` buckets builds its fit pools with one
+        merge per table instead of ``B - 1``."""
+        if not tables:
+            raise InputError("merge_many of no tables")
+        first = tables[0]
+        for t in tables[1:]:
+            if (t.k, t.lam) != (first.k, first.lam):
+                raise InputError(f"cannot merge pools with (k, lambda) = {(first.k, first.lam)} "
+                                 f"and {(t.k, t.lam)}")
+        with contextlib.ExitStack() as stack:
+            for t in tables:
+                stack.enter_context(t._lock)
+                t._compact()
+                t._materialize()
+            full = [t for t in tables if t._h.size]
+            if len(full) <= 1:  # nothing to add up: a copy of the one table (or of the first)
+                return (full[0] if full else first).copy()
+            k = first.k
+            sizes = np.array([t._h.size for t in full], dtype=np.int64)
+            offs = np.concatenate([[0], np.cumsum(sizes)])
+            h_all = np.concatenate([t._h for t in full])
+            uh, first_pos, inv = np.unique(h_all, return_index=True, return_inverse=True)
+            inv = inv.reshape(-1)
+            lens = np.concatenate([np.diff(t._ptr) for t in full])
+            ptr_all = np.zeros(h_all.size + 1, dtype=np.int64)
+            np.cumsum(lens, out=ptr_all[1:])
+            idx_all = np.concatenate([t._idx for t in full])
+            val_all = np.concatenate([t._val for t in full])
+            rep = first_pos[inv]                         # each bin's first holder
+            dup = np.flatnonzero(rep != np.arange(h_all.size))
+            if dup.size:
+                pa = _csr_take(ptr_all, idx_all, val_all, dup)
+                pb = _csr_take(ptr_all, idx_all, val_all, rep[dup])
+                if not (np.array_equal(pa[0], pb[0]) and np.array_equal(pa[1], pb[1])
+                        and np.array_equal(pa[2], pb[2])):
+                    raise HashCollision("two distinct bins share a 64-bit hash")
+            ptr, idx, val = _csr_take(ptr_all, idx_all, val_all, first_pos)
+            pair = np.concatenate([inv[off + t._pb] * k + t._pl
+                                   for off, t in zip(offs[:-1].tolist(), full)])
+            cnt = np.concatenate([t._pc for t in full])
+            up, where = np.unique(pair, return_inverse=True)
+            pc = np.bincount(where.reshape(-1), weights=cnt, minlength=up.size).astype(np.int64)
+            return cls._raw(k, first.lam, uh, ptr, idx.astype(np.int32, copy=False),
+                            val.astype(np.int32, copy=False), up // k, up % k, pc)
+
     @_locked
     def merge(self, other: CountTable) -> CountTable:
         """The pool of the union of both pools' samples (neither input is modified)."""
@@ -1023,6 +1075,36 @@ class PoolSet:
     @property
     def total(self) -> int:
         return sum(c for c, _ in self.fill().values())
+
+    @classmethod
+    def merge_many(cls, parts: list[PoolSet]) -> PoolSet:
+        """``parts[0].merge(parts[1]).merge(...)`` as one :meth:`CountTable.merge_many` per
+        pool (the same tables); the temperature grids and held-out sums are added pairwise in
+        a balanced tree, as :func:`lpcal.window.tree_sum` adds them."""
+        if not parts:
+            raise InputError("merge_many of no pool sets")
+        first = parts[0]
+        for ps in parts[1:]:
+            if ps.layout != first.layout:
+                raise InputError("cannot merge pool sets with different layouts")
+            if ps.temperature != first.temperature:
+                raise InputError("cannot merge pool sets binned at different temperatures")
+        out = PoolSet(first.layout, {n: CountTable.merge_many([ps.tables[n] for ps in parts])
+                                     for n in first.layout.names},
+                      temperature=first.temperature)
+
+        def tree(items, add):
+            while len(items) > 1:
+                items = [add(items[i], items[i + 1]) if i + 1 < len(items) else items[i]
+                         for i in range(0, len(items), 2)]
+            return items[0]
+
+        if first.grid is not None:
+            out.grid = tree([ps.grid for ps in parts], type(first.grid).merge)
+        if first.holdout is not None:
+            out.holdout = tree([ps.holdout for ps in parts], HoldoutSums.merge)
+            out.holdout_raw = tree([ps.holdout_raw for ps in parts], HoldoutSums.merge)
+        return out
 
     def merge(self, other: PoolSet) -> PoolSet:
         if self.layout != other.layout:

@@ -133,7 +133,7 @@ class PoolsSnapshot:
     def build(self) -> PoolSet:
         """The merged pools and the held-out sums of ``g`` (binned at the temperature) and of
         ``f`` (a new object; the parts are not modified)."""
-        out = tree_sum(self.parts, PoolSet.merge)
+        out = PoolSet.merge_many(self.parts) if len(self.parts) > 1 else self.parts[0]
         if out is self.parts[0]:
             out = PoolSet(out.layout, {n: t.copy() for n, t in out.tables.items()},
                           temperature=self.temperature)
