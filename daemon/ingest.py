@@ -13,8 +13,8 @@ events, is staged (:mod:`daemon.staging`) and offered to its state with the mode
 in one call, once they reach that count, :data:`STAGE_MAX_AGE` seconds after the oldest (or
 longer, paced: :class:`daemon.staging.StagePacing` raises the age with the number of staged
 models and the measured cost of their offers, within ``join.staging_max_cpu_share`` of the time
-and ``join.staging_max_wait_seconds``), when the staged bytes exceed their budget, when a poll brings nothing (the input is idle), and always
-before a checkpoint and before the model's partition is released (:meth:`Ingest.flush_staged`,
+and ``join.staging_max_wait_seconds``), when the staged bytes exceed their budget, when a poll
+brings nothing (the input is idle), and always before a checkpoint and before the model's partition is released (:meth:`Ingest.flush_staged`,
 which the daemon hands to its checkpointer and calls before a release). Large slices, and the batches of a single model, are offered at
 once: a batch of one model costs one offer already.
 """
@@ -180,7 +180,8 @@ class Ingest:
             if stage_max_share is None else stage_max_share,
             getattr(join, "staging_max_wait_seconds", DEFAULT_MAX_WAIT)
             if stage_max_wait is None else stage_max_wait)
-        self._age_shown: float | None = None  # the age last set in the metrics
+        self._age_shown = self.pacing.base_age  # the age last set in the metrics
+        metrics.set_staging_age(self._age_shown)
         self._fed = False  # a batch was processed since the last flush_due
         # the configured models with a rate < 1, which the prefilter samples on any partition
         # until they are placed (see _sample_out)

@@ -51,8 +51,15 @@ import numpy as np
 
 from daemon.event_records import ModelBatch
 
-__all__ = ["DEFAULT_MAX_SHARE", "DEFAULT_MAX_WAIT", "ID_OVERHEAD_BYTES", "Staged", "StagePacing",
-           "StagedEvents", "batch_nbytes"]
+__all__ = [
+    "DEFAULT_MAX_SHARE",
+    "DEFAULT_MAX_WAIT",
+    "ID_OVERHEAD_BYTES",
+    "StagePacing",
+    "Staged",
+    "StagedEvents",
+    "batch_nbytes",
+]
 
 #: bytes of a ``str`` object besides its characters (ASCII, CPython 3.11) plus its list slot
 ID_OVERHEAD_BYTES = 49 + 8

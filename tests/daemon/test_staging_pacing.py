@@ -18,7 +18,7 @@ from daemon.checkpoint.store import LocalCheckpointStore
 from daemon.ingest import STAGE_MAX_AGE, Ingest
 from daemon.settings import Settings
 from daemon.staging import DEFAULT_MAX_SHARE, DEFAULT_MAX_WAIT, StagePacing
-from tests.daemon.test_ingest_staging import K, MODELS, stream
+from tests.daemon.test_ingest_staging import MODELS, K, stream
 from tests.support.daemon_stubs import broker_free_daemon
 
 # ------------------------------------------------------------------ the pure rule
