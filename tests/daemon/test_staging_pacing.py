@@ -84,6 +84,11 @@ def test_defaults_and_bad_parameters():
     s = Settings()
     assert s.join.staging_max_cpu_share == DEFAULT_MAX_SHARE
     assert s.join.staging_max_wait_seconds == DEFAULT_MAX_WAIT
+    assert Settings(join={"staging_max_wait_seconds": 0}).join.staging_max_wait_seconds == 0
+    for bad in ({"staging_max_cpu_share": 0}, {"staging_max_cpu_share": 1.5},
+                {"staging_max_wait_seconds": -1}, {"staging_max_wait_seconds": math.inf}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Settings(join=bad)
     for kw in ({"base_age": -1.0}, {"max_share": 0.0}, {"max_share": 1.5},
                {"max_share": math.nan}, {"max_wait": -1.0}, {"max_wait": math.inf},
                {"weight": 0.0}):
