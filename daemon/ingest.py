@@ -10,9 +10,11 @@ model's recorded offset is skipped: that model's checkpoint already contains it.
 
 A model's slice of a batch shared by several models, smaller than :data:`STAGE_MIN_EVENTS`
 events, is staged (:mod:`daemon.staging`) and offered to its state with the model's next slices,
-in one call, once they reach that count, :data:`STAGE_MAX_AGE` seconds after the oldest, when
-the staged bytes exceed their budget, when a poll brings nothing (the input is idle), and always
-before a checkpoint and before the model's partition is released (:meth:`Ingest.flush_staged`,
+in one call, once they reach that count, :data:`STAGE_MAX_AGE` seconds after the oldest (or
+longer, paced: :class:`daemon.staging.StagePacing` raises the age with the number of staged
+models and the measured cost of their offers, within ``join.staging_max_cpu_share`` of the time
+and ``join.staging_max_wait_seconds``), when the staged bytes exceed their budget, when a poll
+brings nothing (the input is idle), and always before a checkpoint and before the model's partition is released (:meth:`Ingest.flush_staged`,
 which the daemon hands to its checkpointer and calls before a release). Large slices, and the batches of a single model, are offered at
 once: a batch of one model costs one offer already.
 """
@@ -37,14 +39,15 @@ from daemon.events import RecordTimestamps
 from daemon.kafka import deadletter as kafka_deadletter
 from daemon.monitor import flush_waiting
 from daemon.registry import ModelSlot
-from daemon.staging import StagedEvents
+from daemon.staging import DEFAULT_MAX_SHARE, DEFAULT_MAX_WAIT, StagedEvents, StagePacing
 
 log = logging.getLogger("lpcal.daemon")
 
 WRONG_PARTITION = "bad_schema"  # a model's events on two partitions: the key contract is broken
 #: a model's slice of a batch smaller than this is staged (:mod:`daemon.staging`)
 STAGE_MIN_EVENTS = 256
-#: seconds a staged event waits at most before it is offered (besides checkpoints and releases)
+#: seconds a staged event waits before it is offered when the staged offers are cheap or few
+#: (besides checkpoints and releases); the pacing may raise it (:class:`StagePacing`)
 STAGE_MAX_AGE = 5.0
 #: bytes staged at most: the smaller of this and an eighth of ``join.max_bytes_total``
 STAGE_MAX_BYTES = 64 << 20
@@ -145,14 +148,22 @@ class Ingest:
     stage_min_events : int, default :data:`STAGE_MIN_EVENTS`
         Slices smaller than this are staged (1: nothing is staged).
     stage_max_age : float, default :data:`STAGE_MAX_AGE`
-        Seconds (of ``clock``) a staged event waits at most (:meth:`flush_due`).
+        Seconds (of ``clock``) a staged event waits when its offer is cheap (:meth:`flush_due`):
+        the pacing's base age.
+    stage_max_share, stage_max_wait : float, optional
+        The pacing's share of the time and longest age (:class:`daemon.staging.StagePacing`);
+        default ``join.staging_max_cpu_share`` and ``join.staging_max_wait_seconds`` of
+        ``settings`` (or the pacing's defaults). The cost of each offer of fewer than
+        ``stage_min_events`` staged events is measured with ``clock``.
     """
 
     def __init__(self, settings, registry, partitions, parser, metrics, clients, deadletters, *,
                  clock: Callable[[], float] = time.monotonic,
                  on_online: Callable[[str, Any], None] | None = None,
                  stage_min_events: int = STAGE_MIN_EVENTS,
-                 stage_max_age: float = STAGE_MAX_AGE):
+                 stage_max_age: float = STAGE_MAX_AGE,
+                 stage_max_share: float | None = None,
+                 stage_max_wait: float | None = None):
         self.registry, self.partitions, self.parser = registry, partitions, parser
         self.metrics, self.clients, self.deadletters = metrics, clients, deadletters
         self.clock, self.on_online = clock, on_online
@@ -162,6 +173,15 @@ class Ingest:
         self.staged = StagedEvents(stage_min_events, stage_max_age,
                                    STAGE_MAX_BYTES if total is None
                                    else min(STAGE_MAX_BYTES, int(total) // 8))
+        #: the staging age, raised when the staged offers would cost more than their share
+        self.pacing = StagePacing(
+            stage_max_age,
+            getattr(join, "staging_max_cpu_share", DEFAULT_MAX_SHARE)
+            if stage_max_share is None else stage_max_share,
+            getattr(join, "staging_max_wait_seconds", DEFAULT_MAX_WAIT)
+            if stage_max_wait is None else stage_max_wait)
+        self._age_shown = self.pacing.base_age  # the age last set in the metrics
+        metrics.set_staging_age(self._age_shown)
         self._fed = False  # a batch was processed since the last flush_due
         # the configured models with a rate < 1, which the prefilter samples on any partition
         # until they are placed (see _sample_out)
@@ -311,7 +331,10 @@ class Ingest:
                 metrics.inc_unmatched(model, kind, k)
 
     def _flush_model(self, model: str) -> None:
-        """Offer ``model``'s staged events, in order, in one call."""
+        """Offer ``model``'s staged events, in order, in one call; an offer of fewer than
+        ``min_events`` (by age, bytes, a checkpoint...) is timed for the pacing."""
+        clock = self.clock
+        t0 = clock()
         staged = self.staged.take(model)
         if staged is None:
             return
@@ -322,6 +345,8 @@ class Ingest:
         st = slot.state
         if staged.ts_limit > st.ts_limit:  # the offer pulled clocks back to the first slice's
             st.ts_limit = float(staged.ts_limit)
+        if len(staged.batch.ids) < self.staged.min_events:
+            self.pacing.record(clock() - t0)
 
     def flush_staged(self, parts: set[int] | None = None) -> None:
         """Offer the staged events of the models on input partitions ``parts`` (default:
@@ -346,17 +371,27 @@ class Ingest:
         """Bytes of ``model``'s staged events (part of its join buffer in the gauges)."""
         return self.staged.model_nbytes(model)
 
+    @property
+    def stage_age(self) -> float:
+        """The staging age now: :meth:`daemon.staging.StagePacing.age` of the staged models."""
+        return self.pacing.age(len(self.staged))
+
     def flush_due(self, now: float) -> None:
         """After each poll: offer the staged events of the models whose oldest staged event
-        waited ``stage_max_age`` seconds at ``now`` (a time of ``clock``), O(models due); or,
+        waited :attr:`stage_age` seconds at ``now`` (a time of ``clock``), O(models due); or,
         when no batch was processed since the last call (the input is idle: nothing to
-        amortise a call over), every model's."""
+        amortise a call over), every model's. Sets ``lpcal_staging_age_seconds`` when the age
+        changed."""
         if not self._fed:
             if len(self.staged):
                 self.flush_staged()
             return
         self._fed = False
-        due = self.staged.due(now)
+        age = self.stage_age
+        if age != self._age_shown:
+            self._age_shown = age
+            self.metrics.set_staging_age(age)
+        due = self.staged.due(now, age)
         if not due:
             return
         with _gc_paused():

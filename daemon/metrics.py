@@ -384,6 +384,12 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
         "gauge", (),
         ("Seconds between the starts of periodic checkpoints now: the configured interval, or "
          "the last duration over state.checkpoint_max_cpu_share if that is longer.")),
+    "lpcal_staging_age_seconds": (
+        "gauge", (),
+        ("Seconds a model's small staged slices wait at most before they are offered to its "
+         "state (besides checkpoints, releases and idle polls): 5, or longer when that many "
+         "staged offers would take more than join.staging_max_cpu_share of the time (at most "
+         "join.staging_max_wait_seconds).")),
     "lpcal_state_restores_total": (
         "counter", ("outcome",),
         ("State records restored on partition assignment, by outcome: restored, k_changed, "
@@ -643,6 +649,7 @@ class DaemonMetrics:
         self.checkpoint_duration = make("lpcal_checkpoint_duration_seconds")
         self.checkpoint_interval = make("lpcal_checkpoint_interval_seconds")
         self.input_offset_gaps = make("lpcal_input_offset_gaps_total")
+        self.staging_age = make("lpcal_staging_age_seconds")
         self.state_restores = make("lpcal_state_restores_total")
         self.ready = make("lpcal_ready")
         self.build_info = make("lpcal_build_info")
@@ -911,6 +918,10 @@ class DaemonMetrics:
         see :mod:`daemon.checkpoint.pacing`)."""
         self.checkpoint_duration.set(_finite(duration, "duration"))
         self.checkpoint_interval.set(_finite(interval, "interval"))
+
+    def set_staging_age(self, seconds: float) -> None:
+        """Set the staging age in effect (seconds; see :class:`daemon.staging.StagePacing`)."""
+        self.staging_age.set(_finite(seconds, "seconds"))
 
     def inc_restore(self, outcome: str) -> None:
         """Count one state record restored (or skipped) on assignment: a :class:`RestoreOutcome`."""

@@ -23,6 +23,16 @@ the same sequence of events as without staging, in fewer calls: the join is even
 batching, and the online calibrator decides at exact sample counts. What staging changes is
 when: a sample enters the state at most ``max_age`` seconds (and at most one checkpoint) later.
 
+**Pacing** (:class:`StagePacing`): an offer of a few staged events costs about the same as one
+of a single event (hundreds of microseconds with the online calibrator, whatever the size), so
+the staged offers made by age cost ``models staged x cost per offer`` every ``max_age``: with
+10,000 models at 0.8 ms each, 1.6 s of CPU per second at a 5 s age, whatever the event rate.
+The age is therefore not fixed: the caller asks :meth:`StagePacing.age` for it, which raises it
+from ``max_age`` to ``models staged x mean cost of a staged offer / max_share`` (the same rule as
+:mod:`daemon.checkpoint.pacing`), at most ``max_wait``, so that the offers of small staged
+slices take about ``max_share`` of the time. Every other rule above is kept (count, bytes,
+checkpoints, releases, ``k``), and an idle poll offers everything.
+
 Memory: a staged event keeps its columns (``k`` float64 probabilities, time, label, kind; copied
 out of the parsed batch, so nothing else stays alive) and its id; the batch offered has fresh
 positions ``0..n-1`` as its ``index`` (the input positions mean nothing across batches);
@@ -41,7 +51,15 @@ import numpy as np
 
 from daemon.event_records import ModelBatch
 
-__all__ = ["ID_OVERHEAD_BYTES", "Staged", "StagedEvents", "batch_nbytes"]
+__all__ = [
+    "DEFAULT_MAX_SHARE",
+    "DEFAULT_MAX_WAIT",
+    "ID_OVERHEAD_BYTES",
+    "StagePacing",
+    "Staged",
+    "StagedEvents",
+    "batch_nbytes",
+]
 
 #: bytes of a ``str`` object besides its characters (ASCII, CPython 3.11) plus its list slot
 ID_OVERHEAD_BYTES = 49 + 8
@@ -177,21 +195,22 @@ class StagedEvents:
                                  np.arange(len(ids), dtype=np.int64), e.first_limit),
                       e.ts_limit, len(sl))
 
-    def due(self, now: float) -> list[str]:
-        """The models whose oldest staged slice is ``max_age`` seconds old or older at
-        ``now``: O(models due)."""
+    def due(self, now: float, age: float | None = None) -> list[str]:
+        """The models whose oldest staged slice is ``age`` (default ``max_age``) seconds old or
+        older at ``now``: O(models due)."""
         out = []
-        limit = now - self.max_age
+        limit = now - (self.max_age if age is None else age)
         for model, e in self._models.items():
             if e.since > limit:
                 break
             out.append(model)
         return out
 
-    def next_due(self) -> float | None:
-        """When the first model is due (None: nothing staged)."""
+    def next_due(self, age: float | None = None) -> float | None:
+        """When the first model is due at ``age`` (default ``max_age``; None: nothing
+        staged)."""
         for e in self._models.values():
-            return e.since + self.max_age
+            return e.since + (self.max_age if age is None else age)
         return None
 
     def oldest(self) -> Iterator[str]:
@@ -202,3 +221,80 @@ class StagedEvents:
     def over_budget(self) -> bool:
         """True while the staged bytes exceed ``max_bytes``."""
         return self.nbytes > self.max_bytes
+
+
+#: The default of ``join.staging_max_cpu_share``: the offers of small staged slices cost the
+#: ingest at most about a tenth of its time, as checkpoints do
+#: (:data:`daemon.checkpoint.pacing.DEFAULT_MAX_SHARE`). At the 5 s base age and ~1 ms per offer
+#: (the online calibrator at k = 10) the age stays 5 s up to ~500 staged models: a 1-model and a
+#: 100-model replica are not paced at all.
+DEFAULT_MAX_SHARE = 0.1
+#: The default of ``join.staging_max_wait_seconds``: the longest a staged event waits for the
+#: pacing (a checkpoint, every ``state.checkpoint_interval_seconds`` or longer, offers it
+#: sooner). A minute keeps the monitor's and the change test's view of a model within a minute of
+#: its input, far below their windows and drift timers (hours of event time); at 10,000 models
+#: and ~1 ms per offer it holds the staged offers to about 0.17 of the time instead of 2.
+DEFAULT_MAX_WAIT = 60.0
+
+
+class StagePacing:
+    """How long a model's small staged slices wait, at most, before they are offered: the
+    staging age, raised with the number of staged models and the measured cost of a staged
+    offer so that those offers take about ``max_share`` of the time (module docstring). Pure:
+    the caller measures the offers and passes their cost.
+
+    Parameters
+    ----------
+    base_age : float
+        The age when offers are cheap or few (:data:`daemon.ingest.STAGE_MAX_AGE`); never
+        less.
+    max_share : float, default :data:`DEFAULT_MAX_SHARE`
+        In (0, 1]: the share of the time the offers of small staged slices may take.
+    max_wait : float, default :data:`DEFAULT_MAX_WAIT`
+        The longest age (``base_age`` or less: no pacing, the age is ``base_age``).
+    weight : float, default 1/64
+        Weight of one offer in the mean cost (an exponentially weighted mean: the cost follows
+        the load within a few hundred offers, and one slow offer, a garbage collection, moves
+        it by a 64th).
+
+    Attributes
+    ----------
+    mean_cost : float
+        Seconds a staged offer took, on average (0 before any).
+    """
+
+    __slots__ = ("base_age", "max_share", "max_wait", "mean_cost", "weight")
+
+    def __init__(self, base_age: float, max_share: float = DEFAULT_MAX_SHARE,
+                 max_wait: float = DEFAULT_MAX_WAIT, *, weight: float = 1 / 64):
+        if not (math.isfinite(base_age) and base_age >= 0):
+            raise ValueError(f"StagePacing: base age {base_age!r} is not a number >= 0")
+        if not (math.isfinite(max_share) and 0 < max_share <= 1):
+            raise ValueError(f"StagePacing: max share {max_share!r} is not in (0, 1]")
+        if not (math.isfinite(max_wait) and max_wait >= 0):
+            raise ValueError(f"StagePacing: max wait {max_wait!r} is not a number >= 0")
+        if not 0 < weight <= 1:
+            raise ValueError(f"StagePacing: weight {weight!r} is not in (0, 1]")
+        self.base_age, self.max_share = float(base_age), float(max_share)
+        self.max_wait = max(float(max_wait), self.base_age)
+        self.weight = float(weight)
+        self.mean_cost = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        """False when ``max_wait`` does not exceed ``base_age`` (the age is always that)."""
+        return self.max_wait > self.base_age
+
+    def record(self, seconds: float, offers: int = 1) -> None:
+        """Count ``offers`` staged offers that took ``seconds`` in all (each moves the mean by
+        ``weight``; a negative or non-finite time, a clock that jumped, is ignored)."""
+        if offers <= 0 or not (math.isfinite(seconds) and seconds >= 0):
+            return
+        w = 1.0 - (1.0 - self.weight) ** offers
+        self.mean_cost += w * (seconds / offers - self.mean_cost)
+
+    def age(self, models: int) -> float:
+        """The staging age with ``models`` models staged:
+        ``clamp(models x mean_cost / max_share, base_age, max_wait)``."""
+        want = models * self.mean_cost / self.max_share
+        return min(max(want, self.base_age), self.max_wait)

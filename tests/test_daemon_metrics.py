@@ -90,6 +90,7 @@ EXPECTED = {
     "lpcal_checkpoints_total": ("counter", ("outcome",)),
     "lpcal_checkpoint_duration_seconds": ("gauge", ()),
     "lpcal_checkpoint_interval_seconds": ("gauge", ()),
+    "lpcal_staging_age_seconds": ("gauge", ()),
     "lpcal_state_restores_total": ("counter", ("outcome",)),
     "lpcal_input_offset_gaps_total": ("counter", ("topic", "resolution")),
     "lpcal_ready": ("gauge", ()),

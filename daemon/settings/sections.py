@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, SecretStr, model_validator
 
-from daemon.settings.base import MIB, PosFloat, PosInt, Strict, field_errors
+from daemon.settings.base import MIB, NonNegFloat, PosFloat, PosInt, Strict, field_errors
 
 __all__ = ["HttpSettings", "JoinSettings", "KafkaSettings", "SigningSettings", "StateSettings",
            "Topics"]
@@ -189,6 +189,24 @@ class JoinSettings(Strict):
     """Seconds of event time an event's ``ts`` may be ahead of its Kafka record timestamp;
     later events are dead-lettered as ``ts_out_of_range``. Bounds how far one event can move a
     model's clocks (join watermark, monitor window, drift timers)."""
+    staging_max_cpu_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.1
+    """Largest share of the time the offers of staged events may take (see
+    :mod:`daemon.staging`: a model's slices of fewer than 256 events of a batch shared by many
+    models are held and offered together; each offer costs about the same, ~1 ms with the
+    online calibrator, whatever its size). They are offered 5 s after the oldest, or later,
+    ``models staged x measured cost per offer / staging_max_cpu_share`` seconds, when 5 s would
+    cost more than this share (``lpcal_staging_age_seconds``). 0.1, as
+    ``state.checkpoint_max_cpu_share``: at ~1 ms per offer, replicas of up to ~500 models keep
+    5 s (1 and 100 models are never paced), 1,000 models wait ~10 s, 10,000 models
+    ``staging_max_wait_seconds``. 1: the age grows only where the offers would take all the
+    time."""
+    staging_max_wait_seconds: NonNegFloat = 60.0
+    """Longest time a staged event waits for the pacing before it is offered (5 or less: no
+    pacing, always 5 s). A longer wait means the model's monitor, change test and online
+    calibrator see its samples up to that much later, never that a sample is lost or counted
+    twice: checkpoints, partition releases and idle polls offer every staged event first. A
+    minute keeps that delay far below the monitor's window and the drift timers (hours) while
+    it cuts the staged offers at 10,000 models from ~2 s of CPU per second to ~0.17."""
 
 
 class StateSettings(Strict):
