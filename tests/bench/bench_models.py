@@ -485,8 +485,10 @@ def render(res: dict) -> list[Table]:
                      for m in counts)
          + (f"; each run is timed for {res['span']:g} s (or to its stream's end, if sooner)"
             if res.get("span") else "")
-         + f". Staged events wait at most {STAGE_MAX_AGE:g} s (`daemon.ingest."
-         "STAGE_MAX_AGE`) and checkpoints run every 10 s (`state.checkpoint_interval_seconds`):"
+         + f". Staged events wait {STAGE_MAX_AGE:g} s (`daemon.ingest.STAGE_MAX_AGE`), longer "
+         "where staging pacing raises the age (`join.staging_max_cpu_share`, at most "
+         "`join.staging_max_wait_seconds`; `lpcal_staging_age_seconds`), and checkpoints run "
+         "every 10 s (`state.checkpoint_interval_seconds`):"
          + (f" a span of {res['span']:g} s holds one or two checkpoints and three staging "
             "ages; the staged events at its end are offered inside the timing. The streams "
             "have the same event rate and delay; their lengths differ so that each lasts the "
