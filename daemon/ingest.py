@@ -10,13 +10,20 @@ model's recorded offset is skipped: that model's checkpoint already contains it.
 
 A model's slice of a batch shared by several models, smaller than :data:`STAGE_MIN_EVENTS`
 events, is staged (:mod:`daemon.staging`) and offered to its state with the model's next slices,
-in one call, once they reach that count, :data:`STAGE_MAX_AGE` seconds after the oldest (or
-longer, paced: :class:`daemon.staging.StagePacing` raises the age with the number of staged
-models and the measured cost of their offers, within ``join.staging_max_cpu_share`` of the time
-and ``join.staging_max_wait_seconds``), when the staged bytes exceed their budget, when a poll
-brings nothing (the input is idle), and always before a checkpoint and before the model's partition is released (:meth:`Ingest.flush_staged`,
-which the daemon hands to its checkpointer and calls before a release). Large slices, and the batches of a single model, are offered at
-once: a batch of one model costs one offer already.
+in one call:
+
+* once they reach that count;
+* :data:`STAGE_MAX_AGE` seconds after the oldest, or later when paced
+  (:class:`daemon.staging.StagePacing` raises the age with the number of staged models and the
+  measured cost of their offers, within ``join.staging_max_cpu_share`` of the time and at most
+  ``join.staging_max_wait_seconds``);
+* when the staged bytes exceed their budget, and when a poll brings nothing (the input is idle);
+* always before a checkpoint and before the model's partition is released
+  (:meth:`Ingest.flush_staged`, which the daemon hands to its checkpointer and calls before a
+  release).
+
+Large slices, and the batches of a single model, are offered at once: a batch of one model
+costs one offer already.
 """
 
 from __future__ import annotations
