@@ -15,8 +15,8 @@ in one call:
 * once they reach that count;
 * :data:`STAGE_MAX_AGE` seconds after the oldest, or later when paced
   (:class:`daemon.staging.StagePacing` raises the age with the number of staged models and the
-  measured cost of their offers, within ``join.staging_max_cpu_share`` of the time and at most
-  ``join.staging_max_wait_seconds``);
+  measured fixed cost of their offers, within ``join.staging_max_cpu_share`` of the time and at
+  most ``join.staging_max_wait_seconds``);
 * when the staged bytes exceed their budget, and when a poll brings nothing (the input is idle);
 * always before a checkpoint and before the model's partition is released
   (:meth:`Ingest.flush_staged`, which the daemon hands to its checkpointer and calls before a
@@ -352,8 +352,9 @@ class Ingest:
         st = slot.state
         if staged.ts_limit > st.ts_limit:  # the offer pulled clocks back to the first slice's
             st.ts_limit = float(staged.ts_limit)
-        if len(staged.batch.ids) < self.staged.min_events:
-            self.pacing.record(clock() - t0)
+        n = len(staged.batch.ids)
+        if n < self.staged.min_events:
+            self.pacing.record(clock() - t0, events=n)
 
     def flush_staged(self, parts: set[int] | None = None) -> None:
         """Offer the staged events of the models on input partitions ``parts`` (default:

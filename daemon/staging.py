@@ -28,7 +28,7 @@ of a single event (hundreds of microseconds with the online calibrator, whatever
 the staged offers made by age cost ``models staged x cost per offer`` every ``max_age``: with
 10,000 models at 0.8 ms each, 1.6 s of CPU per second at a 5 s age, whatever the event rate.
 The age is therefore not fixed: the caller asks :meth:`StagePacing.age` for it, which raises it
-from ``max_age`` to ``models staged x mean cost of a staged offer / max_share`` (the same rule as
+from ``max_age`` to ``models staged x fixed cost of a staged offer / max_share`` (the same rule as
 :mod:`daemon.checkpoint.pacing`), at most ``max_wait``, so that the offers of small staged
 slices take about ``max_share`` of the time. Every other rule above is kept (count, bytes,
 checkpoints, releases, ``k``), and an idle poll offers everything.
@@ -239,8 +239,8 @@ DEFAULT_MAX_WAIT = 60.0
 
 class StagePacing:
     """How long a model's small staged slices wait, at most, before they are offered: the
-    staging age, raised with the number of staged models and the measured cost of a staged
-    offer so that those offers take about ``max_share`` of the time (module docstring). Pure:
+    staging age, raised with the number of staged models and the measured fixed cost of a
+    staged offer so that those offers take about ``max_share`` of the time (module docstring). Pure:
     the caller measures the offers and passes their cost.
 
     Parameters
@@ -261,9 +261,18 @@ class StagePacing:
     ----------
     mean_cost : float
         Seconds a staged offer took, on average (0 before any).
+    fixed_cost : float
+        The part of ``mean_cost`` that does not grow with the events of an offer (what a longer
+        age saves), from the records that gave their event counts: the intercept ``a`` of the
+        weighted least-squares line ``cost = a + b x events`` through the same weighted means,
+        as a share of the mean cost, clamped to ``[0, 1]``; the whole mean cost while the event
+        counts do not vary (nothing to tell the parts apart) or none was given. Without it the
+        age would pay for the per-event work too, which no age saves, and climb further as
+        longer ages make the offers larger.
     """
 
-    __slots__ = ("base_age", "max_share", "max_wait", "mean_cost", "weight")
+    __slots__ = ("_c", "_n", "_nc", "_nn", "_s", "base_age", "max_share", "max_wait",
+                 "mean_cost", "weight")
 
     def __init__(self, base_age: float, max_share: float = DEFAULT_MAX_SHARE,
                  max_wait: float = DEFAULT_MAX_WAIT, *, weight: float = 1 / 64):
@@ -279,22 +288,52 @@ class StagePacing:
         self.max_wait = max(float(max_wait), self.base_age)
         self.weight = float(weight)
         self.mean_cost = 0.0
+        # weighted sums of the records with event counts: total weight, events, cost,
+        # events^2, events x cost (per offer; exponentially weighted like mean_cost)
+        self._s = self._n = self._c = self._nn = self._nc = 0.0
 
     @property
     def enabled(self) -> bool:
         """False when ``max_wait`` does not exceed ``base_age`` (the age is always that)."""
         return self.max_wait > self.base_age
 
-    def record(self, seconds: float, offers: int = 1) -> None:
-        """Count ``offers`` staged offers that took ``seconds`` in all (each moves the mean by
-        ``weight``; a negative or non-finite time, a clock that jumped, is ignored)."""
+    def record(self, seconds: float, offers: int = 1, events: int | None = None) -> None:
+        """Count ``offers`` staged offers that took ``seconds`` in all and held ``events``
+        events in all (None: not known; each offer moves the means by ``weight``; a negative or
+        non-finite time, a clock that jumped, is ignored)."""
         if offers <= 0 or not (math.isfinite(seconds) and seconds >= 0):
             return
         w = 1.0 - (1.0 - self.weight) ** offers
-        self.mean_cost += w * (seconds / offers - self.mean_cost)
+        c = seconds / offers
+        self.mean_cost += w * (c - self.mean_cost)
+        if events is not None and events >= 0:
+            n = events / offers
+            self._s += w * (1.0 - self._s)
+            self._n += w * (n - self._n)
+            self._c += w * (c - self._c)
+            self._nn += w * (n * n - self._nn)
+            self._nc += w * (n * c - self._nc)
+
+    @property
+    def fixed_share(self) -> float:
+        """The share of the mean cost that does not grow with the events of an offer (see
+        :attr:`fixed_cost`)."""
+        s = self._s
+        if s <= 0.0:
+            return 1.0
+        en, ec = self._n / s, self._c / s
+        var = self._nn / s - en * en
+        if ec <= 0.0 or var <= 1e-9 * max(self._nn / s, 1.0):
+            return 1.0
+        slope = (self._nc / s - en * ec) / var
+        return min(max((ec - slope * en) / ec, 0.0), 1.0)
+
+    @property
+    def fixed_cost(self) -> float:
+        return self.mean_cost * self.fixed_share
 
     def age(self, models: int) -> float:
         """The staging age with ``models`` models staged:
-        ``clamp(models x mean_cost / max_share, base_age, max_wait)``."""
-        want = models * self.mean_cost / self.max_share
+        ``clamp(models x fixed_cost / max_share, base_age, max_wait)``."""
+        want = models * self.fixed_cost / self.max_share
         return min(max(want, self.base_age), self.max_wait)

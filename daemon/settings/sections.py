@@ -194,7 +194,7 @@ class JoinSettings(Strict):
     :mod:`daemon.staging`: a model's slices of fewer than 256 events of a batch shared by many
     models are held and offered together; each offer costs about the same, ~1 ms with the
     online calibrator, whatever its size). They are offered 5 s after the oldest, or later,
-    ``models staged x measured cost per offer / staging_max_cpu_share`` seconds, when 5 s would
+    ``models staged x measured fixed cost per offer / staging_max_cpu_share`` seconds, when 5 s would
     cost more than this share (``lpcal_staging_age_seconds``). 0.1, as
     ``state.checkpoint_max_cpu_share``: at ~1 ms per offer, replicas of up to ~500 models keep
     5 s (1 and 100 models are never paced), 1,000 models wait ~10 s, 10,000 models

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 
+import numpy as np
 import orjson
 import pytest
 from aiokafka import TopicPartition
@@ -235,3 +236,31 @@ def test_an_idle_poll_still_offers_everything_whatever_the_age():
     assert ing.stage_age > 60.0 and ing.staged.events > 0
     ing.flush_due(clock())          # no batch since the last poll: the input is idle
     assert ing.staged.events == 0 and len(ing.staged) == 0
+
+
+def test_the_age_pays_only_for_the_fixed_part_of_an_offer():
+    """Offers whose cost grows with their events (``a + b x events``): the age follows the
+    intercept ``a``, what a longer age saves, not the mean cost, which the per-event part
+    inflates as ages grow and offers get larger."""
+    rng = np.random.default_rng(5)
+    p = StagePacing(5.0, 0.1, 600.0)
+    for n in rng.integers(1, 256, 3000).tolist():
+        p.record(3e-4 + 2e-6 * n, events=n)
+    assert p.mean_cost == pytest.approx(3e-4 + 2e-6 * 128, rel=0.1)   # per-event part in it
+    assert p.fixed_cost == pytest.approx(3e-4, rel=1e-6)
+    assert p.age(10_000) == pytest.approx(10_000 * 3e-4 / 0.1, rel=1e-6)      # 30 s, not ~56
+    assert p.age(10_000) < 10_000 * p.mean_cost / 0.1 * 0.6
+
+
+def test_without_varying_event_counts_the_whole_mean_cost_is_fixed():
+    same, unknown, falling = (StagePacing(5.0, 0.1, 600.0) for _ in range(3))
+    for n in range(1, 200):
+        same.record(1e-3, events=40)              # the counts do not vary: nothing to split
+        unknown.record(1e-3 + 1e-5 * n)           # no counts given
+        falling.record(2e-3 - 5e-6 * n, events=n)  # cost falls with events: noise, all fixed
+    for p in (same, unknown, falling):
+        assert p.fixed_cost == p.mean_cost and p.fixed_share == 1.0
+    free = StagePacing(5.0, 0.1, 600.0)
+    for n in range(1, 200):
+        free.record(1e-5 * n, events=n)          # no fixed part: the base age
+    assert free.fixed_cost == pytest.approx(0.0, abs=1e-12) and free.age(10_000) == 5.0
