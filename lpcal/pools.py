@@ -27,8 +27,9 @@ import functools
 import hashlib
 import math
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -272,6 +273,49 @@ def unpack_holdout(d: Mapping, where: str = "holdout"):
     return out
 
 
+def tree_sum(items: Sequence[Any], add: Callable[[Any, Any], Any]) -> Any:
+    """``items[0] + items[1] + ...`` added pairwise in a balanced tree (``log2`` depth: each
+    operand of a merge is about as large as the other). ``items`` must not be empty."""
+    level = list(items)
+    if not level:
+        raise InputError("tree_sum of no items")
+    while len(level) > 1:
+        level = [add(level[i], level[i + 1]) if i + 1 < len(level) else level[i]
+                 for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def _merge_compacted_tables(tables: list[CountTable]) -> CountTable:
+    """The pool of the union of compacted, materialised, non-empty ``tables`` (``(k, lambda)``
+    checked by the caller): one ``np.unique`` over their bins (sorted, each row taken from the
+    first table holding the bin; :class:`HashCollision` if another holder's sparse row differs)
+    and one over their (bin, label) pairs. The arrays do not depend on how the tables are
+    grouped: adding them pairwise in any order gives the same, to the dtype."""
+    k, lam = tables[0].k, tables[0].lam
+    offs = np.cumsum([0] + [t._h.size for t in tables]).tolist()
+    h_all = np.concatenate([t._h for t in tables])
+    uh, first_pos, inv = np.unique(h_all, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    ptr_all = np.zeros(h_all.size + 1, dtype=np.int64)
+    np.cumsum(np.concatenate([np.diff(t._ptr) for t in tables]), out=ptr_all[1:])
+    idx_all = np.concatenate([t._idx for t in tables])
+    val_all = np.concatenate([t._val for t in tables])
+    rep = first_pos[inv]  # each bin's first holder
+    dup = np.flatnonzero(rep != np.arange(h_all.size))
+    if dup.size:
+        pa = _csr_take(ptr_all, idx_all, val_all, dup)
+        pb = _csr_take(ptr_all, idx_all, val_all, rep[dup])
+        if not all(np.array_equal(x, y) for x, y in zip(pa, pb)):
+            raise HashCollision("two distinct bins share a 64-bit hash")
+    ptr, idx, val = _csr_take(ptr_all, idx_all, val_all, first_pos)
+    pair = np.concatenate([inv[off + t._pb] * k + t._pl for off, t in zip(offs, tables)])
+    cnt = np.concatenate([t._pc for t in tables])
+    up, where = np.unique(pair, return_inverse=True)
+    pc = np.bincount(where.reshape(-1), weights=cnt, minlength=up.size).astype(np.int64)
+    return CountTable._raw(k, lam, uh, ptr, idx.astype(np.int32, copy=False),
+                           val.astype(np.int32, copy=False), up // k, up % k, pc)
+
+
 class CountTable:
     """A sample pool: the number of samples per (bin, label), with ``k`` classes at ``lambda``.
 
@@ -401,52 +445,14 @@ class CountTable:
             return o
         if o._h.size == 0:
             return self
-        h_all = np.concatenate([self._h, o._h])
-        uh, inv = np.unique(h_all, return_inverse=True)
-        inv = inv.reshape(-1)
-        inv_a, inv_b = inv[: self._h.size], inv[self._h.size :]
-        # bins present in both: verify their sparse rows are identical
-        common_b = np.flatnonzero(np.isin(o._h, self._h, assume_unique=True))
-        if common_b.size:
-            common_a = np.searchsorted(self._h, o._h[common_b])
-            pa = _csr_take(self._ptr, self._idx, self._val, common_a)
-            pb = _csr_take(o._ptr, o._idx, o._val, common_b)
-            if not (np.array_equal(pa[0], pb[0]) and np.array_equal(pa[1], pb[1])
-                    and np.array_equal(pa[2], pb[2])):
-                raise HashCollision("two distinct bins share a 64-bit hash")
-        # sparse rows of the union: take each bin from the first table holding it
-        src_is_b = np.ones(uh.size, dtype=bool)
-        src_pos = np.empty(uh.size, dtype=np.int64)
-        src_pos[inv_b] = np.arange(o._h.size)
-        src_is_b[inv_a] = False
-        src_pos[inv_a] = np.arange(self._h.size)
-        ptr = np.zeros(uh.size + 1, dtype=np.int64)
-        lens = np.where(src_is_b, np.diff(o._ptr)[np.where(src_is_b, src_pos, 0)],
-                        np.diff(self._ptr)[np.where(src_is_b, 0, src_pos)])
-        np.cumsum(lens, out=ptr[1:])
-        ga = _csr_take(self._ptr, self._idx, self._val, src_pos[~src_is_b])
-        gb = _csr_take(o._ptr, o._idx, o._val, src_pos[src_is_b])
-        idx = np.empty(ptr[-1], dtype=np.int32)
-        val = np.empty(ptr[-1], dtype=np.int32)
-        dest_a = np.repeat(ptr[:-1][~src_is_b] - ga[0][:-1], np.diff(ga[0])) + np.arange(ga[0][-1])
-        dest_b = np.repeat(ptr[:-1][src_is_b] - gb[0][:-1], np.diff(gb[0])) + np.arange(gb[0][-1])
-        idx[dest_a], val[dest_a] = ga[1], ga[2]
-        idx[dest_b], val[dest_b] = gb[1], gb[2]
-        pair = np.concatenate([inv_a[self._pb] * self.k + self._pl, inv_b[o._pb] * self.k + o._pl])
-        cnt = np.concatenate([self._pc, o._pc])
-        up, where = np.unique(pair, return_inverse=True)
-        pc = np.bincount(where.reshape(-1), weights=cnt, minlength=up.size).astype(np.int64)
-        return CountTable._raw(self.k, self.lam, uh, ptr, idx, val, up // self.k, up % self.k, pc)
+        return _merge_compacted_tables([self, o])
 
     @classmethod
     def merge_many(cls, tables: list[CountTable]) -> CountTable:
         """The pool of the union of all ``tables``' samples in one pass (none is modified):
-        the same arrays, to the dtype, as adding them pairwise in any order (each bin's sparse
-        row is checked against the first table holding it, as :meth:`merge` checks common
-        bins: :class:`HashCollision` if two distinct bins share a 64-bit hash). One
-        ``np.unique`` over every table's bins and one over the (bin, label) pairs, instead of
-        one of each per pairwise merge: a window of ``B`` buckets builds its fit pools with one
-        merge per table instead of ``B - 1``."""
+        the same arrays, to the dtype, as adding them pairwise in any order
+        (:func:`_merge_compacted_tables`, which :meth:`merge` runs on two). A window of ``B``
+        buckets builds its fit pools with one merge per table instead of ``B - 1``."""
         if not tables:
             raise InputError("merge_many of no tables")
         first = tables[0]
@@ -462,33 +468,7 @@ class CountTable:
             full = [t for t in tables if t._h.size]
             if len(full) <= 1:  # nothing to add up: a copy of the one table (or of the first)
                 return (full[0] if full else first).copy()
-            k = first.k
-            sizes = np.array([t._h.size for t in full], dtype=np.int64)
-            offs = np.concatenate([[0], np.cumsum(sizes)])
-            h_all = np.concatenate([t._h for t in full])
-            uh, first_pos, inv = np.unique(h_all, return_index=True, return_inverse=True)
-            inv = inv.reshape(-1)
-            lens = np.concatenate([np.diff(t._ptr) for t in full])
-            ptr_all = np.zeros(h_all.size + 1, dtype=np.int64)
-            np.cumsum(lens, out=ptr_all[1:])
-            idx_all = np.concatenate([t._idx for t in full])
-            val_all = np.concatenate([t._val for t in full])
-            rep = first_pos[inv]                         # each bin's first holder
-            dup = np.flatnonzero(rep != np.arange(h_all.size))
-            if dup.size:
-                pa = _csr_take(ptr_all, idx_all, val_all, dup)
-                pb = _csr_take(ptr_all, idx_all, val_all, rep[dup])
-                if not (np.array_equal(pa[0], pb[0]) and np.array_equal(pa[1], pb[1])
-                        and np.array_equal(pa[2], pb[2])):
-                    raise HashCollision("two distinct bins share a 64-bit hash")
-            ptr, idx, val = _csr_take(ptr_all, idx_all, val_all, first_pos)
-            pair = np.concatenate([inv[off + t._pb] * k + t._pl
-                                   for off, t in zip(offs[:-1].tolist(), full)])
-            cnt = np.concatenate([t._pc for t in full])
-            up, where = np.unique(pair, return_inverse=True)
-            pc = np.bincount(where.reshape(-1), weights=cnt, minlength=up.size).astype(np.int64)
-            return cls._raw(k, first.lam, uh, ptr, idx.astype(np.int32, copy=False),
-                            val.astype(np.int32, copy=False), up // k, up % k, pc)
+            return _merge_compacted_tables(full)
 
     @_locked
     def merge(self, other: CountTable) -> CountTable:
@@ -1080,37 +1060,30 @@ class PoolSet:
     def merge_many(cls, parts: list[PoolSet]) -> PoolSet:
         """``parts[0].merge(parts[1]).merge(...)`` as one :meth:`CountTable.merge_many` per
         pool (the same tables); the temperature grids and held-out sums are added pairwise in
-        a balanced tree, as :func:`lpcal.window.tree_sum` adds them."""
+        a balanced tree (:func:`tree_sum`)."""
         if not parts:
             raise InputError("merge_many of no pool sets")
         first = parts[0]
         for ps in parts[1:]:
-            if ps.layout != first.layout:
-                raise InputError("cannot merge pool sets with different layouts")
-            if ps.temperature != first.temperature:
-                raise InputError("cannot merge pool sets binned at different temperatures")
+            first._check_mergeable(ps)
         out = PoolSet(first.layout, {n: CountTable.merge_many([ps.tables[n] for ps in parts])
                                      for n in first.layout.names},
                       temperature=first.temperature)
-
-        def tree(items, add):
-            while len(items) > 1:
-                items = [add(items[i], items[i + 1]) if i + 1 < len(items) else items[i]
-                         for i in range(0, len(items), 2)]
-            return items[0]
-
         if first.grid is not None:
-            out.grid = tree([ps.grid for ps in parts], type(first.grid).merge)
+            out.grid = tree_sum([ps.grid for ps in parts], TemperatureGrid.merge)
         if first.holdout is not None:
-            out.holdout = tree([ps.holdout for ps in parts], HoldoutSums.merge)
-            out.holdout_raw = tree([ps.holdout_raw for ps in parts], HoldoutSums.merge)
+            out.holdout = tree_sum([ps.holdout for ps in parts], HoldoutSums.merge)
+            out.holdout_raw = tree_sum([ps.holdout_raw for ps in parts], HoldoutSums.merge)
         return out
 
-    def merge(self, other: PoolSet) -> PoolSet:
+    def _check_mergeable(self, other: PoolSet) -> None:
         if self.layout != other.layout:
             raise InputError("cannot merge pool sets with different layouts")
         if self.temperature != other.temperature:
             raise InputError("cannot merge pool sets binned at different temperatures")
+
+    def merge(self, other: PoolSet) -> PoolSet:
+        self._check_mergeable(other)
         out = PoolSet(self.layout, {n: self.tables[n].merge(other.tables[n])
                                     for n in self.layout.names}, temperature=self.temperature)
         if self.grid is not None:

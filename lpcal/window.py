@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -78,11 +78,11 @@ import numpy as np
 from lpcal.challenger import LossGrid
 from lpcal.errors import InputError
 from lpcal.holdout import HoldoutSums
-from lpcal.pools import PoolLayout, PoolSet
+from lpcal.pools import PoolLayout, PoolSet, tree_sum
 from lpcal.precalibrate import TemperatureGrid
 from lpcal.warmup import WarmupSums
 
-__all__ = ["Bucket", "PoolsSnapshot", "SlidingWindow", "tree_sum"]
+__all__ = ["Bucket", "PoolsSnapshot", "SlidingWindow"]
 
 
 #: ``memo(owner, refs, make)``: a cache of encoded parts (see :meth:`SlidingWindow.to_dict`).
@@ -98,18 +98,6 @@ def _same_samples(a: tuple[np.ndarray, np.ndarray] | None,
     if a is None or b is None:
         return a is b
     return np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
-
-
-def tree_sum(items: Sequence[Any], add: Callable[[Any, Any], Any]) -> Any:
-    """``items[0] + items[1] + ...`` added pairwise in a balanced tree (``log2`` depth: each
-    operand of a merge is about as large as the other). ``items`` must not be empty."""
-    level = list(items)
-    if not level:
-        raise InputError("tree_sum of no items")
-    while len(level) > 1:
-        level = [add(level[i], level[i + 1]) if i + 1 < len(level) else level[i]
-                 for i in range(0, len(level), 2)]
-    return level[0]
 
 
 class PoolsSnapshot:

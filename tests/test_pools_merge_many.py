@@ -8,8 +8,7 @@ from lpcal.binmap import scale_temperature
 from lpcal.errors import InputError
 from lpcal.levels import HashCollision
 from lpcal.online import OnlineCalibrator, OnlineConfig, run_fit
-from lpcal.pools import CountTable, PoolSet
-from lpcal.window import tree_sum
+from lpcal.pools import CountTable, PoolSet, tree_sum
 from tests.test_warmup import tempered
 
 ARRAYS = ("_h", "_ptr", "_idx", "_val", "_pb", "_pl", "_pc")

@@ -10,8 +10,9 @@ import pytest
 from lpcal.challenger import LossGrid
 from lpcal.errors import InputError
 from lpcal.online import OnlineConfig, index_uniforms
+from lpcal.pools import tree_sum
 from lpcal.precalibrate import TemperatureGrid
-from lpcal.window import SlidingWindow, tree_sum
+from lpcal.window import SlidingWindow
 from tests.test_warmup import tempered
 
 LAYOUT = OnlineConfig().layout(10)
