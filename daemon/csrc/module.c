@@ -5,10 +5,13 @@
  * Python code otherwise (or when LPCAL_NATIVE=0). tests/daemon/test_native.py checks every
  * function against its reference on random and adversarial input.
  *
- * Parts: scan.c, blake2b.c, join.c; this file only assembles the module.
+ * Parts: scan.c, event_json.c, blake2b.c, join.c; this file only assembles the module.
  *
  *   scan(ds, max_model_len, max_id_len)        columns of a batch of parsed events, or None
- *                                              (reference: daemon.columns.columns_python)
+ *                                              (reference: daemon.columns.columns_python);
+ *                                              given message values, the common shape is read
+ *                                              from the bytes (event_json.c)
+ *   event_fields(value, max_model, max_id)     one value's fields as scan reads them, or None
  *   route_u64(ids)                             blake2b-64 of each id's UTF-8, or None
  *                                              (reference: lpcal.pools.route_uniform)
  *   hash_lanes(n=0)                            ids hashed side by side (1, 4: AVX2, 8: AVX-512F)
@@ -56,7 +59,8 @@ PyInit__speedups(void)
     PyObject *m = PyModule_Create(&module);
     if (!m)
         return NULL;
-    if (speedups_add_scan(m) < 0 || speedups_add_blake2b(m) < 0 || speedups_add_join(m) < 0)
+    if (speedups_add_scan(m) < 0 || speedups_add_event_json(m) < 0 ||
+        speedups_add_blake2b(m) < 0 || speedups_add_join(m) < 0)
         goto fail;
     for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++)
         if (PyModule_AddIntConstant(m, codes[i].name, codes[i].value) < 0)

@@ -40,13 +40,25 @@ PyDoc_STRVAR(scan_doc,
 "in [0, 2**63); else None. ts: float64 bytes; labels, vlen: int64 bytes (-1: absent);\n"
 "flat: the float64 entries of all vectors, concatenated in event order.\n"
 "With loads (orjson.loads), ds are message values instead: each must be bytes of at most\n"
-"max_bytes bytes and is parsed by loads, read and dropped at once (the parsed batch is never\n"
-"alive as a whole; a ValueError from loads gives None).");
+"max_bytes bytes; the common shape of an event is read from the bytes (event_fields), any\n"
+"other value is parsed by loads, read and dropped at once (the parsed batch is never alive\n"
+"as a whole; a ValueError from loads gives None).");
+
+/* A str of n printable ASCII characters (checked by the caller). */
+static PyObject *
+ascii_str(const char *s, Py_ssize_t n)
+{
+    PyObject *u = PyUnicode_New(n, 127);
+    if (u)
+        memcpy(PyUnicode_1BYTE_DATA(u), s, (size_t)n);
+    return u;
+}
 
 static PyObject *
 scan(PyObject *self, PyObject *args)
 {
     PyObject *ds, *loads = Py_None, *owned = NULL;
+    PyObject *last_model = NULL; /* consecutive events of a model share its str */
     Py_ssize_t max_model, max_id, max_bytes = 0;
     if (!PyArg_ParseTuple(args, "O!nn|On", &PyList_Type, &ds, &max_model, &max_id, &loads,
                           &max_bytes))
@@ -69,6 +81,28 @@ scan(PyObject *self, PyObject *args)
         if (loads != Py_None) { /* d is a message value: parse it, keep it only while read */
             if (!PyBytes_CheckExact(d) || PyBytes_GET_SIZE(d) > max_bytes)
                 goto reject;
+            EventFields ev; /* the common shape straight from the bytes (event_json.c) */
+            int r = event_json_read(PyBytes_AS_STRING(d), PyBytes_GET_SIZE(d), max_model, max_id,
+                                    &ev, &flat);
+            if (r < 0)
+                goto done;
+            if (r == 1) {
+                PyObject *eid = ascii_str(ev.id, ev.id_len);
+                if (!eid)
+                    goto done;
+                PyList_SET_ITEM(ids, i, eid);
+                if (!last_model || PyUnicode_GET_LENGTH(last_model) != ev.model_len ||
+                    memcmp(PyUnicode_1BYTE_DATA(last_model), ev.model, ev.model_len)) {
+                    Py_XDECREF(last_model);
+                    if (!(last_model = ascii_str(ev.model, ev.model_len)))
+                        goto done;
+                }
+                PyList_SET_ITEM(models, i, Py_NewRef(last_model));
+                tsv[i] = ev.ts;
+                labv[i] = ev.label;
+                lenv[i] = ev.vlen;
+                continue;
+            }
             d = owned = PyObject_CallOneArg(loads, d);
             if (!d) {
                 if (!PyErr_ExceptionMatches(PyExc_ValueError))
@@ -153,6 +187,7 @@ reject:
     result = Py_NewRef(Py_None);
 done:
     Py_XDECREF(owned);
+    Py_XDECREF(last_model);
     PyMem_Free(flat.data);
     Py_XDECREF(models);
     Py_XDECREF(ids);

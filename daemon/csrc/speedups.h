@@ -11,6 +11,7 @@
 int speedups_add_scan(PyObject *module);    /* scan.c: all_bytes_within, scan */
 int speedups_add_blake2b(PyObject *module); /* blake2b.c: route_u64, hash_lanes, sample_* */
 int speedups_add_join(PyObject *module);    /* join.c: offer_loop, attach_rows */
+int speedups_add_event_json(PyObject *module); /* event_json.c: event_fields */
 
 /* Codes shared with the Python side, which defines them in daemon/codes.py (SHARED_WITH_C).
  * module.c exports each under its name; daemon/native.py does not use a module whose values
@@ -92,5 +93,20 @@ buf_bytes(const Buf *b)
 {
     return PyByteArray_FromStringAndSize(b->data ? b->data : "", b->len * 8);
 }
+
+/* The fields of one JSON event read from its bytes (event_json.c); the strings point into the
+ * bytes. */
+typedef struct {
+    const char *model, *id;
+    Py_ssize_t model_len, id_len;
+    double ts;
+    int64_t label;    /* -1: absent */
+    Py_ssize_t vlen;  /* -1: absent; else the entries appended to the flat Buf */
+} EventFields;
+
+/* 1: read (vlen entries appended to flat), 0: declined (flat as it was: parse the value with
+ * orjson.loads), -1: MemoryError set. */
+int event_json_read(const char *s, Py_ssize_t n, Py_ssize_t max_model, Py_ssize_t max_id,
+                    EventFields *ev, Buf *flat);
 
 #endif
