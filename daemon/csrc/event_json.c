@@ -29,7 +29,7 @@
 
 static long double pow10_ld[MAX_POW10 + 1];
 static double pow10_d[23];
-static int extended_ok; /* the x87 80-bit format at full precision */
+static int extended_ok; /* the x87 80-bit format at full precision (event_json_check) */
 
 /* JSON whitespace */
 static inline const char *
@@ -364,6 +364,18 @@ static PyMethodDef event_json_methods[] = {
     {NULL, NULL, 0, NULL}};
 
 int
+event_json_check(void)
+{
+    /* the x87 format at full precision and rounding to nearest: 64 mantissa bits, 1 + 2^-63
+     * distinct from 1, 1 + 2^-64 (halfway, to even) equal to it, 1 + 3 * 2^-65 rounded up */
+    volatile long double one = 1.0L, half_ulp = 0x1p-64L, more = 0x3p-65L;
+    extended_ok = LDBL_MANT_DIG == 64 && sizeof(long double) >= 10 &&
+                  one + 2 * half_ulp != one && one + half_ulp == one &&
+                  one + more == one + 2 * half_ulp;
+    return extended_ok;
+}
+
+int
 speedups_add_event_json(PyObject *module)
 {
     long double p = 1.0L;
@@ -372,10 +384,7 @@ speedups_add_event_json(PyObject *module)
     double q = 1.0;
     for (int i = 0; i <= 22; i++, q *= 10.0)
         pow10_d[i] = q;
-    /* the x87 format at full precision: 64 mantissa bits, 1 + 2^-63 distinct from 1 */
-    volatile long double one = 1.0L, tiny = 0x1p-63L;
-    extended_ok = LDBL_MANT_DIG == 64 && sizeof(long double) >= 10 && one + tiny != one;
-    if (PyModule_AddIntConstant(module, "EVENT_JSON_EXTENDED", extended_ok) < 0)
+    if (PyModule_AddIntConstant(module, "EVENT_JSON_EXTENDED", event_json_check()) < 0)
         return -1;
     return PyModule_AddFunctions(module, event_json_methods);
 }

@@ -64,6 +64,8 @@ scan(PyObject *self, PyObject *args)
                           &max_bytes))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(ds);
+    if (loads != Py_None)
+        event_json_check();
     PyObject *models = PyList_New(n), *ids = PyList_New(n);
     PyObject *ts = PyByteArray_FromStringAndSize(NULL, n * 8);
     PyObject *labels = PyByteArray_FromStringAndSize(NULL, n * 8);

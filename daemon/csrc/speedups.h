@@ -108,5 +108,8 @@ typedef struct {
  * orjson.loads), -1: MemoryError set. */
 int event_json_read(const char *s, Py_ssize_t n, Py_ssize_t max_model, Py_ssize_t max_id,
                     EventFields *ev, Buf *flat);
+/* Whether numbers may be read in the x87 format (checked again at every scan call: nothing
+ * may have changed the FPU's precision or rounding since); else only exact doubles are read. */
+int event_json_check(void);
 
 #endif
