@@ -570,13 +570,18 @@ class ModelState:
         if n == 0:
             return res
         probs = np.asarray(probs, dtype=np.float64).reshape(n, self.k)
-        ok = (labels >= 0) & (labels < self.k)
         u = route_uniform_fast(ids)
         rate = self.sample_rate
         if rate < 1.0:
-            ok &= u < rate
+            ok = (labels >= 0) & (labels < self.k) & (u < rate)
             u = u / rate
-        if not ok.all():
+            all_ok = bool(ok.all())
+        else:  # two reductions instead of three comparisons and a reduction
+            ok = None
+            all_ok = bool(labels.min() >= 0) and bool(labels.max() < self.k)
+        if not all_ok:
+            if ok is None:
+                ok = (labels >= 0) & (labels < self.k)
             keep = np.flatnonzero(ok)
             bad = (labels < 0) | (labels >= self.k)
             res.label_out_of_range = int(np.count_nonzero(bad))
@@ -650,8 +655,14 @@ class ModelState:
         exact sample it was published (the calibrated window restarts there); while a newer
         map of the topic is expected (:meth:`adopt_published`), the replayed versions up to
         it are installed but marked ``on_topic``."""
-        a = 0
         before = self.monitor.trimmed
+        if not events:  # the common case: no map published within these samples
+            self._monitor_rows(probs, labels, ts)
+            if self.adopting is not None and self.online.n_seen >= self.adopting[2]:
+                self._adopt_now()
+            res.window_trimmed += self.monitor.trimmed - before
+            return
+        a = 0
         for e in events:
             if e.kind == "published":
                 b = e.n - start
