@@ -379,6 +379,9 @@ class IngestResult:
 #: hold (no calibrated window to evaluate)
 _NO_STATS: Mapping[str, WindowStats | None] = {}
 
+#: joined samples up to which :meth:`ModelState.ingest` checks the labels as a list
+_SMALL_CHECK = 64
+
 #: ``k = 0``: a model whose ``k`` is learned from its first prediction, created by outcomes that
 #: arrived first. Its join buffer holds them; its (empty) pools and monitor
 #: are built for this placeholder until :meth:`ModelState.offer` learns ``k``.
@@ -576,7 +579,11 @@ class ModelState:
             ok = (labels >= 0) & (labels < self.k) & (u < rate)
             u = u / rate
             all_ok = bool(ok.all())
-        else:  # two reductions instead of three comparisons and a reduction
+        elif n <= _SMALL_CHECK:  # a few labels: checked as Python ints (a NumPy reduction
+            ok = None           # costs more than the list)
+            lab = labels.tolist()
+            all_ok = min(lab) >= 0 and max(lab) < self.k
+        else:
             ok = None
             all_ok = bool(labels.min() >= 0) and bool(labels.max() < self.k)
         if not all_ok:
