@@ -488,13 +488,16 @@ class CellSums:
             return parts[0]
         out = cls(k)
         h = np.concatenate([p.hashes for p in parts])
-        uh, inv = np.unique(h, return_inverse=True)
-        inv = inv.reshape(-1)
-        out.hashes = uh
-        out.counts = np.bincount(inv, weights=np.concatenate([p.counts for p in parts]),
-                                 minlength=uh.size).astype(np.int64)
-        order = np.argsort(inv, kind="stable")
-        starts = np.searchsorted(inv[order], np.arange(uh.size))
+        # one stable sort by hash: each bin's rows in part order, bins by hash (what a sort
+        # for np.unique and a stable sort of its inverse gave, in one sort)
+        order = np.argsort(h, kind="stable")
+        hs = h[order]
+        first = np.empty(hs.size, dtype=bool)
+        first[0] = True
+        np.not_equal(hs[1:], hs[:-1], out=first[1:])
+        starts = np.flatnonzero(first)
+        out.hashes = hs[starts]
+        out.counts = np.add.reduceat(np.concatenate([p.counts for p in parts])[order], starts)
         out.s = np.add.reduceat(np.concatenate([p.s for p in parts])[order], starts, axis=0)
         out.q = np.add.reduceat(np.concatenate([p.q for p in parts])[order], starts, axis=0)
         out.n = sum(p.n for p in parts)

@@ -30,7 +30,7 @@ from daemon.event_records import ModelPolicy
 from daemon.events import EventParser
 from daemon.join import JoinResult, JoinStore, _acc
 from daemon.model_state import IngestResult, ModelState
-from daemon.monitor import SMALL_UPDATE, WindowMonitor, _Rows, _Small
+from daemon.monitor import SMALL_UPDATE, CellSums, WindowMonitor, _Rows, _Small
 from daemon.native import route_uniform_fast
 from daemon.settings import JoinSettings, ModelSettings
 from lpcal.errors import InputError
@@ -370,3 +370,41 @@ def test_row_blocks_are_released_when_their_last_pending_row_leaves():
                 if type(e[3]) is tuple}
         assert m.rows.nbytes == sum(held.values()) > 0
     assert store.pending(MODEL) == len(pending)
+
+
+def _reference_merge(parts: list[CellSums], k: int) -> CellSums:
+    """:meth:`CellSums.merge_all` as it was: ``np.unique`` with its inverse, then a stable
+    sort of the inverse."""
+    out = CellSums(k)
+    h = np.concatenate([p.hashes for p in parts])
+    uh, inv = np.unique(h, return_inverse=True)
+    inv = inv.reshape(-1)
+    out.hashes = uh
+    out.counts = np.bincount(inv, weights=np.concatenate([p.counts for p in parts]),
+                             minlength=uh.size).astype(np.int64)
+    order = np.argsort(inv, kind="stable")
+    starts = np.searchsorted(inv[order], np.arange(uh.size))
+    out.s = np.add.reduceat(np.concatenate([p.s for p in parts])[order], starts, axis=0)
+    out.q = np.add.reduceat(np.concatenate([p.q for p in parts])[order], starts, axis=0)
+    out.n = sum(p.n for p in parts)
+    out.brier = float(sum(p.brier for p in parts))
+    out.correct = sum(p.correct for p in parts)
+    out.gap = np.sum([p.gap for p in parts], axis=0)
+    out.ece_n = np.sum([p.ece_n for p in parts], axis=0)
+    out.ece_q = np.sum([p.ece_q for p in parts], axis=0)
+    return out
+
+
+def test_merged_sums_equal_the_reference_merge_to_the_bit():
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        k = int(rng.integers(2, 12))
+        parts = []
+        for _ in range(int(rng.integers(2, 6))):
+            n = int(rng.integers(1, 300))
+            x = np.round(rng.dirichlet(np.ones(k) * 0.3, size=n), 1)  # bins shared by parts
+            x /= x.sum(axis=1, keepdims=True)
+            parts.append(CellSums.from_batch(x, rng.integers(0, k, n), int(rng.choice([2, 10]))))
+        merged = CellSums.merge_all(parts, k)
+        assert merged.to_dict() == _reference_merge(parts, k).to_dict()
+        assert merged.counts.dtype == np.int64 and merged.hashes.dtype == np.int64
