@@ -44,6 +44,15 @@ epochs fill and fits run in the daemon's worker thread all through the ingestion
 (``DaemonMetrics.mark_poll``) is timestamped and the table reports the largest gap between
 consecutive polls that overlaps a running fit (target < 1 s), and the throughput of that run.
 
+**Offline offer cost** (:func:`offer_costs`, no broker, no parsing): CPU time of
+:meth:`daemon.model_state.ModelState.offer` alone (join, routing, pools or online calibrator,
+monitor, change test; online fits run untimed, as in the daemon's worker, and handed back
+timed), per offer and per message, in two shapes of the same stream: one model in batches of
+2,500 messages (the per-sample cost), and 2,000 models in offers of 10 events (the fixed cost
+of an offer, as staged offers of many models pay it), each in both recovery modes, as a ratio to
+``orjson.loads`` of the same messages in the same round; medians. ``--offer-costs`` runs it
+alone (``--events``, ``--rounds``).
+
 Run alone: ``python -m tests.bench.bench_ingest [--quick] [--events N] [--repeats R]``.
 """
 
