@@ -9,9 +9,11 @@ leave byte-identical checkpoints.
 * the join: the joined rows taken in one gather when they all come from one place, counters
   added only when something was counted (:meth:`daemon.join.JoinStore._finish_offer`), and
   the row blocks tracked by weak references with a callback;
-* the state: the label check by two reductions and the monitor fed at once when the online
-  calibrator published nothing (:meth:`daemon.model_state.ModelState.ingest`,
-  ``_take_events``).
+* the state: the label check by two reductions (a list for a few labels), the monitor fed at
+  once when the online calibrator published nothing (:meth:`daemon.model_state.ModelState.
+  ingest`, ``_take_events``), and an epoch's pools summed for the fill check only once its
+  warm-up and held-out share are complete;
+* the merge of window sums (:meth:`daemon.monitor.CellSums.merge_all`).
 """
 
 from __future__ import annotations
@@ -309,6 +311,8 @@ def test_offers_leave_the_checkpoint_of_the_reference_paths(recovery, sample_rat
     assert joined > 3000 and small and large  # both monitor paths and the join's both ways
     if recovery == "online":
         assert new.binmap_version > 0  # maps installed: calibrated rows, the change test
+    else:  # epochs sealed at their exact fill point, after warm-ups and held-out shares
+        assert new.fill_epoch >= 1 and new.fill_epoch == ref.fill_epoch
     assert new.dropped_labels > 0 and new.dropped_labels == ref.dropped_labels
     assert new.monitor.total_samples == ref.monitor.total_samples
     assert _checkpoint(new) == _checkpoint(ref)
