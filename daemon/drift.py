@@ -54,6 +54,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -93,9 +94,16 @@ def _arl(h: float, a: float) -> float:
 
 def cusum_threshold(arl_blocks: float, kref: float = KREF) -> float:
     """The CUSUM threshold ``h`` whose average run length to a false alarm is ``arl_blocks``
-    blocks (Siegmund's approximation, standardized normal increments, reference ``kref``)."""
+    blocks (Siegmund's approximation, standardized normal increments, reference ``kref``).
+    A pure function of its arguments, remembered for the last few (every model of a replica
+    usually shares one change-test setting, and a new model's state builds two tests)."""
     if not arl_blocks > 0:
         raise InputError(f"arl_blocks must be positive, got {arl_blocks}")
+    return _cusum_threshold(float(arl_blocks), float(kref))
+
+
+@functools.lru_cache(maxsize=64)
+def _cusum_threshold(arl_blocks: float, kref: float) -> float:
     lo, hi = 0.0, 1.0
     while _arl(hi, kref) < arl_blocks:
         hi *= 2.0

@@ -107,6 +107,7 @@ RECENT_ENTRY_BYTES = 128
 ROW_SLACK_BYTES = 256 * 1024
 MAX_ROW_WIDTH = 1 << 20  # sanity bound of a snapshot's k (the daemon's max_k is far lower)
 _getsizeof = sys.getsizeof
+_F64 = np.dtype(np.float64)
 
 
 @dataclass
@@ -358,22 +359,30 @@ class JoinStore:
         batch, ``out[js] = block[rs]`` for each ``(block, js, rs)`` of ``p_groups`` from earlier
         batches) and copy the rows ``live_r`` of the predictions still pending (entries
         ``live_e``) into one compact block. Index sequences: lists or int64 arrays."""
+        n = len(out_ids)
         if p_groups:
             k = p_groups[0][0].shape[1]
         else:
             k = probs.shape[1] if probs is not None else 0
-        rows = np.empty((len(out_ids), k), dtype=np.float64)
-        if len(b_out):
-            rows[b_out] = probs[b_idx]
-        for blk, js, rs in p_groups:
-            rows[js] = blk[rs]
+        if n and len(p_groups) == 1 and len(p_groups[0][1]) == n and p_groups[0][0].dtype == _F64:
+            # every row from one earlier block (positions pushed in order: js is 0..n-1)
+            rows = p_groups[0][0][p_groups[0][2]]
+        elif n and len(b_out) == n and probs.dtype == _F64:  # type: ignore[union-attr]
+            rows = probs[b_idx]  # type: ignore[index]
+        else:
+            rows = np.empty((n, k), dtype=np.float64)
+            if len(b_out):
+                rows[b_out] = probs[b_idx]  # type: ignore[index]
+            for blk, js, rs in p_groups:
+                rows[js] = blk[rs]
         if live_e:
-            block = probs[live_r]  # fancy indexing copies
+            block = probs[live_r]  # type: ignore[index]  # fancy indexing copies
             m.rows.track(block)
             native.KERNELS.attach_rows(live_e, block)
-        m.joined += len(out_ids)
+        m.joined += n
         m.compact()
-        _acc(m, ev, um)
+        if any(ev.values()) or any(um.values()):
+            _acc(m, ev, um)
         return JoinResult(out_ids, np.asarray(out_ts, dtype=np.float64), rows,
                           np.asarray(out_lab, dtype=np.int64), ev, um)
 

@@ -58,14 +58,22 @@ class _RowBytes:
     """Bytes of the row blocks of one model that are still allocated (a block is released,
     by ``weakref.finalize``, when its last pending row has left)."""
 
-    __slots__ = ("__weakref__", "nbytes")
+    __slots__ = ("__weakref__", "_refs", "nbytes")
 
     def __init__(self):
         self.nbytes = 0
+        #: id(weak reference) -> (the weak reference to a tracked block, its bytes): a
+        #: ``weakref.ref`` with a callback costs about half of a ``weakref.finalize``
+        self._refs: dict[int, tuple[weakref.ref, int]] = {}
 
     def track(self, block: np.ndarray) -> None:
-        self.nbytes += block.nbytes
-        weakref.finalize(block, self.release, block.nbytes)
+        nbytes = block.nbytes
+        self.nbytes += nbytes
+        ref = weakref.ref(block, self._released)
+        self._refs[id(ref)] = (ref, nbytes)
+
+    def _released(self, ref: weakref.ref) -> None:
+        self.release(self._refs.pop(id(ref))[1])
 
     def release(self, nbytes: int) -> None:
         self.nbytes -= nbytes

@@ -379,6 +379,9 @@ class IngestResult:
 #: hold (no calibrated window to evaluate)
 _NO_STATS: Mapping[str, WindowStats | None] = {}
 
+#: joined samples up to which :meth:`ModelState.ingest` checks the labels as a list
+_SMALL_CHECK = 64
+
 #: ``k = 0``: a model whose ``k`` is learned from its first prediction, created by outcomes that
 #: arrived first. Its join buffer holds them; its (empty) pools and monitor
 #: are built for this placeholder until :meth:`ModelState.offer` learns ``k``.
@@ -570,13 +573,22 @@ class ModelState:
         if n == 0:
             return res
         probs = np.asarray(probs, dtype=np.float64).reshape(n, self.k)
-        ok = (labels >= 0) & (labels < self.k)
         u = route_uniform_fast(ids)
         rate = self.sample_rate
         if rate < 1.0:
-            ok &= u < rate
+            ok = (labels >= 0) & (labels < self.k) & (u < rate)
             u = u / rate
-        if not ok.all():
+            all_ok = bool(ok.all())
+        elif n <= _SMALL_CHECK:  # a few labels: checked as Python ints (a NumPy reduction
+            ok = None           # costs more than the list)
+            lab = labels.tolist()
+            all_ok = min(lab) >= 0 and max(lab) < self.k
+        else:
+            ok = None
+            all_ok = bool(labels.min() >= 0) and bool(labels.max() < self.k)
+        if not all_ok:
+            if ok is None:
+                ok = (labels >= 0) & (labels < self.k)
             keep = np.flatnonzero(ok)
             bad = (labels < 0) | (labels >= self.k)
             res.label_out_of_range = int(np.count_nonzero(bad))
@@ -597,7 +609,7 @@ class ModelState:
                 used = self.filling.add_samples(u[a:], probs[a:], labels[a:],
                                                 raw_bins=(c[a:], h[a:]))
                 a += used
-                if self.filling.full:
+                if self._filling_full():
                     self.seal()
                     res.sealed += 1
                 elif self._epoch_over_budget():  # all of the batch was taken (a == n)
@@ -650,8 +662,14 @@ class ModelState:
         exact sample it was published (the calibrated window restarts there); while a newer
         map of the topic is expected (:meth:`adopt_published`), the replayed versions up to
         it are installed but marked ``on_topic``."""
-        a = 0
         before = self.monitor.trimmed
+        if not events:  # the common case: no map published within these samples
+            self._monitor_rows(probs, labels, ts)
+            if self.adopting is not None and self.online.n_seen >= self.adopting[2]:
+                self._adopt_now()
+            res.window_trimmed += self.monitor.trimmed - before
+            return
+        a = 0
         for e in events:
             if e.kind == "published":
                 b = e.n - start
@@ -911,6 +929,19 @@ class ModelState:
         if self.online is not None:
             self.online.set_max_bytes(self._online_budget())
         return self.monitor.set_max_bytes(self._monitor_budget())
+
+    def _filling_full(self) -> bool:
+        """``self.filling.full``, without summing every pool's table while the epoch's warm-up
+        or held-out share is not complete yet (a full epoch has both: see
+        :meth:`lpcal.pools.PoolSet.fill`)."""
+        pools = self.filling
+        grid = pools.grid
+        if grid is not None and grid.n + grid.skipped < pools.layout.warmup:
+            return False
+        hold = pools.holdout
+        if hold is not None and hold.n < pools.layout.holdout:
+            return False
+        return pools.full
 
     def _epoch_over_budget(self) -> bool:
         """True when the filling epoch, compacted, takes more than its part of the budget."""

@@ -488,13 +488,16 @@ class CellSums:
             return parts[0]
         out = cls(k)
         h = np.concatenate([p.hashes for p in parts])
-        uh, inv = np.unique(h, return_inverse=True)
-        inv = inv.reshape(-1)
-        out.hashes = uh
-        out.counts = np.bincount(inv, weights=np.concatenate([p.counts for p in parts]),
-                                 minlength=uh.size).astype(np.int64)
-        order = np.argsort(inv, kind="stable")
-        starts = np.searchsorted(inv[order], np.arange(uh.size))
+        # one stable sort by hash: each bin's rows in part order, bins by hash (what a sort
+        # for np.unique and a stable sort of its inverse gave, in one sort)
+        order = np.argsort(h, kind="stable")
+        hs = h[order]
+        first = np.empty(hs.size, dtype=bool)
+        first[0] = True
+        np.not_equal(hs[1:], hs[:-1], out=first[1:])
+        starts = np.flatnonzero(first)
+        out.hashes = hs[starts]
+        out.counts = np.add.reduceat(np.concatenate([p.counts for p in parts])[order], starts)
         out.s = np.add.reduceat(np.concatenate([p.s for p in parts])[order], starts, axis=0)
         out.q = np.add.reduceat(np.concatenate([p.q for p in parts])[order], starts, axis=0)
         out.n = sum(p.n for p in parts)
@@ -991,6 +994,8 @@ class WindowMonitor:
         self._cache.clear()
         if hashes is not None and hashes[0].shape != (n,):
             raise InputError(f"monitor: hashes must be given for all {n} rows")
+        if n < SMALL_UPDATE and not self.by_time:
+            return self._update_small(x, y, ts, calibrated, hashes)
         rows: Any
         if n < SMALL_UPDATE:  # copies, summed later with other small updates (see above)
             rows = _Small(x.copy(), y.copy(),
@@ -1035,6 +1040,8 @@ class WindowMonitor:
         # buckets that fit instead of emptying the window
         half = None if self.max_bytes is None else self.max_bytes // 2
         step = n if half is None else max(1, half // sample_bytes(self.k))
+        if type(rows) is not _Small:
+            rows = self._planned(rows, n, half, step, feed)
         while a < n:
             last = next(reversed(self.buckets.values())) if self.buckets else None
             if last is None or last.n >= self.width or (half is not None and last.n
@@ -1052,6 +1059,98 @@ class WindowMonitor:
         self.total_samples += n
         self._trim()
         return n
+
+    def _update_small(self, x: np.ndarray, y: np.ndarray, ts: np.ndarray | None,
+                      calibrated: np.ndarray | None,
+                      hashes: tuple[np.ndarray, np.ndarray] | None) -> int:
+        """:meth:`update` of a small update (validated, fewer than :data:`SMALL_UPDATE`
+        samples) in a sample window: the same cuts and the same rows waiting in the same
+        buckets and change-test block as its general loop, without building a :class:`_Small`
+        and dispatching each slice."""
+        n = y.shape[0]
+        x, y = x.copy(), y.copy()
+        h = pair = None
+        if hashes is not None:
+            h, pair = np.array(hashes[0]), np.array(hashes[1])
+        cal = None if calibrated is None else np.array(calibrated, dtype=np.float64)
+        change = self.change if cal is not None else None
+        if ts is not None and len(ts):
+            self.clock = max(self.clock, float(ts.max() if type(ts) is np.ndarray
+                                               else np.max(ts)))
+        half = None if self.max_bytes is None else self.max_bytes // 2
+        step = n if half is None else max(1, half // sample_bytes(self.k))
+        width = int(self.width)
+        buckets = self.buckets
+        a = 0
+        while a < n:
+            cur = next(reversed(buckets.values())) if buckets else None
+            if cur is None or cur.n >= width or (half is not None and cur.n
+                                                  and cur.nbytes >= half):
+                nxt = (next(reversed(buckets)) + 1) if buckets else 0
+                self._advance_bucket(nxt)
+                cur = self._bucket(nxt)
+                buckets = self.buckets
+            take = min(n - a, width - cur.n, step)
+            if change is not None:
+                take = min(take, change.block_samples - self._block_n)
+            if take == n:
+                xs, ys, hs, ps, cs = x, y, h, pair, cal
+            else:
+                sl = slice(a, a + take)
+                xs, ys, cs = x[sl], y[sl], None if cal is None else cal[sl]
+                hs, ps = (None, None) if h is None else (h[sl], pair[sl])  # type: ignore[index]
+            cur.n += take
+            cur.add_rows("raw", xs, ys, hs, ps)
+            if cs is not None:
+                cur.add_rows("calibrated", cs, ys)
+                if change is not None:
+                    self._block_add_rows(cs, ys)
+            a += take
+        self.total_samples += n
+        self._trim()
+        return n
+
+    def _planned(self, rows: tuple[_Rows, _Rows | None], n: int, half: int | None,
+                 step: int, feed: bool) -> tuple:
+        """``rows`` of a sample window's update with the sums of the slices it is expected to
+        be cut into, computed in one pass per predictor (:func:`_segment_sums`, one segment
+        per slice: each segment's sums are those of its rows alone, to the bit) instead of
+        one pass per slice: ``(raw, calibrated, {(start, stop): (raw sums, calibrated sums,
+        classwise sums)})``. The cuts follow :meth:`update`'s loop, assuming that no bucket
+        opened by this update closes early at half the byte budget; a slice the loop cuts
+        otherwise is not in the dict and is summed on its own, as before."""
+        raw, cal = rows
+        width = int(self.width)
+        last = next(reversed(self.buckets.values())) if self.buckets else None
+        cur = None if last is None else last.n
+        if cur is not None and half is not None and cur and last.nbytes >= half:
+            cur = None
+        block = self.change.block_samples if feed else 0  # type: ignore[union-attr]
+        block_n = self._block_n
+        cuts = [0]
+        a = 0
+        while a < n:
+            if cur is None or cur >= width:
+                cur = 0
+            take = min(n - a, width - cur, step)
+            if feed:
+                take = min(take, block - block_n)
+                block_n = (block_n + take) % block
+            cur += take
+            a += take
+            cuts.append(a)
+        if len(cuts) <= 2:  # one slice: summed once either way
+            return raw, cal, {}
+        bounds = np.array(cuts, dtype=np.int64)
+        raws = _segment_sums(raw, bounds)
+        if cal is None:
+            cals, cws = [None] * len(raws), [None] * len(raws)
+        else:
+            cals = _segment_sums(cal, bounds)
+            cws = (_segment_classwise(cal, bounds) if self.k <= CLASSWISE_MAX_K
+                   else [None] * len(raws))
+        return raw, cal, {(cuts[i], cuts[i + 1]): (raws[i], cals[i], cws[i])
+                          for i in range(len(raws))}
 
     def set_change(self, change: ChangeDetector | None) -> None:
         """Use the change test ``change`` from the next calibrated sample on (a new baseline)."""
@@ -1194,11 +1293,13 @@ class WindowMonitor:
                 if feed:
                     self._block_add_rows(cal_x, y)
             return
-        raw, cal = rows
+        raw, cal = rows[0], rows[1]
         bk.n += raw.y[sel].shape[0]
-        bk.add("raw", CellSums.from_rows(raw, sel), self.k)
+        pre = rows[2].get((sel.start, sel.stop)) if len(rows) > 2 else None
+        bk.add("raw", pre[0] if pre else CellSums.from_rows(raw, sel), self.k)
         if cal is not None:  # classwise sums of the calibrated predictor only (the live map)
-            part, cw = CellSums.from_rows(cal, sel), self._classwise(cal, sel)
+            part, cw = ((pre[1], pre[2]) if pre else
+                        (CellSums.from_rows(cal, sel), self._classwise(cal, sel)))
             bk.add("calibrated", part, self.k, cw)
             if feed:
                 self._block_add(part, cw)

@@ -44,6 +44,15 @@ epochs fill and fits run in the daemon's worker thread all through the ingestion
 (``DaemonMetrics.mark_poll``) is timestamped and the table reports the largest gap between
 consecutive polls that overlaps a running fit (target < 1 s), and the throughput of that run.
 
+**Offline offer cost** (:func:`offer_costs`, no broker, no parsing): CPU time of
+:meth:`daemon.model_state.ModelState.offer` alone (join, routing, pools or online calibrator,
+monitor, change test; online fits run untimed, as in the daemon's worker, and handed back
+timed), per offer and per message, in two shapes of the same stream: one model in batches of
+2,500 messages (the per-sample cost), and 2,000 models in offers of 10 events (the fixed cost
+of an offer, as staged offers of many models pay it), each in both recovery modes, as a ratio to
+``orjson.loads`` of the same messages in the same round; medians. ``--offer-costs`` runs it
+alone (``--events``, ``--rounds``).
+
 Run alone: ``python -m tests.bench.bench_ingest [--quick] [--events N] [--repeats R]``.
 """
 
@@ -510,6 +519,145 @@ def floor_cost(events: int, rounds: int = 3) -> float:
     return best
 
 
+#: the shapes of :func:`offer_costs`: (label, models, events per offer)
+OFFER_SHAPES = (("1 model, 2,500-event batches", 1, 2500),
+                ("2,000 models, 10-event offers", 2000, 10))
+
+
+def _offer_stream(events: int, models: int, per_offer: int):
+    """The benchmark stream (:func:`_batches`, 2,500 messages per batch, parsed once) as offers
+    to ``models`` models of ``per_offer`` events each, and the messages' values.
+
+    Event ``i`` (id ``bench-k10-i``) belongs to model ``i % models`` (so both halves of a
+    pair go to one model); each model's events keep their arrival order and are cut into
+    offers of ``per_offer``; the offers go round robin over the models (one model: the
+    batches themselves). Returns ``(offers, values)``: ``offers`` a list of
+    :class:`daemon.event_records.ModelBatch`, ``values`` the raw messages."""
+    import numpy as np
+
+    from daemon.event_records import ModelBatch
+    from daemon.events import EventParser
+
+    batches, _ = _batches(events, size=2500)
+    settings = _settings("127.0.0.1:1", {"predictions": "p", "outcomes": "o", "binmaps": "b",
+                                         "deadletter": "d"}, HUGE_POOL, "s", 8080)
+    parser = EventParser.from_settings(settings)
+    parsed = [parser.parse_batch(vals).by_model[MODEL] for _kind, vals in batches]
+    values = [v for _kind, vals in batches for v in vals]
+    if models == 1:
+        return parsed, values
+    kind = np.concatenate([mb.kind for mb in parsed])
+    ids = [i for mb in parsed for i in mb.ids]
+    ts = np.concatenate([mb.ts for mb in parsed])
+    probs = np.concatenate([mb.probs for mb in parsed])
+    labels = np.concatenate([mb.labels for mb in parsed])
+    owner = np.array([int(i.rsplit("-", 1)[1]) % models for i in ids])
+    per_model = []
+    for m in range(models):
+        idx = np.flatnonzero(owner == m)
+        per_model.append([idx[a:a + per_offer] for a in range(0, idx.size, per_offer)])
+    offers = []
+    for r in range(max(map(len, per_model))):
+        for m, chunks in enumerate(per_model):
+            if r < len(chunks):
+                ix = chunks[r]
+                offers.append(ModelBatch(f"{MODEL}-{m}", K, kind[ix], [ids[i] for i in ix],
+                                         ts[ix], probs[ix], labels[ix],
+                                         np.arange(ix.size), math.inf))
+    return offers, values
+
+
+def _run_offers(offers, recovery: str) -> float:
+    """CPU seconds of offering ``offers`` to fresh states (``recovery``), the online fits each
+    offer requests run (untimed, as in the daemon's worker) and handed back (timed:
+    :meth:`~daemon.model_state.ModelState.complete_fit` feeds the backlog), then the rows the
+    small offers left waiting in the monitors summed (:func:`daemon.monitor.flush_waiting`,
+    as before a checkpoint)."""
+    from daemon.model_state import ModelState
+    from daemon.monitor import flush_waiting
+    from lpcal.online import run_fit
+
+    settings = _settings("127.0.0.1:1", {"predictions": "p", "outcomes": "o", "binmaps": "b",
+                                         "deadletter": "d"}, HUGE_POOL, "s", 8080,
+                         recovery=recovery)
+    states = {}
+    for mb in offers:
+        if mb.model not in states:
+            states[mb.model] = ModelState.create(mb.model, K, settings.model_settings(mb.model),
+                                                 settings.join)
+    cpu = 0.0
+    clock = time.process_time
+    for mb in offers:
+        st = states[mb.model]
+        c0 = clock()
+        res = st.offer(mb)
+        cpu += clock() - c0
+        todo = list(res.fit_requests)
+        while todo:
+            req = todo.pop(0)
+            bm = run_fit(req)
+            c0 = clock()
+            todo += st.complete_fit(req, bm).fit_requests
+            cpu += clock() - c0
+    c0 = clock()
+    flush_waiting(st.monitor for st in states.values())
+    return cpu + clock() - c0
+
+
+def offer_costs(events: int = 100_000, rounds: int = 5, log=None) -> list[dict]:
+    """CPU cost of :meth:`daemon.model_state.ModelState.offer` alone (join, routing, pools or
+    online calibrator, monitor, change test), without Kafka or parsing, for each shape of
+    :data:`OFFER_SHAPES` and each recovery mode: per offer and per message, and as a ratio
+    to ``orjson.loads`` of the same messages timed in the same round (the baseline). Each
+    round offers the whole stream to fresh states, with the garbage collector paused (as in
+    ``Ingest.process``); medians over ``rounds``."""
+    import gc
+
+    out = []
+    was = gc.isenabled()
+    for label, models, per_offer in OFFER_SHAPES:
+        offers, values = _offer_stream(events, models, per_offer)
+        n = sum(len(mb) for mb in offers)
+        for recovery in ("online", "epochs"):
+            costs, loads = [], []
+            for _ in range(rounds):
+                gc.collect()
+                gc.disable()
+                try:
+                    c0 = time.process_time()
+                    for v in values:
+                        orjson.loads(v)
+                    loads.append(time.process_time() - c0)
+                    costs.append(_run_offers(offers, recovery))
+                finally:
+                    if was:
+                        gc.enable()
+            ratios = [c / b for c, b in zip(costs, loads)]
+            row = {"shape": label, "recovery": recovery, "offers": len(offers), "messages": n,
+                   "us_per_offer": statistics.median(costs) / len(offers) * 1e6,
+                   "us_per_message": statistics.median(costs) / n * 1e6,
+                   "loads_us_per_message": statistics.median(loads) / len(values) * 1e6,
+                   "ratio_to_loads": statistics.median(ratios)}
+            if log is not None:
+                log(f"[ingest] offer cost {label}, {recovery}: {row['us_per_offer']:.1f} us "
+                    f"per offer, {row['us_per_message']:.2f} us per message, "
+                    f"{row['ratio_to_loads']:.2f}x orjson.loads")
+            out.append(row)
+    return out
+
+
+def _offer_lines(rows: list[dict]) -> list[str]:
+    out = [
+        ("| `ModelState.offer` (offline, CPU, median) | recovery | us / offer | us / message "
+         "| x `orjson.loads` of the same messages |"),
+        "|---|---|---|---|---|",
+    ]
+    out += [f"| {r['shape']} ({r['offers']:,} offers) | {r['recovery']} | "
+            f"{r['us_per_offer']:.1f} | {r['us_per_message']:.2f} | {r['ratio_to_loads']:.2f} |"
+            for r in rows]
+    return out + [""]
+
+
 # --------------------------------------------------------------------------- the benchmark
 
 
@@ -578,6 +726,7 @@ async def measure(events: int, repeats: int, log=print, small_pool: int = SMALL_
     if not sampled_only:
         res["costs"] = stage_costs(events)
         res["floor"] = floor_cost(events)
+        res["offers"] = offer_costs(min(events, 100_000), rounds=3 if events > QUICK_EVENTS else 1)
     return res
 
 
@@ -644,7 +793,8 @@ def render(res: dict) -> str:
         "",
     ]
     return "\n".join(lines + _malformed_lines(res) + _sampled_lines(res, raw_rate)
-                     + _bound_lines(res["costs"], raw_rate, lp_rate, res["floor"]))
+                     + _bound_lines(res["costs"], raw_rate, lp_rate, res["floor"])
+                     + _offer_lines(res.get("offers") or []))
 
 
 def _malformed_lines(res: dict) -> list[str]:
@@ -797,8 +947,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--sampled-only", action="store_true",
                     help="only the sampled-model table (sample_rate 0.01 against 1)")
+    ap.add_argument("--offer-costs", action="store_true",
+                    help="only the offline cost of ModelState.offer (no broker)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of --offer-costs")
     ap.add_argument("--out", default=None, help="also write the table to this file")
     a = ap.parse_args(argv)
+    if a.offer_costs:
+        log = lambda m: print(m, file=sys.stderr, flush=True)
+        print("\n".join(_offer_lines(offer_costs(a.events or 100_000, a.rounds, log))))
+        return 0
     text = run(a.quick, a.events, a.repeats, sampled_only=a.sampled_only)
     print(text)
     if a.out:
