@@ -129,6 +129,7 @@ against the fixed epoch schedule and temperature scaling): docs/benchmarks.md, s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -299,6 +300,13 @@ class OnlineConfig:
         hold = round(per * len(names) * self.holdout_share / (1.0 - self.holdout_share))
         return PoolLayout(k, lambda_for(beta), n_levels(beta), "shared",
                           dict.fromkeys(names, per), holdout=max(1, hold))
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(config: OnlineConfig, k: int) -> PoolLayout:
+    """``config.layout(k)``, one object per configuration (a layout is immutable): the models
+    of one configuration share it instead of holding a copy each."""
+    return config.layout(k)
 
 
 #: ``method`` of an online map's certificate without certification samples yet.
@@ -494,7 +502,7 @@ class OnlineCalibrator:
         self.k = int(k)
         self.config = config or OnlineConfig()
         self.model_id = model_id
-        self.window = SlidingWindow(self.config.layout(self.k),
+        self.window = SlidingWindow(_layout(self.config, self.k),
                                     bucket_size=self.config.bucket_size,
                                     n_buckets=self.config.n_buckets,
                                     holdout_buckets=self.config.certify_buckets,

@@ -273,6 +273,20 @@ def unpack_holdout(d: Mapping, where: str = "holdout"):
     return out
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+#: The arrays of an empty :class:`CountTable` (``_h``, ``_ptr``, ``_idx``, ``_val``, ``_pb``,
+#: ``_pl``, ``_pc``): shared by every empty table, read-only.
+_EMPTY_ARRAYS = tuple(_read_only(np.zeros(n, dtype=t)) for n, t in (
+    (0, np.int64), (1, np.int64), (0, np.int32), (0, np.int32), (0, np.int64), (0, np.int32),
+    (0, np.int64)))
+#: Serialises the creation of the tables' locks (:attr:`CountTable._lock`).
+_LOCK_INIT = threading.Lock()
+
+
 def tree_sum(items: Sequence[Any], add: Callable[[Any, Any], Any]) -> Any:
     """``items[0] + items[1] + ...`` added pairwise in a balanced tree (``log2`` depth: each
     operand of a merge is about as large as the other). ``items`` must not be empty."""
@@ -328,7 +342,7 @@ class CountTable:
         "_h",
         "_idx",
         "_lazy",
-        "_lock",
+        "_lk",
         "_npend",
         "_pb",
         "_pbytes",
@@ -345,21 +359,29 @@ class CountTable:
         if k < 2 or lam < 1:
             raise InputError(f"CountTable needs k >= 2 and lambda >= 1, got k={k}, lambda={lam}")
         self.k, self.lam = int(k), int(lam)
-        self._h = np.zeros(0, dtype=np.int64)
-        self._ptr = np.zeros(1, dtype=np.int64)
-        self._idx = np.zeros(0, dtype=np.int32)
-        self._val = np.zeros(0, dtype=np.int32)
-        self._pb = np.zeros(0, dtype=np.int64)
-        self._pl = np.zeros(0, dtype=np.int32)
-        self._pc = np.zeros(0, dtype=np.int64)
+        # an empty table shares read-only empty arrays (never written in place: every change
+        # assigns new arrays), so an idle pool holds no array of its own
+        (self._h, self._ptr, self._idx, self._val, self._pb, self._pl,
+         self._pc) = _EMPTY_ARRAYS
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._npend = 0
         self._pbytes = 0
         # (probability rows, one row index per bin): bin rows not materialised yet
         self._lazy: tuple[np.ndarray, np.ndarray] | None = None
-        # reads compact pending rows and materialise lazy ones, i.e. they write: one re-entrant
-        # lock per table makes a table safe to read from one thread while another serialises it
-        self._lock = threading.RLock()
+        self._lk: threading.RLock | None = None  # :attr:`_lock`, made on first use
+
+    @property
+    def _lock(self) -> threading.RLock:
+        """Reads compact pending rows and materialise lazy ones, i.e. they write: one
+        re-entrant lock per table makes a table safe to read from one thread while another
+        serialises it. Made on first use (under a module lock, so two threads get the same)."""
+        lk = self._lk
+        if lk is None:
+            with _LOCK_INIT:
+                lk = self._lk
+                if lk is None:
+                    lk = self._lk = threading.RLock()
+        return lk
 
     def _materialize(self) -> None:
         """Compute the sparse rows of lazily held bins (see :func:`tables_from_rows`)."""

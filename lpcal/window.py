@@ -216,11 +216,15 @@ class Bucket:
     @property
     def held(self) -> LossGrid:
         """The held-out share's loss grid (kept samples not summed yet are added first)."""
+        self.sum_held()
+        return self._held
+
+    def sum_held(self) -> None:
+        """Add the kept held-out samples not summed yet to the loss grid."""
         if self._held_lazy:
             x, y = self.held_samples(self._held_chunks[0][0].shape[1])
             m, self._held_lazy = self._held_lazy, 0
             self._held.update(x[x.shape[0] - m:], y[y.size - m:])
-        return self._held
 
     @held.setter
     def held(self, grid: LossGrid) -> None:
@@ -244,8 +248,8 @@ class Bucket:
         return self._held_chunks[0]
 
     def drop_held(self) -> None:
-        if self._held_lazy:
-            self.held  # noqa: B018 -- adds the samples to the loss grid before they go
+        """Drop the kept held-out samples (summed into the loss grid first)."""
+        self.sum_held()
         self._held_chunks = []
 
     @property
