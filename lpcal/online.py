@@ -632,14 +632,21 @@ class OnlineCalibrator:
                 self.shadow = (bm, acc + PairedLoss.score(bm.apply(xs, check=False),
                                                           self._live_apply(xs), ys,
                                                           self.config.loss))
-        before = self.window.buckets[-1].index
+        n = y.shape[0]
+        if not n:
+            return
+        window = self.window
         # the warm-up takes the fit share; rows short of a decision point are summed at the
-        # next one, all at once (the sums are exact integers: the same state, fewer passes)
-        self.window.add(u, x, y, warmup=self.warm,
-                        defer=(self.n_seen + int(y.size)) % self.config.step != 0)
-        if self.window.buckets[-1].index != before:
+        # next one, all at once (the sums are exact integers: the same state, fewer passes):
+        # kept as they are (already checked) if they fit in the open bucket
+        if (self.n_seen + n) % self.config.step and window.defer(u, x, y, self.warm):
+            self.n_seen += n
+            return
+        before = window.buckets[-1].index
+        window.add(u, x, y, warmup=self.warm)
+        if window.buckets[-1].index != before:
             self._trim(sealed_from=before)
-        self.n_seen += int(y.size)
+        self.n_seen += n
 
     def _live_apply(self, x: np.ndarray) -> np.ndarray:
         return x if self.live is None else self.live.apply(x, check=False)

@@ -413,8 +413,8 @@ class CountTable:
         self._pending.append((c, y, h))
         self._npend += c.shape[0]
         self._pbytes += c.nbytes + y.nbytes + h.nbytes
-        if (self._npend >= _COMPACT_EVERY
-                or self._pbytes >= max(COMPACT_MIN_BYTES, self._compacted_bytes())):
+        if self._npend >= _COMPACT_EVERY or (self._pbytes >= COMPACT_MIN_BYTES
+                                             and self._pbytes >= self._compacted_bytes()):
             self._compact()
 
     def compact(self) -> None:
@@ -736,7 +736,7 @@ def compact_tables(tables: list[CountTable]) -> None:
             stack.enter_context(t._lock)
         k, lam = busy[0].k, busy[0].lam
         parts = [p for t in busy for p in t._pending]
-        sizes = [sum(p[0].shape[0] for p in t._pending) for t in busy]
+        sizes = [t._npend for t in busy]
         c = np.concatenate([p[0] for p in parts])
         y = np.concatenate([p[1] for p in parts])
         h = np.concatenate([p[2] for p in parts])
@@ -745,20 +745,26 @@ def compact_tables(tables: list[CountTable]) -> None:
         tid = np.repeat(np.arange(len(busy), dtype=np.int64), sizes)
         uh, first, inv = group_rows(c, h)
         nb = uh.size
-        ukey, kinv = np.unique(tid * nb + inv, return_inverse=True)   # (table, bin), sorted
-        kinv = kinv.reshape(-1)
+        # one sort: the (table, bin, label) triples, sorted; their (table, bin) pairs are
+        # then sorted too, and numbered in order (what a unique of the pairs would give)
+        up, pc = np.unique((tid * nb + inv) * k + y, return_counts=True)
+        tb = up // k
+        new = np.empty(tb.size, dtype=bool)
+        new[:1] = True
+        np.not_equal(tb[1:], tb[:-1], out=new[1:])
+        ukey = tb[new]                                                # (table, bin), sorted
+        pbin = np.cumsum(new) - 1                                     # its number
         gbin = ukey % nb
         start = np.searchsorted(ukey // nb, np.arange(len(busy) + 1))  # each table's bins
         ptr, idx, val = _csr_from_dense(c[first[gbin]])
-        up, pc = np.unique(kinv * k + y, return_counts=True)          # (table, bin, label)
-        pbin = up // k
+        plab = up % k
         pstart = np.searchsorted(pbin, start)
         for i, t in enumerate(busy):
             a, b = start[i], start[i + 1]
             pa, pb = pstart[i], pstart[i + 1]
             other = CountTable._raw(k, lam, uh[gbin[a:b]], ptr[a:b + 1] - ptr[a],
                                     idx[ptr[a]:ptr[b]], val[ptr[a]:ptr[b]], pbin[pa:pb] - a,
-                                    up[pa:pb] % k, pc[pa:pb])
+                                    plab[pa:pb], pc[pa:pb])
             t._assign(t._merge_compacted(other))
         for t in tables:
             t.compact()  # the tables without buffered rows (and lazy bins) as before

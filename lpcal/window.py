@@ -469,14 +469,7 @@ class SlidingWindow:
         if x.shape != (n, self.layout.k) or u.shape != (n,):
             raise InputError(f"SlidingWindow.add: expected probs (n, {self.layout.k}), labels "
                              f"and uniforms (n,); got {x.shape}, {y.shape}, {u.shape}")
-        if not n:
-            return
-        if defer and (self._deferred_warm is warmup or not self._deferred) and (
-                self.open.n + self._deferred_n + n <= self.bucket_size
-                and self.open.n < self.bucket_size):
-            self._deferred.append((u.copy(), x.copy(), y.copy()))
-            self._deferred_n += n
-            self._deferred_warm = warmup
+        if not n or (defer and self.defer(u, x, y, warmup)):
             return
         self.flush()
         a = 0
@@ -486,6 +479,22 @@ class SlidingWindow:
             b = min(n, a + self.bucket_size - self.open.n)
             self._add_to(self.open, u[a:b], x[a:b], y[a:b], warmup)
             a = b
+
+    def defer(self, u: np.ndarray, x: np.ndarray, y: np.ndarray,
+              warmup: WarmupSums | None) -> bool:
+        """:meth:`add` with ``defer=True`` for rows already validated (float64 ``x`` (n, k),
+        int64 ``y`` and float64 ``u`` (n,), ``n >= 1``): keep copies of them if they may be
+        deferred (they fit in the open bucket, with the same ``warmup``); False if not (then
+        nothing was done: :meth:`add` them)."""
+        n = y.shape[0]
+        b = self.buckets[-1]
+        if ((self._deferred_warm is warmup or not self._deferred)
+                and b.n + self._deferred_n + n <= self.bucket_size):
+            self._deferred.append((u.copy(), x.copy(), y.copy()))
+            self._deferred_n += n
+            self._deferred_warm = warmup
+            return True
+        return False
 
     def _add_to(self, bucket: Bucket, u: np.ndarray, x: np.ndarray, y: np.ndarray,
                 warmup: WarmupSums | None) -> None:
