@@ -471,6 +471,13 @@ class SlidingWindow:
                              f"and uniforms (n,); got {x.shape}, {y.shape}, {u.shape}")
         if not n or (defer and self.defer(u, x, y, warmup)):
             return
+        if self._deferred and self._deferred_warm is warmup:
+            # the rows that fit in the open bucket join the deferred ones: one pass
+            m = min(n, self.bucket_size - self.open.n - self._deferred_n)
+            if m > 0:
+                self._deferred.append((u[:m], x[:m], y[:m]))  # summed now: no copy
+                self._deferred_n += m
+                u, x, y, n = u[m:], x[m:], y[m:], n - m
         self.flush()
         a = 0
         while a < n:
