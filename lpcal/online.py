@@ -636,14 +636,12 @@ class OnlineCalibrator:
         if not n:
             return
         window = self.window
+        before = window.buckets[-1].index
         # the warm-up takes the fit share; rows short of a decision point are summed at the
         # next one, all at once (the sums are exact integers: the same state, fewer passes):
         # kept as they are (already checked) if they fit in the open bucket
-        if (self.n_seen + n) % self.config.step and window.defer(u, x, y, self.warm):
-            self.n_seen += n
-            return
-        before = window.buckets[-1].index
-        window.add(u, x, y, warmup=self.warm)
+        if not ((self.n_seen + n) % self.config.step and window.defer(u, x, y, self.warm)):
+            window.add(u, x, y, warmup=self.warm)
         if window.buckets[-1].index != before:
             self._trim(sealed_from=before)
         self.n_seen += n

@@ -491,10 +491,14 @@ class SlidingWindow:
               warmup: WarmupSums | None) -> bool:
         """:meth:`add` with ``defer=True`` for rows already validated (float64 ``x`` (n, k),
         int64 ``y`` and float64 ``u`` (n,), ``n >= 1``): keep copies of them if they may be
-        deferred (they fit in the open bucket, with the same ``warmup``); False if not (then
-        nothing was done: :meth:`add` them)."""
+        deferred (they fit in the open bucket, with the same ``warmup``; a full open bucket
+        with nothing deferred is followed by a new one first, as :meth:`add` does); False if
+        not (then no row was taken: :meth:`add` them)."""
         n = y.shape[0]
         b = self.buckets[-1]
+        if b.n >= self.bucket_size and not self._deferred:  # as add() would: open the next
+            self._start_bucket()
+            b = self.buckets[-1]
         if ((self._deferred_warm is warmup or not self._deferred)
                 and b.n + self._deferred_n + n <= self.bucket_size):
             self._deferred.append((u.copy(), x.copy(), y.copy()))
