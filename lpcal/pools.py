@@ -306,12 +306,16 @@ def _merge_compacted_tables(tables: list[CountTable]) -> CountTable:
     and one over their (bin, label) pairs. The arrays do not depend on how the tables are
     grouped: adding them pairwise in any order gives the same, to the dtype."""
     k, lam = tables[0].k, tables[0].lam
-    offs = np.cumsum([0] + [t._h.size for t in tables]).tolist()
+    sizes = [t._h.size for t in tables]
     h_all = np.concatenate([t._h for t in tables])
     uh, first_pos, inv = np.unique(h_all, return_index=True, return_inverse=True)
     inv = inv.reshape(-1)
+    # the tables' CSR offsets shifted past the entries of the tables before them (the
+    # cumulative sum of all row lengths, without a difference per table)
+    nnz = [int(t._ptr[-1] - t._ptr[0]) for t in tables]
     ptr_all = np.zeros(h_all.size + 1, dtype=np.int64)
-    np.cumsum(np.concatenate([np.diff(t._ptr) for t in tables]), out=ptr_all[1:])
+    ptr_all[1:] = np.concatenate([t._ptr[1:] - t._ptr[0] for t in tables])
+    ptr_all[1:] += np.repeat(np.cumsum([0] + nnz[:-1], dtype=np.int64), sizes)
     idx_all = np.concatenate([t._idx for t in tables])
     val_all = np.concatenate([t._val for t in tables])
     rep = first_pos[inv]  # each bin's first holder
@@ -322,7 +326,10 @@ def _merge_compacted_tables(tables: list[CountTable]) -> CountTable:
         if not all(np.array_equal(x, y) for x, y in zip(pa, pb)):
             raise HashCollision("two distinct bins share a 64-bit hash")
     ptr, idx, val = _csr_take(ptr_all, idx_all, val_all, first_pos)
-    pair = np.concatenate([inv[off + t._pb] * k + t._pl for off, t in zip(offs, tables)])
+    npairs = [t._pb.size for t in tables]
+    offs = np.repeat(np.cumsum([0] + sizes[:-1], dtype=np.int64), npairs)
+    pair = (inv[np.concatenate([t._pb for t in tables]) + offs] * k
+            + np.concatenate([t._pl for t in tables]))
     cnt = np.concatenate([t._pc for t in tables])
     up, where = np.unique(pair, return_inverse=True)
     pc = np.bincount(where.reshape(-1), weights=cnt, minlength=up.size).astype(np.int64)
