@@ -518,13 +518,18 @@ class SlidingWindow:
         if self.cert_share:
             bucket.keep_cert(x[cert], y[cert])
         xf, yf = x[fit], y[fit]
+        log_f = None
+        if bucket.pools is not None and warmup is None and yf.size:
+            with np.errstate(divide="ignore"):
+                log_f = np.log(xf)  # for the grid and the binning at the pool temperature
         if warmup is not None:
             warmup.update(xf, yf, grid=bucket.grid)
         else:
-            bucket.grid.update(xf, yf)
+            bucket.grid.update(xf, yf, log_probs=log_f)
         if bucket.pools is not None:
             from lpcal.binmap import scale_temperature
-            bucket.pools.add(route[fit], scale_temperature(xf, bucket.temperature), yf)
+            bucket.pools.add(route[fit], scale_temperature(xf, bucket.temperature,
+                                                           log_probs=log_f), yf)
             bucket.keep_held(x[hold], y[hold], summed=False)  # summed when read
         else:
             bucket.held.update(x[hold], y[hold])
