@@ -8,7 +8,10 @@ points and buckets), with Algorithm 2's fits run through :func:`lpcal.online.run
 the trace of events and the checkpoints written along the way (both forms) are compared with
 the digest of the same run on the code before the change (``_REFERENCE``: computed by this
 file's ``_trace`` on that code; the digest covers the events, their decisions, the published
-maps and the checkpoints, without wall-clock stamps)."""
+maps and the checkpoints, without wall-clock stamps). The digests depend on how the
+platform's libm rounds ``exp`` and ``log`` (computed on x86-64 Linux, glibc, numpy 2.4): on
+another platform, compute them again with ``python tests/test_online_calls.py`` on the
+previous code."""
 
 from __future__ import annotations
 
