@@ -624,8 +624,7 @@ class OnlineCalibrator:
 
     def _ingest(self, u: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         if self.shadow is not None:
-            fit = self.window.layout.route_uniforms(u) < len(self.window.layout.names)
-            hold = ~fit & ~self.window.certifying(u)  # the test share
+            hold = self.window.testing(u)  # the test share
             if hold.any():
                 bm, acc = self.shadow
                 xs, ys = x[hold], y[hold]

@@ -535,6 +535,19 @@ class SlidingWindow:
             bucket.held.update(x[hold], y[hold])
         bucket.n += int(y.size)
 
+    def testing(self, u: np.ndarray) -> np.ndarray:
+        """Which routing uniforms go to the test share (held out, not certifying): ``a <= u <
+        c`` for the fit share's end ``a`` and the certification share's start ``c``, the very
+        mask of :meth:`lpcal.pools.PoolLayout.route_uniforms` and :meth:`certifying` (one
+        comparison each instead of a search)."""
+        u = np.asarray(u, dtype=np.float64)
+        cw = self.layout.cumulative_weights()
+        a = cw[len(self.layout.names) - 1]
+        out = u >= a
+        if self.cert_share:
+            out &= u < 1.0 - (1.0 - a) * self.cert_share
+        return out
+
     def certifying(self, u: np.ndarray) -> np.ndarray:
         """Which routing uniforms go to the certification share: the top ``cert_share`` of
         the held-out share's interval of ``u`` (so a subset of the held-out share)."""

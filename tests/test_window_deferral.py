@@ -188,3 +188,20 @@ def test_defer_keeps_checked_rows_only_when_they_fit_the_open_bucket():
     got.add(u[150:400], f[150:400], y[150:400])
     ref.add(u[101:400], f[101:400], y[101:400])
     assert _dump(got.to_dict()) == _dump(ref.to_dict()) and got == ref
+
+
+@pytest.mark.parametrize("cert_share", [0.0, 0.6, 0.3])
+def test_the_test_share_mask_is_the_routing_one(cert_share):
+    """``SlidingWindow.testing`` (the shadow's samples) is the mask of the routing and of
+    ``certifying``, uniforms on and around the shares' boundaries included."""
+    lay = OnlineConfig().layout(10)
+    w = SlidingWindow(lay, bucket_size=100, n_buckets=2, cert_share=cert_share)
+    cw = lay.cumulative_weights()
+    a = cw[len(lay.names) - 1]
+    c = 1.0 - (1.0 - a) * cert_share
+    edges = np.array([0.0, a, c, *cw, 1.0 - 2**-53])
+    u = np.concatenate([np.random.default_rng(0).random(20_000), edges,
+                        np.nextafter(edges, 0.0), np.nextafter(edges, 1.0)])
+    u = u[(u >= 0) & (u < 1)]
+    want = ~(lay.route_uniforms(u) < len(lay.names)) & ~w.certifying(u)
+    assert np.array_equal(w.testing(u), want) and want.any()
