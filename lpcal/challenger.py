@@ -65,6 +65,7 @@ import binascii
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -91,6 +92,20 @@ LOSSES = ("brier", "nll")
 #: Rows per chunk of the grid's exponentials, at most: the products of per-sample losses
 #: (integers up to ``2^38``) then sum exactly in float64 (below ``2^53``).
 _EXACT_ROWS = 1 << 14
+
+
+def _zeros(n: int) -> np.ndarray:
+    a = np.zeros(n, dtype=np.int64)
+    a.flags.writeable = False
+    return a
+
+
+#: The sums and products of an empty :class:`LossGrid`: shared, read-only (mappings that
+#: cannot be assigned to), replaced by the grid's own arrays on its first update.
+_ZERO_SUMS = MappingProxyType({loss: _zeros(_G) for loss in LOSSES})
+_ZERO_PRODS = MappingProxyType({loss: _zeros(_IU[0].size) for loss in LOSSES})
+#: Bytes of a grid's arrays.
+_NBYTES = 8 * len(LOSSES) * (_G + _IU[0].size)
 
 
 def per_sample_loss(h: np.ndarray, labels: np.ndarray, loss: str) -> np.ndarray:
@@ -227,8 +242,9 @@ class LossGrid:
 
     def __init__(self) -> None:
         self.n = 0
-        self.sums = {loss: np.zeros(_G, dtype=np.int64) for loss in LOSSES}
-        self.prods = {loss: np.zeros(_IU[0].size, dtype=np.int64) for loss in LOSSES}
+        # an empty grid reads shared read-only zeros; its own arrays come with the first
+        # update (``nbytes`` counts them all along: what the grid holds once it is used)
+        self.sums, self.prods = _ZERO_SUMS, _ZERO_PRODS
 
     def update(self, probs: np.ndarray, labels: np.ndarray) -> LossGrid:
         """Add held-out rows ``probs`` (n, k) of the raw model with labels; returns self."""
@@ -240,6 +256,9 @@ class LossGrid:
         n = x.shape[0]
         if n == 0:
             return self
+        if self.sums is _ZERO_SUMS:
+            self.sums = {loss: np.zeros(_G, dtype=np.int64) for loss in LOSSES}
+            self.prods = {loss: np.zeros(_IU[0].size, dtype=np.int64) for loss in LOSSES}
         z = shifted_log(x)
         for a, b, e, S in grid_exp(z, _INV_T, min(_EXACT_ROWS, chunk_rows(_G, x.shape[1]))):
             e /= S[None]                                                 # q, (k, G, m)
@@ -269,9 +288,10 @@ class LossGrid:
         """A new object with the sums of both (neither is modified)."""
         out = LossGrid()
         out.n = self.n + other.n
-        for loss in LOSSES:
-            out.sums[loss] = self.sums[loss] + other.sums[loss]
-            out.prods[loss] = self.prods[loss] + other.prods[loss]
+        if self.sums is _ZERO_SUMS and other.sums is _ZERO_SUMS:
+            return out
+        out.sums = {loss: self.sums[loss] + other.sums[loss] for loss in LOSSES}
+        out.prods = {loss: self.prods[loss] + other.prods[loss] for loss in LOSSES}
         return out
 
     __add__ = merge
@@ -307,7 +327,7 @@ class LossGrid:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (*self.sums.values(), *self.prods.values()))
+        return _NBYTES
 
     def to_dict(self, *, packed: bool = False) -> dict[str, Any]:
         """JSON-safe dict. ``packed`` (the checkpoint format ``lpcal.model_state/6``): the sums
@@ -340,9 +360,9 @@ class LossGrid:
                 if out.n < 0:
                     raise ValueError(f"n={out.n}")
                 return out
-            for loss in LOSSES:
-                out.sums[loss] = np.asarray(d["sums"][loss], dtype=np.int64)
-                out.prods[loss] = np.asarray(d["prods"][loss], dtype=np.int64)
+            out.sums = {loss: np.asarray(d["sums"][loss], dtype=np.int64) for loss in LOSSES}
+            out.prods = {loss: np.asarray(d["prods"][loss], dtype=np.int64)
+                         for loss in LOSSES}
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise InputError(f"malformed loss grid ({e})") from None
         if out.n < 0 or any(out.sums[x].shape != (_G,) or out.prods[x].shape != _IU[0].shape
@@ -365,10 +385,9 @@ class LossGrid:
             raise ValueError(f"packed loss grid has {len(raw)} bytes, expected "
                              f"{8 * len(LOSSES) * (m + t)}")
         a = np.frombuffer(raw, dtype="<i8").astype(np.int64)
-        for i, loss in enumerate(LOSSES):
-            self.sums[loss] = a[i * m:(i + 1) * m]
-            at = len(LOSSES) * m + i * t
-            self.prods[loss] = a[at:at + t]
+        self.sums = {loss: a[i * m:(i + 1) * m] for i, loss in enumerate(LOSSES)}
+        self.prods = {loss: a[len(LOSSES) * m + i * t:len(LOSSES) * m + (i + 1) * t]
+                      for i, loss in enumerate(LOSSES)}
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, LossGrid):

@@ -89,10 +89,15 @@ def check_rows(u: np.ndarray, s: np.ndarray, offset: int) -> None:
                          f"min {shown(u[r].min())})")
 
 
-def scale_temperature(probs: np.ndarray, temperature: float) -> np.ndarray:
-    """``softmax(log(probs) / T)`` row-wise (zeros stay zero), numerically stable."""
-    with np.errstate(divide="ignore"):
-        z = np.log(probs) / temperature
+def scale_temperature(probs: np.ndarray, temperature: float, *,
+                      log_probs: np.ndarray | None = None) -> np.ndarray:
+    """``softmax(log(probs) / T)`` row-wise (zeros stay zero), numerically stable.
+    ``log_probs``: ``np.log(probs)`` if the caller has it (not modified)."""
+    if log_probs is not None:
+        z = log_probs / temperature
+    else:
+        with np.errstate(divide="ignore"):
+            z = np.log(probs) / temperature
     return softmax_rows(z, out=z)
 
 

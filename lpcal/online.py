@@ -129,6 +129,7 @@ against the fixed epoch schedule and temperature scaling): docs/benchmarks.md, s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -299,6 +300,13 @@ class OnlineConfig:
         hold = round(per * len(names) * self.holdout_share / (1.0 - self.holdout_share))
         return PoolLayout(k, lambda_for(beta), n_levels(beta), "shared",
                           dict.fromkeys(names, per), holdout=max(1, hold))
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(config: OnlineConfig, k: int) -> PoolLayout:
+    """``config.layout(k)``, one object per configuration (a layout is immutable): the models
+    of one configuration share it instead of holding a copy each."""
+    return config.layout(k)
 
 
 #: ``method`` of an online map's certificate without certification samples yet.
@@ -494,7 +502,7 @@ class OnlineCalibrator:
         self.k = int(k)
         self.config = config or OnlineConfig()
         self.model_id = model_id
-        self.window = SlidingWindow(self.config.layout(self.k),
+        self.window = SlidingWindow(_layout(self.config, self.k),
                                     bucket_size=self.config.bucket_size,
                                     n_buckets=self.config.n_buckets,
                                     holdout_buckets=self.config.certify_buckets,
@@ -616,22 +624,26 @@ class OnlineCalibrator:
 
     def _ingest(self, u: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         if self.shadow is not None:
-            fit = self.window.layout.route_uniforms(u) < len(self.window.layout.names)
-            hold = ~fit & ~self.window.certifying(u)  # the test share
+            hold = self.window.testing(u)  # the test share
             if hold.any():
                 bm, acc = self.shadow
                 xs, ys = x[hold], y[hold]
                 self.shadow = (bm, acc + PairedLoss.score(bm.apply(xs, check=False),
                                                           self._live_apply(xs), ys,
                                                           self.config.loss))
-        before = self.window.buckets[-1].index
+        n = y.shape[0]
+        if not n:
+            return
+        window = self.window
+        before = window.buckets[-1].index
         # the warm-up takes the fit share; rows short of a decision point are summed at the
-        # next one, all at once (the sums are exact integers: the same state, fewer passes)
-        self.window.add(u, x, y, warmup=self.warm,
-                        defer=(self.n_seen + int(y.size)) % self.config.step != 0)
-        if self.window.buckets[-1].index != before:
+        # next one, all at once (the sums are exact integers: the same state, fewer passes):
+        # kept as they are (already checked) if they fit in the open bucket
+        if not ((self.n_seen + n) % self.config.step and window.defer(u, x, y, self.warm)):
+            window.add(u, x, y, warmup=self.warm)
+        if window.buckets[-1].index != before:
             self._trim(sealed_from=before)
-        self.n_seen += int(y.size)
+        self.n_seen += n
 
     def _live_apply(self, x: np.ndarray) -> np.ndarray:
         return x if self.live is None else self.live.apply(x, check=False)

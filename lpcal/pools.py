@@ -273,6 +273,20 @@ def unpack_holdout(d: Mapping, where: str = "holdout"):
     return out
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+#: The arrays of an empty :class:`CountTable` (``_h``, ``_ptr``, ``_idx``, ``_val``, ``_pb``,
+#: ``_pl``, ``_pc``): shared by every empty table, read-only.
+_EMPTY_ARRAYS = tuple(_read_only(np.zeros(n, dtype=t)) for n, t in (
+    (0, np.int64), (1, np.int64), (0, np.int32), (0, np.int32), (0, np.int64), (0, np.int32),
+    (0, np.int64)))
+#: Serialises the creation of the tables' locks (:attr:`CountTable._lock`).
+_LOCK_INIT = threading.Lock()
+
+
 def tree_sum(items: Sequence[Any], add: Callable[[Any, Any], Any]) -> Any:
     """``items[0] + items[1] + ...`` added pairwise in a balanced tree (``log2`` depth: each
     operand of a merge is about as large as the other). ``items`` must not be empty."""
@@ -292,12 +306,16 @@ def _merge_compacted_tables(tables: list[CountTable]) -> CountTable:
     and one over their (bin, label) pairs. The arrays do not depend on how the tables are
     grouped: adding them pairwise in any order gives the same, to the dtype."""
     k, lam = tables[0].k, tables[0].lam
-    offs = np.cumsum([0] + [t._h.size for t in tables]).tolist()
+    sizes = [t._h.size for t in tables]
     h_all = np.concatenate([t._h for t in tables])
     uh, first_pos, inv = np.unique(h_all, return_index=True, return_inverse=True)
     inv = inv.reshape(-1)
+    # the tables' CSR offsets shifted past the entries of the tables before them (the
+    # cumulative sum of all row lengths, without a difference per table)
+    nnz = [int(t._ptr[-1] - t._ptr[0]) for t in tables]
     ptr_all = np.zeros(h_all.size + 1, dtype=np.int64)
-    np.cumsum(np.concatenate([np.diff(t._ptr) for t in tables]), out=ptr_all[1:])
+    ptr_all[1:] = np.concatenate([t._ptr[1:] - t._ptr[0] for t in tables])
+    ptr_all[1:] += np.repeat(np.cumsum([0] + nnz[:-1], dtype=np.int64), sizes)
     idx_all = np.concatenate([t._idx for t in tables])
     val_all = np.concatenate([t._val for t in tables])
     rep = first_pos[inv]  # each bin's first holder
@@ -308,7 +326,10 @@ def _merge_compacted_tables(tables: list[CountTable]) -> CountTable:
         if not all(np.array_equal(x, y) for x, y in zip(pa, pb)):
             raise HashCollision("two distinct bins share a 64-bit hash")
     ptr, idx, val = _csr_take(ptr_all, idx_all, val_all, first_pos)
-    pair = np.concatenate([inv[off + t._pb] * k + t._pl for off, t in zip(offs, tables)])
+    npairs = [t._pb.size for t in tables]
+    offs = np.repeat(np.cumsum([0] + sizes[:-1], dtype=np.int64), npairs)
+    pair = (inv[np.concatenate([t._pb for t in tables]) + offs] * k
+            + np.concatenate([t._pl for t in tables]))
     cnt = np.concatenate([t._pc for t in tables])
     up, where = np.unique(pair, return_inverse=True)
     pc = np.bincount(where.reshape(-1), weights=cnt, minlength=up.size).astype(np.int64)
@@ -328,7 +349,7 @@ class CountTable:
         "_h",
         "_idx",
         "_lazy",
-        "_lock",
+        "_lk",
         "_npend",
         "_pb",
         "_pbytes",
@@ -345,21 +366,29 @@ class CountTable:
         if k < 2 or lam < 1:
             raise InputError(f"CountTable needs k >= 2 and lambda >= 1, got k={k}, lambda={lam}")
         self.k, self.lam = int(k), int(lam)
-        self._h = np.zeros(0, dtype=np.int64)
-        self._ptr = np.zeros(1, dtype=np.int64)
-        self._idx = np.zeros(0, dtype=np.int32)
-        self._val = np.zeros(0, dtype=np.int32)
-        self._pb = np.zeros(0, dtype=np.int64)
-        self._pl = np.zeros(0, dtype=np.int32)
-        self._pc = np.zeros(0, dtype=np.int64)
+        # an empty table shares read-only empty arrays (never written in place: every change
+        # assigns new arrays), so an idle pool holds no array of its own
+        (self._h, self._ptr, self._idx, self._val, self._pb, self._pl,
+         self._pc) = _EMPTY_ARRAYS
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._npend = 0
         self._pbytes = 0
         # (probability rows, one row index per bin): bin rows not materialised yet
         self._lazy: tuple[np.ndarray, np.ndarray] | None = None
-        # reads compact pending rows and materialise lazy ones, i.e. they write: one re-entrant
-        # lock per table makes a table safe to read from one thread while another serialises it
-        self._lock = threading.RLock()
+        self._lk: threading.RLock | None = None  # :attr:`_lock`, made on first use
+
+    @property
+    def _lock(self) -> threading.RLock:
+        """Reads compact pending rows and materialise lazy ones, i.e. they write: one
+        re-entrant lock per table makes a table safe to read from one thread while another
+        serialises it. Made on first use (under a module lock, so two threads get the same)."""
+        lk = self._lk
+        if lk is None:
+            with _LOCK_INIT:
+                lk = self._lk
+                if lk is None:
+                    lk = self._lk = threading.RLock()
+        return lk
 
     def _materialize(self) -> None:
         """Compute the sparse rows of lazily held bins (see :func:`tables_from_rows`)."""
@@ -391,8 +420,8 @@ class CountTable:
         self._pending.append((c, y, h))
         self._npend += c.shape[0]
         self._pbytes += c.nbytes + y.nbytes + h.nbytes
-        if (self._npend >= _COMPACT_EVERY
-                or self._pbytes >= max(COMPACT_MIN_BYTES, self._compacted_bytes())):
+        if self._npend >= _COMPACT_EVERY or (self._pbytes >= COMPACT_MIN_BYTES
+                                             and self._pbytes >= self._compacted_bytes()):
             self._compact()
 
     def compact(self) -> None:
@@ -714,7 +743,7 @@ def compact_tables(tables: list[CountTable]) -> None:
             stack.enter_context(t._lock)
         k, lam = busy[0].k, busy[0].lam
         parts = [p for t in busy for p in t._pending]
-        sizes = [sum(p[0].shape[0] for p in t._pending) for t in busy]
+        sizes = [t._npend for t in busy]
         c = np.concatenate([p[0] for p in parts])
         y = np.concatenate([p[1] for p in parts])
         h = np.concatenate([p[2] for p in parts])
@@ -723,20 +752,26 @@ def compact_tables(tables: list[CountTable]) -> None:
         tid = np.repeat(np.arange(len(busy), dtype=np.int64), sizes)
         uh, first, inv = group_rows(c, h)
         nb = uh.size
-        ukey, kinv = np.unique(tid * nb + inv, return_inverse=True)   # (table, bin), sorted
-        kinv = kinv.reshape(-1)
+        # one sort: the (table, bin, label) triples, sorted; their (table, bin) pairs are
+        # then sorted too, and numbered in order (what a unique of the pairs would give)
+        up, pc = np.unique((tid * nb + inv) * k + y, return_counts=True)
+        tb = up // k
+        new = np.empty(tb.size, dtype=bool)
+        new[:1] = True
+        np.not_equal(tb[1:], tb[:-1], out=new[1:])
+        ukey = tb[new]                                                # (table, bin), sorted
+        pbin = np.cumsum(new) - 1                                     # its number
         gbin = ukey % nb
         start = np.searchsorted(ukey // nb, np.arange(len(busy) + 1))  # each table's bins
         ptr, idx, val = _csr_from_dense(c[first[gbin]])
-        up, pc = np.unique(kinv * k + y, return_counts=True)          # (table, bin, label)
-        pbin = up // k
+        plab = up % k
         pstart = np.searchsorted(pbin, start)
         for i, t in enumerate(busy):
             a, b = start[i], start[i + 1]
             pa, pb = pstart[i], pstart[i + 1]
             other = CountTable._raw(k, lam, uh[gbin[a:b]], ptr[a:b + 1] - ptr[a],
                                     idx[ptr[a]:ptr[b]], val[ptr[a]:ptr[b]], pbin[pa:pb] - a,
-                                    up[pa:pb] % k, pc[pa:pb])
+                                    plab[pa:pb], pc[pa:pb])
             t._assign(t._merge_compacted(other))
         for t in tables:
             t.compact()  # the tables without buffered rows (and lazy bins) as before

@@ -168,13 +168,24 @@ def nll_fixed(S: np.ndarray, zy: np.ndarray) -> np.ndarray:
     return S.sum(axis=1).astype(np.int64)
 
 
-def _grid_nll(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, int]:
-    """``(sum_i NLL_i(T_g) in fixed point for every grid point g, samples with f_y = 0)``."""
-    x, y, skipped = positive_rows(x, y)
+def _grid_nll(x: np.ndarray, y: np.ndarray,
+              log_x: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """``(sum_i NLL_i(T_g) in fixed point for every grid point g, samples with f_y = 0)``;
+    ``log_x``: ``np.log(x)``, if the caller has it (the same values: not computed again)."""
+    if log_x is not None:
+        keep = x[np.arange(x.shape[0]), y] > 0     # as positive_rows
+        skipped = int(keep.size - np.count_nonzero(keep))
+        if skipped:
+            log_x, y = log_x[keep], y[keep]
+    else:
+        x, y, skipped = positive_rows(x, y)
     total = np.zeros(_INV_T.size, dtype=np.int64)
-    if x.shape[0] == 0:
+    if y.shape[0] == 0:
         return total, skipped
-    zs = shifted_log(x)
+    if log_x is not None:  # shifted_log's values, from the log given
+        zs = log_x - log_x.max(axis=1, keepdims=True)
+    else:
+        zs = shifted_log(x)
     zy = zs[np.arange(zs.shape[0]), y]
     for a, b, _, S in grid_exp(zs, _INV_T):
         total += nll_fixed(S, zy[a:b])
@@ -345,12 +356,15 @@ class TemperatureGrid:
         self.n = 0
         self.skipped = 0
 
-    def update(self, probs: np.ndarray, labels: np.ndarray) -> TemperatureGrid:
-        """Add a batch of validated rows ``probs`` (n, k) and labels (n,); returns ``self``."""
+    def update(self, probs: np.ndarray, labels: np.ndarray, *,
+               log_probs: np.ndarray | None = None) -> TemperatureGrid:
+        """Add a batch of validated rows ``probs`` (n, k) and labels (n,); returns ``self``.
+        ``log_probs``: ``np.log(probs)``, when the caller computed it anyway (the window
+        bins the same rows at a temperature): the same sums, one logarithm fewer per value."""
         x, y = checked_batch(probs, labels, "TemperatureGrid.update")
         if x.shape[0] == 0:
             return self
-        s, skipped = _grid_nll(x, y)
+        s, skipped = _grid_nll(x, y, log_probs)
         return self.add_sums(s, int(x.shape[0]) - skipped, skipped)
 
     def add_sums(self, nll: np.ndarray, n: int, skipped: int) -> TemperatureGrid:

@@ -216,11 +216,15 @@ class Bucket:
     @property
     def held(self) -> LossGrid:
         """The held-out share's loss grid (kept samples not summed yet are added first)."""
+        self.sum_held()
+        return self._held
+
+    def sum_held(self) -> None:
+        """Add the kept held-out samples not summed yet to the loss grid."""
         if self._held_lazy:
             x, y = self.held_samples(self._held_chunks[0][0].shape[1])
             m, self._held_lazy = self._held_lazy, 0
             self._held.update(x[x.shape[0] - m:], y[y.size - m:])
-        return self._held
 
     @held.setter
     def held(self, grid: LossGrid) -> None:
@@ -244,8 +248,8 @@ class Bucket:
         return self._held_chunks[0]
 
     def drop_held(self) -> None:
-        if self._held_lazy:
-            self.held  # noqa: B018 -- adds the samples to the loss grid before they go
+        """Drop the kept held-out samples (summed into the loss grid first)."""
+        self.sum_held()
         self._held_chunks = []
 
     @property
@@ -465,15 +469,15 @@ class SlidingWindow:
         if x.shape != (n, self.layout.k) or u.shape != (n,):
             raise InputError(f"SlidingWindow.add: expected probs (n, {self.layout.k}), labels "
                              f"and uniforms (n,); got {x.shape}, {y.shape}, {u.shape}")
-        if not n:
+        if not n or (defer and self.defer(u, x, y, warmup)):
             return
-        if defer and (self._deferred_warm is warmup or not self._deferred) and (
-                self.open.n + self._deferred_n + n <= self.bucket_size
-                and self.open.n < self.bucket_size):
-            self._deferred.append((u.copy(), x.copy(), y.copy()))
-            self._deferred_n += n
-            self._deferred_warm = warmup
-            return
+        if self._deferred and self._deferred_warm is warmup:
+            # the rows that fit in the open bucket join the deferred ones: one pass
+            m = min(n, self.bucket_size - self.open.n - self._deferred_n)
+            if m > 0:
+                self._deferred.append((u[:m], x[:m], y[:m]))  # summed now: no copy
+                self._deferred_n += m
+                u, x, y, n = u[m:], x[m:], y[m:], n - m
         self.flush()
         a = 0
         while a < n:
@@ -482,6 +486,26 @@ class SlidingWindow:
             b = min(n, a + self.bucket_size - self.open.n)
             self._add_to(self.open, u[a:b], x[a:b], y[a:b], warmup)
             a = b
+
+    def defer(self, u: np.ndarray, x: np.ndarray, y: np.ndarray,
+              warmup: WarmupSums | None) -> bool:
+        """:meth:`add` with ``defer=True`` for rows already validated (float64 ``x`` (n, k),
+        int64 ``y`` and float64 ``u`` (n,), ``n >= 1``): keep copies of them if they may be
+        deferred (they fit in the open bucket, with the same ``warmup``; a full open bucket
+        with nothing deferred is followed by a new one first, as :meth:`add` does); False if
+        not (then no row was taken: :meth:`add` them)."""
+        n = y.shape[0]
+        b = self.buckets[-1]
+        if b.n >= self.bucket_size and not self._deferred:  # as add() would: open the next
+            self._start_bucket()
+            b = self.buckets[-1]
+        if ((self._deferred_warm is warmup or not self._deferred)
+                and b.n + self._deferred_n + n <= self.bucket_size):
+            self._deferred.append((u.copy(), x.copy(), y.copy()))
+            self._deferred_n += n
+            self._deferred_warm = warmup
+            return True
+        return False
 
     def _add_to(self, bucket: Bucket, u: np.ndarray, x: np.ndarray, y: np.ndarray,
                 warmup: WarmupSums | None) -> None:
@@ -494,17 +518,35 @@ class SlidingWindow:
         if self.cert_share:
             bucket.keep_cert(x[cert], y[cert])
         xf, yf = x[fit], y[fit]
+        log_f = None
+        if bucket.pools is not None and warmup is None and yf.size:
+            with np.errstate(divide="ignore"):
+                log_f = np.log(xf)  # for the grid and the binning at the pool temperature
         if warmup is not None:
             warmup.update(xf, yf, grid=bucket.grid)
         else:
-            bucket.grid.update(xf, yf)
+            bucket.grid.update(xf, yf, log_probs=log_f)
         if bucket.pools is not None:
             from lpcal.binmap import scale_temperature
-            bucket.pools.add(route[fit], scale_temperature(xf, bucket.temperature), yf)
+            bucket.pools.add(route[fit], scale_temperature(xf, bucket.temperature,
+                                                           log_probs=log_f), yf)
             bucket.keep_held(x[hold], y[hold], summed=False)  # summed when read
         else:
             bucket.held.update(x[hold], y[hold])
         bucket.n += int(y.size)
+
+    def testing(self, u: np.ndarray) -> np.ndarray:
+        """Which routing uniforms go to the test share (held out, not certifying): ``a <= u <
+        c`` for the fit share's end ``a`` and the certification share's start ``c``, the very
+        mask of :meth:`lpcal.pools.PoolLayout.route_uniforms` and :meth:`certifying` (one
+        comparison each instead of a search)."""
+        u = np.asarray(u, dtype=np.float64)
+        cw = self.layout.cumulative_weights()
+        a = cw[len(self.layout.names) - 1]
+        out = u >= a
+        if self.cert_share:
+            out &= u < 1.0 - (1.0 - a) * self.cert_share
+        return out
 
     def certifying(self, u: np.ndarray) -> np.ndarray:
         """Which routing uniforms go to the certification share: the top ``cert_share`` of

@@ -75,3 +75,38 @@ def test_paired_sums_add_and_check_their_loss():
     with pytest.raises(InputError, match="cannot add"):
         _ = a + PairedLoss("nll")
     assert PairedLoss.from_dict(a.to_dict()) == a
+
+
+def test_an_empty_loss_grid_holds_no_arrays_until_its_first_update():
+    """Empty grids share read-only zeros (an idle model's open bucket holds none of its own);
+    the first update, a merge and a restore give the grid its own arrays, and the shared zeros
+    are never written."""
+    from lpcal.challenger import _ZERO_PRODS, _ZERO_SUMS
+
+    rng = np.random.default_rng(3)
+    f = rng.dirichlet(np.ones(4), 50)
+    y = rng.integers(0, 4, 50)
+    a, b = LossGrid(), LossGrid()
+    assert a.sums is b.sums is _ZERO_SUMS and a.prods is _ZERO_PRODS
+    assert a.nbytes == b.nbytes > 0  # the bytes it holds once used: budgets do not move
+    with pytest.raises(TypeError):
+        a.sums["nll"] = np.zeros(3)
+    with pytest.raises(ValueError):
+        a.sums["nll"] += 1
+    empty = a.merge(b)
+    assert empty.sums is _ZERO_SUMS and empty == LossGrid()
+    a.update(f, y)
+    assert a.sums is not _ZERO_SUMS and a.sums["nll"].flags.writeable
+    assert all(not v.any() for v in (*_ZERO_SUMS.values(), *_ZERO_PRODS.values()))
+    assert b == LossGrid() and b.mean_loss(1.0, "nll") == 0.0
+    c = a.merge(b)
+    c.update(f, y)  # the merge's arrays are its own
+    assert c != a and a == LossGrid().update(f, y)
+    for packed in (False, True):
+        d = LossGrid.from_dict(b.to_dict(packed=packed))
+        assert d == b and d.to_dict(packed=packed) == b.to_dict(packed=packed)
+        d.update(f, y)
+        assert d == a and b == LossGrid()
+        r = LossGrid.from_dict(a.to_dict(packed=packed))
+        r.update(f, y)
+        assert r == c

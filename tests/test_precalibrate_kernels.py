@@ -240,3 +240,26 @@ def test_lazy_grid_fit_on_a_real_network():
     from tests.bench.common import load_record
     x, y = load_record("lenet-5-cifar-100")
     assert fit_grid_temperature(x, y) == TemperatureGrid().update(x, y).fit()
+
+
+def test_grid_and_binning_from_a_log_given_are_the_same_to_the_bit():
+    """``TemperatureGrid.update(log_probs=...)`` and ``scale_temperature(log_probs=...)`` (the
+    window computes ``log f`` once for both) give the very sums and rows of the plain calls,
+    with zeros in the rows and rows whose label has probability 0 (skipped)."""
+    from lpcal.kernels import scale_temperature
+    from lpcal.precalibrate import TemperatureGrid
+
+    rng = np.random.default_rng(5)
+    for k, n in ((3, 1), (10, 700), (100, 90)):
+        x = rng.dirichlet(np.full(k, 0.4), n)
+        x[rng.random((n, k)) < 0.1] = 0.0
+        x[:, 0] += 1e-300 * (x.sum(1) == 0)
+        x /= x.sum(1, keepdims=True)
+        y = rng.integers(0, k, n)
+        with np.errstate(divide="ignore"):
+            lx = np.log(x)
+        keep = lx.copy()
+        want, got = TemperatureGrid().update(x, y), TemperatureGrid().update(x, y, log_probs=lx)
+        assert got == want and (want.skipped > 0 or n < 50)
+        assert np.array_equal(scale_temperature(x, 1.7, log_probs=lx), scale_temperature(x, 1.7))
+        assert np.array_equal(lx, keep)  # not modified

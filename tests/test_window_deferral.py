@@ -167,3 +167,41 @@ def test_held_out_loss_grid_summed_when_read_equals_summed_at_once():
     kept = np.zeros(n, bool)
     kept[n - sum(bk.n for bk in lazy.buckets):] = True
     assert lazy.held() == LossGrid().update(f[hold & kept], y[hold & kept])
+
+
+def test_defer_keeps_checked_rows_only_when_they_fit_the_open_bucket():
+    """:meth:`SlidingWindow.defer` (the calibrator's path for rows it checked already): rows
+    that fit in the open bucket with the same warm-up sums are kept; others are refused and
+    nothing changes, and the window then ends as one fed with ``add``."""
+    f, y = tempered(400)
+    u = index_uniforms(0, 400)
+    lay = PoolLayout(10, 10, 1, "shared", {"mu": 7, "PE0": 7}, holdout=6)
+    got, ref = (SlidingWindow(lay, bucket_size=100, n_buckets=4) for _ in range(2))
+    warm = WarmupSums()
+    assert got.defer(u[:60], f[:60], y[:60], None)
+    assert not got.defer(u[60:70], f[60:70], y[60:70], warm)  # other warm-up sums
+    assert not got.defer(u[60:101], f[60:101], y[60:101], None)  # past the open bucket
+    assert got.n == 60 and got.open.n == 0 and got._deferred_n == 60
+    got.add(u[60:101], f[60:101], y[60:101])
+    ref.add(u[:101], f[:101], y[:101])
+    assert got.defer(u[101:150], f[101:150], y[101:150], None)
+    got.add(u[150:400], f[150:400], y[150:400])
+    ref.add(u[101:400], f[101:400], y[101:400])
+    assert _dump(got.to_dict()) == _dump(ref.to_dict()) and got == ref
+
+
+@pytest.mark.parametrize("cert_share", [0.0, 0.6, 0.3])
+def test_the_test_share_mask_is_the_routing_one(cert_share):
+    """``SlidingWindow.testing`` (the shadow's samples) is the mask of the routing and of
+    ``certifying``, uniforms on and around the shares' boundaries included."""
+    lay = OnlineConfig().layout(10)
+    w = SlidingWindow(lay, bucket_size=100, n_buckets=2, cert_share=cert_share)
+    cw = lay.cumulative_weights()
+    a = cw[len(lay.names) - 1]
+    c = 1.0 - (1.0 - a) * cert_share
+    edges = np.array([0.0, a, c, *cw, 1.0 - 2**-53])
+    u = np.concatenate([np.random.default_rng(0).random(20_000), edges,
+                        np.nextafter(edges, 0.0), np.nextafter(edges, 1.0)])
+    u = u[(u >= 0) & (u < 1)]
+    want = ~(lay.route_uniforms(u) < len(lay.names)) & ~w.certifying(u)
+    assert np.array_equal(w.testing(u), want) and want.any()
