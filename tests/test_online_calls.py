@@ -97,13 +97,41 @@ _REFERENCE: dict[str, str] = {
 }
 
 
+
+
+def _numerics() -> str:
+    """A digest of how this platform computes what the traces depend on: numpy's ``exp`` and
+    ``log`` (libm or SIMD code) and ``einsum``'s summation order (SIMD width)."""
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-30.0, 5.0, 4096)
+    a, b = rng.random((64, 37)), rng.random((64, 37))
+    parts = (np.exp(x), np.log(np.exp(x) + 1e-300), np.einsum("ij,ij->i", a, b),
+             np.einsum("ij,kj->ik", a[:8], b[:8]))
+    return hashlib.sha256(b"".join(p.tobytes() for p in parts)).hexdigest()
+
+
+#: :func:`_numerics` where ``_REFERENCE`` was computed
+_REFERENCE_NUMERICS = "44362e10476236cb6e4da4d7b0265f6579944fa1d002b057cb04f245b1412925"
+
+
 @pytest.mark.parametrize("case", sorted(_CASES))
 def test_stream_in_random_batches_matches_the_previous_code(case):
     k, n, cfg, seed, largest = _CASES[case]
+    if _numerics() != _REFERENCE_NUMERICS:
+        pytest.skip("the reference digests were computed where exp, log and einsum round "
+                    "differently; compute them again (see the module docstring)")
     assert _trace(k, n, cfg, seed, largest) == _REFERENCE[case]
 
 
+@pytest.mark.parametrize("case", ["k10-small-batches", "k3-bytes"])
+def test_stream_in_other_random_batches_gives_the_same_trace(case):
+    """On any platform: two other batchings of the same stream, one trace."""
+    k, n, cfg, seed, largest = _CASES[case]
+    assert _trace(k, n, cfg, seed, largest // 3 + 1) == _trace(k, n, cfg, seed, largest * 2)
+
+
 if __name__ == "__main__":  # print the reference digests of the code at hand
+    print(f"_REFERENCE_NUMERICS = {_numerics()!r}")
     for name in sorted(_CASES):
         print(f"    {name!r}: {_trace(*_CASES[name][:2], *_CASES[name][2:])!r},")
 
