@@ -91,6 +91,7 @@ from daemon.join_loop import (
     _ModelJoin,
     _zero,
     expire,
+    hashed_dict,
     remember,
 )
 from lpcal.errors import InputError
@@ -98,10 +99,12 @@ from lpcal.errors import InputError
 __all__ = ["KIND_OUTCOME", "KIND_PREDICTION", "KIND_SAMPLE", "JoinResult", "JoinStore"]
 
 #: bytes per pending entry besides its id and row: the entry list, its floats, its dict and
-#: deque slots, the (block, row) tuple (measured: ~290 on CPython 3.11, x86-64), plus one
+#: deque slots, the (block, row) tuple (measured: ~290 on CPython 3.11, x86-64, about 16 more
+#: with the hashes a :func:`daemon.join_loop.hashed_dict` keeps), plus one
 #: joined entry that ``queue`` may still hold (up to one per pending entry + 1024, ~150 each)
 PENDING_ENTRY_BYTES = 448
-#: bytes per recent id besides the id itself: its dict slot and deque slot (measured: ~75)
+#: bytes per recent id besides the id itself: its dict slot and deque slot (measured: ~75, and
+#: up to 16 more with the hash its :func:`daemon.join_loop.hashed_dict` keeps)
 RECENT_ENTRY_BYTES = 128
 #: row-block bytes tolerated beyond twice the live rows before the blocks are compacted
 ROW_SLACK_BYTES = 256 * 1024
@@ -519,7 +522,8 @@ def _restore_recent(m: _ModelJoin, md: Mapping[str, Any]) -> None:
         if expired and not (0 <= min(expired) and max(expired) < len(ids)):
             raise ValueError("recent_expired position out of range")
         states.update(zip(map(ids.__getitem__, expired), repeat(EXPIRED)))
-        m.recent.update(states)
+        # not m.recent.update(states): an empty dict updated from a dict copies its layout
+        m.recent = hashed_dict({**m.recent, **states})
         m.recent_order.extend(ids)
         return
     for eid, st in md["recent"]:

@@ -496,8 +496,27 @@ attach_rows(PyObject *self, PyObject *args)
                             "attach_rows: entries must be pending entries (5-item lists)");
             return NULL;
         }
-        PyObject *pair = Py_BuildValue("(On)", block, r);
-        if (!pair || PyList_SetItem(e, E_PAYLOAD, pair) < 0) /* steals pair */
+        /* the payload is still the entry's row in its batch (an int): reuse it when it is r
+         * (every prediction of the batch stayed pending), one int less to make and free */
+        PyObject *cur = PyList_GET_ITEM(e, E_PAYLOAD);
+        PyObject *row = NULL;
+        if (PyLong_CheckExact(cur)) {
+            Py_ssize_t v = PyLong_AsSsize_t(cur);
+            if (v == -1 && PyErr_Occurred())
+                PyErr_Clear();
+            else if (v == r)
+                row = Py_NewRef(cur);
+        }
+        if (!row && !(row = PyLong_FromSsize_t(r)))
+            return NULL;
+        PyObject *pair = PyTuple_New(2);
+        if (!pair) {
+            Py_DECREF(row);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(pair, 0, Py_NewRef(block));
+        PyTuple_SET_ITEM(pair, 1, row);
+        if (PyList_SetItem(e, E_PAYLOAD, pair) < 0) /* steals pair */
             return NULL;
     }
     Py_RETURN_NONE;

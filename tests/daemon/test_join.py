@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 
 import numpy as np
 import orjson
@@ -344,3 +345,104 @@ def test_capacity_evicts_oldest_pending_not_joined_ones():
     assert [p[0] for p in s.to_dict()["models"]["m"]["pending"]] == ["e3", "e4", "e5"]
     r = offer(s, [(O, "e2", 6, 1)])
     assert len(r) == 0 and r.unmatched["late"] == 1      # e2 was remembered as expired
+
+
+# ----------------------------------------------------------------------------- dict layout
+def _entry_bytes(d: dict) -> int | None:
+    """Bytes per entry of ``d``'s key table (16: compact all-str layout, 24: hashes kept), from
+    CPython's dict size (object, keys header, ``2**L`` index slots of 1 to 8 bytes, ``2/3`` of
+    them as entries); None when no table size fits (another implementation)."""
+    size = sys.getsizeof(d)
+    base = sys.getsizeof({"a": 1}) - 8 - 5 * 16  # a one-key dict: 8 one-byte slots, 5 entries
+    for log2 in range(3, 40):
+        slots = 1 << log2
+        ix = 1 if log2 < 8 else 2 if log2 < 16 else 4 if log2 < 32 else 8
+        for entry in (16, 24):
+            if base + slots * ix + (2 * slots // 3) * entry == size:
+                return entry
+    return None
+
+
+def _keeps_hashes(d: dict) -> bool:
+    return _entry_bytes(d) == 24
+
+
+def _compact_dicts(store: JoinStore) -> JoinStore:
+    """``store`` with its models' ``pending`` and ``recent`` as compact all-str dicts (the
+    layout before :func:`daemon.join_loop.hashed_dict`), same items in the same order."""
+    for m in store._models.values():
+        m.pending = {k: v for k, v in m.pending.items()}
+        m.recent = {k: v for k, v in m.recent.items()}
+    return store
+
+
+def _mixed_script(store: JoinStore) -> list:
+    """Predictions, their outcomes a batch later, duplicates, stragglers and evictions (small
+    recent set and pending bound), with the snapshot bytes after every batch."""
+    out = []
+    for b in range(12):
+        preds = [(P, f"x{b * 300 + i}", b * 10.0 + i / 100, 0) for i in range(300)]
+        outs = [(O, f"x{(b - 1) * 300 + i}", b * 10.0 + i / 100, i % K)
+                for i in range(0, 300, 2)] if b else []
+        extra = [(O, "x5", b * 10.0, 1), (P, f"x{b * 300}", b * 10.0, 0)]
+        for events in (preds, outs + extra):
+            if events:
+                r = offer(store, events)
+                out.append((r.ids, r.labels.tolist(), r.ts.tolist(), r.probs.tolist(),
+                            r.evicted, r.unmatched, orjson.dumps(store.to_dict())))
+    return out
+
+
+def _general_dict() -> dict:
+    d = {None: 1, "a": 1}  # a non-str key: the general layout, kept after it leaves
+    del d[None]
+    return d
+
+
+dict_layout = pytest.mark.skipif(
+    _entry_bytes({"a": 1, "b": 2}) != 16 or _entry_bytes(_general_dict()) != 24,
+    reason="not CPython's dict layout")
+
+
+@dict_layout
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_join_dicts_keep_hashes_through_offers_and_restores(path):
+    """``pending`` and ``recent`` keep their keys' hashes (cheaper lookups of absent ids)
+    after offers, evictions and both snapshot formats, and hold only ids, in recent order."""
+    if path == "c" and native.KERNELS.offer_loop is None:
+        pytest.skip("C join loop not built")
+    with native.pure_python() if path == "python" else contextlib.nullcontext():
+        s = JoinStore(2_000, 25.0, recent_per_model=1_500)
+        _mixed_script(s)
+    d = s.to_dict()
+    old = orjson.loads(orjson.dumps(d))
+    md = old["models"]["m"]
+    expired = set(md.pop("recent_expired"))
+    md["recent"] = [[e, int(i in expired)] for i, e in enumerate(md.pop("recent_ids"))]
+    for store in (s, JoinStore.from_dict(orjson.loads(orjson.dumps(d))), JoinStore.from_dict(old)):
+        m = store._models["m"]
+        assert len(m.pending) > 500 and len(m.recent) == 1_500
+        assert _keeps_hashes(m.pending) and _keeps_hashes(m.recent)
+        assert None not in m.recent and None not in m.pending
+        assert list(m.recent) == list(m.recent_order)
+        assert store == s
+
+
+@dict_layout
+@needs_c
+def test_hashed_dicts_join_bit_identically_to_compact_ones_in_c_and_python():
+    """The same script on stores with hash-keeping dicts (C loop, Python loop) and with the
+    compact dicts of before: the same samples, counts and snapshot bytes after every batch."""
+    def compact_script(store):
+        store._model("m")  # created before its first offer, to be given compact dicts
+        _compact_dicts(store)
+        return _mixed_script(store)
+
+    args = ((2_000, 25.0), {"recent_per_model": 1_500})
+    c, _py = _both(*args, _mixed_script)
+    ref = JoinStore(*args[0], **args[1])
+    with native.pure_python():
+        want = compact_script(ref)
+    assert not _keeps_hashes(ref._models["m"].recent)
+    assert _mixed_script(JoinStore(*args[0], **args[1])) == want
+    assert c == ref

@@ -410,3 +410,24 @@ def test_join_snapshot_round_trip_across_paths():
     a = continue_from(JoinStore.from_dict(snap))
     with pure_python():
         assert continue_from(JoinStore.from_dict(snap)) == a
+
+
+@needs_native
+def test_attach_rows_native_equals_python():
+    """``attach_rows`` gives every entry ``(block, r)``, whatever its payload was: the batch
+    row ``r`` itself (every prediction stayed pending: C reuses that int), another row, a
+    large row, or not an int."""
+    block = np.arange(12.0).reshape(6, 2)
+
+    def entries():
+        pay = [0, 1, 300, 2, 10**30, None]  # rows 0 and 1 equal r; the rest do not
+        return [[KIND_PREDICTION, 1.0, 1.0, p, f"e{r}"] for r, p in enumerate(pay)]
+
+    c, py = entries(), entries()
+    NATIVE.attach_rows(c, block)
+    daemon.join_loop.attach_rows(py, block)
+    assert [e[:3] + [e[3][1]] + e[4:] for e in c] == [e[:3] + [e[3][1]] + e[4:] for e in py]
+    assert all(e[3][0] is block and type(e[3]) is tuple and type(e[3][1]) is int for e in c)
+    assert [e[3][1] for e in c] == list(range(6))
+    with pytest.raises(TypeError, match="5-item lists"):
+        NATIVE.attach_rows([[1, 2]], block)
