@@ -38,6 +38,7 @@ from daemon.event_records import (
     NEGATIVE,
     NON_FINITE,
     NOT_NORMALIZED,
+    GroupedBatch,
     Invalid,
     ModelBatch,
     ModelPolicy,
@@ -156,7 +157,8 @@ def _finish_grouped(cols: Any, umodels: list[str], k: int, policy: ModelPolicy,
     and one policy: the vectors of the whole batch are validated in one pass
     (:func:`validate_rows`), the columns are put in model order once (``order``: a stable
     sort by model, ``bounds``: each model's range in it), and each model's
-    :class:`ModelBatch` is slices of them. The same records and invalid events as the
+    :class:`ModelBatch` is slices of them, made only when read: the batch is one
+    :class:`GroupedBatch` (``out.grouped``), which the ingest takes whole. The same records and invalid events as the
     per-model validation of :func:`finish_columns`, at a cost per batch instead of a few
     dozen array operations per model."""
     n = order.shape[0]
@@ -185,18 +187,12 @@ def _finish_grouped(cols: Any, umodels: list[str], k: int, policy: ModelPolicy,
         keep_s = keep[order]
         if len(out.invalid) > 1:
             out.invalid.sort(key=lambda t: t[0])
-    by_model = out.by_model
-    for c, model in enumerate(umodels):
-        a, b = bounds[c], bounds[c + 1]
-        if keep_s is None or keep_s[a:b].all():
-            by_model[model] = ModelBatch(model, k, kind_s[a:b], ordered_ids[a:b], ts_s[a:b],
-                                         probs[a:b], lab_s[a:b], order[a:b])
-            continue
-        idx = a + np.flatnonzero(keep_s[a:b])
-        if idx.size:
-            by_model[model] = ModelBatch(model, k, kind_s[idx],
-                                         [ordered_ids[j] for j in idx.tolist()], ts_s[idx],
-                                         probs[idx], lab_s[idx], order[idx])
+    g: GroupedBatch | None = GroupedBatch(list(umodels), k,
+                                          np.asarray(bounds, dtype=np.int64), kind_s,
+                                          ordered_ids, ts_s, probs, lab_s, order)
+    if keep_s is not None:
+        g = g.select(keep_s)
+    out.grouped = g
     return out
 
 def finish_columns(model: str, policy: ModelPolicy, k: int, kind: np.ndarray,
