@@ -78,7 +78,14 @@ def parse_columnar(raws: Sequence[bytes], policies: ModelPolicies, max_bytes: in
     known_k, admitted = policies.k, policies.admitted
     ks, pols = [], []
     uncached, new_models = [], []  # committed only once the batch is accepted
-    for model in umodels:
+    cached = policies.cached(umodels) if len(umodels) > 1 else None
+    if cached is not None:  # every model admitted, its policy cached: no Python per model
+        ks = list(map(known_k.get, umodels))
+        if None in ks:
+            ks = []
+        else:
+            pols = cached
+    for model in () if pols else umodels:
         pol, cached = policies.peek(model)
         if not cached:  # cached (as admitted) once the batch is accepted
             uncached.append((model, pol))
@@ -117,7 +124,7 @@ def parse_columnar(raws: Sequence[bytes], policies: ModelPolicies, max_bytes: in
         ordered_ids = list(ids_of(ids)) if ids_of is not None else list(ids)
         # one k and policy (most often the very same policy object): validate once
         p0 = pols[0]
-        if len(set(ks)) == 1 and (all(p is p0 for p in pols) or len(set(pols)) == 1):
+        if len(set(ks)) == 1 and (pols.count(p0) == len(pols) or len(set(pols)) == 1):
             vall = np.flatnonzero(hv)
             mat = cols.matrix(vall, ks[0]) if vall.size else None
             if vall.size and mat is None:
