@@ -234,6 +234,14 @@ class Ingest:
         self._age_shown = self.pacing.base_age  # the age last set in the metrics
         metrics.set_staging_age(self._age_shown)
         self._fed = False  # a batch was processed since the last flush_due
+        #: per model code of :attr:`staged`: the input partition on which the model was found
+        #: placed, not sampled and past its restored offsets (-1: not known); see
+        #: :meth:`_route_grouped`
+        self._routable = np.full(64, -1, dtype=np.int64)
+        self._routable_gen = getattr(registry, "generation", None)
+        #: per (topic, partition): the end of the furthest batch processed (the checkpoints
+        #: record positions up to it)
+        self._high: dict[tuple[str, int], int] = {}
         # the configured models with a rate < 1, which the prefilter samples on any partition
         # until they are placed (see _sample_out)
         self._hot: dict[str, float] = {
@@ -297,8 +305,11 @@ class Ingest:
             deadletter(tp, msgs[i], bad.reason)
         self._fed = True
         g = pb.grouped
+        key = (tp.topic, tp.partition)
+        high = self._high.get(key)
         if g is not None and len(g.models) > 1:
-            self._route_grouped(tp, msgs, g, topic_kind, rates)
+            self._route_grouped(tp, msgs, g, topic_kind, rates,
+                                high is not None and msgs[0].offset >= high)
         else:
             by_model = pb.by_model
             self._route(tp, msgs, list(by_model.items()), len(by_model) > 1, topic_kind, rates)
@@ -307,6 +318,8 @@ class Ingest:
             self._flush_models(staged.oldest_over_budget())
             if staged.over_budget:
                 staged.compact()
+        if high is None or end > high:
+            self._high[key] = end
         ps.positions[tp.topic] = end
 
     def _route(self, tp: TopicPartition, msgs, items: list[tuple[str, ModelBatch]],
@@ -363,39 +376,51 @@ class Ingest:
                 self._flush_models(reached)
 
     def _route_grouped(self, tp: TopicPartition, msgs, g: GroupedBatch, topic_kind: str,
-                       rates: dict[str, float]) -> None:
+                       rates: dict[str, float], contiguous: bool) -> None:
         """Route a batch of several models in columns (:class:`GroupedBatch`): the models
-        placed on this partition, not sampled and past their restored offsets (found with a few
-        C-level passes over the models) are staged in one chunk, or offered at once when
-        their slice is large and nothing of theirs is staged; the others go through
-        :meth:`_route`. No Python work per (model, batch) but for the offers made."""
+        placed on this partition, not sampled and past their restored offsets are staged in
+        one chunk, or offered at once when their slice is large and nothing of theirs is
+        staged; the others go through :meth:`_route`.
+
+        Which models qualify is known per model code (:attr:`_routable`: the partition they
+        were found to qualify on), so a batch touches no model's objects but for the offers
+        it makes. The facts are forgotten when the registry puts a state in place of another
+        or removes one (:attr:`daemon.registry.ModelRegistry.generation`), and for the
+        partition when a batch starts below the end of the furthest batch processed on it
+        (``contiguous`` False: read again after a seek back, its events may be below a
+        model's recorded offsets): its models are then checked one by one again. A checkpoint
+        records only positions already processed, so the recorded offsets of a model found
+        past them stay behind the contiguous batches that follow."""
         models = g.models
         m = len(models)
         part = tp.partition
-        slots = list(map(self.registry.slots.get, models))
-        floors = _Floors(tp, msgs)
-        fast: list[bool] | None = None
-        if None not in slots:
-            states = list(map(_STATE, slots))
-            if (list(map(_PARTITION, slots)).count(part) != m
-                    or list(map(_SAMPLE_RATE, states)).count(1.0) != m
-                    or not floors.clear(states)):
-                fast = [s.partition == part and st.sample_rate == 1.0 and floors.clear((st,))
-                        for s, st in zip(slots, states)]
-        else:
-            fast = [s is not None and s.partition == part and s.state.sample_rate == 1.0
-                    and floors.clear((s.state,)) for s in slots]
         staged = self.staged
-        if fast is not None:  # the others one by one (new models, sampled, replayed...)
-            slow = [c for c, f in enumerate(fast) if not f]
-            self._route(tp, msgs, [(models[c], g.model_batch(c)) for c in slow], True,
-                        topic_kind, rates, floors)
-            if len(slow) == m:
-                return
-            fmask = np.asarray(fast, dtype=bool)
-        else:
-            fmask = None
         codes = staged.codes(models)
+        routable = self._routable_for(staged.known)
+        if contiguous:
+            known = routable[codes] == part
+        else:  # read again below what was processed: every model of the partition checked again
+            routable[routable == part] = -1
+            known = np.zeros(m, dtype=bool)
+        fmask = None
+        if not known.all():  # check the others one by one (new models, sampled, replayed...)
+            get = self.registry.slots.get
+            floors = _Floors(tp, msgs)
+            fast = known.copy()
+            for c in np.flatnonzero(~known).tolist():
+                s = get(models[c])
+                if (s is not None and s.partition == part and s.state.sample_rate == 1.0
+                        and floors.clear((s.state,))):
+                    fast[c] = True
+            routable[codes[fast]] = part
+            slow = np.flatnonzero(~fast).tolist()
+            if slow:
+                routable[codes[slow]] = -1
+                self._route(tp, msgs, [(models[c], g.model_batch(c)) for c in slow], True,
+                            topic_kind, rates, floors)
+                if len(slow) == m:
+                    return
+                fmask = fast
         on = staged.staged_mask(codes)
         if fmask is not None:
             on &= fmask
@@ -415,8 +440,22 @@ class Ingest:
             reached = list(dict.fromkeys(reached + [models[c] for c in also.tolist()]))
         if reached:
             self._flush_models(reached)
+        get = self.registry.slots.get
         for c in np.flatnonzero(direct).tolist():
-            self._offer(models[c], slots[c], g.model_batch(c), topic_kind)
+            self._offer(models[c], get(models[c]), g.model_batch(c), topic_kind)
+
+    def _routable_for(self, n: int) -> np.ndarray:
+        """:attr:`_routable` for ``n`` model codes, forgotten if the registry changed."""
+        gen = getattr(self.registry, "generation", None)
+        r = self._routable
+        if gen != self._routable_gen:
+            r.fill(-1)
+            self._routable_gen = gen
+        if r.shape[0] < n:
+            grown = np.full(max(n, 2 * r.shape[0]), -1, dtype=np.int64)
+            grown[:r.shape[0]] = r
+            r = self._routable = grown
+        return r
 
     def _offer(self, model: str, slot: ModelSlot, mb: ModelBatch, topic_kind: str | None
                ) -> None:

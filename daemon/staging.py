@@ -226,6 +226,11 @@ class StagedEvents:
         return int(self._bytes[list(self._models.values())].sum()) if self._models else 0
 
     # ------------------------------------------------------------------ codes
+    @property
+    def known(self) -> int:
+        """How many model codes were given out (codes are ``0..known-1``)."""
+        return len(self._names)
+
     def codes(self, models: Sequence[str]) -> np.ndarray:
         """The codes of ``models`` (int64), new models numbered on the way."""
         code = self._code
