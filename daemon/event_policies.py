@@ -122,10 +122,7 @@ class ModelPolicies:
         """The policies of ``models`` when every one is cached as an admitted model's and none
         rejects it (then :meth:`peek` would return each with ``cached`` True), else None. A
         few C-level passes: no Python work per model. Equal policies are one object."""
-        pols = self._policies
-        if not pols.keys() >= set(models):
-            return None
-        out = list(map(pols.__getitem__, models))
+        out = list(map(self._policies.get, models))  # None: not cached, or rejected
         if any(map(is_, out, repeat(None))):
             return None
         return out

@@ -114,13 +114,16 @@ class _Chunk:
                  "ts")
 
     def __init__(self, k: int, codes: np.ndarray, kind: np.ndarray, ids: np.ndarray,
-                 ts: np.ndarray, probs: np.ndarray, labels: np.ndarray):
+                 ts: np.ndarray, probs: np.ndarray, labels: np.ndarray,
+                 id_chars: int | None = None):
         self.k, self.codes, self.kind, self.ids = k, codes, kind, ids
         self.ts, self.probs, self.labels = ts, probs, labels
         n = codes.shape[0]
         self.live = np.ones(n, dtype=bool)
         self.nlive = n
-        self.nbytes = _rows_nbytes(self)
+        if id_chars is None:
+            id_chars = sum(map(_LEN, ids))
+        self.nbytes = n * _row_fixed(self) + id_chars
 
     def __len__(self) -> int:
         return self.codes.shape[0]
@@ -135,10 +138,6 @@ def _row_fixed(c) -> int:
     """Bytes of one row of ``c`` (a chunk) besides its id's characters."""
     return (c.kind.itemsize + c.ts.itemsize + c.probs.itemsize * c.probs.shape[1]
             + c.labels.itemsize + ID_OVERHEAD_BYTES + ROW_OVERHEAD_BYTES)
-
-
-def _rows_nbytes(c: _Chunk) -> int:
-    return len(c) * _row_fixed(c) + sum(map(_LEN, c.ids))
 
 
 def _id_array(ids: Iterable[str], n: int) -> np.ndarray:
@@ -284,14 +283,15 @@ class StagedEvents:
             counts = np.fromiter(map(len, group), dtype=np.int64, count=len(group))
             n = int(counts.sum())
             ids = _id_array(chain.from_iterable(mb.ids for mb in group), n)
+            idlen = np.fromiter(map(_LEN, ids), dtype=np.int64, count=n)
             chunk = _Chunk(int(k), np.repeat(codes, counts).astype(np.int32),
                            np.concatenate([mb.kind for mb in group]), ids,
                            np.concatenate([mb.ts for mb in group]),
                            np.concatenate([mb.probs for mb in group]).reshape(n, int(k)),
-                           np.concatenate([mb.labels for mb in group]))
+                           np.concatenate([mb.labels for mb in group]), int(idlen.sum()))
             lims = np.fromiter((mb.ts_limit for mb in group), dtype=np.float64,
                                count=len(group))
-            out += self._stage(chunk, models, codes, counts, lims, now)
+            out += self._stage(chunk, models, codes, counts, lims, idlen, now)
         return out
 
     def add_grouped(self, g: GroupedBatch, stage: np.ndarray, codes: np.ndarray,
@@ -305,24 +305,27 @@ class StagedEvents:
         counts = g.counts()
         lims = (np.full(len(g.models), math.inf) if g.ts_limits is None
                 else np.asarray(g.ts_limits, dtype=np.float64))
+        ids = _id_array(g.ids, len(g.ids))
+        idlen = np.fromiter(map(_LEN, g.ids), dtype=np.int64, count=len(g.ids))
         if sel.size == len(g.models):  # all of it: the batch's columns (nobody else's)
-            chunk = _Chunk(g.k, np.repeat(codes, counts).astype(np.int32), g.kind,
-                           _id_array(g.ids, len(g.ids)), g.ts, g.probs, g.labels)
+            chunk = _Chunk(g.k, np.repeat(codes, counts).astype(np.int32), g.kind, ids, g.ts,
+                           g.probs, g.labels, int(idlen.sum()))
             models = g.models
         else:
             rows = np.flatnonzero(np.repeat(stage, counts))
-            ids = g.ids
+            idlen = idlen[rows]
             chunk = _Chunk(g.k, np.repeat(codes[sel], counts[sel]).astype(np.int32),
-                           g.kind[rows], _id_array([ids[i] for i in rows.tolist()], rows.size),
-                           g.ts[rows], g.probs[rows], g.labels[rows])
+                           g.kind[rows], ids[rows], g.ts[rows], g.probs[rows], g.labels[rows],
+                           int(idlen.sum()))
             models = [g.models[c] for c in sel.tolist()]
             codes, counts, lims = codes[sel], counts[sel], lims[sel]
-        return self._stage(chunk, models, codes, counts, lims, now)
+        return self._stage(chunk, models, codes, counts, lims, idlen, now)
 
     def _stage(self, chunk: _Chunk, models: Sequence[str], codes: np.ndarray,
-               counts: np.ndarray, lims: np.ndarray, now: float) -> list[str]:
+               counts: np.ndarray, lims: np.ndarray, idlen: np.ndarray,
+               now: float) -> list[str]:
         """Account for ``chunk``, whose rows are ``counts[i]`` events of ``models[i]`` (code
-        ``codes[i]``, distinct) per model, in model order or not."""
+        ``codes[i]``, distinct) in model order, ``idlen`` the characters of their ids."""
         was = self._n[codes] > 0
         if was.any():
             bad = np.flatnonzero(was & (self._k[codes] != chunk.k))
@@ -344,10 +347,9 @@ class StagedEvents:
             else:
                 self._models.update((models[i], int(codes[i])) for i in new.tolist())
         # bytes of each model's rows: the fixed part per row plus its ids' characters
-        local = np.repeat(np.arange(len(models)), counts)
-        idlen = np.fromiter(map(_LEN, chunk.ids), dtype=np.int64, count=len(chunk))
-        per_model = (counts * _row_fixed(chunk)
-                     + np.bincount(local, weights=idlen, minlength=len(models)).astype(np.int64))
+        starts = np.zeros(len(models), dtype=np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        per_model = counts * _row_fixed(chunk) + np.add.reduceat(idlen, starts)
         self._n[codes] += counts
         self._bytes[codes] += per_model
         self._slices[codes] += 1
