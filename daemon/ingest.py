@@ -24,6 +24,11 @@ in one call:
 
 Large slices, and the batches of a single model, are offered at once: a batch of one model
 costs one offer already.
+
+A batch of several models sharing one ``k`` and policy stays in columns from the parser
+(:class:`daemon.event_records.GroupedBatch`) to the staging (one chunk for all its small
+slices): what the ingest does per batch grows with its rows and the offers it makes, not with
+the models in it (:meth:`Ingest._route_grouped`).
 """
 
 from __future__ import annotations
