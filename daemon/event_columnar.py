@@ -38,6 +38,7 @@ from daemon.event_records import (
     NEGATIVE,
     NON_FINITE,
     NOT_NORMALIZED,
+    GroupedBatch,
     Invalid,
     ModelBatch,
     ModelPolicy,
@@ -77,7 +78,14 @@ def parse_columnar(raws: Sequence[bytes], policies: ModelPolicies, max_bytes: in
     known_k, admitted = policies.k, policies.admitted
     ks, pols = [], []
     uncached, new_models = [], []  # committed only once the batch is accepted
-    for model in umodels:
+    cached = policies.cached(umodels) if len(umodels) > 1 else None
+    if cached is not None:  # every model admitted, its policy cached: no Python per model
+        ks = list(map(known_k.get, umodels))
+        if None in ks:
+            ks = []
+        else:
+            pols = cached
+    for model in () if pols else umodels:
         pol, cached = policies.peek(model)
         if not cached:  # cached (as admitted) once the batch is accepted
             uncached.append((model, pol))
@@ -116,7 +124,7 @@ def parse_columnar(raws: Sequence[bytes], policies: ModelPolicies, max_bytes: in
         ordered_ids = list(ids_of(ids)) if ids_of is not None else list(ids)
         # one k and policy (most often the very same policy object): validate once
         p0 = pols[0]
-        if len(set(ks)) == 1 and (all(p is p0 for p in pols) or len(set(pols)) == 1):
+        if len(set(ks)) == 1 and (pols.count(p0) == len(pols) or len(set(pols)) == 1):
             vall = np.flatnonzero(hv)
             mat = cols.matrix(vall, ks[0]) if vall.size else None
             if vall.size and mat is None:
@@ -156,7 +164,8 @@ def _finish_grouped(cols: Any, umodels: list[str], k: int, policy: ModelPolicy,
     and one policy: the vectors of the whole batch are validated in one pass
     (:func:`validate_rows`), the columns are put in model order once (``order``: a stable
     sort by model, ``bounds``: each model's range in it), and each model's
-    :class:`ModelBatch` is slices of them. The same records and invalid events as the
+    :class:`ModelBatch` is slices of them, made only when read: the batch is one
+    :class:`GroupedBatch` (``out.grouped``), which the ingest takes whole. The same records and invalid events as the
     per-model validation of :func:`finish_columns`, at a cost per batch instead of a few
     dozen array operations per model."""
     n = order.shape[0]
@@ -185,18 +194,12 @@ def _finish_grouped(cols: Any, umodels: list[str], k: int, policy: ModelPolicy,
         keep_s = keep[order]
         if len(out.invalid) > 1:
             out.invalid.sort(key=lambda t: t[0])
-    by_model = out.by_model
-    for c, model in enumerate(umodels):
-        a, b = bounds[c], bounds[c + 1]
-        if keep_s is None or keep_s[a:b].all():
-            by_model[model] = ModelBatch(model, k, kind_s[a:b], ordered_ids[a:b], ts_s[a:b],
-                                         probs[a:b], lab_s[a:b], order[a:b])
-            continue
-        idx = a + np.flatnonzero(keep_s[a:b])
-        if idx.size:
-            by_model[model] = ModelBatch(model, k, kind_s[idx],
-                                         [ordered_ids[j] for j in idx.tolist()], ts_s[idx],
-                                         probs[idx], lab_s[idx], order[idx])
+    g: GroupedBatch | None = GroupedBatch(list(umodels), k,
+                                          np.asarray(bounds, dtype=np.int64), kind_s,
+                                          ordered_ids, ts_s, probs, lab_s, order)
+    if keep_s is not None:
+        g = g.select(keep_s)
+    out.grouped = g
     return out
 
 def finish_columns(model: str, policy: ModelPolicy, k: int, kind: np.ndarray,

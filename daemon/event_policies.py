@@ -14,7 +14,9 @@ forgotten first, so that a stream of distinct model names does not grow the cach
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, KeysView
+from collections.abc import Callable, Iterable, KeysView, Sequence
+from itertools import repeat
+from operator import is_
 
 from daemon.event_records import ModelPolicy
 
@@ -42,7 +44,8 @@ class ModelPolicies:
         Each model's ``k``: configured, learned, or restored with :meth:`set_k`.
     """
 
-    __slots__ = ("_others", "_policies", "_policy_for", "admitted", "k", "max_models")
+    __slots__ = ("_canon", "_others", "_policies", "_policy_for", "admitted", "k",
+                 "max_models")
 
     def __init__(self, policy_for: Callable[[str], ModelPolicy | None],
                  max_models: int | None = None):
@@ -53,6 +56,9 @@ class ModelPolicies:
         #: (rejected, or not admitted yet), oldest forgotten first
         self._policies: dict[str, ModelPolicy | None] = {}
         self._others: dict[str, ModelPolicy | None] = {}
+        # one object per distinct policy of the admitted models: a batch of many models
+        # tells "one policy" by identity (no hashing per model)
+        self._canon: dict[ModelPolicy, ModelPolicy] = {}
         self.k: dict[str, int] = {}
         self.admitted: set[str] = set()
 
@@ -112,6 +118,15 @@ class ModelPolicies:
             pol = self._policy_for(model)
         return pol, False
 
+    def cached(self, models: Sequence[str]) -> list[ModelPolicy] | None:
+        """The policies of ``models`` when every one is cached as an admitted model's and none
+        rejects it (then :meth:`peek` would return each with ``cached`` True), else None. A
+        few C-level passes: no Python work per model. Equal policies are one object."""
+        out = list(map(self._policies.get, models))  # None: not cached, or rejected
+        if any(map(is_, out, repeat(None))):
+            return None
+        return out
+
     def has_room(self, n_new: int) -> bool:
         """Whether ``n_new`` more models can be admitted under ``max_models``."""
         return self.max_models is None or len(self.admitted) + n_new <= self.max_models
@@ -132,7 +147,7 @@ class ModelPolicies:
         names grew an unbounded one by 127 MiB)."""
         if model in self.admitted:
             self._others.pop(model, None)
-            self._policies[model] = pol
+            self._policies[model] = pol if pol is None else self._canon.setdefault(pol, pol)
             if pol is not None and pol.k is not None:
                 self.k.setdefault(model, int(pol.k))
             return

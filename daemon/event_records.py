@@ -12,7 +12,7 @@ documents when each applies. Defined here, once, so that the parser and its two 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ __all__ = [
     "TS_OUT_OF_RANGE",
     "UNKNOWN_MODEL",
     "WRONG_LENGTH",
+    "GroupedBatch",
     "Invalid",
     "ModelBatch",
     "ModelPolicy",
@@ -150,12 +151,94 @@ class ModelBatch:
 
 
 @dataclass(slots=True)
-class ParsedBatch:
-    """Result of :meth:`daemon.events.EventParser.parse_batch`: valid events grouped per model + the invalid."""
+class GroupedBatch:
+    """The valid events of several models sharing one ``k`` in a batch, as columns in model
+    order: model ``c`` (``models[c]``) has rows ``bounds[c]:bounds[c + 1]``, in input order,
+    and at least one row. The columns are those of :class:`ModelBatch` (``index``: the input
+    positions); ``ts_limits[c]`` is model ``c``'s ``ts_limit`` (None: ``inf`` for all).
 
-    n: int
-    by_model: dict[str, ModelBatch] = field(default_factory=dict)
-    invalid: list[tuple[int, Invalid]] = field(default_factory=list)
+    What the columnar parser makes of a batch spread over many models: one set of arrays for
+    the batch instead of one :class:`ModelBatch` per model, so that the work done per batch
+    grows with its rows, not with the models in it. :meth:`model_batch` makes one model's."""
+
+    models: list[str]
+    k: int
+    bounds: np.ndarray
+    kind: np.ndarray
+    ids: list[str]
+    ts: np.ndarray
+    probs: np.ndarray
+    labels: np.ndarray
+    index: np.ndarray
+    ts_limits: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def counts(self) -> np.ndarray:
+        """Rows of each model (int64)."""
+        return np.diff(self.bounds)
+
+    def model_batch(self, c: int) -> ModelBatch:
+        """Model ``c``'s :class:`ModelBatch` (views of the columns)."""
+        a, b = int(self.bounds[c]), int(self.bounds[c + 1])
+        return ModelBatch(self.models[c], self.k, self.kind[a:b], self.ids[a:b], self.ts[a:b],
+                          self.probs[a:b], self.labels[a:b], self.index[a:b],
+                          math.inf if self.ts_limits is None else float(self.ts_limits[c]))
+
+    def by_model(self) -> dict[str, ModelBatch]:
+        """``{model: ModelBatch}`` in model order."""
+        return {m: self.model_batch(c) for c, m in enumerate(self.models)}
+
+    def select(self, keep: np.ndarray) -> GroupedBatch | None:
+        """The rows where the bool array ``keep`` holds (models left without rows dropped;
+        None: no row left)."""
+        idx = np.flatnonzero(keep)
+        if idx.size == 0:
+            return None
+        counts = np.add.reduceat(keep.astype(np.int64), self.bounds[:-1]) \
+            if len(keep) else np.zeros(0, np.int64)
+        live = np.flatnonzero(counts)
+        bounds = np.zeros(live.size + 1, dtype=np.int64)
+        np.cumsum(counts[live], out=bounds[1:])
+        ids = self.ids
+        return GroupedBatch([self.models[c] for c in live.tolist()], self.k, bounds,
+                            self.kind[idx], [ids[i] for i in idx.tolist()], self.ts[idx],
+                            self.probs[idx], self.labels[idx], self.index[idx],
+                            None if self.ts_limits is None else self.ts_limits[live])
+
+
+class ParsedBatch:
+    """Result of :meth:`daemon.events.EventParser.parse_batch`: valid events grouped per model +
+    the invalid.
+
+    ``by_model`` (``{model: ModelBatch}``) is made on first use when the parser left the batch
+    as one :class:`GroupedBatch` (``grouped``); from then on ``by_model`` is the batch and
+    ``grouped`` is None. Readers that can take the columns whole read ``grouped`` first."""
+
+    __slots__ = ("_by_model", "grouped", "invalid", "n")
+
+    def __init__(self, n: int, by_model: dict[str, ModelBatch] | None = None,
+                 invalid: list[tuple[int, Invalid]] | None = None,
+                 grouped: GroupedBatch | None = None):
+        self.n = n
+        self._by_model = {} if by_model is None else by_model
+        self.invalid = [] if invalid is None else invalid
+        self.grouped = grouped
+
+    @property
+    def by_model(self) -> dict[str, ModelBatch]:
+        g = self.grouped
+        if g is not None:
+            self._by_model = g.by_model()
+            self.grouped = None
+        return self._by_model
+
+    @property
+    def models(self) -> int:
+        """How many models have valid events in the batch."""
+        g = self.grouped
+        return len(self._by_model) if g is None else len(g.models)
 
     def records(self) -> list[Prediction | Outcome | Sample | Invalid]:
         """One record per input message, in input order (convenient, not fast)."""
@@ -166,5 +249,3 @@ class ParsedBatch:
         for i, bad in self.invalid:
             out[i] = bad
         return out
-
-

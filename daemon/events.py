@@ -188,7 +188,7 @@ class EventParser:
         if out is None:
             out = parse_general(raws, timestamps, self.policies, self.max_bytes,
                                 self.max_model_len, self.max_id_len, self.max_k)
-        if self.max_ts_skew is not None and timestamps is not None and out.by_model:
+        if self.max_ts_skew is not None and timestamps is not None and out.models:
             _bound_ts(out, timestamps, self.max_ts_skew)
         return out
 
@@ -215,6 +215,25 @@ def _bound_ts(out: ParsedBatch, timestamps: Sequence[Any], skew: float) -> None:
     ``out.invalid`` as ``ts_out_of_range``; set each batch's ``ts_limit``."""
     limit = _record_times(timestamps) + skew
     if limit.shape[0] != out.n:
+        return
+    g = out.grouped
+    if g is not None:  # the columns of many models: a few array passes in all
+        lim = limit[g.index]
+        bad = g.ts > lim
+        if bad.any():
+            codes = np.repeat(np.arange(len(g.models)), g.counts())
+            for j in np.flatnonzero(bad).tolist():
+                out.invalid.append((int(g.index[j]), Invalid(
+                    TS_OUT_OF_RANGE, f"ts {float(g.ts[j]):.17g} is more than {skew:g} s after "
+                    f"the record timestamp", g.models[int(codes[j])])))
+            if len(out.invalid) > 1:
+                out.invalid.sort(key=lambda t: t[0])
+            keep = ~bad
+            g = out.grouped = g.select(keep)
+            if g is None:
+                return
+            lim = lim[keep]
+        g.ts_limits = np.maximum.reduceat(lim, g.bounds[:-1])
         return
     mbs = list(out.by_model.values())
     if len(mbs) > 1 and all(map(len, mbs)):  # several models: a few array passes in all

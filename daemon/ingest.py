@@ -24,6 +24,11 @@ in one call:
 
 Large slices, and the batches of a single model, are offered at once: a batch of one model
 costs one offer already.
+
+A batch of several models sharing one ``k`` and policy stays in columns from the parser
+(:class:`daemon.event_records.GroupedBatch`) to the staging (one chunk for all its small
+slices): what the ingest does per batch grows with its rows and the offers it makes, not with
+the models in it (:meth:`Ingest._route_grouped`).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import numpy as np
 from aiokafka import TopicPartition
 
 from daemon import native
-from daemon.event_records import ModelBatch
+from daemon.event_records import GroupedBatch, ModelBatch
 from daemon.events import RecordTimestamps
 from daemon.kafka import deadletter as kafka_deadletter
 from daemon.monitor import flush_waiting
@@ -58,6 +63,50 @@ STAGE_MIN_EVENTS = 256
 STAGE_MAX_AGE = 5.0
 #: bytes staged at most: the smaller of this and an eighth of ``join.max_bytes_total``
 STAGE_MAX_BYTES = 64 << 20
+
+_STATE = attrgetter("state")
+_PARTITION = attrgetter("partition")
+_SAMPLE_RATE = attrgetter("sample_rate")
+_OFFSETS = attrgetter("offsets")
+_NO_OFFSETS: dict = {}
+
+
+class _Floors:
+    """The replay floors of a partition batch: an event at an offset below its model's
+    recorded offset for the partition is in the model's restored checkpoint (skipped)."""
+
+    __slots__ = ("lowest", "msgs", "offsets", "part", "topic")
+
+    def __init__(self, tp: TopicPartition, msgs):
+        self.topic, self.part, self.msgs = tp.topic, tp.partition, msgs
+        self.lowest = msgs[0].offset  # a partition's records come in offset order
+        self.offsets: np.ndarray | None = None
+
+    def clear(self, states) -> bool:
+        """True when no event of the batch is below the floors of ``states``."""
+        topic, part, lowest = self.topic, self.part, self.lowest
+        for o in map(_OFFSETS, states):
+            if o.get(topic, _NO_OFFSETS).get(part, -1) > lowest:
+                return False
+        return True
+
+    def above(self, st, mb: ModelBatch) -> ModelBatch | None:
+        """``mb`` without the events below ``st``'s floor (None: nothing left)."""
+        floor = st.offsets.get(self.topic, _NO_OFFSETS).get(self.part, -1)
+        if self.lowest >= floor:
+            return mb
+        if self.offsets is None:
+            msgs = self.msgs
+            self.offsets = np.fromiter(map(_OFFSET, msgs), dtype=np.int64, count=len(msgs))
+        offs = self.offsets[mb.index]
+        if offs.min() < floor:
+            mb = mb.select(offs >= floor)
+            if not len(mb):
+                return None
+        return mb
+
+
+_OFFSET = attrgetter("offset")
 
 
 @contextlib.contextmanager
@@ -190,6 +239,14 @@ class Ingest:
         self._age_shown = self.pacing.base_age  # the age last set in the metrics
         metrics.set_staging_age(self._age_shown)
         self._fed = False  # a batch was processed since the last flush_due
+        #: per model code of :attr:`staged`: the input partition on which the model was found
+        #: placed, not sampled and past its restored offsets (-1: not known); see
+        #: :meth:`_route_grouped`
+        self._routable = np.full(64, -1, dtype=np.int64)
+        self._routable_gen = getattr(registry, "generation", None)
+        #: per (topic, partition): the end of the furthest batch processed (the checkpoints
+        #: record positions up to it)
+        self._high: dict[tuple[str, int], int] = {}
         # the configured models with a rate < 1, which the prefilter samples on any partition
         # until they are placed (see _sample_out)
         self._hot: dict[str, float] = {
@@ -247,20 +304,45 @@ class Ingest:
             values = list(map(attrgetter("value"), msgs))
         if None in values:
             values = [v or b"" for v in values]
-        n = len(msgs)
         pb = self.parser.parse_batch(values, RecordTimestamps(msgs))
         deadletter = self.deadletters.put
         for i, bad in pb.invalid:
             deadletter(tp, msgs[i], bad.reason)
-        offset_of = attrgetter("offset")
-        lowest = msgs[0].offset  # a partition's records come in offset order
-        offsets = None
-        staged, now = self.staged, None
-        shared = len(pb.by_model) > 1
         self._fed = True
+        g = pb.grouped
+        key = (tp.topic, tp.partition)
+        high = self._high.get(key)
+        if g is not None and len(g.models) > 1:
+            self._route_grouped(tp, msgs, g, topic_kind, rates,
+                                high is not None and msgs[0].offset >= high)
+        else:
+            by_model = pb.by_model
+            self._route(tp, msgs, list(by_model.items()), len(by_model) > 1, topic_kind, rates)
+        staged = self.staged
+        if staged.over_budget:  # the oldest models first, down to half the budget
+            self._flush_models(staged.oldest_over_budget())
+            if staged.over_budget:
+                staged.compact()
+        if high is None or end > high:
+            self._high[key] = end
+        ps.positions[tp.topic] = end
+
+    def _route(self, tp: TopicPartition, msgs, items: list[tuple[str, ModelBatch]],
+               shared: bool, topic_kind: str, rates: dict[str, float],
+               floors: _Floors | None = None) -> None:
+        """Route the slices ``items`` of a batch one model at a time (the general path; the
+        models of a grouped batch that :meth:`_route_grouped` cannot take whole): create
+        models on their first event, dead-letter a model's events on the wrong partition, skip
+        events already in a restored checkpoint, sample, then offer a large slice at once
+        (after its model's staged events) and stage the small ones of a batch ``shared`` by
+        several models, all in one chunk."""
+        staged, deadletter = self.staged, self.deadletters.put
         get, part, min_events = self.registry.slots.get, tp.partition, staged.min_events
         staged_k = staged.staged_k
-        for model, mb in pb.by_model.items():
+        floors = _Floors(tp, msgs) if floors is None else floors
+        to_stage: list[ModelBatch] = []
+        flush_after: list[str] = []
+        for model, mb in items:
             slot = get(model)
             if slot is None or slot.partition != part:
                 slot = self._slot_for(model, mb, tp)
@@ -269,15 +351,9 @@ class Ingest:
                     deadletter(tp, msgs[i], WRONG_PARTITION)
                 continue
             st = slot.state
-            floor = st.offsets.get(tp.topic, {}).get(tp.partition, -1)
-            if lowest < floor:  # replay after a restore: some events are in the checkpoint
-                if offsets is None:
-                    offsets = np.fromiter(map(offset_of, msgs), dtype=np.int64, count=n)
-                offs = offsets[mb.index]
-                if offs.min() < floor:
-                    mb = mb.select(offs >= floor)
-                    if not len(mb):
-                        continue
+            mb = floors.above(st, mb)
+            if mb is None:
+                continue
             if st.sample_rate < 1.0:
                 rates[model] = st.sample_rate
             # staged: small slices of batches shared by several models (a batch of one
@@ -289,21 +365,102 @@ class Ingest:
                     self._offer(model, slot, mb, topic_kind)
                     continue
             elif k_staged != mb.k:
-                self._flush_model(model)  # outcomes staged before the model's k was known
+                self._flush_models([model])  # outcomes staged before the model's k was known
             if st.sample_rate < 1.0:  # counted by topic here; offer() then keeps them all
                 mb, dropped = st.sample(mb)
                 if dropped:
                     self.metrics.inc_sampled_out(model, topic_kind, dropped)
-            if now is None:
-                now = self.clock()
-            if staged.add(mb, now) or not small:
-                self._flush_model(model)
-        if staged.over_budget:  # the oldest models first, down to half the budget
-            for model in staged.oldest():
-                if staged.nbytes <= staged.max_bytes // 2:
-                    break
-                self._flush_model(model)
-        ps.positions[tp.topic] = end
+            to_stage.append(mb)
+            if not small:
+                flush_after.append(model)
+        if to_stage:
+            reached = staged.add_many(to_stage, self.clock())
+            if flush_after:
+                reached = list(dict.fromkeys(reached + flush_after))
+            if reached:
+                self._flush_models(reached)
+
+    def _route_grouped(self, tp: TopicPartition, msgs, g: GroupedBatch, topic_kind: str,
+                       rates: dict[str, float], contiguous: bool) -> None:
+        """Route a batch of several models in columns (:class:`GroupedBatch`): the models
+        placed on this partition, not sampled and past their restored offsets are staged in
+        one chunk, or offered at once when their slice is large and nothing of theirs is
+        staged; the others go through :meth:`_route`.
+
+        Which models qualify is known per model code (:attr:`_routable`: the partition they
+        were found to qualify on), so a batch touches no model's objects but for the offers
+        it makes. The facts are forgotten when the registry puts a state in place of another
+        or removes one (:attr:`daemon.registry.ModelRegistry.generation`), and for the
+        partition when a batch starts below the end of the furthest batch processed on it
+        (``contiguous`` False: read again after a seek back, its events may be below a
+        model's recorded offsets): its models are then checked one by one again. A checkpoint
+        records only positions already processed, so the recorded offsets of a model found
+        past them stay behind the contiguous batches that follow."""
+        models = g.models
+        m = len(models)
+        part = tp.partition
+        staged = self.staged
+        codes = staged.codes(models)
+        routable = self._routable_for(staged.known)
+        if contiguous:
+            known = routable[codes] == part
+        else:  # read again below what was processed: every model of the partition checked again
+            routable[routable == part] = -1
+            known = np.zeros(m, dtype=bool)
+        fmask = None
+        if not known.all():  # check the others one by one (new models, sampled, replayed...)
+            get = self.registry.slots.get
+            floors = _Floors(tp, msgs)
+            fast = known.copy()
+            for c in np.flatnonzero(~known).tolist():
+                s = get(models[c])
+                if (s is not None and s.partition == part and s.state.sample_rate == 1.0
+                        and floors.clear((s.state,))):
+                    fast[c] = True
+            routable[codes[fast]] = part
+            slow = np.flatnonzero(~fast).tolist()
+            if slow:
+                routable[codes[slow]] = -1
+                self._route(tp, msgs, [(models[c], g.model_batch(c)) for c in slow], True,
+                            topic_kind, rates, floors)
+                if len(slow) == m:
+                    return
+                fmask = fast
+        on = staged.staged_mask(codes)
+        if fmask is not None:
+            on &= fmask
+        wrong_k = np.flatnonzero(on & (staged.k_of(codes) != g.k))
+        if wrong_k.size:  # outcomes staged before the models' k was known
+            self._flush_models([models[c] for c in wrong_k.tolist()])
+            on[wrong_k] = False
+        large = g.counts() >= staged.min_events
+        direct = large & ~on
+        stage = ~direct
+        if fmask is not None:
+            direct &= fmask
+            stage &= fmask
+        reached = staged.add_grouped(g, stage, codes, self.clock()) if stage.any() else []
+        also = np.flatnonzero(large & stage)  # large slices after their staged events
+        if also.size:
+            reached = list(dict.fromkeys(reached + [models[c] for c in also.tolist()]))
+        if reached:
+            self._flush_models(reached)
+        get = self.registry.slots.get
+        for c in np.flatnonzero(direct).tolist():
+            self._offer(models[c], get(models[c]), g.model_batch(c), topic_kind)
+
+    def _routable_for(self, n: int) -> np.ndarray:
+        """:attr:`_routable` for ``n`` model codes, forgotten if the registry changed."""
+        gen = getattr(self.registry, "generation", None)
+        r = self._routable
+        if gen != self._routable_gen:
+            r.fill(-1)
+            self._routable_gen = gen
+        if r.shape[0] < n:
+            grown = np.full(max(n, 2 * r.shape[0]), -1, dtype=np.int64)
+            grown[:r.shape[0]] = r
+            r = self._routable = grown
+        return r
 
     def _offer(self, model: str, slot: ModelSlot, mb: ModelBatch, topic_kind: str | None
                ) -> None:
@@ -337,24 +494,29 @@ class Ingest:
             if k:
                 metrics.inc_unmatched(model, kind, k)
 
-    def _flush_model(self, model: str) -> None:
-        """Offer ``model``'s staged events, in order, in one call; an offer of fewer than
+    def _flush_models(self, models: list[str]) -> None:
+        """Offer each of ``models`` its staged events, in order, in one call (their rows taken
+        out of the staging together, :meth:`StagedEvents.take_many`); each offer of fewer than
         ``min_events`` (by age, bytes, a checkpoint...) is timed for the pacing."""
+        if not models:
+            return
         clock = self.clock
-        t0 = clock()
-        staged = self.staged.take(model)
-        if staged is None:
-            return
-        slot = self.registry.get(model)
-        if slot is None:  # released meanwhile (the daemon flushes before it releases)
-            return
-        self._offer(model, slot, staged.batch, None)
-        st = slot.state
-        if staged.ts_limit > st.ts_limit:  # the offer pulled clocks back to the first slice's
-            st.ts_limit = float(staged.ts_limit)
-        n = len(staged.batch.ids)
-        if n < self.staged.min_events:
-            self.pacing.record(clock() - t0, events=n)
+        get, min_events, record = self.registry.get, self.staged.min_events, self.pacing.record
+        taken = self.staged.take_many(models)
+        t0 = clock()  # the offers only: taking the rows costs per row, which no age saves
+        for model, staged in taken:
+            slot = get(model)
+            if slot is None:  # released meanwhile (the daemon flushes before it releases)
+                continue
+            self._offer(model, slot, staged.batch, None)
+            st = slot.state
+            if staged.ts_limit > st.ts_limit:  # the offer pulled clocks back to the first one's
+                st.ts_limit = float(staged.ts_limit)
+            n = len(staged.batch.ids)
+            t1 = clock()
+            if n < min_events:
+                record(t1 - t0, events=n)
+            t0 = t1
 
     def flush_staged(self, parts: set[int] | None = None) -> None:
         """Offer the staged events of the models on input partitions ``parts`` (default:
@@ -365,12 +527,16 @@ class Ingest:
         snapshot would compute for its own model, at about one model's cost)."""
         get = self.registry.get
         with _gc_paused():
+            gone, due = [], []
             for model in self.staged.oldest():
                 slot = get(model)
                 if slot is None:
-                    self.staged.take(model)
+                    gone.append(model)
                 elif parts is None or slot.partition in parts:
-                    self._flush_model(model)
+                    due.append(model)
+            if gone:
+                self.staged.take_many(gone)
+            self._flush_models(due)
             slots = self.registry.slots
             flush_waiting(slots[m].state.monitor for m in self.registry.dirty
                           if m in slots and (parts is None or slots[m].partition in parts))
@@ -403,8 +569,7 @@ class Ingest:
         if not due:
             return
         with _gc_paused():
-            for model in due:
-                self._flush_model(model)
+            self._flush_models(due)
 
     def _sample_out(self, topic_kind: str, msgs: list, rates: dict[str, float]
                     ) -> tuple[list, list]:

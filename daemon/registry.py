@@ -100,6 +100,10 @@ class ModelRegistry:
         #: ``published(model)``: the latest verified bin map of ``model`` on the bin-map topic
         #: (a :class:`daemon.binmap_view.Served`) or None; set by the daemon
         self.published = None
+        #: counts the operations that put a state in place of another or remove one (restore,
+        #: reinstate, release, place): what a reader caching facts about the slots (their
+        #: partition, sample rate, restored offsets: :class:`daemon.ingest.Ingest`) checks
+        self.generation = 0
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -141,6 +145,8 @@ class ModelRegistry:
         its first version follows the latest verified one published (see the module
         docstring)."""
         st = ModelState.create(model, int(k), self.s.model_settings(model), self.s.join)
+        if model in self.slots:
+            self.generation += 1
         self.slots[model] = ModelSlot(st, partition)
         self.metrics.register_model(model)
         served = None if self.published is None else self.published(model)
@@ -161,6 +167,7 @@ class ModelRegistry:
         """A model restored from its checkpoint (admitted even beyond ``max_models``); call
         :meth:`rebudget` after restoring a set of models."""
         slot = self.slots[model] = ModelSlot(st, partition, inflight, prefitted)
+        self.generation += 1
         self.parser.admit(model, st.k)
         self.metrics.register_model(model, restored=True)
         st.sample_rate = sample_rate
@@ -180,6 +187,7 @@ class ModelRegistry:
             if cur is not None and cur.covered() >= slot.covered():
                 continue
             self.slots[model] = slot
+            self.generation += 1
             self.parser.admit(model, slot.state.k)
             self.metrics.register_model(model, restored=True)
             self.dirty.add(model)
@@ -191,6 +199,7 @@ class ModelRegistry:
         """Remove the models of revoked partitions ``parts`` (cancelling their fits); with
         ``park``, keep their slots to reinstate if the partitions come back (:meth:`unpark`).
         The caller offers their staged events first (:meth:`daemon.ingest.Ingest.flush_staged`)."""
+        self.generation += 1
         for model in self.on_partitions(parts):
             slot = self.slots.pop(model)
             inf = slot.inflight
@@ -211,6 +220,7 @@ class ModelRegistry:
     def place(self, model: str, st: ModelState, partition: int) -> ModelSlot:
         """Put a prepared state in place on input ``partition`` without metrics or budgets
         (tests and tools; the daemon itself uses :meth:`create` and :meth:`restore`)."""
+        self.generation += 1
         slot = self.slots.get(model)
         if slot is None:
             slot = self.slots[model] = ModelSlot(st, partition)
