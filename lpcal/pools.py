@@ -726,13 +726,60 @@ class CountTable:
         return f"CountTable(k={self.k}, lam={self.lam}, total={self.total})"
 
 
+def _sorted_counts(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(key, return_counts=True)`` (values and dtypes) with one sort and no more
+    passes than it needs."""
+    s = np.sort(key)
+    new = np.empty(s.size + 1, dtype=bool)
+    new[0] = new[-1] = True
+    np.not_equal(s[1:], s[:-1], out=new[1:-1])
+    starts = np.flatnonzero(new)
+    return s[starts[:-1]], np.diff(starts)
+
+
+def _group_hashed(c: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(unique_hashes, first_index, inverse)`` of bin rows ``c`` with row hashes ``h``, as
+    :func:`lpcal.levels.group_rows` gives them (sorted hashes, the first row holding each, the
+    group of every row), from one stable sort; the rows of a group are compared entry by entry
+    (:class:`HashCollision` if two differ: a stricter check than the hashes' pair)."""
+    order = np.argsort(h, kind="stable")
+    hs = h[order]
+    new = np.empty(hs.size, dtype=bool)
+    new[:1] = True
+    np.not_equal(hs[1:], hs[:-1], out=new[1:])
+    gid = np.cumsum(new) - 1
+    inv = np.empty_like(gid)
+    inv[order] = gid
+    first = order[new]
+    if first.size != h.size:
+        rep = first[inv]
+        step = max(1, (1 << 20) // max(c.shape[1], 1))
+        for a in range(0, h.size, step):
+            if not np.array_equal(c[rep[a:a + step]], c[a:a + step]):
+                raise HashCollision("two distinct bins share a 64-bit hash")
+    return hs[new], first, inv
+
+
+def _dense_to_csr(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_csr_from_dense` of int32 ``rows`` (the same arrays and dtypes) from the flat
+    positions of the non-zero entries alone: a row's pointer is where its first flat position
+    would sort (fewer passes than a 2-d ``nonzero`` and a count per row)."""
+    n, k = rows.shape
+    flat = rows.reshape(-1)
+    pos = np.flatnonzero(flat)
+    ptr = np.searchsorted(pos, np.arange(0, (n + 1) * k, k, dtype=np.int64))
+    return ptr, (pos % k).astype(np.int32), flat[pos].astype(np.int32, copy=False)
+
+
 def compact_tables(tables: list[CountTable]) -> None:
     """:meth:`CountTable.compact` of every table, with the buffered rows of all of them
     grouped in one pass: one grouping of the bins by row hash, one sparse encoding of the
     bins, one count of the (table, bin, label) triples, then each table's share merged into
-    its compacted part as :meth:`CountTable._compact` merges its own. The tables end with the
-    very arrays their own compaction gives (values and dtypes; tested). A hash shared by two
-    distinct bins raises :class:`HashCollision` even when the two are in different tables."""
+    its compacted part as :meth:`CountTable._compact` merges its own (a table without a
+    compacted part takes its share as it is: slices of the pass's arrays). The tables end with
+    the very arrays their own compaction gives (values and dtypes; tested). A hash shared by
+    two distinct bins raises :class:`HashCollision` even when the two are in different
+    tables."""
     busy = [t for t in tables if t._pending]
     if len(busy) < 2 or len({(t.k, t.lam) for t in busy}) != 1:
         for t in tables:
@@ -750,31 +797,38 @@ def compact_tables(tables: list[CountTable]) -> None:
         for t in busy:
             t._pending, t._npend, t._pbytes = [], 0, 0
         tid = np.repeat(np.arange(len(busy), dtype=np.int64), sizes)
-        uh, first, inv = group_rows(c, h)
+        uh, first, inv = _group_hashed(c, h)
         nb = uh.size
         # one sort: the (table, bin, label) triples, sorted; their (table, bin) pairs are
         # then sorted too, and numbered in order (what a unique of the pairs would give)
-        up, pc = np.unique((tid * nb + inv) * k + y, return_counts=True)
-        tb = up // k
+        up, pc = _sorted_counts((tid * nb + inv) * k + y)
+        tb, plab = np.divmod(up, k)
         new = np.empty(tb.size, dtype=bool)
         new[:1] = True
         np.not_equal(tb[1:], tb[:-1], out=new[1:])
         ukey = tb[new]                                                # (table, bin), sorted
         pbin = np.cumsum(new) - 1                                     # its number
-        gbin = ukey % nb
-        start = np.searchsorted(ukey // nb, np.arange(len(busy) + 1))  # each table's bins
-        ptr, idx, val = _csr_from_dense(c[first[gbin]])
-        plab = up % k
-        pstart = np.searchsorted(pbin, start)
+        tbl, gbin = np.divmod(ukey, nb)
+        start = np.searchsorted(tbl, np.arange(len(busy) + 1))        # each table's bins
+        pstart = np.searchsorted(pbin, start)                         # and its pairs
+        ptr, idx, val = _dense_to_csr(c[first[gbin]])
+        hb = uh[gbin]
+        pbin -= np.repeat(start[:-1], np.diff(pstart))                # numbered per table
+        plab = plab.astype(np.int32)
+        bounds, pbounds, offs = start.tolist(), pstart.tolist(), ptr[start].tolist()
         for i, t in enumerate(busy):
-            a, b = start[i], start[i + 1]
-            pa, pb = pstart[i], pstart[i + 1]
-            other = CountTable._raw(k, lam, uh[gbin[a:b]], ptr[a:b + 1] - ptr[a],
-                                    idx[ptr[a]:ptr[b]], val[ptr[a]:ptr[b]], pbin[pa:pb] - a,
-                                    plab[pa:pb], pc[pa:pb])
-            t._assign(t._merge_compacted(other))
+            a, b = bounds[i], bounds[i + 1]
+            pa, pb = pbounds[i], pbounds[i + 1]
+            arrays = (hb[a:b], ptr[a:b + 1] - offs[i], idx[offs[i]:offs[i + 1]],
+                      val[offs[i]:offs[i + 1]], pbin[pa:pb], plab[pa:pb], pc[pa:pb])
+            if t._h.size == 0:  # nothing compacted yet: its share is its table
+                (t._h, t._ptr, t._idx, t._val, t._pb, t._pl, t._pc) = arrays
+                t._lazy = None
+            else:
+                t._assign(t._merge_compacted(CountTable._raw(k, lam, *arrays)))
         for t in tables:
-            t.compact()  # the tables without buffered rows (and lazy bins) as before
+            if t._pending or t._lazy is not None:
+                t.compact()  # the tables without buffered rows (and lazy bins) as before
 
 
 def tables_from_rows(probs: np.ndarray, labels: np.ndarray, assign: np.ndarray, n_tables: int,

@@ -1,0 +1,147 @@
+"""The one-pass compaction of a pool set's tables (:func:`lpcal.pools.compact_tables`) against
+the implementation it replaced (kept here verbatim as ``_reference_compact_tables``): the same
+arrays, values and dtypes, in every table, for fresh tables, tables with a compacted part,
+lazy tables and tables without buffered rows; the same checkpoints of a window fed alike."""
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from lpcal.binmap import scale_temperature
+from lpcal.levels import HashCollision, group_rows
+from lpcal.online import OnlineConfig
+from lpcal.pools import CountTable, PoolSet, _csr_from_dense, compact_tables, tables_from_rows
+from tests.test_warmup import tempered
+
+ARRAYS = ("_h", "_ptr", "_idx", "_val", "_pb", "_pl", "_pc")
+
+
+def _reference_compact_tables(tables: list[CountTable]) -> None:
+    """:meth:`CountTable.compact` of every table, with the buffered rows of all of them
+    grouped in one pass: one grouping of the bins by row hash, one sparse encoding of the
+    bins, one count of the (table, bin, label) triples, then each table's share merged into
+    its compacted part as :meth:`CountTable._compact` merges its own. The tables end with the
+    very arrays their own compaction gives (values and dtypes; tested). A hash shared by two
+    distinct bins raises :class:`HashCollision` even when the two are in different tables."""
+    busy = [t for t in tables if t._pending]
+    if len(busy) < 2 or len({(t.k, t.lam) for t in busy}) != 1:
+        for t in tables:
+            t.compact()
+        return
+    with contextlib.ExitStack() as stack:
+        for t in busy:
+            stack.enter_context(t._lock)
+        k, lam = busy[0].k, busy[0].lam
+        parts = [p for t in busy for p in t._pending]
+        sizes = [t._npend for t in busy]
+        c = np.concatenate([p[0] for p in parts])
+        y = np.concatenate([p[1] for p in parts])
+        h = np.concatenate([p[2] for p in parts])
+        for t in busy:
+            t._pending, t._npend, t._pbytes = [], 0, 0
+        tid = np.repeat(np.arange(len(busy), dtype=np.int64), sizes)
+        uh, first, inv = group_rows(c, h)
+        nb = uh.size
+        # one sort: the (table, bin, label) triples, sorted; their (table, bin) pairs are
+        # then sorted too, and numbered in order (what a unique of the pairs would give)
+        up, pc = np.unique((tid * nb + inv) * k + y, return_counts=True)
+        tb = up // k
+        new = np.empty(tb.size, dtype=bool)
+        new[:1] = True
+        np.not_equal(tb[1:], tb[:-1], out=new[1:])
+        ukey = tb[new]                                                # (table, bin), sorted
+        pbin = np.cumsum(new) - 1                                     # its number
+        gbin = ukey % nb
+        start = np.searchsorted(ukey // nb, np.arange(len(busy) + 1))  # each table's bins
+        ptr, idx, val = _csr_from_dense(c[first[gbin]])
+        plab = up % k
+        pstart = np.searchsorted(pbin, start)
+        for i, t in enumerate(busy):
+            a, b = start[i], start[i + 1]
+            pa, pb = pstart[i], pstart[i + 1]
+            other = CountTable._raw(k, lam, uh[gbin[a:b]], ptr[a:b + 1] - ptr[a],
+                                    idx[ptr[a]:ptr[b]], val[ptr[a]:ptr[b]], pbin[pa:pb] - a,
+                                    plab[pa:pb], pc[pa:pb])
+            t._assign(t._merge_compacted(other))
+        for t in tables:
+            t.compact()  # the tables without buffered rows (and lazy bins) as before
+
+
+
+def _fed(k, n, seed, *, compact_at=(), lazy=False):
+    """Two identical pool sets fed in batches of random sizes (both compacted at the rows in
+    ``compact_at`` by a table's own compaction, so buffered rows meet a compacted part;
+    ``lazy``: some tables start from :func:`tables_from_rows`, whose bins are lazy)."""
+    rng = np.random.default_rng(seed)
+    x, y = tempered(n, k=k, seed=seed)
+    g = scale_temperature(x, 1.7)
+    lay = OnlineConfig().layout(k)
+    route = rng.integers(0, len(lay.names), n)
+    out = []
+    for _ in range(2):
+        ps = PoolSet(lay, temperature=1.7)
+        if lazy:
+            m = n // 4
+            first = tables_from_rows(g[:m], y[:m], route[:m], len(lay.names), k, lay.lam)
+            for name, t in zip(lay.names[::2], first[::2]):
+                ps.tables[name] = t
+        out.append(ps)
+    a = n // 4 if lazy else 0
+    while a < n:
+        b = min(n, a + int(rng.integers(1, 300)))
+        for ps in out:
+            ps.add(route[a:b], g[a:b], y[a:b])
+            if any(a < m <= b for m in compact_at):
+                for name in lay.names[1::2]:
+                    ps.tables[name].compact()
+        a = b
+    return out
+
+
+def _same(got: PoolSet, want: PoolSet) -> None:
+    for name, t in got.tables.items():
+        ref = want.tables[name]
+        assert not t._pending and t._npend == 0 and t._pbytes == 0 and t._lazy is None
+        for attr in ARRAYS:
+            a, b = getattr(t, attr), getattr(ref, attr)
+            assert a.dtype == b.dtype and np.array_equal(a, b), (name, attr)
+        assert t.nbytes == ref.nbytes
+        assert t.to_dict(packed=True) == ref.to_dict(packed=True)
+        assert t.to_dict() == ref.to_dict()
+    assert got == want
+
+
+@pytest.mark.parametrize("k,n,compact_at,lazy", [
+    (10, 700, (), False), (10, 5000, (1500, 3100), False), (100, 1200, (400,), False),
+    (3, 3000, (), False), (10, 4000, (2000,), True), (2, 500, (), True)])
+def test_one_pass_compaction_matches_the_reference(k, n, compact_at, lazy):
+    new, old = _fed(k, n, seed=k * 7 + n, compact_at=compact_at, lazy=lazy)
+    assert sum(bool(t._pending) for t in new.tables.values()) >= 2
+    compact_tables(list(new.tables.values()))
+    _reference_compact_tables(list(old.tables.values()))
+    _same(new, old)
+    # a later round: buffered rows meet the parts these compactions made
+    x, y = tempered(900, k=k, seed=n)
+    route = np.random.default_rng(n).integers(0, len(new.layout.names), 900)
+    for ps in (new, old):
+        ps.add(route, scale_temperature(x, 1.7), y)
+    compact_tables(list(new.tables.values()))
+    _reference_compact_tables(list(old.tables.values()))
+    _same(new, old)
+
+
+def test_one_pass_compaction_detects_a_hash_shared_by_two_bins():
+    lay = OnlineConfig().layout(3)
+    ps = PoolSet(lay, temperature=1.0)
+    c = np.array([[10, 0, 0], [0, 10, 0], [0, 0, 10], [10, 0, 0]], dtype=np.int32)
+    h = np.array([5, 6, 7, 5], dtype=np.int64)
+    h_bad = h.copy()
+    h_bad[2] = 6  # a distinct bin with the hash of another, in another table
+    ps.add(np.array([0, 1, 2, 3]), None, np.array([0, 1, 2, 0]), counts=c, hashes=h_bad)
+    with pytest.raises(HashCollision):
+        compact_tables(list(ps.tables.values()))
+    ok = PoolSet(lay, temperature=1.0)
+    ok.add(np.array([0, 1, 2, 3]), None, np.array([0, 1, 2, 0]), counts=c, hashes=h)
+    compact_tables(list(ok.tables.values()))
+    assert ok.tables["mu"].total == 1 and ok.tables["PE0"].total == 1
