@@ -771,32 +771,53 @@ def _dense_to_csr(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return ptr, (pos % k).astype(np.int32), flat[pos].astype(np.int32, copy=False)
 
 
-def compact_tables(tables: list[CountTable]) -> None:
+def _route_rows(tables: list[CountTable], routed) -> None:
+    """Append rows ``routed`` (``(table index, bins, labels, hashes)`` chunks, checked, in
+    arrival order) to ``tables[index]`` as :meth:`PoolSet.add` did when it split every batch at
+    once: per chunk, sorted by table (stable), one contiguous slice per table."""
+    for pool_idx, c, y, h in routed:
+        order = np.argsort(pool_idx, kind="stable")
+        ps = pool_idx[order]
+        c, y, h = c[order], y[order], h[order]
+        cuts = (np.flatnonzero(ps[1:] != ps[:-1]) + 1).tolist()
+        for a, b in zip([0, *cuts], [*cuts, ps.size]):
+            tables[int(ps[a])]._append(c[a:b], y[a:b], h[a:b])
+
+
+def compact_tables(tables: list[CountTable], routed=()) -> None:
     """:meth:`CountTable.compact` of every table, with the buffered rows of all of them
-    grouped in one pass: one grouping of the bins by row hash, one sparse encoding of the
+    (and the rows ``routed`` to them: ``(table index, bins, labels, hashes)`` chunks, in
+    arrival order, as :meth:`PoolSet.add` keeps them) grouped in one pass: one grouping of the bins by row hash, one sparse encoding of the
     bins, one count of the (table, bin, label) triples, then each table's share merged into
     its compacted part as :meth:`CountTable._compact` merges its own (a table without a
     compacted part takes its share as it is: slices of the pass's arrays). The tables end with
     the very arrays their own compaction gives (values and dtypes; tested). A hash shared by
     two distinct bins raises :class:`HashCollision` even when the two are in different
     tables."""
-    busy = [t for t in tables if t._pending]
-    if len(busy) < 2 or len({(t.k, t.lam) for t in busy}) != 1:
+    to = np.zeros(len(tables), dtype=bool)
+    for r in routed:
+        to[r[0]] = True
+    busy = [i for i, t in enumerate(tables) if t._pending or to[i]]
+    if len(busy) < 2 or len({(tables[i].k, tables[i].lam) for i in busy}) != 1:
+        _route_rows(tables, routed)
         for t in tables:
             t.compact()
         return
     with contextlib.ExitStack() as stack:
-        for t in busy:
-            stack.enter_context(t._lock)
-        k, lam = busy[0].k, busy[0].lam
-        parts = [p for t in busy for p in t._pending]
-        sizes = [t._npend for t in busy]
+        for i in busy:
+            stack.enter_context(tables[i]._lock)
+        k, lam = tables[busy[0]].k, tables[busy[0]].lam
+        own = [(i, p) for i in busy for p in tables[i]._pending]
+        parts = [p for _, p in own] + [r[1:] for r in routed]
         c = np.concatenate([p[0] for p in parts])
         y = np.concatenate([p[1] for p in parts])
         h = np.concatenate([p[2] for p in parts])
-        for t in busy:
+        tid = np.concatenate([np.repeat(np.array([i for i, _ in own], dtype=np.int64),
+                                        np.array([p[2].size for _, p in own], dtype=np.int64))]
+                             + [np.asarray(r[0], dtype=np.int64) for r in routed])
+        for i in busy:
+            t = tables[i]
             t._pending, t._npend, t._pbytes = [], 0, 0
-        tid = np.repeat(np.arange(len(busy), dtype=np.int64), sizes)
         uh, first, inv = _group_hashed(c, h)
         nb = uh.size
         # one sort: the (table, bin, label) triples, sorted; their (table, bin) pairs are
@@ -809,14 +830,15 @@ def compact_tables(tables: list[CountTable]) -> None:
         ukey = tb[new]                                                # (table, bin), sorted
         pbin = np.cumsum(new) - 1                                     # its number
         tbl, gbin = np.divmod(ukey, nb)
-        start = np.searchsorted(tbl, np.arange(len(busy) + 1))        # each table's bins
+        start = np.searchsorted(tbl, np.arange(len(tables) + 1))      # each table's bins
         pstart = np.searchsorted(pbin, start)                         # and its pairs
         ptr, idx, val = _dense_to_csr(c[first[gbin]])
         hb = uh[gbin]
         pbin -= np.repeat(start[:-1], np.diff(pstart))                # numbered per table
         plab = plab.astype(np.int32)
         bounds, pbounds, offs = start.tolist(), pstart.tolist(), ptr[start].tolist()
-        for i, t in enumerate(busy):
+        for i in busy:
+            t = tables[i]
             a, b = bounds[i], bounds[i + 1]
             pa, pb = pbounds[i], pbounds[i + 1]
             arrays = (hb[a:b], ptr[a:b + 1] - offs[i], idx[offs[i]:offs[i + 1]],
@@ -1001,21 +1023,59 @@ class PoolSet:
     Samples enter in arrival order through :meth:`add_samples`, which stops at the exact sample
     that makes the set :attr:`full` (so epoch boundaries depend only on the sample sequence), or
     per pool through :meth:`add` (Algorithm 2's pools only).
+
+    :meth:`add` keeps its checked rows as they came (with their pool) and hands them to the
+    tables only when they are read through :attr:`tables` or when a table's compaction would
+    start (:meth:`_hold`); :meth:`compact` groups them without splitting them by pool first.
+    The tables then hold the very rows, in the same order, and compact at the same sample, as
+    if every batch had been split at once. The owner thread adds; :meth:`compact` before
+    handing the pools to another thread (as before).
     """
 
     def __init__(self, layout: PoolLayout, tables: Mapping[str, CountTable] | None = None, *,
                  temperature: float | None = None):
         self.layout = layout
-        self.tables = {n: CountTable(layout.k, layout.lam) for n in layout.names}
+        self._tables = {n: CountTable(layout.k, layout.lam) for n in layout.names}
+        #: rows of :meth:`add` not handed to the tables yet (``(pool index, bins, labels,
+        #: hashes)`` chunks, in arrival order; None: none)
+        self._routed: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None = None
         if tables:
             for n, t in tables.items():
-                if n not in self.tables:
+                if n not in self._tables:
                     raise InputError(f"unknown pool {n!r} for layout {layout.names}")
-                self.tables[n] = t
+                self._tables[n] = t
         self.grid = TemperatureGrid() if layout.warmup else None
         self.temperature = None if temperature is None else float(temperature)
         self.holdout = HoldoutSums(layout.k, layout.lam) if layout.holdout else None
         self.holdout_raw = HoldoutSums(layout.k, layout.lam) if layout.holdout else None
+
+    @property
+    def tables(self) -> dict[str, CountTable]:
+        """One :class:`CountTable` per pool of the layout (the rows :meth:`add` kept are
+        handed to them first)."""
+        if self._routed is not None:
+            self._hand_over()
+        return self._tables
+
+    def _hand_over(self) -> None:
+        """Give the rows :meth:`add` kept to their tables (:func:`_route_rows`)."""
+        routed, self._routed = self._routed, None
+        _route_rows([self._tables[n] for n in self.layout.names], routed)
+
+    def _hold(self, chunk) -> None:
+        """Keep a checked chunk of :meth:`add`, or hand every kept row to the tables if one
+        of them might compact with it (its buffered rows reaching ``_COMPACT_EVERY`` rows or
+        :data:`COMPACT_MIN_BYTES`: a table then decides at the same sample as before)."""
+        routed = self._routed
+        if routed is None:
+            routed = self._routed = []
+        routed.append(chunk)
+        rows = sum(r[2].size for r in routed)
+        nbytes = sum(r[1].nbytes + r[2].nbytes + r[3].nbytes for r in routed)
+        tabs = self._tables.values()
+        if (rows + max(t._npend for t in tabs) >= _COMPACT_EVERY
+                or nbytes + max(t._pbytes for t in tabs) >= COMPACT_MIN_BYTES):
+            self._hand_over()
 
     @property
     def warming(self) -> bool:
@@ -1024,10 +1084,13 @@ class PoolSet:
 
     def add(self, pool_idx: np.ndarray, probs: np.ndarray | None, labels,
             counts: np.ndarray | None = None, hashes: np.ndarray | None = None) -> None:
-        """Add samples, each to Algorithm 2's pool ``pool_idx[i]``: checked once, sorted by pool
-        (stable), then one contiguous slice per pool. ``probs``/``counts`` are bins of the
-        predictor the pools hold (pre-calibrated, if :attr:`temperature` is set)."""
+        """Add samples, each to Algorithm 2's pool ``pool_idx[i]``: checked once and kept as
+        they came, with their pool (class docstring); the tables get them sorted by pool
+        (stable), one contiguous slice per pool. ``probs``/``counts`` are bins of the
+        predictor the pools hold (pre-calibrated, if :attr:`temperature` is set); rows given
+        as ``counts`` are copied (the pools never share the caller's arrays)."""
         pool_idx = np.asarray(pool_idx)
+        given = counts is not None
         if counts is None:
             counts, hashes = bin_counts_hashed(probs, self.layout.lam)
         elif hashes is None:
@@ -1037,14 +1100,13 @@ class PoolSet:
             raise InputError(f"pool_idx must have shape {y.shape}, got {pool_idx.shape}")
         if y.size == 0:
             return
-        if pool_idx.min() < 0 or pool_idx.max() >= len(self.layout.names):
-            raise InputError(f"pool_idx outside [0, {len(self.layout.names)})")
-        order = np.argsort(pool_idx, kind="stable")
-        ps = pool_idx[order]
-        c, y, h = c[order], y[order], np.asarray(hashes, dtype=np.int64)[order]
-        cuts = (np.flatnonzero(ps[1:] != ps[:-1]) + 1).tolist()
-        for a, b in zip([0, *cuts], [*cuts, ps.size]):
-            self.tables[self.layout.names[int(ps[a])]]._append(c[a:b], y[a:b], h[a:b])
+        names = len(self.layout.names)
+        if pool_idx.min() < 0 or pool_idx.max() >= names:
+            raise InputError(f"pool_idx outside [0, {names})")
+        h = np.asarray(hashes, dtype=np.int64)
+        if given:
+            c, h = c.copy(), h.copy()
+        self._hold((pool_idx.astype(np.uint8 if names <= 256 else np.int64), c, y, h))
 
     def _need(self) -> list[int]:
         """Samples each routed destination still needs (order of :attr:`PoolLayout.routes`)."""
@@ -1118,7 +1180,8 @@ class PoolSet:
     def compact(self) -> None:
         """Compact every table (before handing the pools to another thread): the buffered
         rows of all tables are grouped in one pass (:func:`compact_tables`)."""
-        compact_tables(list(self.tables.values()))
+        routed, self._routed = self._routed or (), None
+        compact_tables([self._tables[n] for n in self.layout.names], routed)
 
     def fill(self) -> dict[str, tuple[int, int]]:
         out = {n: (self.tables[n].total, self.layout.targets[n]) for n in self.layout.names}
@@ -1135,7 +1198,8 @@ class PoolSet:
     @property
     def nbytes(self) -> int:
         """Bytes of the epoch's arrays (tables, held-out sums, warm-up grid)."""
-        n = sum(t.nbytes for t in self.tables.values())
+        n = sum(t.nbytes for t in self._tables.values()) + sum(
+            r[1].nbytes + r[2].nbytes + r[3].nbytes for r in self._routed or ())
         for h in (self.holdout, self.holdout_raw):
             if h is not None:
                 n += h.nbytes

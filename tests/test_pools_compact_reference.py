@@ -9,9 +9,16 @@ import numpy as np
 import pytest
 
 from lpcal.binmap import scale_temperature
-from lpcal.levels import HashCollision, group_rows
+from lpcal.levels import HashCollision, bin_counts_hashed, group_rows
 from lpcal.online import OnlineConfig
-from lpcal.pools import CountTable, PoolSet, _csr_from_dense, compact_tables, tables_from_rows
+from lpcal.pools import (
+    CountTable,
+    PoolSet,
+    _checked_rows,
+    _csr_from_dense,
+    compact_tables,
+    tables_from_rows,
+)
 from tests.test_warmup import tempered
 
 ARRAYS = ("_h", "_ptr", "_idx", "_val", "_pb", "_pl", "_pc")
@@ -145,3 +152,75 @@ def test_one_pass_compaction_detects_a_hash_shared_by_two_bins():
     ok.add(np.array([0, 1, 2, 3]), None, np.array([0, 1, 2, 0]), counts=c, hashes=h)
     compact_tables(list(ok.tables.values()))
     assert ok.tables["mu"].total == 1 and ok.tables["PE0"].total == 1
+
+
+def _reference_add(ps: PoolSet, pool_idx, probs, labels) -> None:
+    """The former :meth:`PoolSet.add`: every batch split by pool at once (stable sort, one
+    contiguous slice per pool) into the tables' buffers."""
+    pool_idx = np.asarray(pool_idx)
+    counts, hashes = bin_counts_hashed(probs, ps.layout.lam)
+    c, y = _checked_rows(counts, labels, ps.layout.k)
+    order = np.argsort(pool_idx, kind="stable")
+    p = pool_idx[order]
+    c, y, h = c[order], y[order], np.asarray(hashes, dtype=np.int64)[order]
+    cuts = (np.flatnonzero(p[1:] != p[:-1]) + 1).tolist()
+    for a, b in zip([0, *cuts], [*cuts, p.size]):
+        ps.tables[ps.layout.names[int(p[a])]]._append(c[a:b], y[a:b], h[a:b])
+
+
+def _buffers(t: CountTable) -> tuple:
+    if not t._pending:
+        return (t._npend, t._pbytes)
+    return (t._npend, t._pbytes, *(np.concatenate([p[i] for p in t._pending]).tobytes()
+                                    for i in range(3)))
+
+
+@pytest.mark.parametrize("k,n,largest", [(10, 6000, 400), (100, 14000, 900), (3, 3000, 50)])
+def test_rows_kept_by_add_reach_the_tables_as_the_former_split_did(k, n, largest):
+    """Rows kept by :meth:`PoolSet.add` reach each table as the former add put them there:
+    the same buffered rows, in order, the same compactions (at k = 100 tables compact on
+    their buffered bytes while rows are added), the same byte counts; and a pool set
+    compacted from its kept rows has the arrays of the former path."""
+    rng = np.random.default_rng(k + n)
+    x, y = tempered(n, k=k, seed=k)
+    g = scale_temperature(x, 1.3)
+    lay = OnlineConfig().layout(k)
+    route = rng.integers(0, len(lay.names), n)
+    new, old = PoolSet(lay, temperature=1.3), PoolSet(lay, temperature=1.3)
+    a, batches, looks, compactions = 0, 0, 0, 0
+    while a < n:
+        b = min(n, a + int(rng.integers(1, largest)))
+        new.add(route[a:b], g[a:b], y[a:b])
+        _reference_add(old, route[a:b], g[a:b], y[a:b])
+        assert new.nbytes == old.nbytes
+        batches += 1
+        if batches % 3 == 0:  # a read hands the kept rows over
+            looks += 1
+            for name, t in new.tables.items():
+                ref = old.tables[name]
+                assert _buffers(t) == _buffers(ref), name
+                compactions += bool(ref._h.size)
+                for attr in ARRAYS:
+                    assert np.array_equal(getattr(t, attr), getattr(ref, attr)), (name, attr)
+        a = b
+    assert looks > 3 and (compactions > 0 or k != 100)
+    assert new.fill() == old.fill() and new.total == old.total
+    new.add(route[:300], g[:300], y[:300])
+    _reference_add(old, route[:300], g[:300], y[:300])
+    new.compact()  # from the kept rows, without a split by pool
+    _reference_compact_tables(list(old.tables.values()))
+    _same(new, old)
+
+
+def test_rows_given_as_counts_are_copied():
+    lay = OnlineConfig().layout(10)
+    x, y = tempered(200, k=10, seed=3)
+    c, h = bin_counts_hashed(x, lay.lam)
+    ps, ref = PoolSet(lay, temperature=1.0), PoolSet(lay, temperature=1.0)
+    route = np.arange(200) % len(lay.names)
+    ps.add(route, None, y, counts=c, hashes=h)
+    ref.add(route, None, y, counts=c.copy(), hashes=h.copy())
+    c[:] = 0
+    h[:] = 0
+    route[:] = 0
+    assert ps == ref and ps.tables["mu"].total == ref.tables["mu"].total > 0
