@@ -308,8 +308,7 @@ def _merge_compacted_tables(tables: list[CountTable]) -> CountTable:
     k, lam = tables[0].k, tables[0].lam
     sizes = [t._h.size for t in tables]
     h_all = np.concatenate([t._h for t in tables])
-    uh, first_pos, inv = np.unique(h_all, return_index=True, return_inverse=True)
-    inv = inv.reshape(-1)
+    uh, first_pos, inv = _unique_first(h_all)
     # the tables' CSR offsets shifted past the entries of the tables before them (the
     # cumulative sum of all row lengths, without a difference per table)
     nnz = [int(t._ptr[-1] - t._ptr[0]) for t in tables]
@@ -331,8 +330,13 @@ def _merge_compacted_tables(tables: list[CountTable]) -> CountTable:
     pair = (inv[np.concatenate([t._pb for t in tables]) + offs] * k
             + np.concatenate([t._pl for t in tables]))
     cnt = np.concatenate([t._pc for t in tables])
-    up, where = np.unique(pair, return_inverse=True)
-    pc = np.bincount(where.reshape(-1), weights=cnt, minlength=up.size).astype(np.int64)
+    order = np.argsort(pair)
+    ps = pair[order]
+    new = np.empty(ps.size, dtype=bool)
+    new[:1] = True
+    np.not_equal(ps[1:], ps[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    up, pc = ps[starts], np.add.reduceat(cnt[order], starts)  # int64 counts, exact
     return CountTable._raw(k, lam, uh, ptr, idx.astype(np.int32, copy=False),
                            val.astype(np.int32, copy=False), up // k, up % k, pc)
 
@@ -737,11 +741,9 @@ def _sorted_counts(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return s[starts[:-1]], np.diff(starts)
 
 
-def _group_hashed(c: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(unique_hashes, first_index, inverse)`` of bin rows ``c`` with row hashes ``h``, as
-    :func:`lpcal.levels.group_rows` gives them (sorted hashes, the first row holding each, the
-    group of every row), from one stable sort; the rows of a group are compared entry by entry
-    (:class:`HashCollision` if two differ: a stricter check than the hashes' pair)."""
+def _unique_first(h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(h, return_index=True, return_inverse=True)`` (values; the inverse flat)
+    of int64 ``h`` from one stable sort."""
     order = np.argsort(h, kind="stable")
     hs = h[order]
     new = np.empty(hs.size, dtype=bool)
@@ -750,14 +752,22 @@ def _group_hashed(c: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     gid = np.cumsum(new) - 1
     inv = np.empty_like(gid)
     inv[order] = gid
-    first = order[new]
+    return hs[new], order[new], inv
+
+
+def _group_hashed(c: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(unique_hashes, first_index, inverse)`` of bin rows ``c`` with row hashes ``h``, as
+    :func:`lpcal.levels.group_rows` gives them (sorted hashes, the first row holding each, the
+    group of every row), from one stable sort; the rows of a group are compared entry by entry
+    (:class:`HashCollision` if two differ: a stricter check than the hashes' pair)."""
+    uh, first, inv = _unique_first(h)
     if first.size != h.size:
         rep = first[inv]
         step = max(1, (1 << 20) // max(c.shape[1], 1))
         for a in range(0, h.size, step):
             if not np.array_equal(c[rep[a:a + step]], c[a:a + step]):
                 raise HashCollision("two distinct bins share a 64-bit hash")
-    return hs[new], first, inv
+    return uh, first, inv
 
 
 def _dense_to_csr(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

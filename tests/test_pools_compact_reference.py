@@ -1,7 +1,8 @@
-"""The one-pass compaction of a pool set's tables (:func:`lpcal.pools.compact_tables`) against
-the implementation it replaced (kept here verbatim as ``_reference_compact_tables``): the same
-arrays, values and dtypes, in every table, for fresh tables, tables with a compacted part,
-lazy tables and tables without buffered rows; the same checkpoints of a window fed alike."""
+"""The pools' add, compaction and merge against the implementations they replaced (kept here
+verbatim as ``_reference_add``, ``_reference_compact_tables`` and
+``_reference_merge_compacted_tables``): the same buffered rows, arrays, values and dtypes, in
+every table, for fresh tables, tables with a compacted part, lazy tables and tables without
+buffered rows."""
 
 import contextlib
 
@@ -16,6 +17,8 @@ from lpcal.pools import (
     PoolSet,
     _checked_rows,
     _csr_from_dense,
+    _csr_take,
+    _merge_compacted_tables,
     compact_tables,
     tables_from_rows,
 )
@@ -224,3 +227,73 @@ def test_rows_given_as_counts_are_copied():
     h[:] = 0
     route[:] = 0
     assert ps == ref and ps.tables["mu"].total == ref.tables["mu"].total > 0
+
+
+def _reference_merge_compacted_tables(tables: list[CountTable]) -> CountTable:
+    """The pool of the union of compacted, materialised, non-empty ``tables`` (``(k, lambda)``
+    checked by the caller): one ``np.unique`` over their bins (sorted, each row taken from the
+    first table holding the bin; :class:`HashCollision` if another holder's sparse row differs)
+    and one over their (bin, label) pairs. The arrays do not depend on how the tables are
+    grouped: adding them pairwise in any order gives the same, to the dtype."""
+    k, lam = tables[0].k, tables[0].lam
+    sizes = [t._h.size for t in tables]
+    h_all = np.concatenate([t._h for t in tables])
+    uh, first_pos, inv = np.unique(h_all, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    # the tables' CSR offsets shifted past the entries of the tables before them (the
+    # cumulative sum of all row lengths, without a difference per table)
+    nnz = [int(t._ptr[-1] - t._ptr[0]) for t in tables]
+    ptr_all = np.zeros(h_all.size + 1, dtype=np.int64)
+    ptr_all[1:] = np.concatenate([t._ptr[1:] - t._ptr[0] for t in tables])
+    ptr_all[1:] += np.repeat(np.cumsum([0] + nnz[:-1], dtype=np.int64), sizes)
+    idx_all = np.concatenate([t._idx for t in tables])
+    val_all = np.concatenate([t._val for t in tables])
+    rep = first_pos[inv]  # each bin's first holder
+    dup = np.flatnonzero(rep != np.arange(h_all.size))
+    if dup.size:
+        pa = _csr_take(ptr_all, idx_all, val_all, dup)
+        pb = _csr_take(ptr_all, idx_all, val_all, rep[dup])
+        if not all(np.array_equal(x, y) for x, y in zip(pa, pb)):
+            raise HashCollision("two distinct bins share a 64-bit hash")
+    ptr, idx, val = _csr_take(ptr_all, idx_all, val_all, first_pos)
+    npairs = [t._pb.size for t in tables]
+    offs = np.repeat(np.cumsum([0] + sizes[:-1], dtype=np.int64), npairs)
+    pair = (inv[np.concatenate([t._pb for t in tables]) + offs] * k
+            + np.concatenate([t._pl for t in tables]))
+    cnt = np.concatenate([t._pc for t in tables])
+    up, where = np.unique(pair, return_inverse=True)
+    pc = np.bincount(where.reshape(-1), weights=cnt, minlength=up.size).astype(np.int64)
+    return CountTable._raw(k, lam, uh, ptr, idx.astype(np.int32, copy=False),
+                           val.astype(np.int32, copy=False), up // k, up % k, pc)
+
+
+@pytest.mark.parametrize("k,n_parts", [(10, 2), (10, 19), (100, 6), (3, 12)])
+def test_merge_matches_the_reference(k, n_parts):
+    rng = np.random.default_rng(k * n_parts)
+    lay = OnlineConfig().layout(k)
+    x, y = tempered(500 * n_parts, k=k, seed=n_parts)
+    g = scale_temperature(x, 1.3)
+    parts = []
+    for _ in range(n_parts):  # overlapping samples: bins repeat across the parts
+        m = int(rng.integers(1, 500))
+        rows = rng.integers(0, x.shape[0], m)
+        t = CountTable(k, lay.lam)
+        t.add(g[rows], y[rows])
+        t.compact()
+        parts.append(t)
+    got = _merge_compacted_tables(parts)
+    want = _reference_merge_compacted_tables(parts)
+    for attr in ARRAYS:
+        a, b = getattr(got, attr), getattr(want, attr)
+        assert a.dtype == b.dtype and np.array_equal(a, b), attr
+    assert CountTable.merge_many(parts) == want
+
+
+def test_merge_detects_a_hash_shared_by_two_bins():
+    a = CountTable(3, 10)
+    a.add(None, [0], counts=np.array([[10, 0, 0]]), hashes=np.array([5]))
+    b = CountTable(3, 10)
+    b.add(None, [1], counts=np.array([[0, 10, 0]]), hashes=np.array([5]))
+    a.compact(), b.compact()
+    with pytest.raises(HashCollision):
+        _merge_compacted_tables([a, b])
