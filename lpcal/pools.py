@@ -761,11 +761,13 @@ def _group_hashed(c: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     group of every row), from one stable sort; the rows of a group are compared entry by entry
     (:class:`HashCollision` if two differ: a stricter check than the hashes' pair)."""
     uh, first, inv = _unique_first(h)
-    if first.size != h.size:
+    if first.size != h.size:  # the rows that are not their group's first, against it
         rep = first[inv]
+        dup = np.flatnonzero(rep != np.arange(h.size))
         step = max(1, (1 << 20) // max(c.shape[1], 1))
-        for a in range(0, h.size, step):
-            if not np.array_equal(c[rep[a:a + step]], c[a:a + step]):
+        for a in range(0, dup.size, step):
+            d = dup[a:a + step]
+            if not np.array_equal(c[rep[d]], c[d]):
                 raise HashCollision("two distinct bins share a 64-bit hash")
     return uh, first, inv
 
@@ -797,70 +799,77 @@ def _route_rows(tables: list[CountTable], routed) -> None:
 def compact_tables(tables: list[CountTable], routed=()) -> None:
     """:meth:`CountTable.compact` of every table, with the buffered rows of all of them
     (and the rows ``routed`` to them: ``(table index, bins, labels, hashes)`` chunks, in
-    arrival order, as :meth:`PoolSet.add` keeps them) grouped in one pass: one grouping of the bins by row hash, one sparse encoding of the
-    bins, one count of the (table, bin, label) triples, then each table's share merged into
-    its compacted part as :meth:`CountTable._compact` merges its own (a table without a
+    arrival order, as :meth:`PoolSet.add` keeps them) grouped in one pass: one grouping of
+    the bins by row hash, one sparse encoding of the bins, one count of the (table, bin,
+    label) triples, then each table's share merged into its compacted part as :meth:`CountTable._compact` merges its own (a table without a
     compacted part takes its share as it is: slices of the pass's arrays). The tables end with
     the very arrays their own compaction gives (values and dtypes; tested). A hash shared by
     two distinct bins raises :class:`HashCollision` even when the two are in different
     tables."""
-    to = np.zeros(len(tables), dtype=bool)
-    for r in routed:
-        to[r[0]] = True
-    busy = [i for i, t in enumerate(tables) if t._pending or to[i]]
-    if len(busy) < 2 or len({(tables[i].k, tables[i].lam) for i in busy}) != 1:
+    if len({(t.k, t.lam) for t in tables}) != 1 or not routed and sum(
+            bool(t._pending) for t in tables) < 2:
         _route_rows(tables, routed)
         for t in tables:
             t.compact()
         return
-    with contextlib.ExitStack() as stack:
-        for i in busy:
-            stack.enter_context(tables[i]._lock)
-        k, lam = tables[busy[0]].k, tables[busy[0]].lam
-        own = [(i, p) for i in busy for p in tables[i]._pending]
-        parts = [p for _, p in own] + [r[1:] for r in routed]
-        c = np.concatenate([p[0] for p in parts])
-        y = np.concatenate([p[1] for p in parts])
-        h = np.concatenate([p[2] for p in parts])
-        tid = np.concatenate([np.repeat(np.array([i for i, _ in own], dtype=np.int64),
-                                        np.array([p[2].size for _, p in own], dtype=np.int64))]
-                             + [np.asarray(r[0], dtype=np.int64) for r in routed])
-        for i in busy:
-            t = tables[i]
+    locks = [t._lock for t in tables]
+    for lk in locks:
+        lk.acquire()
+    try:
+        _compact_jointly(tables, routed)
+    finally:
+        for lk in reversed(locks):
+            lk.release()
+    for t in tables:
+        if t._pending or t._lazy is not None:
+            t.compact()  # the tables without buffered rows (and lazy bins) as before
+
+
+def _compact_jointly(tables: list[CountTable], routed) -> None:
+    """The one pass of :func:`compact_tables` (the tables locked, of one ``(k, lambda)``)."""
+    k, lam = tables[0].k, tables[0].lam
+    own = [(i, p) for i, t in enumerate(tables) for p in t._pending]
+    parts = [p for _, p in own] + [r[1:] for r in routed]
+    c = np.concatenate([p[0] for p in parts])
+    y = np.concatenate([p[1] for p in parts])
+    h = np.concatenate([p[2] for p in parts])
+    tid = np.concatenate([np.repeat(np.array([i for i, _ in own], dtype=np.int64),
+                                    np.array([p[2].size for _, p in own], dtype=np.int64))]
+                         + [np.asarray(r[0], dtype=np.int64) for r in routed])
+    for t in tables:
+        if t._pending:
             t._pending, t._npend, t._pbytes = [], 0, 0
-        uh, first, inv = _group_hashed(c, h)
-        nb = uh.size
-        # one sort: the (table, bin, label) triples, sorted; their (table, bin) pairs are
-        # then sorted too, and numbered in order (what a unique of the pairs would give)
-        up, pc = _sorted_counts((tid * nb + inv) * k + y)
-        tb, plab = np.divmod(up, k)
-        new = np.empty(tb.size, dtype=bool)
-        new[:1] = True
-        np.not_equal(tb[1:], tb[:-1], out=new[1:])
-        ukey = tb[new]                                                # (table, bin), sorted
-        pbin = np.cumsum(new) - 1                                     # its number
-        tbl, gbin = np.divmod(ukey, nb)
-        start = np.searchsorted(tbl, np.arange(len(tables) + 1))      # each table's bins
-        pstart = np.searchsorted(pbin, start)                         # and its pairs
-        ptr, idx, val = _dense_to_csr(c[first[gbin]])
-        hb = uh[gbin]
-        pbin -= np.repeat(start[:-1], np.diff(pstart))                # numbered per table
-        plab = plab.astype(np.int32)
-        bounds, pbounds, offs = start.tolist(), pstart.tolist(), ptr[start].tolist()
-        for i in busy:
-            t = tables[i]
-            a, b = bounds[i], bounds[i + 1]
-            pa, pb = pbounds[i], pbounds[i + 1]
-            arrays = (hb[a:b], ptr[a:b + 1] - offs[i], idx[offs[i]:offs[i + 1]],
-                      val[offs[i]:offs[i + 1]], pbin[pa:pb], plab[pa:pb], pc[pa:pb])
-            if t._h.size == 0:  # nothing compacted yet: its share is its table
-                (t._h, t._ptr, t._idx, t._val, t._pb, t._pl, t._pc) = arrays
-                t._lazy = None
-            else:
-                t._assign(t._merge_compacted(CountTable._raw(k, lam, *arrays)))
-        for t in tables:
-            if t._pending or t._lazy is not None:
-                t.compact()  # the tables without buffered rows (and lazy bins) as before
+    uh, first, inv = _group_hashed(c, h)
+    nb = uh.size
+    # one sort: the (table, bin, label) triples, sorted; their (table, bin) pairs are
+    # then sorted too, and numbered in order (what a unique of the pairs would give)
+    up, pc = _sorted_counts((tid * nb + inv) * k + y)
+    tb, plab = np.divmod(up, k)
+    new = np.empty(tb.size, dtype=bool)
+    new[:1] = True
+    np.not_equal(tb[1:], tb[:-1], out=new[1:])
+    ukey = tb[new]                                                # (table, bin), sorted
+    pbin = np.cumsum(new) - 1                                     # its number
+    tbl, gbin = np.divmod(ukey, nb)
+    start = np.searchsorted(tbl, np.arange(len(tables) + 1))      # each table's bins
+    pstart = np.searchsorted(pbin, start)                         # and its pairs
+    ptr, idx, val = _dense_to_csr(c[first[gbin]])
+    hb = uh[gbin]
+    pbin -= np.repeat(start[:-1], np.diff(pstart))                # numbered per table
+    plab = plab.astype(np.int32)
+    bounds, pbounds, offs = start.tolist(), pstart.tolist(), ptr[start].tolist()
+    for i, t in enumerate(tables):
+        a, b = bounds[i], bounds[i + 1]
+        if a == b:  # no row for this table
+            continue
+        pa, pb = pbounds[i], pbounds[i + 1]
+        arrays = (hb[a:b], ptr[a:b + 1] - offs[i], idx[offs[i]:offs[i + 1]],
+                  val[offs[i]:offs[i + 1]], pbin[pa:pb], plab[pa:pb], pc[pa:pb])
+        if t._h.size == 0:  # nothing compacted yet: its share is its table
+            (t._h, t._ptr, t._idx, t._val, t._pb, t._pl, t._pc) = arrays
+            t._lazy = None
+        else:
+            t._assign(t._merge_compacted(CountTable._raw(k, lam, *arrays)))
 
 
 def tables_from_rows(probs: np.ndarray, labels: np.ndarray, assign: np.ndarray, n_tables: int,
