@@ -1198,9 +1198,12 @@ class PoolSet:
 
     def compact(self) -> None:
         """Compact every table (before handing the pools to another thread): the buffered
-        rows of all tables are grouped in one pass (:func:`compact_tables`)."""
+        rows of all tables are grouped in one pass (:func:`compact_tables`); nothing to do
+        for a compacted set (a sealed bucket's, at every snapshot of a window)."""
         routed, self._routed = self._routed or (), None
-        compact_tables([self._tables[n] for n in self.layout.names], routed)
+        tables = [self._tables[n] for n in self.layout.names]
+        if routed or any(t._pending or t._lazy is not None for t in tables):
+            compact_tables(tables, routed)
 
     def fill(self) -> dict[str, tuple[int, int]]:
         out = {n: (self.tables[n].total, self.layout.targets[n]) for n in self.layout.names}

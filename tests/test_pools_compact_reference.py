@@ -297,3 +297,23 @@ def test_merge_detects_a_hash_shared_by_two_bins():
     a.compact(), b.compact()
     with pytest.raises(HashCollision):
         _merge_compacted_tables([a, b])
+
+
+def test_compacting_a_compacted_or_lazy_set():
+    """A compacted set's compaction keeps its arrays (the very objects); lazy bins are still
+    materialised."""
+    new, old = _fed(10, 3000, seed=5, lazy=True)
+    new.compact()
+    _reference_compact_tables(list(old.tables.values()))
+    _same(new, old)
+    before = {n: [getattr(t, a) for a in ARRAYS] for n, t in new.tables.items()}
+    new.compact()
+    assert all(all(x is y for x, y in zip(before[n], (getattr(t, a) for a in ARRAYS)))
+               for n, t in new.tables.items())
+    lay = new.layout
+    x, y = tempered(400, k=10, seed=9)
+    lazy = PoolSet(lay, dict(zip(lay.names, tables_from_rows(
+        x, y, np.arange(400) % len(lay.names), len(lay.names), 10, lay.lam))))
+    assert all(t._lazy is not None for t in lazy.tables.values())
+    lazy.compact()
+    assert all(t._lazy is None and t._idx.size for t in lazy.tables.values())
