@@ -308,8 +308,7 @@ def _merge_compacted_tables(tables: list[CountTable]) -> CountTable:
     k, lam = tables[0].k, tables[0].lam
     sizes = [t._h.size for t in tables]
     h_all = np.concatenate([t._h for t in tables])
-    uh, first_pos, inv = np.unique(h_all, return_index=True, return_inverse=True)
-    inv = inv.reshape(-1)
+    uh, first_pos, inv = _unique_first(h_all)
     # the tables' CSR offsets shifted past the entries of the tables before them (the
     # cumulative sum of all row lengths, without a difference per table)
     nnz = [int(t._ptr[-1] - t._ptr[0]) for t in tables]
@@ -331,8 +330,13 @@ def _merge_compacted_tables(tables: list[CountTable]) -> CountTable:
     pair = (inv[np.concatenate([t._pb for t in tables]) + offs] * k
             + np.concatenate([t._pl for t in tables]))
     cnt = np.concatenate([t._pc for t in tables])
-    up, where = np.unique(pair, return_inverse=True)
-    pc = np.bincount(where.reshape(-1), weights=cnt, minlength=up.size).astype(np.int64)
+    order = np.argsort(pair)
+    ps = pair[order]
+    new = np.empty(ps.size, dtype=bool)
+    new[:1] = True
+    np.not_equal(ps[1:], ps[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    up, pc = ps[starts], np.add.reduceat(cnt[order], starts)  # int64 counts, exact
     return CountTable._raw(k, lam, uh, ptr, idx.astype(np.int32, copy=False),
                            val.astype(np.int32, copy=False), up // k, up % k, pc)
 
@@ -726,55 +730,146 @@ class CountTable:
         return f"CountTable(k={self.k}, lam={self.lam}, total={self.total})"
 
 
-def compact_tables(tables: list[CountTable]) -> None:
+def _sorted_counts(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(key, return_counts=True)`` (values and dtypes) with one sort and no more
+    passes than it needs."""
+    s = np.sort(key)
+    new = np.empty(s.size + 1, dtype=bool)
+    new[0] = new[-1] = True
+    np.not_equal(s[1:], s[:-1], out=new[1:-1])
+    starts = np.flatnonzero(new)
+    return s[starts[:-1]], np.diff(starts)
+
+
+def _unique_first(h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(h, return_index=True, return_inverse=True)`` (values; the inverse flat)
+    of int64 ``h`` from one stable sort."""
+    order = np.argsort(h, kind="stable")
+    hs = h[order]
+    new = np.empty(hs.size, dtype=bool)
+    new[:1] = True
+    np.not_equal(hs[1:], hs[:-1], out=new[1:])
+    gid = np.cumsum(new) - 1
+    inv = np.empty_like(gid)
+    inv[order] = gid
+    return hs[new], order[new], inv
+
+
+def _group_hashed(c: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(unique_hashes, first_index, inverse)`` of bin rows ``c`` with row hashes ``h``, as
+    :func:`lpcal.levels.group_rows` gives them (sorted hashes, the first row holding each, the
+    group of every row), from one stable sort; the rows of a group are compared entry by entry
+    (:class:`HashCollision` if two differ: a stricter check than the hashes' pair)."""
+    uh, first, inv = _unique_first(h)
+    if first.size != h.size:  # the rows that are not their group's first, against it
+        rep = first[inv]
+        dup = np.flatnonzero(rep != np.arange(h.size))
+        step = max(1, (1 << 20) // max(c.shape[1], 1))
+        for a in range(0, dup.size, step):
+            d = dup[a:a + step]
+            if not np.array_equal(c[rep[d]], c[d]):
+                raise HashCollision("two distinct bins share a 64-bit hash")
+    return uh, first, inv
+
+
+def _dense_to_csr(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_csr_from_dense` of int32 ``rows`` (the same arrays and dtypes) from the flat
+    positions of the non-zero entries alone: a row's pointer is where its first flat position
+    would sort (fewer passes than a 2-d ``nonzero`` and a count per row)."""
+    n, k = rows.shape
+    flat = rows.reshape(-1)
+    pos = np.flatnonzero(flat)
+    ptr = np.searchsorted(pos, np.arange(0, (n + 1) * k, k, dtype=np.int64))
+    return ptr, (pos % k).astype(np.int32), flat[pos].astype(np.int32, copy=False)
+
+
+def _route_rows(tables: list[CountTable], routed) -> None:
+    """Append rows ``routed`` (``(table index, bins, labels, hashes)`` chunks, checked, in
+    arrival order) to ``tables[index]`` as :meth:`PoolSet.add` did when it split every batch at
+    once: per chunk, sorted by table (stable), one contiguous slice per table."""
+    for pool_idx, c, y, h in routed:
+        order = np.argsort(pool_idx, kind="stable")
+        ps = pool_idx[order]
+        c, y, h = c[order], y[order], h[order]
+        cuts = (np.flatnonzero(ps[1:] != ps[:-1]) + 1).tolist()
+        for a, b in zip([0, *cuts], [*cuts, ps.size]):
+            tables[int(ps[a])]._append(c[a:b], y[a:b], h[a:b])
+
+
+def compact_tables(tables: list[CountTable], routed=()) -> None:
     """:meth:`CountTable.compact` of every table, with the buffered rows of all of them
-    grouped in one pass: one grouping of the bins by row hash, one sparse encoding of the
-    bins, one count of the (table, bin, label) triples, then each table's share merged into
-    its compacted part as :meth:`CountTable._compact` merges its own. The tables end with the
-    very arrays their own compaction gives (values and dtypes; tested). A hash shared by two
-    distinct bins raises :class:`HashCollision` even when the two are in different tables."""
-    busy = [t for t in tables if t._pending]
-    if len(busy) < 2 or len({(t.k, t.lam) for t in busy}) != 1:
+    (and the rows ``routed`` to them: ``(table index, bins, labels, hashes)`` chunks, in
+    arrival order, as :meth:`PoolSet.add` keeps them) grouped in one pass: one grouping of
+    the bins by row hash, one sparse encoding of the bins, one count of the (table, bin,
+    label) triples, then each table's share merged into its compacted part as :meth:`CountTable._compact` merges its own (a table without a
+    compacted part takes its share as it is: slices of the pass's arrays). The tables end with
+    the very arrays their own compaction gives (values and dtypes; tested). A hash shared by
+    two distinct bins raises :class:`HashCollision` even when the two are in different
+    tables."""
+    if len({(t.k, t.lam) for t in tables}) != 1 or not routed and sum(
+            bool(t._pending) for t in tables) < 2:
+        _route_rows(tables, routed)
         for t in tables:
             t.compact()
         return
-    with contextlib.ExitStack() as stack:
-        for t in busy:
-            stack.enter_context(t._lock)
-        k, lam = busy[0].k, busy[0].lam
-        parts = [p for t in busy for p in t._pending]
-        sizes = [t._npend for t in busy]
-        c = np.concatenate([p[0] for p in parts])
-        y = np.concatenate([p[1] for p in parts])
-        h = np.concatenate([p[2] for p in parts])
-        for t in busy:
-            t._pending, t._npend, t._pbytes = [], 0, 0
-        tid = np.repeat(np.arange(len(busy), dtype=np.int64), sizes)
-        uh, first, inv = group_rows(c, h)
-        nb = uh.size
-        # one sort: the (table, bin, label) triples, sorted; their (table, bin) pairs are
-        # then sorted too, and numbered in order (what a unique of the pairs would give)
-        up, pc = np.unique((tid * nb + inv) * k + y, return_counts=True)
-        tb = up // k
-        new = np.empty(tb.size, dtype=bool)
-        new[:1] = True
-        np.not_equal(tb[1:], tb[:-1], out=new[1:])
-        ukey = tb[new]                                                # (table, bin), sorted
-        pbin = np.cumsum(new) - 1                                     # its number
-        gbin = ukey % nb
-        start = np.searchsorted(ukey // nb, np.arange(len(busy) + 1))  # each table's bins
-        ptr, idx, val = _csr_from_dense(c[first[gbin]])
-        plab = up % k
-        pstart = np.searchsorted(pbin, start)
-        for i, t in enumerate(busy):
-            a, b = start[i], start[i + 1]
-            pa, pb = pstart[i], pstart[i + 1]
-            other = CountTable._raw(k, lam, uh[gbin[a:b]], ptr[a:b + 1] - ptr[a],
-                                    idx[ptr[a]:ptr[b]], val[ptr[a]:ptr[b]], pbin[pa:pb] - a,
-                                    plab[pa:pb], pc[pa:pb])
-            t._assign(t._merge_compacted(other))
-        for t in tables:
+    locks = [t._lock for t in tables]
+    for lk in locks:
+        lk.acquire()
+    try:
+        _compact_jointly(tables, routed)
+    finally:
+        for lk in reversed(locks):
+            lk.release()
+    for t in tables:
+        if t._pending or t._lazy is not None:
             t.compact()  # the tables without buffered rows (and lazy bins) as before
+
+
+def _compact_jointly(tables: list[CountTable], routed) -> None:
+    """The one pass of :func:`compact_tables` (the tables locked, of one ``(k, lambda)``)."""
+    k, lam = tables[0].k, tables[0].lam
+    own = [(i, p) for i, t in enumerate(tables) for p in t._pending]
+    parts = [p for _, p in own] + [r[1:] for r in routed]
+    c = np.concatenate([p[0] for p in parts])
+    y = np.concatenate([p[1] for p in parts])
+    h = np.concatenate([p[2] for p in parts])
+    tid = np.concatenate([np.repeat(np.array([i for i, _ in own], dtype=np.int64),
+                                    np.array([p[2].size for _, p in own], dtype=np.int64))]
+                         + [np.asarray(r[0], dtype=np.int64) for r in routed])
+    for t in tables:
+        if t._pending:
+            t._pending, t._npend, t._pbytes = [], 0, 0
+    uh, first, inv = _group_hashed(c, h)
+    nb = uh.size
+    # one sort: the (table, bin, label) triples, sorted; their (table, bin) pairs are
+    # then sorted too, and numbered in order (what a unique of the pairs would give)
+    up, pc = _sorted_counts((tid * nb + inv) * k + y)
+    tb, plab = np.divmod(up, k)
+    new = np.empty(tb.size, dtype=bool)
+    new[:1] = True
+    np.not_equal(tb[1:], tb[:-1], out=new[1:])
+    ukey = tb[new]                                                # (table, bin), sorted
+    pbin = np.cumsum(new) - 1                                     # its number
+    tbl, gbin = np.divmod(ukey, nb)
+    start = np.searchsorted(tbl, np.arange(len(tables) + 1))      # each table's bins
+    pstart = np.searchsorted(pbin, start)                         # and its pairs
+    ptr, idx, val = _dense_to_csr(c[first[gbin]])
+    hb = uh[gbin]
+    pbin -= np.repeat(start[:-1], np.diff(pstart))                # numbered per table
+    plab = plab.astype(np.int32)
+    bounds, pbounds, offs = start.tolist(), pstart.tolist(), ptr[start].tolist()
+    for i, t in enumerate(tables):
+        a, b = bounds[i], bounds[i + 1]
+        if a == b:  # no row for this table
+            continue
+        pa, pb = pbounds[i], pbounds[i + 1]
+        arrays = (hb[a:b], ptr[a:b + 1] - offs[i], idx[offs[i]:offs[i + 1]],
+                  val[offs[i]:offs[i + 1]], pbin[pa:pb], plab[pa:pb], pc[pa:pb])
+        if t._h.size == 0:  # nothing compacted yet: its share is its table
+            (t._h, t._ptr, t._idx, t._val, t._pb, t._pl, t._pc) = arrays
+            t._lazy = None
+        else:
+            t._assign(t._merge_compacted(CountTable._raw(k, lam, *arrays)))
 
 
 def tables_from_rows(probs: np.ndarray, labels: np.ndarray, assign: np.ndarray, n_tables: int,
@@ -947,21 +1042,59 @@ class PoolSet:
     Samples enter in arrival order through :meth:`add_samples`, which stops at the exact sample
     that makes the set :attr:`full` (so epoch boundaries depend only on the sample sequence), or
     per pool through :meth:`add` (Algorithm 2's pools only).
+
+    :meth:`add` keeps its checked rows as they came (with their pool) and hands them to the
+    tables only when they are read through :attr:`tables` or when a table's compaction would
+    start (:meth:`_hold`); :meth:`compact` groups them without splitting them by pool first.
+    The tables then hold the very rows, in the same order, and compact at the same sample, as
+    if every batch had been split at once. The owner thread adds; :meth:`compact` before
+    handing the pools to another thread (as before).
     """
 
     def __init__(self, layout: PoolLayout, tables: Mapping[str, CountTable] | None = None, *,
                  temperature: float | None = None):
         self.layout = layout
-        self.tables = {n: CountTable(layout.k, layout.lam) for n in layout.names}
+        self._tables = {n: CountTable(layout.k, layout.lam) for n in layout.names}
+        #: rows of :meth:`add` not handed to the tables yet (``(pool index, bins, labels,
+        #: hashes)`` chunks, in arrival order; None: none)
+        self._routed: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None = None
         if tables:
             for n, t in tables.items():
-                if n not in self.tables:
+                if n not in self._tables:
                     raise InputError(f"unknown pool {n!r} for layout {layout.names}")
-                self.tables[n] = t
+                self._tables[n] = t
         self.grid = TemperatureGrid() if layout.warmup else None
         self.temperature = None if temperature is None else float(temperature)
         self.holdout = HoldoutSums(layout.k, layout.lam) if layout.holdout else None
         self.holdout_raw = HoldoutSums(layout.k, layout.lam) if layout.holdout else None
+
+    @property
+    def tables(self) -> dict[str, CountTable]:
+        """One :class:`CountTable` per pool of the layout (the rows :meth:`add` kept are
+        handed to them first)."""
+        if self._routed is not None:
+            self._hand_over()
+        return self._tables
+
+    def _hand_over(self) -> None:
+        """Give the rows :meth:`add` kept to their tables (:func:`_route_rows`)."""
+        routed, self._routed = self._routed, None
+        _route_rows([self._tables[n] for n in self.layout.names], routed)
+
+    def _hold(self, chunk) -> None:
+        """Keep a checked chunk of :meth:`add`, or hand every kept row to the tables if one
+        of them might compact with it (its buffered rows reaching ``_COMPACT_EVERY`` rows or
+        :data:`COMPACT_MIN_BYTES`: a table then decides at the same sample as before)."""
+        routed = self._routed
+        if routed is None:
+            routed = self._routed = []
+        routed.append(chunk)
+        rows = sum(r[2].size for r in routed)
+        nbytes = sum(r[1].nbytes + r[2].nbytes + r[3].nbytes for r in routed)
+        tabs = self._tables.values()
+        if (rows + max(t._npend for t in tabs) >= _COMPACT_EVERY
+                or nbytes + max(t._pbytes for t in tabs) >= COMPACT_MIN_BYTES):
+            self._hand_over()
 
     @property
     def warming(self) -> bool:
@@ -970,10 +1103,13 @@ class PoolSet:
 
     def add(self, pool_idx: np.ndarray, probs: np.ndarray | None, labels,
             counts: np.ndarray | None = None, hashes: np.ndarray | None = None) -> None:
-        """Add samples, each to Algorithm 2's pool ``pool_idx[i]``: checked once, sorted by pool
-        (stable), then one contiguous slice per pool. ``probs``/``counts`` are bins of the
-        predictor the pools hold (pre-calibrated, if :attr:`temperature` is set)."""
+        """Add samples, each to Algorithm 2's pool ``pool_idx[i]``: checked once and kept as
+        they came, with their pool (class docstring); the tables get them sorted by pool
+        (stable), one contiguous slice per pool. ``probs``/``counts`` are bins of the
+        predictor the pools hold (pre-calibrated, if :attr:`temperature` is set); rows given
+        as ``counts`` are copied (the pools never share the caller's arrays)."""
         pool_idx = np.asarray(pool_idx)
+        given = counts is not None
         if counts is None:
             counts, hashes = bin_counts_hashed(probs, self.layout.lam)
         elif hashes is None:
@@ -983,14 +1119,13 @@ class PoolSet:
             raise InputError(f"pool_idx must have shape {y.shape}, got {pool_idx.shape}")
         if y.size == 0:
             return
-        if pool_idx.min() < 0 or pool_idx.max() >= len(self.layout.names):
-            raise InputError(f"pool_idx outside [0, {len(self.layout.names)})")
-        order = np.argsort(pool_idx, kind="stable")
-        ps = pool_idx[order]
-        c, y, h = c[order], y[order], np.asarray(hashes, dtype=np.int64)[order]
-        cuts = (np.flatnonzero(ps[1:] != ps[:-1]) + 1).tolist()
-        for a, b in zip([0, *cuts], [*cuts, ps.size]):
-            self.tables[self.layout.names[int(ps[a])]]._append(c[a:b], y[a:b], h[a:b])
+        names = len(self.layout.names)
+        if pool_idx.min() < 0 or pool_idx.max() >= names:
+            raise InputError(f"pool_idx outside [0, {names})")
+        h = np.asarray(hashes, dtype=np.int64)
+        if given:
+            c, h = c.copy(), h.copy()
+        self._hold((pool_idx.astype(np.uint8 if names <= 256 else np.int64), c, y, h))
 
     def _need(self) -> list[int]:
         """Samples each routed destination still needs (order of :attr:`PoolLayout.routes`)."""
@@ -1063,8 +1198,12 @@ class PoolSet:
 
     def compact(self) -> None:
         """Compact every table (before handing the pools to another thread): the buffered
-        rows of all tables are grouped in one pass (:func:`compact_tables`)."""
-        compact_tables(list(self.tables.values()))
+        rows of all tables are grouped in one pass (:func:`compact_tables`); nothing to do
+        for a compacted set (a sealed bucket's, at every snapshot of a window)."""
+        routed, self._routed = self._routed or (), None
+        tables = [self._tables[n] for n in self.layout.names]
+        if routed or any(t._pending or t._lazy is not None for t in tables):
+            compact_tables(tables, routed)
 
     def fill(self) -> dict[str, tuple[int, int]]:
         out = {n: (self.tables[n].total, self.layout.targets[n]) for n in self.layout.names}
@@ -1081,7 +1220,8 @@ class PoolSet:
     @property
     def nbytes(self) -> int:
         """Bytes of the epoch's arrays (tables, held-out sums, warm-up grid)."""
-        n = sum(t.nbytes for t in self.tables.values())
+        n = sum(t.nbytes for t in self._tables.values()) + sum(
+            r[1].nbytes + r[2].nbytes + r[3].nbytes for r in self._routed or ())
         for h in (self.holdout, self.holdout_raw):
             if h is not None:
                 n += h.nbytes
