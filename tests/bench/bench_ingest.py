@@ -113,6 +113,9 @@ class Run:
     warm_seconds: float = 0.0
     warm_cpu: float = 0.0
     complete: bool = True  # False: stopped at ``daemon_read``'s time limit (a partial read)
+    # with ``warm_models``: wall seconds of the first checkpoint, run right after the admission
+    # (untimed: a process's first checkpoint encodes every model's state from scratch)
+    first_checkpoint: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -296,7 +299,14 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
     more than ``time_limit`` seconds raises, or with ``partial`` (and a timed part begun) ends
     there: the run covers the messages processed until then (``complete`` False). ``span``:
     the timed part ends at the first batch processed ``span`` seconds or more after it began
-    (then the staged events are offered, in the timing), or at the stream's end if sooner."""
+    (then the staged events are offered, in the timing), or at the stream's end if sooner.
+
+    With ``warm_models``, the daemon checkpoints right after the admission, and that first
+    checkpoint's wall and CPU time are taken out of the timed part (:attr:`Run.first_checkpoint`);
+    later checkpoints come at their paced times, in the timing. At the end of the timed part, the sums that wait for
+    the next decision point or checkpoint (the monitors' waiting rows, the online
+    calibrators' deferred rows) are summed in the timing too."""
+    from daemon.monitor import flush_waiting
     from daemon.service import Daemon
 
     settings = _settings(bootstrap, topics, pool, f"bench.state.{uuid.uuid4().hex[:8]}",
@@ -304,7 +314,7 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
     d = Daemon(settings, consumer_options=dict(FAST_CONSUMER))
     done = asyncio.Event()
     state = {"n": 0, "t0": None, "t1": None, "busy": 0.0, "cpu": 0.0, "c0": 0.0, "c1": 0.0,
-             "w0": None, "wc0": 0.0, "wn": 0, "warm": warm_models is None}
+             "w0": None, "wc0": 0.0, "wn": 0, "warm": warm_models is None, "ckpt": False}
     polls: list[float] = []
     fits: list[list[float]] = []
     process, mark_poll, launch = d.ingest.process, d.metrics.mark_poll, d.fitter.launch
@@ -334,6 +344,9 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
                 state["warm"] = True
                 state["warm_seconds"] = time.perf_counter() - state["w0"]
                 state["warm_cpu"] = time.process_time() - state["wc0"]
+                # the first checkpoint now, before the timing (the main loop runs it next)
+                state["ckpt"] = True
+                d.checkpointer.pacing.last_at = -math.inf
             return
         if state["t0"] is None:
             start()
@@ -342,10 +355,36 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
         if state["t1"] is None and (state["n"] + state["wn"] >= expected or (
                 span is not None and time.perf_counter() - state["t0"] >= span)):
             timed(flush_staged)()  # the staged events of the stream's end, in the timing
+            timed(settle)()
             state["t1"], state["c1"] = time.perf_counter(), time.process_time()
             if profile is not None:
                 profile.disable()
             done.set()
+
+    commit = d.checkpointer.commit
+
+    async def first_checkpoint_apart(*a, **kw):
+        """The first checkpoint after the admission, timed apart (its wall and CPU time are
+        taken out of the timed part if it falls inside it)."""
+        if not state["ckpt"]:
+            return await commit(*a, **kw)
+        state["ckpt"] = False
+        w0, c0 = time.perf_counter(), time.process_time()
+        try:
+            return await commit(*a, **kw)
+        finally:
+            state["first_checkpoint"] = time.perf_counter() - w0
+            if state["t0"] is not None and state["t1"] is None:
+                state["out_wall"] = state["first_checkpoint"]
+                state["out_cpu"] = time.process_time() - c0
+
+    def settle():
+        """The sums deferred to the next decision point or checkpoint, summed now."""
+        states = [slot.state for slot in d.registry.slots.values()]
+        flush_waiting(st.monitor for st in states)
+        for st in states:
+            if st.online is not None:
+                st.online.window.flush()
 
     def timed_poll(*a, **kw):
         polls.append(time.perf_counter())
@@ -358,6 +397,7 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
         inf.task.add_done_callback(lambda _f: span.__setitem__(1, time.perf_counter()))
 
     d.ingest.process, d.metrics.mark_poll, d.fitter.launch = timed_process, timed_poll, timed_launch
+    d.checkpointer.commit = first_checkpoint_apart
     d.ingest.flush_due, d.ingest.flush_staged = timed(flush_due), timed(flush_staged)
     task = asyncio.create_task(d.serve(install_signals=False))
     try:
@@ -380,10 +420,13 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(task, 60)
     t0, t1 = state["t0"], state["t1"]
-    return Run(state["n"], t1 - t0, [p for p in polls if t0 - 1 <= p <= t1],
+    return Run(state["n"], t1 - t0 - state.get("out_wall", 0.0),
+               [p for p in polls if t0 - 1 <= p <= t1],
                [(s, e) for s, e in fits if s <= t1], state["busy"], state["cpu"],
-               state["c1"] - state["c0"], state["wn"], state.get("warm_seconds", 0.0),
-               state.get("warm_cpu", 0.0), state.get("complete", True))
+               state["c1"] - state["c0"] - state.get("out_cpu", 0.0), state["wn"],
+               state.get("warm_seconds", 0.0),
+               state.get("warm_cpu", 0.0), state.get("complete", True),
+               state.get("first_checkpoint", 0.0))
 
 
 # --------------------------------------------------------------------------- stage costs
