@@ -886,16 +886,7 @@ def tables_from_rows(probs: np.ndarray, labels: np.ndarray, assign: np.ndarray, 
     sel = np.flatnonzero(assign >= 0)
     if sel.size < assign.size:
         h, pair = h[sel], pair[sel]
-    order = np.argsort(h)
-    hs = h[order]
-    new = np.empty(hs.size, dtype=bool)
-    new[:1] = True
-    np.not_equal(hs[1:], hs[:-1], out=new[1:])
-    gid = np.cumsum(new) - 1
-    inv = np.empty_like(gid)
-    inv[order] = gid
-    first = order[new]
-    uh = hs[new]
+    uh, first, inv = _unique_first(h)
     if not np.array_equal(pair[first][inv], pair):
         raise HashCollision("two distinct bins share a 64-bit hash")
     m = uh.size
