@@ -25,7 +25,7 @@ state) are defined in :mod:`daemon.codes`; a built module whose copies differ is
 The extension is built by ``pip install`` when a C compiler and the Python headers are present,
 and skipped with a warning otherwise (``optional = true`` in pyproject.toml). Without it, or
 with ``LPCAL_NATIVE=0`` in the environment, the daemon runs the pure-Python path, with the same
-results at about 70% of the ingest throughput (``tests/bench/bench_ingest.py``).
+results at a lower ingest throughput (measured by ``tests/bench/bench_ingest.py``).
 ``lpcal_build_info{ingest_path}`` on ``/metrics`` says which path a process runs
 (:func:`describe`). ``SPEEDUPS`` (the loaded module or None) is ``KERNELS.module``, read
 through the same reference.
