@@ -1049,6 +1049,7 @@ class PoolSet:
         #: rows of :meth:`add` not handed to the tables yet (``(pool index, bins, labels,
         #: hashes)`` chunks, in arrival order; None: none)
         self._routed: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None = None
+        self._routed_rows = self._routed_bytes = 0  # their rows and array bytes
         if tables:
             for n, t in tables.items():
                 if n not in self._tables:
@@ -1067,24 +1068,28 @@ class PoolSet:
             self._hand_over()
         return self._tables
 
+    def _take_routed(self) -> list | tuple:
+        """The rows :meth:`add` kept (``()`` if none), no longer kept here."""
+        routed, self._routed = self._routed or (), None
+        self._routed_rows = self._routed_bytes = 0
+        return routed
+
     def _hand_over(self) -> None:
         """Give the rows :meth:`add` kept to their tables (:func:`_route_rows`)."""
-        routed, self._routed = self._routed, None
-        _route_rows([self._tables[n] for n in self.layout.names], routed)
+        _route_rows([self._tables[n] for n in self.layout.names], self._take_routed())
 
     def _hold(self, chunk) -> None:
         """Keep a checked chunk of :meth:`add`, or hand every kept row to the tables if one
         of them might compact with it (its buffered rows reaching ``_COMPACT_EVERY`` rows or
         :data:`COMPACT_MIN_BYTES`: a table then decides at the same sample as before)."""
-        routed = self._routed
-        if routed is None:
-            routed = self._routed = []
-        routed.append(chunk)
-        rows = sum(r[2].size for r in routed)
-        nbytes = sum(r[1].nbytes + r[2].nbytes + r[3].nbytes for r in routed)
+        if self._routed is None:
+            self._routed = []
+        self._routed.append(chunk)
+        self._routed_rows += chunk[2].size
+        self._routed_bytes += chunk[1].nbytes + chunk[2].nbytes + chunk[3].nbytes
         tabs = self._tables.values()
-        if (rows + max(t._npend for t in tabs) >= _COMPACT_EVERY
-                or nbytes + max(t._pbytes for t in tabs) >= COMPACT_MIN_BYTES):
+        if (self._routed_rows + max(t._npend for t in tabs) >= _COMPACT_EVERY
+                or self._routed_bytes + max(t._pbytes for t in tabs) >= COMPACT_MIN_BYTES):
             self._hand_over()
 
     @property
@@ -1191,7 +1196,7 @@ class PoolSet:
         """Compact every table (before handing the pools to another thread): the buffered
         rows of all tables are grouped in one pass (:func:`compact_tables`); nothing to do
         for a compacted set (a sealed bucket's, at every snapshot of a window)."""
-        routed, self._routed = self._routed or (), None
+        routed = self._take_routed()
         tables = [self._tables[n] for n in self.layout.names]
         if routed or any(t._pending or t._lazy is not None for t in tables):
             compact_tables(tables, routed)
@@ -1211,8 +1216,7 @@ class PoolSet:
     @property
     def nbytes(self) -> int:
         """Bytes of the epoch's arrays (tables, held-out sums, warm-up grid)."""
-        n = sum(t.nbytes for t in self._tables.values()) + sum(
-            r[1].nbytes + r[2].nbytes + r[3].nbytes for r in self._routed or ())
+        n = sum(t.nbytes for t in self._tables.values()) + self._routed_bytes
         for h in (self.holdout, self.holdout_raw):
             if h is not None:
                 n += h.nbytes
