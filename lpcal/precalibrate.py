@@ -172,20 +172,17 @@ def _grid_nll(x: np.ndarray, y: np.ndarray,
               log_x: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """``(sum_i NLL_i(T_g) in fixed point for every grid point g, samples with f_y = 0)``;
     ``log_x``: ``np.log(x)``, if the caller has it (the same values: not computed again)."""
-    if log_x is not None:
-        keep = x[np.arange(x.shape[0]), y] > 0     # as positive_rows
-        skipped = int(keep.size - np.count_nonzero(keep))
-        if skipped:
-            log_x, y = log_x[keep], y[keep]
-    else:
-        x, y, skipped = positive_rows(x, y)
+    if log_x is None:
+        with np.errstate(divide="ignore"):
+            log_x = np.log(x)
+    keep = x[np.arange(x.shape[0]), y] > 0         # positive_rows' rows
+    skipped = int(keep.size - np.count_nonzero(keep))
+    if skipped:
+        log_x, y = log_x[keep], y[keep]
     total = np.zeros(_INV_T.size, dtype=np.int64)
     if y.shape[0] == 0:
         return total, skipped
-    if log_x is not None:  # shifted_log's values, from the log given
-        zs = log_x - log_x.max(axis=1, keepdims=True)
-    else:
-        zs = shifted_log(x)
+    zs = log_x - log_x.max(axis=1, keepdims=True)  # shifted_log's values
     zy = zs[np.arange(zs.shape[0]), y]
     for a, b, _, S in grid_exp(zs, _INV_T):
         total += nll_fixed(S, zy[a:b])
