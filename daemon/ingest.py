@@ -64,10 +64,8 @@ STAGE_MAX_AGE = 5.0
 #: bytes staged at most: the smaller of this and an eighth of ``join.max_bytes_total``
 STAGE_MAX_BYTES = 64 << 20
 
-_STATE = attrgetter("state")
-_PARTITION = attrgetter("partition")
-_SAMPLE_RATE = attrgetter("sample_rate")
 _OFFSETS = attrgetter("offsets")
+_OFFSET = attrgetter("offset")
 _NO_OFFSETS: dict = {}
 
 
@@ -104,9 +102,6 @@ class _Floors:
             if not len(mb):
                 return None
         return mb
-
-
-_OFFSET = attrgetter("offset")
 
 
 @contextlib.contextmanager
