@@ -609,7 +609,7 @@ class ModelState:
                 used = self.filling.add_samples(u[a:], probs[a:], labels[a:],
                                                 raw_bins=(c[a:], h[a:]))
                 a += used
-                if self._filling_full():
+                if self.filling.full:
                     self.seal()
                     res.sealed += 1
                 elif self._epoch_over_budget():  # all of the batch was taken (a == n)
@@ -929,19 +929,6 @@ class ModelState:
         if self.online is not None:
             self.online.set_max_bytes(self._online_budget())
         return self.monitor.set_max_bytes(self._monitor_budget())
-
-    def _filling_full(self) -> bool:
-        """``self.filling.full``, without summing every pool's table while the epoch's warm-up
-        or held-out share is not complete yet (a full epoch has both: see
-        :meth:`lpcal.pools.PoolSet.fill`)."""
-        pools = self.filling
-        grid = pools.grid
-        if grid is not None and grid.n + grid.skipped < pools.layout.warmup:
-            return False
-        hold = pools.holdout
-        if hold is not None and hold.n < pools.layout.holdout:
-            return False
-        return pools.full
 
     def _epoch_over_budget(self) -> bool:
         """True when the filling epoch, compacted, takes more than its part of the budget."""

@@ -1211,7 +1211,13 @@ class PoolSet:
 
     @property
     def full(self) -> bool:
-        return all(c >= t for c, t in self.fill().values())
+        """Every part of :meth:`fill` at its target: the warm-up and held-out counts first
+        (read at once), the tables' totals (a sum over each table) only then."""
+        if self.warming or (self.holdout is not None
+                            and self.holdout.n < self.layout.holdout):
+            return False
+        tables, targets = self.tables, self.layout.targets
+        return all(tables[n].total >= targets[n] for n in self.layout.names)
 
     @property
     def nbytes(self) -> int:
