@@ -208,21 +208,21 @@ class Fitter:
         if consumer is None:
             return
         table = self.partitions
-        tps = table.assigned
-        assigned = {tp.partition for tp in tps}
+        assigned = table.numbers()
         want = self.backlogged_partitions() & assigned
         throttled = table.paused()
-        pause = want - throttled
-        resume = (throttled - want) & assigned
+        if want == throttled:
+            return
+        pause, resume = table.set_paused(want)  # a topic held by daemon.alignment stays paused
         if pause:
-            consumer.pause(*[tp for tp in tps if tp.partition in pause])
+            consumer.pause(*pause)
+        if want - throttled:
             log.info("partitions %s paused: fits are behind (%d+ sealed epochs, or an online fit due)",
-                     sorted(pause), MAX_SEALED)
+                     sorted(want - throttled), MAX_SEALED)
         if resume:
-            consumer.resume(*[tp for tp in tps if tp.partition in resume])
-            log.info("partitions %s resumed: fits caught up", sorted(resume))
-        if want != throttled:
-            table.set_paused(want)
+            consumer.resume(*resume)
+        if (throttled - want) & assigned:
+            log.info("partitions %s resumed: fits caught up", sorted((throttled - want) & assigned))
 
     # ------------------------------------------------------------------ fits and publishing
     def launch(self, model: str, inf: Inflight) -> None:

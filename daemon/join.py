@@ -161,6 +161,17 @@ class JoinStore:
             return 0 if m is None else len(m.pending)
         return sum(len(m.pending) for m in self._models.values())
 
+    def pressure(self, model: str) -> tuple[float, int | None]:
+        """``(pending events / their bound in force, leading stream)`` of ``model``: how full
+        its buffer is, and which stream was read further ahead in event time, 0 predictions or
+        1 outcomes (None: neither), whose events are the ones waiting
+        (:mod:`daemon.alignment`)."""
+        m = self._models.get(model)
+        if m is None:
+            return 0.0, None
+        p, o = self.wm
+        return len(m.pending) / m.cap_pending, (0 if p > o else 1 if o > p else None)
+
     def stats(self, model: str) -> dict[str, Any]:
         """Cumulative counters of ``model``: joined, pending, evicted{...}, unmatched{...}."""
         m = self._models.get(model) or _ModelJoin()

@@ -374,6 +374,14 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
          "threshold (drift declared at 1; latched until a new map).")),
     "lpcal_consumer_lag_messages": (
         "gauge", ("topic",), "Messages between the committed offset and the log end."),
+    "lpcal_input_holds_total": (
+        "counter", ("topic",),
+        ("Times an input topic's partition was paused by the join's flow control: its events "
+         "filled a model's join buffer while the other topic's partition had records to read "
+         "(join.align_inputs; a backlog read faster on one topic).")),
+    "lpcal_input_held_partitions": (
+        "gauge", ("topic",),
+        "Input partitions of each topic paused by the join's flow control now."),
     "lpcal_last_poll_timestamp_seconds": (
         "gauge", (), "Unix time of the last successful Kafka poll."),
     "lpcal_checkpoints_total": (
@@ -644,6 +652,8 @@ class DaemonMetrics:
         self.certificate_target = make("lpcal_certificate_target")
         self.certificate_vacuous = make("lpcal_certificate_vacuous")
         self.consumer_lag = make("lpcal_consumer_lag_messages")
+        self.input_holds = make("lpcal_input_holds_total")
+        self.input_held = make("lpcal_input_held_partitions")
         self.last_poll = make("lpcal_last_poll_timestamp_seconds")
         self.checkpoints = make("lpcal_checkpoints_total")
         self.checkpoint_duration = make("lpcal_checkpoint_duration_seconds")
@@ -899,6 +909,15 @@ class DaemonMetrics:
     def set_consumer_lag(self, topic: str, lag: int) -> None:
         """Set the lag (messages, summed over partitions) of ``topic``."""
         self.consumer_lag.labels(topic=_check(topic, Topic, "topic")).set(_count(lag, "lag"))
+
+    def inc_input_hold(self, topic: str) -> None:
+        """Count one hold of an input partition of ``topic`` by the join's flow control."""
+        self.input_holds.labels(topic=_check(topic, Topic, "topic")).inc()
+
+    def set_input_held(self, held: Mapping[str, int]) -> None:
+        """Set the input partitions held now, ``{topic: count}``."""
+        for topic, n in held.items():
+            self.input_held.labels(topic=_check(topic, Topic, "topic")).set(_count(n, "n"))
 
     def set_consumer_lags(self, lags: Mapping[str, int]) -> None:
         """Set several topics' lag at once, ``{topic: lag}``."""

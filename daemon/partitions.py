@@ -9,6 +9,8 @@ aiokafka's ``TopicPartitionState``: the state of one unit of assignment in one o
   by the restore when it seeks; written into the manifest ``partition/<n>`` by the checkpoint);
 * ``gaps``: its offset-gap guard (:class:`daemon.offset_gaps.OffsetGapGuard`, keyed by topic);
 * ``paused``: paused by backpressure (a model on it has too many sealed epochs waiting);
+* ``held``: the input topic held back by the join's flow control (:mod:`daemon.alignment`:
+  its events wait in a join buffer for the other topic's), or None;
 * ``sampled``: ``{model: sample_rate}`` of its models with a rate < 1, for the raw-bytes
   prefilter of :mod:`daemon.ingest`.
 
@@ -34,6 +36,7 @@ class PartitionState:
     gaps: OffsetGapGuard
     positions: dict[str, int] = field(default_factory=dict)  # topic -> next offset
     paused: bool = False  # by backpressure
+    held: str | None = None  # the input topic held back by daemon.alignment
     sampled: dict[str, float] = field(default_factory=dict)  # model -> sample rate < 1
 
     def seek(self, topic: str, offset: int) -> None:
@@ -90,22 +93,60 @@ class PartitionTable:
         """The partition numbers paused by backpressure."""
         return {n for n, ps in self._states.items() if ps.paused}
 
+    def held(self) -> dict[int, str]:
+        """``{partition number: input topic}`` held back by the join's flow control."""
+        return {n: ps.held for n, ps in self._states.items() if ps.held is not None}
+
+    def input_partition(self, topic: str, n: int) -> TopicPartition | None:
+        """The assigned ``TopicPartition`` of ``topic[n]``, or None."""
+        tp = TopicPartition(topic, n)
+        return tp if tp in self.assigned else None
+
+    def stopped(self) -> set[TopicPartition]:
+        """The assigned input partitions this table wants paused: both topics of a partition
+        paused by backpressure, the held topic of a held one."""
+        out = set()
+        for tp in self.assigned:
+            ps = self._states.get(tp.partition)
+            if ps is not None and (ps.paused or ps.held == tp.topic):
+                out.add(tp)
+        return out
+
     # ------------------------------------------------------------------ mutators
     def assign(self, tps: Iterable[TopicPartition]) -> set[TopicPartition]:
-        """Caller: ``Daemon.on_assigned``. Affects: ``assigned`` (becomes ``tps``). Returns the
+        """Caller: ``Daemon.on_assigned``. Affects: ``assigned`` (becomes ``tps``), ``held`` of
+        every partition (cleared: the assignment pauses and resumes them all). Returns the
         partitions that are new (not assigned before)."""
         tps = set(tps)
         new = tps - self.assigned
         self.assigned = tps
+        for ps in self._states.values():
+            ps.held = None
         return new
 
-    def set_paused(self, parts: set[int]) -> None:
+    def set_paused(self, parts: set[int]) -> tuple[set[TopicPartition], set[TopicPartition]]:
         """Caller: backpressure (:class:`daemon.fitting.Fitter`) and the restore. Affects:
-        ``paused`` of every partition: set exactly for ``parts``."""
+        ``paused`` of every partition: set exactly for ``parts``. Returns the assigned input
+        partitions to pause and to resume (what :meth:`stopped` gained and lost)."""
+        before = self.stopped()
         for n in parts:
             self.ensure(n)
         for n, ps in self._states.items():
             ps.paused = n in parts
+        after = self.stopped()
+        return after - before, before - after
+
+    def set_held(self, held: dict[int, str]) -> tuple[set[TopicPartition], set[TopicPartition]]:
+        """Caller: the join's flow control (:class:`daemon.alignment.Aligner`). Affects:
+        ``held`` of every partition: set exactly to ``held`` (partition number -> input topic).
+        Returns the assigned input partitions to pause and to resume."""
+        before = self.stopped()
+        for n in held:
+            self.ensure(n)
+        for n, ps in self._states.items():
+            ps.held = held.get(n)
+        after = self.stopped()
+        return after - before, before - after
 
     def release(self, tps: Iterable[TopicPartition]) -> set[int]:
         """Caller: ``Daemon.on_revoked``, after the revoked partitions were checkpointed.

@@ -12,7 +12,8 @@ rebalance callbacks and composes the objects that do the work, each receiving wh
 :class:`~daemon.registry.ModelRegistry` (one slot per owned model),
 :class:`~daemon.partitions.PartitionTable` (one state per assigned input partition),
 :class:`~daemon.ingest.Ingest` (batches, parsing, dead letters), :class:`~daemon.fitting.Fitter`
-(triggers, fits, publishing, backpressure), :class:`~daemon.gauges.GaugeExporter`,
+(triggers, fits, publishing, backpressure), :class:`~daemon.alignment.Aligner` (the flow
+control that reads both input topics at the join's pace), :class:`~daemon.gauges.GaugeExporter`,
 :class:`~daemon.checkpoint.checkpointer.Checkpointer` (writing checkpoints; the exactly-once
 accounting) and :class:`~daemon.checkpoint.restorer.Restorer` (restoring an assignment); broker
 calls are retried by :mod:`daemon.retry`. :class:`~daemon.http_api.HttpServer` reads a
@@ -38,6 +39,7 @@ import orjson
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 
 from daemon import heap, retry
+from daemon.alignment import Aligner
 from daemon.binmap_view import BinMapView, settings_fit
 from daemon.checkpoint.checkpointer import Checkpointer
 from daemon.checkpoint.restorer import Restorer
@@ -127,6 +129,8 @@ class Daemon:
         self.fitter = Fitter(settings, self.registry, self.partitions, self.clients,
                              self.metrics, self.gauges, self.stopping, self.executor, fit=fit,
                              retry_policy=retry_policy, online_fit=online_fit)
+        self.aligner = Aligner(settings, self.registry, self.partitions, self.clients,
+                               self.metrics)
         self.checkpointer = Checkpointer(
             self.store, self.registry, self.partitions, self.deadletters, self.clients,
             self.metrics, interval=settings.state.checkpoint_interval_seconds,
@@ -245,6 +249,7 @@ class Daemon:
                         ingest.process(tp, msgs)
             now = time.monotonic()
             ingest.flush_due(now)  # staged events that waited their longest (daemon.staging)
+            await self.aligner.after_batch(self.registry.touched)  # before the triggers take them
             self.fitter.after_batch(now)
             self.gauges.after_batch(now)
             await self.deadletters.after_batch(self.stopping)
@@ -437,6 +442,7 @@ class Daemon:
         self.ingest.flush_staged(parts)  # (after a failed checkpoint: into the parked states)
         self.registry.release(parts, park=not saved)  # parked: the state further along wins
         self.fitter.forget(released)
+        self.aligner.forget(released)
         self.partitions.release(tps)
 
     # ------------------------------------------------------------------ assignment retries

@@ -86,6 +86,8 @@ EXPECTED = {
     "lpcal_calibration_statistic_stderr": ("gauge", ("model", "predictor", "statistic")),
     "lpcal_drift_change_score": ("gauge", ("model",)),
     "lpcal_consumer_lag_messages": ("gauge", ("topic",)),
+    "lpcal_input_holds_total": ("counter", ("topic",)),
+    "lpcal_input_held_partitions": ("gauge", ("topic",)),
     "lpcal_last_poll_timestamp_seconds": ("gauge", ()),
     "lpcal_checkpoints_total": ("counter", ("outcome",)),
     "lpcal_checkpoint_duration_seconds": ("gauge", ()),

@@ -185,6 +185,12 @@ class JoinSettings(Strict):
     ``min(max_bytes_per_model, max_bytes_total / models)``, updated as models come and go.
     With the shipped 1 GiB memory limit this leaves room for the process (~200 MiB),
     checkpoint encoding and fits."""
+    align_inputs: bool = True
+    """Flow control between the two input topics (:mod:`daemon.alignment`): when a model's
+    join buffer is half full of one topic's events and the other topic's partition still has
+    records to read, the first topic's partition is paused until the buffer is a quarter
+    full or the other is read to its end. Keeps a backlog (restart, new replica) from
+    evicting pairs whose partner is merely unread; ``lpcal_input_holds_total``."""
     max_ts_skew_seconds: PosFloat = 300.0
     """Seconds of event time an event's ``ts`` may be ahead of its Kafka record timestamp;
     later events are dead-lettered as ``ts_out_of_range``. Bounds how far one event can move a

@@ -116,6 +116,9 @@ class Run:
     # with ``warm_models``: wall seconds of the first checkpoint, run right after the admission
     # (untimed: a process's first checkpoint encodes every model's state from scratch)
     first_checkpoint: float = 0.0
+    # daemon runs: events the join dropped over the run (evicted or unmatched, every model):
+    # a run that loses none did the join, monitor and calibrator work of the whole stream
+    join_lost: int = 0
 
     @property
     def rate(self) -> float:
@@ -415,6 +418,11 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
             state["complete"] = False
             if profile is not None:
                 profile.disable()
+        for slot in d.registry.slots.values():
+            for model in slot.state.join.models():
+                stats = slot.state.join.stats(model)
+                state["lost"] = (state.get("lost", 0) + sum(stats["evicted"].values())
+                                 + sum(stats["unmatched"].values()))
     finally:
         d.stopping.set()
         with contextlib.suppress(asyncio.TimeoutError):
@@ -426,7 +434,7 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
                state["c1"] - state["c0"] - state.get("out_cpu", 0.0), state["wn"],
                state.get("warm_seconds", 0.0),
                state.get("warm_cpu", 0.0), state.get("complete", True),
-               state.get("first_checkpoint", 0.0))
+               state.get("first_checkpoint", 0.0), state.get("lost", 0))
 
 
 # --------------------------------------------------------------------------- stage costs
@@ -840,6 +848,13 @@ def render(res: dict) -> str:
         f"| max gap between polls, whole run | {fit.max_gap(False) * 1000:.0f} ms | |",
         (f"| max gap between polls, no-fit runs | "
          f"{max(r.max_gap(False) for r in lps) * 1000:.0f} ms | |"),
+        "",
+        ("Events the join dropped (evicted or unmatched), summed over the runs: "
+         + "; ".join(f"{name}: {sum(r.join_lost for r in rs):,}"
+                     for name, rs in (("epochs", lps), ("online", ons), ("pure Python", pys))
+                     if rs)
+         + " (0: every run joined the whole stream and did the same work; "
+           "`join.align_inputs` holds back the topic read ahead)."),
         "",
     ]
     return "\n".join(lines + _malformed_lines(res) + _sampled_lines(res, raw_rate)

@@ -461,6 +461,15 @@ def render(res: dict) -> list[Table]:
                     _us(r.cpu / r.messages),
                     f"{admission(r, m) * 1e6:,.0f} ({r.warm_messages:,.0f})",
                     "n/a" if p is None else f"{_mib(p)} ({_mib(g)})", "", "")
+    lost = {f"{m:,} model{'s' if m != 1 else ''}": sum(r.join_lost for r, _, _ in runs[m])
+            for m in counts}
+    lost.update({f"{m:,} (epochs)": r.join_lost for m, (r, _, _) in ep.items()})
+    tab.notes.append(
+        "Events the join dropped (evicted or unmatched), summed over the daemon runs: "
+        + "; ".join(f"{k}: {v:,}" for k, v in lost.items())
+        + (". Every run joined the whole stream, so every repetition did the same work "
+           "(`join.align_inputs` holds back the topic read ahead)." if not any(lost.values())
+           else ". Runs that dropped events did less join, monitor and calibrator work."))
     tab.notes += [
         ("Each repetition reads raw, then the daemon at each model count in that order; "
          "repetitions per model count: "
