@@ -679,9 +679,13 @@ class OnlineCalibrator:
         limit = self.config.max_bytes
         if limit is None:
             return
-        while len(self.window.buckets) > 1 and sum(
-                b.nbytes for b in self.window.buckets[:-1]) > limit:
-            del self.window.buckets[0]
+        buckets = self.window.buckets
+        sizes = [b.nbytes for b in buckets[:-1]]  # summed once: the dropped ones come off
+        total, drop = sum(sizes), 0
+        while drop < len(sizes) and total > limit:
+            total -= sizes[drop]
+            drop += 1
+        del buckets[:drop]
 
     # ------------------------------------------------------------------ deciding
     def _decide(self) -> list[Event]:
