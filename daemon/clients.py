@@ -14,6 +14,7 @@ from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from daemon import retry
 from daemon.checkpoint.store import state_topic_config
 from daemon.kafka import clients as kafka_clients
+from daemon.kafka import lean_records
 from daemon.kafka import topics as kafka_topics
 from lpcal.errors import LpcalError
 
@@ -99,13 +100,17 @@ class KafkaClients:
         given to the constructor, which override them: tests).
 
         The range assignor gives partition n of both co-partitioned topics to one member
-        (aiokafka's default, round robin, would split a model's predictions and outcomes)."""
+        (aiokafka's default, round robin, would split a model's predictions and outcomes).
+        With ``kafka.lean_records``, records come as aiokafka decodes them
+        (:mod:`daemon.kafka.lean_records`)."""
         k = self.s.kafka
         opts = {"session_timeout_ms": k.session_timeout_ms,
                 "heartbeat_interval_ms": k.heartbeat_interval_ms,
                 "fetch_max_wait_ms": k.fetch_max_wait_ms,
                 "max_partition_fetch_bytes": max(k.max_message_bytes, 1 << 20),
                 "partition_assignment_strategy": (RangePartitionAssignor,)}
+        if k.lean_records and lean_records.install():
+            opts["value_deserializer"] = lean_records.LEAN
         opts.update(self._consumer_options)
         return opts
 
