@@ -13,10 +13,10 @@ joined none (``tests/integration/test_daemon_alignment.py``).
 
 The fix is flow control, as Kafka Streams synchronises the partitions of a task by timestamp:
 when a model's join buffer fills up with events of one topic, that topic's partition is *held*
-(paused) while the other topic's partition of the same number still has records to read; it is
-resumed once the buffer has drained, or once the other partition is read to its end (then the
-partners are not in the topic yet, and holding back would only delay: the buffer's TTL and
-bound do their job as before). Holding is lossless: aiokafka drops the fetched records of a
+(paused) while the other topic's partition of the same number is behind it; it is resumed once
+the buffer has drained, or once the other partition has caught up (read to its end, or to the
+held one's record time: then the partners are not in the topic yet, and holding back would
+only delay, while the buffer's TTL and bound do their job as before). Holding is lossless: aiokafka drops the fetched records of a
 paused partition and fetches them again from the consumed position on resume.
 
 :class:`InputAlignment` is the pure state machine; :class:`Aligner` feeds it after each batch
@@ -32,9 +32,14 @@ When (hysteresis, on a model's pending events over its bound in force, ``pressur
   events cannot overflow a buffer of 10,000 or more from there) and stops at
   ``pressure <= RELEASE_AT``;
 * a partition's topic is held while a model on it presses with that topic leading and the
-  other topic's partition has records left to read (its high watermark above the next offset
-  to process). Both topics of one partition are never held at once (models leading on both
-  sides): neither is, so reading never stops.
+  other topic's partition of the same number is *behind*: it has records left to read (its
+  high watermark above the next offset to process) and the largest event time read from it is
+  below the largest read from the held topic (event time as the join's watermark reads it,
+  bounded by ``join.max_ts_skew_seconds``). The second condition is what
+  keeps a model whose partners never come (a model without outcomes) from stalling its
+  partition: once both topics are read up to the same time, nothing is held, and its pending
+  events expire by TTL or bound as before. Both topics of one partition are never held at
+  once (models leading on both sides): neither is, so reading never stops.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ class Press(NamedTuple):
 class InputAlignment:
     """Which input stream of which partition to hold back (see the module docstring). Pure:
     the caller reports the join pressure of the models a batch touched (:meth:`observe`) and
-    asks for the holds given which partitions have records left to read (:meth:`holds`)."""
+    asks for the holds given which partitions are behind (:meth:`holds`)."""
 
     def __init__(self, hold_at: float = HOLD_AT, release_at: float = RELEASE_AT):
         if not 0.0 < release_at < hold_at <= 1.0:
@@ -92,11 +97,11 @@ class InputAlignment:
         for m in models:
             self.pressing.pop(m, None)
 
-    def holds(self, unread: Callable[[int, int], bool | None]) -> dict[int, int]:
+    def holds(self, behind: Callable[[int, int], bool | None]) -> dict[int, int]:
         """``{partition: stream held}``: for each partition a model presses on, its leading
-        stream, while ``unread(partition, other stream)`` says the other stream's partition
-        has records left to read (None: unknown, as False). A partition pressed on both streams
-        holds neither."""
+        stream, while ``behind(partition, leading stream)`` says the other stream's partition is
+        behind it (None: unknown, as False). A partition pressed on both streams holds
+        neither."""
         wanted: dict[int, set[int]] = {}
         for p in self.pressing.values():
             wanted.setdefault(p.partition, set()).add(p.leading)
@@ -104,7 +109,7 @@ class InputAlignment:
         for part, streams in wanted.items():
             if len(streams) == 1:
                 (s,) = streams
-                if unread(part, 1 - s):
+                if behind(part, s):
                     out[part] = s
         return out
 
@@ -115,7 +120,7 @@ class Aligner:
     the consumer (pause and resume), counted in ``lpcal_input_holds_total`` and
     ``lpcal_input_held_partitions``. Constructed with what it reads: the settings (input topic
     names, ``join.align_inputs``), the registry (models, their partition and join), the
-    partition table (positions, holds), the Kafka clients (the consumer's high watermarks) and
+    partition table (positions, event times, holds), the Kafka clients (the consumer's high watermarks) and
     the metrics."""
 
     def __init__(self, settings, registry, partitions, clients, metrics,
@@ -142,24 +147,30 @@ class Aligner:
             a.observe(model, slot.partition, pressure, leading)
         if not a.pressing and not self.partitions.held():
             return
-        need = {(p.partition, 1 - p.leading) for p in a.pressing.values()}
-        unread = {key: await self.unread(*key) for key in need}
-        self.apply(lambda part, stream: unread.get((part, stream)))
+        need = {(p.partition, p.leading) for p in a.pressing.values()}
+        behind = {key: await self.behind(*key) for key in need}
+        self.apply(lambda part, stream: behind.get((part, stream)))
 
-    async def unread(self, partition: int, stream: int) -> bool | None:
-        """Whether ``stream``'s input partition ``partition`` has records past the next offset
-        to process, by its last fetched high watermark (None: unknown, before the partition's
-        first fetch). The next offset is the partition table's, or before the partition's first
-        batch the consumer's (``position``, waited for at most :data:`POSITION_WAIT` s)."""
+    async def behind(self, partition: int, leading: int) -> bool | None:
+        """Whether the other stream's input partition ``partition`` is behind stream
+        ``leading``'s: it has records past the next offset to process (by its last fetched
+        high watermark) and the largest event time read from it is below ``leading``'s (none
+        read yet counts as below). None: unknown (before its first fetch).
+        The next offset is the partition table's, or before the partition's first batch the
+        consumer's (``position``, waited for at most :data:`POSITION_WAIT` s)."""
         consumer = self.clients.consumer
-        topic = self.topics[stream]
+        topic, lead_topic = self.topics[1 - leading], self.topics[leading]
         tp = self.partitions.input_partition(topic, partition)
-        if consumer is None or tp is None:
+        ps = self.partitions.get(partition)
+        if consumer is None or tp is None or ps is None:
             return None
         high = consumer.highwater(tp)
         if high is None:
             return None
-        pos = self.partitions.position(topic, partition)
+        mine, lead = ps.event_times.get(topic), ps.event_times.get(lead_topic)
+        if mine is not None and lead is not None and mine >= lead:
+            return False
+        pos = ps.positions.get(topic)
         if pos is None:
             try:
                 pos = await asyncio.wait_for(consumer.position(tp), POSITION_WAIT)
@@ -167,10 +178,10 @@ class Aligner:
                 return None
         return high > pos
 
-    def apply(self, unread: Callable[[int, int], bool | None]) -> None:
-        """Set the holds (:meth:`InputAlignment.holds` given ``unread``) on the partition table
+    def apply(self, behind: Callable[[int, int], bool | None]) -> None:
+        """Set the holds (:meth:`InputAlignment.holds` given ``behind``) on the partition table
         and pause or resume what changed."""
-        holds = {n: self.topics[s] for n, s in self.alignment.holds(unread).items()
+        holds = {n: self.topics[s] for n, s in self.alignment.holds(behind).items()
                  if n in self.partitions}
         pause, resume = self.partitions.set_held(holds)
         consumer = self.clients.consumer

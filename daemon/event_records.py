@@ -234,6 +234,14 @@ class ParsedBatch:
             self.grouped = None
         return self._by_model
 
+    def max_ts(self) -> float:
+        """The largest event time (``ts``) of the valid events (``-inf``: none)."""
+        g = self.grouped
+        if g is not None:
+            return float(g.ts.max()) if len(g) else -math.inf
+        return max((float(mb.ts.max()) for mb in self._by_model.values() if len(mb)),
+                   default=-math.inf)
+
     @property
     def models(self) -> int:
         """How many models have valid events in the batch."""

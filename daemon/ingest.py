@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import time
 from collections.abc import Callable
 from operator import attrgetter
@@ -321,6 +322,9 @@ class Ingest:
         if high is None or end > high:
             self._high[key] = end
         ps.positions[tp.topic] = end
+        ts_max = pb.max_ts()
+        if ts_max > ps.event_times.get(tp.topic, -math.inf):
+            ps.event_times[tp.topic] = ts_max
 
     def _route(self, tp: TopicPartition, msgs, items: list[tuple[str, ModelBatch]],
                shared: bool, topic_kind: str, rates: dict[str, float],

@@ -377,7 +377,7 @@ _SPEC: dict[str, tuple[str, tuple[str, ...], str]] = {
     "lpcal_input_holds_total": (
         "counter", ("topic",),
         ("Times an input topic's partition was paused by the join's flow control: its events "
-         "filled a model's join buffer while the other topic's partition had records to read "
+         "filled a model's join buffer while the other topic's partition was behind "
          "(join.align_inputs; a backlog read faster on one topic).")),
     "lpcal_input_held_partitions": (
         "gauge", ("topic",),

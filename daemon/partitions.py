@@ -7,6 +7,9 @@ aiokafka's ``TopicPartitionState``: the state of one unit of assignment in one o
 
 * ``positions``: the next offset to process, per input topic (set by ingest after each batch and
   by the restore when it seeks; written into the manifest ``partition/<n>`` by the checkpoint);
+* ``event_times``: the largest event time (``ts``, seconds) of the events processed, per input
+  topic (set by ingest after each batch; the join's flow control compares the two topics by
+  it; not checkpointed);
 * ``gaps``: its offset-gap guard (:class:`daemon.offset_gaps.OffsetGapGuard`, keyed by topic);
 * ``paused``: paused by backpressure (a model on it has too many sealed epochs waiting);
 * ``held``: the input topic held back by the join's flow control (:mod:`daemon.alignment`:
@@ -35,6 +38,7 @@ class PartitionState:
     number: int
     gaps: OffsetGapGuard
     positions: dict[str, int] = field(default_factory=dict)  # topic -> next offset
+    event_times: dict[str, float] = field(default_factory=dict)  # topic -> largest ts read
     paused: bool = False  # by backpressure
     held: str | None = None  # the input topic held back by daemon.alignment
     sampled: dict[str, float] = field(default_factory=dict)  # model -> sample rate < 1

@@ -192,9 +192,9 @@ class JoinSettings(Strict):
     checkpoint encoding and fits."""
     align_inputs: bool = True
     """Flow control between the two input topics (:mod:`daemon.alignment`): when a model's
-    join buffer is half full of one topic's events and the other topic's partition still has
-    records to read, the first topic's partition is paused until the buffer is a quarter
-    full or the other is read to its end. Keeps a backlog (restart, new replica) from
+    join buffer is half full of one topic's events and the other topic's partition is behind
+    (records to read, read up to an earlier event time), the first topic's partition is paused
+    until the buffer is a quarter full or the other has caught up. Keeps a backlog (restart, new replica) from
     evicting pairs whose partner is merely unread; ``lpcal_input_holds_total``."""
     max_ts_skew_seconds: PosFloat = 300.0
     """Seconds of event time an event's ``ts`` may be ahead of its Kafka record timestamp;

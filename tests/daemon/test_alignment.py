@@ -40,18 +40,18 @@ def test_a_model_presses_from_half_full_until_a_quarter_full():
     assert a.holds(lambda p, s: True) == {}
 
 
-def test_a_hold_needs_records_left_on_the_other_topic():
+def test_a_hold_needs_the_other_topic_behind():
     a = InputAlignment()
-    a.observe("m", 3, 0.9, 0)        # predictions lead: hold them while outcomes are unread
+    a.observe("m", 3, 0.9, 0)        # predictions lead: hold them while outcomes are behind
     asked = []
 
-    def unread(part, stream):
+    def behind(part, stream):
         asked.append((part, stream))
         return answer
 
     for answer, want in ((True, {3: 0}), (False, {}), (None, {})):
-        assert a.holds(unread) == want
-    assert set(asked) == {(3, 1)}
+        assert a.holds(behind) == want
+    assert set(asked) == {(3, 0)}
 
 
 def test_a_partition_pressed_on_both_topics_holds_neither():
@@ -174,8 +174,11 @@ def daemon():
     d.registry.place(MODEL, ModelState.create(MODEL, K, s.model_settings(MODEL), s.join), 0)
     t = s.kafka.topics
     d.tp = {"p": TopicPartition(t.predictions, 0), "o": TopicPartition(t.outcomes, 0)}
-    d.partitions.ensure(0).seek(t.predictions, 10)
-    d.partitions.ensure(0).seek(t.outcomes, 60)
+    ps = d.partitions.ensure(0)
+    ps.seek(t.predictions, 10)
+    ps.seek(t.outcomes, 60)
+    # the outcomes were read further in event time
+    ps.event_times.update({t.predictions: 1_010.0, t.outcomes: 1_065.0})
     return d
 
 
@@ -206,6 +209,19 @@ async def test_no_hold_once_the_other_topic_is_read_to_its_end(daemon):
     con.high = {}                                          # unknown: as read to the end
     await d.aligner.after_batch(set())
     assert con.paused == set()
+
+
+async def test_no_hold_once_the_other_topic_is_read_up_to_the_same_time(daemon):
+    # e.g. a model whose partners never come: the other topic keeps records to read (other
+    # models'), but once it is read as far in time, holding back would stall the partition
+    d, con = daemon, daemon.clients.consumer
+    con.high = {d.tp["p"]: 500, d.tp["o"]: 500}
+    _offer(d, "o", 0, 60)
+    await d.aligner.after_batch(d.registry.touched)
+    assert con.paused == {d.tp["o"]}
+    d.partitions.get(0).event_times[d.tp["p"].topic] = 1_065.0  # predictions caught up in time
+    await d.aligner.after_batch(set())
+    assert con.paused == set() and not d.partitions.held()
 
 
 async def test_a_released_model_stops_pressing_and_flow_control_can_be_off(daemon):
@@ -254,3 +270,24 @@ async def test_a_partition_not_read_yet_is_asked_of_the_consumer(daemon):
     con.positions[d.tp["p"]] = 500                    # read to its end
     await d.aligner.after_batch(set())
     assert con.paused == set()
+
+
+class Msg:
+    """The attributes ingest reads of an input record."""
+
+    def __init__(self, value: bytes, offset: int, timestamp_ms: int):
+        self.value, self.offset, self.timestamp, self.key = value, offset, timestamp_ms, None
+
+
+def test_ingest_keeps_the_largest_event_time_read_per_topic():
+    s = _settings()
+    d = broker_free_daemon(s, partitions=(0,))
+    tp = TopicPartition(s.kafka.topics.outcomes, 0)
+    ts = [1_764_000_030.0, 1_764_000_050.0, 1_764_000_040.0]
+    vals = [orjson.dumps({"model": MODEL, "id": f"e{i}", "ts": t, "label": 1})
+            for i, t in enumerate(ts)]
+    d.ingest.process(tp, [Msg(v, i, 1_764_000_100_000) for i, v in enumerate(vals)])
+    assert d.partitions.get(0).event_times == {tp.topic: 1_764_000_050.0}
+    d.ingest.process(tp, [Msg(vals[0], 3, 1_764_000_100_000)])  # an older one: kept as is
+    assert d.partitions.get(0).event_times == {tp.topic: 1_764_000_050.0}
+    assert d.partitions.position(tp.topic, 0) == 4
