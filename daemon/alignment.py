@@ -120,8 +120,8 @@ class Aligner:
     the consumer (pause and resume), counted in ``lpcal_input_holds_total`` and
     ``lpcal_input_held_partitions``. Constructed with what it reads: the settings (input topic
     names, ``join.align_inputs``), the registry (models, their partition and join), the
-    partition table (positions, event times, holds), the Kafka clients (the consumer's high watermarks) and
-    the metrics."""
+    partition table (positions, event times, holds), the Kafka clients (the consumer's high
+    watermarks and positions) and the metrics."""
 
     def __init__(self, settings, registry, partitions, clients, metrics,
                  alignment: InputAlignment | None = None):
@@ -174,7 +174,7 @@ class Aligner:
         if pos is None:
             try:
                 pos = await asyncio.wait_for(consumer.position(tp), POSITION_WAIT)
-            except (asyncio.TimeoutError, KafkaError):
+            except (TimeoutError, KafkaError):
                 return None
         return high > pos
 

@@ -65,9 +65,10 @@ def test_other_consumers_keep_consumer_records_and_lean_is_an_identity_without_i
 
 
 def test_the_daemon_consumer_opts_in_unless_turned_off():
+    import asyncio
+
     from daemon.clients import KafkaClients
     from daemon.metrics import DaemonMetrics
-    import asyncio
 
     def options(**kafka):
         s = Settings(kafka=kafka)
