@@ -63,7 +63,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Any
@@ -71,11 +71,18 @@ from typing import Any
 import numpy as np
 
 from lpcal.errors import InputError
-from lpcal.precalibrate import chunk_rows, grid_exp, shifted_log
+from lpcal.precalibrate import (
+    chunk_rows,
+    chunk_runs,
+    grid_exp,
+    run_bounds,
+    shifted_log,
+    sum_runs,
+)
 from lpcal.warmup import lagrange_weights, normal_quantile
 
 __all__ = ["LOSSES", "LOSS_GRID_LOG2_T", "NLL_CLIP", "SCALE", "Decision", "LossGrid",
-           "PairedLoss", "challenge", "per_sample_loss"]
+           "PairedLoss", "challenge", "per_sample_loss", "update_runs"]
 
 #: ``log2`` of the loss grid's temperatures: -4 to 4 in steps of 1/4 (33 points).
 LOSS_GRID_LOG2_T = np.arange(-16, 17, dtype=np.float64) / 4.0
@@ -253,35 +260,8 @@ class LossGrid:
         if x.ndim != 2 or y.shape != (x.shape[0],):
             raise InputError(f"LossGrid.update: probs {x.shape} and labels {y.shape} do not "
                              "match")
-        n = x.shape[0]
-        if n == 0:
-            return self
-        if self.sums is _ZERO_SUMS:
-            self.sums = {loss: np.zeros(_G, dtype=np.int64) for loss in LOSSES}
-            self.prods = {loss: np.zeros(_IU[0].size, dtype=np.int64) for loss in LOSSES}
-        z = shifted_log(x)
-        for a, b, e, S in grid_exp(z, _INV_T, min(_EXACT_ROWS, chunk_rows(_G, x.shape[1]))):
-            e /= S[None]                                                 # q, (k, G, m)
-            m = b - a
-            qy = e[y[a:b], :, np.arange(m)].T                            # (G, m)
-            q = np.ascontiguousarray(e.transpose(1, 2, 0))               # (G, m, k)
-            v = np.empty((2, _G, m))                                     # brier, nll
-            np.einsum("gmk,gmk->gm", q, q, out=v[0])
-            v[0] -= 2.0 * qy
-            v[0] += 1.0
-            with np.errstate(divide="ignore"):
-                np.log(qy, out=v[1])
-            np.negative(v[1], out=v[1])
-            np.minimum(v[1], NLL_CLIP, out=v[1])
-            v *= SCALE
-            np.rint(v, out=v)                                            # integers, as float
-            sums = v.sum(axis=2).astype(np.int64)
-            prods = np.take(np.matmul(v, v.transpose(0, 2, 1)).reshape(2, _G * _G), _IU_FLAT,
-                            axis=1).astype(np.int64)
-            for i, loss in enumerate(LOSSES):
-                self.sums[loss] += sums[i]
-                self.prods[loss] += prods[i]
-        self.n += n
+        if x.shape[0]:
+            update_runs([self], x, y, [x.shape[0]])
         return self
 
     def merge(self, other: LossGrid) -> LossGrid:
@@ -398,3 +378,52 @@ class LossGrid:
 
     def __repr__(self) -> str:
         return f"LossGrid(n={self.n})"
+
+
+def update_runs(grids: Sequence[LossGrid], probs: np.ndarray, labels: np.ndarray,
+                counts) -> None:
+    """:meth:`LossGrid.update` of each ``grids[j]`` with the ``j``-th run of ``counts`` (m,)
+    validated rows, in one pass for all of them (:func:`lpcal.window.flush_many`): each gets
+    the sums of its own rows, to the bit (:func:`lpcal.precalibrate.run_bounds`); a run of no
+    rows changes nothing.
+
+    The products ``sum_i l_i l_i^T`` of a chunk inside one run are one matrix product; a chunk
+    holding several runs takes each row's products of the upper triangle and sums them by run.
+    Both are exact (integers up to ``2^38``, sums over at most :data:`_EXACT_ROWS` rows below
+    ``2^53``), so they agree to the bit."""
+    counts = np.asarray(counts, dtype=np.int64)
+    bounds, owners = run_bounds(counts)
+    mine = [grids[j] for j in owners.tolist()]
+    for g in mine:
+        if g.sums is _ZERO_SUMS:
+            g.sums = {loss: np.zeros(_G, dtype=np.int64) for loss in LOSSES}
+            g.prods = {loss: np.zeros(_IU[0].size, dtype=np.int64) for loss in LOSSES}
+    z = shifted_log(probs)
+    for a, b, e, S in grid_exp(z, _INV_T, min(_EXACT_ROWS, chunk_rows(_G, probs.shape[1]))):
+        lo, hi, starts = chunk_runs(bounds, a, b)
+        e /= S[None]                                                 # q, (k, G, m)
+        m = b - a
+        qy = e[labels[a:b], :, np.arange(m)].T                       # (G, m)
+        q = np.ascontiguousarray(e.transpose(1, 2, 0))               # (G, m, k)
+        v = np.empty((2, _G, m))                                     # brier, nll
+        np.einsum("gmk,gmk->gm", q, q, out=v[0])
+        v[0] -= 2.0 * qy
+        v[0] += 1.0
+        with np.errstate(divide="ignore"):
+            np.log(qy, out=v[1])
+        np.negative(v[1], out=v[1])
+        np.minimum(v[1], NLL_CLIP, out=v[1])
+        v *= SCALE
+        np.rint(v, out=v)                                            # integers, as float
+        sums = sum_runs(v, starts)                                   # (2, G, runs)
+        if starts.size == 1:
+            prods = np.take(np.matmul(v, v.transpose(0, 2, 1)).reshape(2, _G * _G), _IU_FLAT,
+                            axis=1).astype(np.int64)[:, :, None]
+        else:
+            prods = sum_runs(v[:, _IU[0], :] * v[:, _IU[1], :], starts)
+        for r, g in enumerate(mine[lo:hi]):
+            for i, loss in enumerate(LOSSES):
+                g.sums[loss] += sums[i, :, r]
+                g.prods[loss] += prods[i, :, r]
+    for g, c in zip(mine, counts[owners].tolist()):
+        g.n += c

@@ -52,7 +52,7 @@ import numpy as np
 
 from lpcal.errors import InputError
 
-__all__ = ["GRID_LOG2_T", "TemperatureGrid", "fit_grid_temperature"]
+__all__ = ["GRID_LOG2_T", "TemperatureGrid", "fit_grid_temperature", "grid_nll_runs", "run_bounds"]
 
 #: ``log2`` of the grid temperatures: -4 to 4 in steps of 1/2.
 GRID_LOG2_T = np.arange(-8, 9, dtype=np.float64) / 2.0
@@ -61,6 +61,9 @@ _INV_T = 2.0 ** -GRID_LOG2_T
 _CHUNK_CELLS = 1 << 20  # rows * grid * classes evaluated at once, at most (8 MB)
 #: Rows per chunk of the grid's exponentials, at most (:func:`chunk_rows`).
 CHUNK_ROWS = 512
+#: the owners of a single run, and its start in any chunk (read-only)
+_ONE_OWNER = np.zeros(1, dtype=np.int64)
+_ONE_OWNER.flags.writeable = False
 #: Fixed-point units per nat of the NLL sums, and the largest per-sample term (nats).
 NLL_SCALE = float(1 << 20)
 NLL_CLIP = 1024.0
@@ -155,9 +158,48 @@ def positive_rows(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     return x, y, skipped
 
 
-def nll_fixed(S: np.ndarray, zy: np.ndarray) -> np.ndarray:
-    """Fixed-point NLL sums ``(G,)`` of one chunk from its ``S`` (G, m) (overwritten) and the
-    shifted log-probabilities ``zy`` (m,) of the observed classes."""
+def run_bounds(counts) -> tuple[np.ndarray, np.ndarray]:
+    """``(bounds, owners)`` of consecutive row runs, ``counts`` (m,) rows each, in order
+    (zeros allowed): ``bounds`` (r + 1,) the starts and the end of the ``r`` non-empty runs,
+    ``owners`` (r,) which of the ``m`` each one is.
+
+    Many owners' small batches (models, window buckets) concatenated into one array are summed
+    in one pass of a kernel as runs: every per-sample term depends on its own row only and is
+    an integer, so each run's sums are those of its rows alone, to the bit, however the rows
+    were concatenated or chunked (:func:`chunk_runs`)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    if counts.size == 1 and counts[0]:  # one owner: no search
+        return np.array([0, counts[0]], dtype=np.int64), _ONE_OWNER
+    owners = np.flatnonzero(counts)
+    bounds = np.zeros(owners.size + 1, dtype=np.int64)
+    np.cumsum(counts[owners], out=bounds[1:])
+    return bounds, owners
+
+
+def chunk_runs(bounds: np.ndarray, a: int, b: int) -> tuple[int, int, np.ndarray]:
+    """``(lo, hi, starts)``: the non-empty runs ``lo .. hi - 1`` of ``bounds``
+    (:func:`run_bounds`) that overlap the row chunk ``[a, b)``, and where each starts in the
+    chunk (``starts[0] == 0``): the indices ``np.add.reduceat`` sums the chunk's rows by."""
+    if bounds.size == 2:  # one run holds every row
+        return 0, 1, _ONE_OWNER
+    lo = int(np.searchsorted(bounds, a, side="right")) - 1
+    hi = int(np.searchsorted(bounds, b, side="left"))
+    return lo, hi, np.maximum(bounds[lo:hi], a) - a
+
+
+def sum_runs(v: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Sums of ``v``'s last axis over the runs beginning at ``starts`` (:func:`chunk_runs`),
+    as int64: ``v`` holds integers (rounded fixed-point terms) whose float64 sums over a chunk
+    are exact, so the sums are the same in any order."""
+    if starts.size == 1:
+        return v.sum(axis=-1, keepdims=True).astype(np.int64)
+    return np.add.reduceat(v, starts, axis=-1).astype(np.int64)
+
+
+def nll_fixed(S: np.ndarray, zy: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Fixed-point NLL sums ``(G, r)`` of one chunk's ``r`` runs (``starts``,
+    :func:`chunk_runs`) from its ``S`` (G, m) (overwritten) and the shifted log-probabilities
+    ``zy`` (m,) of the observed classes."""
     np.log(S, out=S)
     S -= zy[None, :] * _INV_T[:, None]                   # NLL, >= 0
     np.minimum(S, NLL_CLIP, out=S)
@@ -165,28 +207,51 @@ def nll_fixed(S: np.ndarray, zy: np.ndarray) -> np.ndarray:
     np.rint(S, out=S)
     # integers up to 2^30 per sample: their float64 sum over a chunk (far below 2^23 rows) is
     # exact
-    return S.sum(axis=1).astype(np.int64)
+    return sum_runs(S, starts)
 
 
-def _grid_nll(x: np.ndarray, y: np.ndarray,
-              log_x: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-    """``(sum_i NLL_i(T_g) in fixed point for every grid point g, samples with f_y = 0)``;
-    ``log_x``: ``np.log(x)``, if the caller has it (the same values: not computed again)."""
+def positive_runs(x: np.ndarray, y: np.ndarray, counts: np.ndarray
+                  ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """:func:`positive_rows` of runs of ``counts`` (m,) rows: ``(keep, kept (m,), skipped
+    (m,))``, ``keep`` the mask of the rows whose observed class has a positive probability
+    (None when all have), and per run the rows kept and left out."""
+    keep = x[np.arange(x.shape[0]), y] > 0
+    if keep.all():
+        return None, counts, np.zeros(counts.size, dtype=np.int64)
+    owner = np.repeat(np.arange(counts.size), counts)
+    skipped = np.bincount(owner[~keep], minlength=counts.size)
+    return keep, counts - skipped, skipped
+
+
+def grid_nll_runs(x: np.ndarray, y: np.ndarray, counts,
+                  log_x: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The grid's fixed-point NLL sums of consecutive row runs in one pass:
+    ``(nll (m, G), summed (m,), skipped (m,))`` for the runs of ``counts`` (m,) rows of the
+    validated ``x`` (n, k), ``y`` (n,), each run's sums those of its rows alone, to the bit
+    (:func:`run_bounds`). ``log_x``: ``np.log(x)``, if the caller has it (the same values:
+    not computed again). :meth:`TemperatureGrid.update` is its one-run case."""
+    counts = np.asarray(counts, dtype=np.int64)
     if log_x is None:
         with np.errstate(divide="ignore"):
             log_x = np.log(x)
-    keep = x[np.arange(x.shape[0]), y] > 0         # positive_rows' rows
-    skipped = int(keep.size - np.count_nonzero(keep))
-    if skipped:
+    keep, kept, skipped = positive_runs(x, y, counts)
+    if keep is not None:
         log_x, y = log_x[keep], y[keep]
-    total = np.zeros(_INV_T.size, dtype=np.int64)
     if y.shape[0] == 0:
-        return total, skipped
+        return np.zeros((counts.size, _INV_T.size), dtype=np.int64), kept, skipped
     zs = log_x - log_x.max(axis=1, keepdims=True)  # shifted_log's values
     zy = zs[np.arange(zs.shape[0]), y]
+    bounds, owners = run_bounds(kept)
+    runs = np.zeros((owners.size, _INV_T.size), dtype=np.int64)
     for a, b, _, S in grid_exp(zs, _INV_T):
-        total += nll_fixed(S, zy[a:b])
-    return total, skipped
+        lo, hi, starts = chunk_runs(bounds, a, b)
+        runs[lo:hi] += nll_fixed(S, zy[a:b], starts).T
+    if owners.size == counts.size:
+        return runs, kept, skipped
+    total = np.zeros((counts.size, _INV_T.size), dtype=np.int64)
+    total[owners] = runs
+    return total, kept, skipped
 
 
 def _fit_objective(obj: np.ndarray) -> float:
@@ -361,8 +426,8 @@ class TemperatureGrid:
         x, y = checked_batch(probs, labels, "TemperatureGrid.update")
         if x.shape[0] == 0:
             return self
-        s, skipped = _grid_nll(x, y, log_probs)
-        return self.add_sums(s, int(x.shape[0]) - skipped, skipped)
+        nll, summed, skipped = grid_nll_runs(x, y, [x.shape[0]], log_probs)
+        return self.add_sums(nll[0], int(summed[0]), int(skipped[0]))
 
     def add_sums(self, nll: np.ndarray, n: int, skipped: int) -> TemperatureGrid:
         """Add the fixed-point sums ``nll`` (G,) of ``n`` samples (and ``skipped`` left out),

@@ -47,7 +47,7 @@ a window bucket's grid fed the same samples); memory ``4 G`` int64.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -58,13 +58,16 @@ from lpcal.precalibrate import (
     GRID_LOG2_T,
     TemperatureGrid,
     checked_batch,
+    chunk_runs,
     grid_exp,
     nll_fixed,
-    positive_rows,
+    positive_runs,
+    run_bounds,
     shifted_log,
+    sum_runs,
 )
 
-__all__ = ["CLIP", "SCALE", "Determination", "WarmupSums", "normal_quantile"]
+__all__ = ["CLIP", "SCALE", "Determination", "WarmupSums", "normal_quantile", "update_runs"]
 
 #: Fixed-point units per unit of the score sums (``s``, ``s^2``, ``h``).
 SCALE = float(1 << 16)
@@ -125,25 +128,29 @@ def lagrange_weights(x: float, nodes: np.ndarray, order: int = 4) -> tuple[int, 
     return first, w
 
 
-def _grid_terms(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Fixed-point ``(NLL sums, sum s, sum s^2, sum h)`` at every grid point, from one pass of
-    the grid's exponentials (:func:`lpcal.precalibrate.grid_exp`; rows with ``f_y = 0`` are the
-    caller's to drop). The NLL sums are those of :class:`TemperatureGrid` to the bit."""
+def _grid_terms(x: np.ndarray, y: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Fixed-point ``(NLL sums, sum s, sum s^2, sum h)`` at every grid point, ``(4, r, G)``,
+    of the ``r`` non-empty runs of ``counts`` (m,) rows (:func:`lpcal.precalibrate.run_bounds`:
+    each run's sums those of its rows alone, to the bit), from one pass of the grid's exponentials
+    (:func:`lpcal.precalibrate.grid_exp`; rows with ``f_y = 0`` are the caller's to drop). The
+    NLL sums are those of :class:`TemperatureGrid` to the bit."""
     n = x.shape[0]
-    out = [np.zeros(_INV_T.size, dtype=np.int64) for _ in range(4)]
+    bounds, _ = run_bounds(counts)
+    out = np.zeros((4, bounds.size - 1, _INV_T.size), dtype=np.int64)
     if n == 0:
-        return tuple(out)
+        return out
     z = shifted_log(x)
     zy = z[np.arange(n), y]
     zf = np.where(np.isfinite(z), z, 0.0)
     zf2 = zf * zf
     inv, neg_inv, inv2 = _INV_COL, _NEG_INV_COL, _INV2_COL
     for a, b, e, S in grid_exp(z, _INV_T):
+        lo, hi, starts = chunk_runs(bounds, a, b)
         e /= S[None]                                                    # q at each T
         q = np.ascontiguousarray(e.transpose(1, 2, 0))                  # (G, m, k)
         m1 = np.einsum("gmk,mk->gm", q, zf[a:b])
         m2 = np.einsum("gmk,mk->gm", q, zf2[a:b])
-        out[0] += nll_fixed(S, zy[a:b])
+        out[0, lo:hi] += nll_fixed(S, zy[a:b], starts).T
         v = np.empty((3, *m1.shape))                                    # s, s^2, h
         gap = m1 - zy[None, a:b]                                        # E_q z - z_y
         np.multiply(neg_inv, gap, out=v[0])
@@ -158,10 +165,37 @@ def _grid_terms(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, ...]:
         np.minimum(v, CLIP, out=v)
         v *= SCALE
         # integers up to 2^28 per sample: their float64 sums over a chunk are exact
-        t = np.rint(v, out=v).sum(axis=2).astype(np.int64)
-        for o, row in zip(out[1:], t):
-            o += row
-    return tuple(out)
+        out[1:, lo:hi] += sum_runs(np.rint(v, out=v), starts).transpose(0, 2, 1)
+    return out
+
+
+def update_runs(sums: Sequence[WarmupSums], grids: Sequence[TemperatureGrid | None],
+                probs: np.ndarray, labels: np.ndarray, counts) -> None:
+    """:meth:`WarmupSums.update` of each ``sums[j]`` (and its ``grids[j]``) with the ``j``-th
+    run of ``counts`` (m,) validated rows, in one pass of the kernel for all of them: what
+    many models' small deferred batches cost about one model's pass
+    (:func:`lpcal.window.flush_many`). Each gets the sums of its own rows, to the bit; a run
+    of no rows changes nothing."""
+    counts = np.asarray(counts, dtype=np.int64)
+    keep, kept, skipped = positive_runs(probs, labels, counts)
+    if keep is not None:
+        probs, labels = probs[keep], labels[keep]
+    terms = _grid_terms(probs, labels, kept)
+    ran = 0  # index of the next non-empty run of kept rows
+    for j in np.flatnonzero(counts).tolist():
+        n, sk = int(kept[j]), int(skipped[j])
+        if n:
+            nll, s, s2, h = terms[:, ran]
+            ran += 1
+        else:  # every row skipped: counted, nothing summed
+            nll = s = s2 = h = 0
+        for g in (sums[j].grid, grids[j]):
+            if g is not None:
+                g.add_sums(nll, n, sk)
+        w = sums[j]
+        w.s += s
+        w.s2 += s2
+        w.h += h
 
 
 @dataclass(frozen=True)
@@ -230,16 +264,8 @@ class WarmupSums:
         ``grid``: also add the samples' NLL sums to this grid (a window bucket's, fed the same
         samples), from the same exponentials: they are computed once for both."""
         x, y = checked_batch(probs, labels, "WarmupSums.update")
-        if x.shape[0] == 0:
-            return self
-        x, y, skipped = positive_rows(x, y)
-        nll, s, s2, h = _grid_terms(x, y)
-        for g in (self.grid, grid):
-            if g is not None:
-                g.add_sums(nll, int(x.shape[0]), skipped)
-        self.s += s
-        self.s2 += s2
-        self.h += h
+        if x.shape[0]:
+            update_runs([self], [grid], x, y, [x.shape[0]])
         return self
 
     def merge(self, other: WarmupSums) -> WarmupSums:
