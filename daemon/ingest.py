@@ -53,6 +53,7 @@ from daemon.kafka import deadletter as kafka_deadletter
 from daemon.monitor import flush_waiting
 from daemon.registry import ModelSlot
 from daemon.staging import DEFAULT_MAX_SHARE, DEFAULT_MAX_WAIT, StagedEvents, StagePacing
+from lpcal.window import flush_many
 
 log = logging.getLogger("lpcal.daemon")
 
@@ -523,7 +524,10 @@ class Ingest:
         partitions are released. Then sum the rows their small offers left waiting in the
         monitors of the models changed since their last checkpoint on those partitions, in one
         pass (:func:`daemon.monitor.flush_waiting`: the same sums, to the bit, as each
-        snapshot would compute for its own model, at about one model's cost)."""
+        snapshot would compute for its own model, at about one model's cost), and likewise the
+        rows their online calibrators deferred to the next decision point
+        (:func:`lpcal.window.flush_many`: one pass of the temperature kernels for all models,
+        instead of one per model when its checkpoint is encoded)."""
         get = self.registry.get
         with _gc_paused():
             gone, due = [], []
@@ -537,8 +541,10 @@ class Ingest:
                 self.staged.take_many(gone)
             self._flush_models(due)
             slots = self.registry.slots
-            flush_waiting(slots[m].state.monitor for m in self.registry.dirty
-                          if m in slots and (parts is None or slots[m].partition in parts))
+            states = [slots[m].state for m in self.registry.dirty
+                      if m in slots and (parts is None or slots[m].partition in parts)]
+            flush_waiting(st.monitor for st in states)
+            flush_many(st.online.window for st in states if st.online is not None)
 
     def staged_bytes(self, model: str) -> int:
         """Bytes of ``model``'s staged events (part of its join buffer in the gauges)."""

@@ -311,6 +311,7 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
     calibrators' deferred rows) are summed in the timing too."""
     from daemon.monitor import flush_waiting
     from daemon.service import Daemon
+    from lpcal.window import flush_many
 
     settings = _settings(bootstrap, topics, pool, f"bench.state.{uuid.uuid4().hex[:8]}",
                          _free_port(), sample_rate, extra, recovery)
@@ -385,9 +386,7 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
         """The sums deferred to the next decision point or checkpoint, summed now."""
         states = [slot.state for slot in d.registry.slots.values()]
         flush_waiting(st.monitor for st in states)
-        for st in states:
-            if st.online is not None:
-                st.online.window.flush()
+        flush_many(st.online.window for st in states if st.online is not None)
 
     def timed_poll(*a, **kw):
         polls.append(time.perf_counter())
