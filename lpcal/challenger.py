@@ -71,14 +71,7 @@ from typing import Any
 import numpy as np
 
 from lpcal.errors import InputError
-from lpcal.precalibrate import (
-    chunk_rows,
-    chunk_runs,
-    grid_exp,
-    run_bounds,
-    shifted_log,
-    sum_runs,
-)
+from lpcal.precalibrate import chunk_rows, chunk_runs, grid_exp, run_bounds, shifted_log
 from lpcal.warmup import lagrange_weights, normal_quantile
 
 __all__ = ["LOSSES", "LOSS_GRID_LOG2_T", "NLL_CLIP", "SCALE", "Decision", "LossGrid",
@@ -415,15 +408,18 @@ def update_runs(grids: Sequence[LossGrid], probs: np.ndarray, labels: np.ndarray
         np.minimum(v[1], NLL_CLIP, out=v[1])
         v *= SCALE
         np.rint(v, out=v)                                            # integers, as float
-        sums = sum_runs(v, starts)                                   # (2, G, runs)
-        if starts.size == 1:
+        if starts.size == 1:                                         # (runs, 2, ...) each
+            sums = v.sum(axis=2).astype(np.int64)[None]
             prods = np.take(np.matmul(v, v.transpose(0, 2, 1)).reshape(2, _G * _G), _IU_FLAT,
-                            axis=1).astype(np.int64)[:, :, None]
-        else:
-            prods = sum_runs(v[:, _IU[0], :] * v[:, _IU[1], :], starts)
+                            axis=1).astype(np.int64)[None]
+        else:  # rows first: the products, their sums by run and the adds run contiguously
+            vt = np.ascontiguousarray(v.transpose(2, 0, 1))          # (m, 2, G)
+            sums = np.add.reduceat(vt, starts, axis=0).astype(np.int64)
+            prods = np.add.reduceat(vt[:, :, _IU[0]] * vt[:, :, _IU[1]], starts,
+                                    axis=0).astype(np.int64)
         for r, g in enumerate(mine[lo:hi]):
             for i, loss in enumerate(LOSSES):
-                g.sums[loss] += sums[i, :, r]
-                g.prods[loss] += prods[i, :, r]
+                g.sums[loss] += sums[r, i]
+                g.prods[loss] += prods[r, i]
     for g, c in zip(mine, counts[owners].tolist()):
         g.n += c
