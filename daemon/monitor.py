@@ -84,6 +84,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from functools import partial
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -115,6 +116,7 @@ SMALL_UPDATE = FLUSH_ROWS
 #: (:func:`largest`): a NumPy reduction costs about 1 us whatever the size, the list a fifth
 LIST_MAX = 64
 _F64 = np.dtype(np.float64)
+_NBYTES = attrgetter("nbytes")
 
 
 def largest(a: Any) -> float:
@@ -1253,9 +1255,14 @@ class WindowMonitor:
     def nbytes(self) -> int:
         """Bytes of the window's sums: ``16 k + 16`` per (bucket, predictor, bin), so at most
         :func:`sample_bytes` per sample in the window."""
-        return (sum(bk.nbytes for bk in self.buckets.values())
-                + sum(s.nbytes for s in self._block) + self._block_rows.nbytes
-                + (self._block_cw.nbytes if self._block_cw is not None else 0))
+        # map over an attribute getter, not generators: a window under a byte budget is
+        # measured after every update (:meth:`_trim`), small ones included
+        total = sum(map(_NBYTES, self.buckets.values())) + self._block_rows.nbytes
+        if self._block:
+            total += sum(map(_NBYTES, self._block))
+        if self._block_cw is not None:
+            total += self._block_cw.nbytes
+        return total
 
     def set_max_bytes(self, max_bytes: int | None) -> int:
         """Set the byte budget of the window's sums (None: none) and trim to it; returns the
