@@ -133,8 +133,7 @@ def largest(a: Any) -> float:
         return float(a.max())  # the method: the same reduction without np.max's dispatch
     values = a.tolist()
     top = max(values)
-    total = sum(values)
-    if top == 0.0 or total != total:  # a zero maximum, or a NaN (or both infinities)
+    if top == 0.0 or math.isnan(sum(values)):  # a zero maximum, a NaN (or both infinities)
         return float(a.max())
     return top
 
