@@ -50,7 +50,7 @@ from daemon import native
 from daemon.event_records import GroupedBatch, ModelBatch
 from daemon.events import RecordTimestamps
 from daemon.kafka import deadletter as kafka_deadletter
-from daemon.monitor import flush_waiting
+from daemon.monitor import flush_waiting, largest
 from daemon.registry import ModelSlot
 from daemon.staging import DEFAULT_MAX_SHARE, DEFAULT_MAX_WAIT, StagedEvents, StagePacing
 from lpcal.window import flush_many
@@ -471,7 +471,7 @@ class Ingest:
         if res.events and self.on_online is not None:
             self.on_online(model, res)
         if len(mb):
-            t = float(mb.ts.max())
+            t = largest(mb.ts)  # float(mb.ts.max()), in Python for the few times of an offer
             if slot.event_time is None or t > slot.event_time:
                 slot.event_time = t
         self.registry.dirty.add(model)

@@ -606,8 +606,11 @@ class ModelState:
             while a < n:
                 # the warm-up grid and the held-out sums are exact integers, so batching does
                 # not change them: a replay after a crash fits the same temperature to the bit
-                used = self.filling.add_samples(u[a:], probs[a:], labels[a:],
-                                                raw_bins=(c[a:], h[a:]))
+                if a:
+                    used = self.filling.add_samples(u[a:], probs[a:], labels[a:],
+                                                    raw_bins=(c[a:], h[a:]))
+                else:  # the whole batch (the common case): the arrays, not five views of them
+                    used = self.filling.add_samples(u, probs, labels, raw_bins=(c, h))
                 a += used
                 if self.filling.full:
                     self.seal()
@@ -649,8 +652,12 @@ class ModelState:
         start = cal.n_seen
         up = cal.update(probs, labels, uniforms=u)
         m = up.consumed
-        self._take_events(res, up.events, start, probs[:m], labels[:m],
-                          None if ts is None else np.asarray(ts)[:m])
+        ts_in = None if ts is None else np.asarray(ts)
+        if m == labels.size:  # all consumed (not blocked): the arrays, not views of them
+            self._take_events(res, up.events, start, probs, labels, ts_in)
+        else:
+            self._take_events(res, up.events, start, probs[:m], labels[:m],
+                              None if ts_in is None else ts_in[:m])
         if m < labels.size:
             self.backlog = (probs[m:].copy(), labels[m:].copy(), u[m:].copy(),
                             None if ts is None else np.asarray(ts, dtype=np.float64)[m:])
