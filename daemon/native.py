@@ -108,8 +108,8 @@ def _c_kernels(mod: ModuleType) -> Kernels:
     native_columns = columns.native_columns
     # dtype instances, passed positionally: a third of the cost of ``dtype=np.int64`` per call
     # (about six calls per offer)
-    frombuffer, i64, f64, u64 = np.frombuffer, np.dtype(np.int64), np.dtype(np.float64), \
-        np.dtype(np.uint64)
+    frombuffer = np.frombuffer
+    i64, f64, u64 = np.dtype(np.int64), np.dtype(np.float64), np.dtype(np.uint64)
 
     def scan(items, max_model_len, max_id_len, loads=None, max_bytes=None):
         if type(items) is not list:

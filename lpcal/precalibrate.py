@@ -52,7 +52,8 @@ import numpy as np
 
 from lpcal.errors import InputError
 
-__all__ = ["GRID_LOG2_T", "TemperatureGrid", "fit_grid_temperature", "grid_nll_runs", "run_bounds"]
+__all__ = ["GRID_LOG2_T", "TemperatureGrid", "fit_grid_temperature", "grid_nll_runs",
+           "run_bounds"]
 
 #: ``log2`` of the grid temperatures: -4 to 4 in steps of 1/2.
 GRID_LOG2_T = np.arange(-8, 9, dtype=np.float64) / 2.0
@@ -150,12 +151,12 @@ def checked_batch(probs, labels, who: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def positive_rows(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(x, y, skipped)`` without the rows whose observed class has probability 0."""
-    keep = x[np.arange(x.shape[0]), y] > 0
-    skipped = int(keep.size - np.count_nonzero(keep))
-    if skipped:
+    """``(x, y, skipped)`` without the rows whose observed class has probability 0
+    (:func:`positive_runs` of one run)."""
+    keep, _, skipped = positive_runs(x, y, np.array([x.shape[0]], dtype=np.int64))
+    if keep is not None:
         x, y = x[keep], y[keep]
-    return x, y, skipped
+    return x, y, int(skipped[0])
 
 
 def run_bounds(counts) -> tuple[np.ndarray, np.ndarray]:

@@ -412,17 +412,16 @@ class SlidingWindow:
         every method that reads or changes the buckets' sums calls it first
         (:func:`flush_many` flushes many windows in one pass)."""
         if self._deferred:
-            u, x, y, warm = self._take_deferred()
-            self._add_to(self.open, u, x, y, warm)
+            parts, _, warm = self._take_deferred()
+            self._add_to(self.open, *_concat_parts(parts), warm)
 
-    def _take_deferred(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, WarmupSums | None]:
-        """The deferred rows, in order, and their warm-up sums; none are left deferred."""
-        parts, warm = self._deferred, self._deferred_warm
+    def _take_deferred(self) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], int,
+                                      WarmupSums | None]:
+        """The deferred parts ``(u, x, y)`` in order, their rows and their warm-up sums; none
+        are left deferred."""
+        out = (self._deferred, self._deferred_n, self._deferred_warm)
         self._deferred, self._deferred_n, self._deferred_warm = [], 0, None
-        if len(parts) == 1:
-            return (*parts[0], warm)
-        u, x, y = (np.concatenate([p[i] for p in parts]) for i in range(3))
-        return u, x, y, warm
+        return out
 
     @property
     def routing_key(self) -> tuple:
@@ -764,12 +763,18 @@ def _flush_batch(ws: list[SlidingWindow]) -> None:
         return
     targets, parts, counts = [], [], []
     for w in ws:
-        counts.append(w._deferred_n)
-        parts += w._deferred
-        targets.append((w.open, w._deferred_warm))
-        w._deferred, w._deferred_n, w._deferred_warm = [], 0, None
-    u, x, y = (np.concatenate([p[i] for p in parts]) for i in range(3))
-    ws[0]._add_runs(targets, u, x, y, counts)
+        own, n, warm = w._take_deferred()
+        parts += own
+        counts.append(n)
+        targets.append((w.open, warm))
+    ws[0]._add_runs(targets, *_concat_parts(parts), counts)
+
+
+def _concat_parts(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+    """Deferred parts ``(u, x, y)`` as one array each, in order (a single part as it is)."""
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
 
 
 def _add_fit_share(targets: list[tuple[Bucket, WarmupSums | None]], route: np.ndarray,
