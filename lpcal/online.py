@@ -649,13 +649,15 @@ class OnlineCalibrator:
             return
         window = self.window
         before = window.buckets[-1].index
-        # the warm-up takes the fit share; rows short of a decision point are summed at the
-        # next one, all at once (the sums are exact integers: the same state, fewer passes):
-        # kept as they are (already checked) if they fit in the open bucket
-        if not ((self.n_seen + n) % self.config.step and window.defer(u, x, y, self.warm)):
+        # rows are summed when the open bucket is full or something reads the window (its
+        # readers flush first), all at once: the sums are exact integers, so the state is the
+        # same, in fewer passes. During the warm-up a decision point reads the warm-up sums,
+        # which the window does not own: rows ending at one are summed there.
+        if not (((self.n_seen + n) % self.config.step or self.warm is None)
+                and window.defer(u, x, y, self.warm)):
             window.add(u, x, y, warmup=self.warm)
-        if window.buckets[-1].index != before:
-            self._trim(sealed_from=before)
+        if window.buckets[-1].index != before:  # a bucket was sealed
+            self._trim()
         self.n_seen += n
 
     def _live_apply(self, x: np.ndarray) -> np.ndarray:
@@ -668,14 +670,9 @@ class OnlineCalibrator:
         self.config = dataclasses.replace(self.config, max_bytes=max_bytes)
         self._trim()
 
-    def _trim(self, sealed_from: int | None = None) -> None:
+    def _trim(self) -> None:
         """Drop the oldest sealed buckets beyond ``max_bytes`` (sealed buckets are compacted:
-        their size depends on their content only, so trimming is replay-deterministic).
-        ``sealed_from``: the index of the oldest bucket sealed since the last call (the ones
-        before it were compacted when they were sealed, or restored compacted); None: all."""
-        for b in self.window.buckets[:-1]:
-            if b.pools is not None and (sealed_from is None or b.index >= sealed_from):
-                b.pools.compact()
+        their size depends on their content only, so trimming is replay-deterministic)."""
         limit = self.config.max_bytes
         if limit is None:
             return
@@ -815,10 +812,10 @@ class OnlineCalibrator:
         if (not self.cert_looks or live is None or live.certificate is None
                 or live.certificate.certified):
             return []
-        if self.n_seen - self.regime_start < self.cert_next or sum(
-                b.n_cert for b in self.window.buckets) < min_certifiable_holdout(
-                live.eps, live.p, live.delta, self.k,
-                candidates=(self.cert_looks + 1) * (self.cert_looks + 2)):
+        if self.n_seen - self.regime_start < self.cert_next or (
+                self.window.n_cert < min_certifiable_holdout(
+                    live.eps, live.p, live.delta, self.k,
+                    candidates=(self.cert_looks + 1) * (self.cert_looks + 2))):
             return []
         cert = self._certify(live, self.cert_looks + 1)
         if not cert.certified:
@@ -899,6 +896,7 @@ class OnlineCalibrator:
             return acc
         index, count = req.held_from
         parts = []
+        self.window.flush()
         for b in self.window.buckets:
             if b.index < index or not b.n_held:
                 continue

@@ -1222,11 +1222,20 @@ class PoolSet:
     @property
     def nbytes(self) -> int:
         """Bytes of the epoch's arrays (tables, held-out sums, warm-up grid)."""
+        return self.table_nbytes + self.holdout_nbytes
+
+    @property
+    def table_nbytes(self) -> int:
+        """The tables' bytes (rows routed to them and not yet compacted included) and the
+        warm-up grid's: what :attr:`nbytes` counts besides the held-out sums. Once no row is
+        added any more and the tables are compacted, it no longer changes."""
         n = sum(t.nbytes for t in self._tables.values()) + self._routed_bytes
-        for h in (self.holdout, self.holdout_raw):
-            if h is not None:
-                n += h.nbytes
         return n + (self.grid.nll.nbytes if self.grid is not None else 0)
+
+    @property
+    def holdout_nbytes(self) -> int:
+        """Bytes of the held-out sums (both predictors)."""
+        return sum(h.nbytes for h in (self.holdout, self.holdout_raw) if h is not None)
 
     @property
     def total(self) -> int:

@@ -199,8 +199,8 @@ class Bucket:
     bucket, usually, instead of once per batch): :meth:`keep_held` with ``summed=False``. The
     loss grid's sums are exact integers, so they are the same whenever they are added."""
 
-    __slots__ = ("_cert_chunks", "_held", "_held_chunks", "_held_lazy", "cert_n", "grid",
-                 "index", "n", "pools", "temperature")
+    __slots__ = ("_cert_chunks", "_held", "_held_chunks", "_held_lazy", "_sealed", "cert_n",
+                 "grid", "index", "n", "pools", "temperature")
 
     def __init__(self, index: int) -> None:
         self.index = int(index)
@@ -215,6 +215,21 @@ class Bucket:
         #: samples routed to the certification share (kept or not), and those kept
         self.cert_n = 0
         self._cert_chunks: list[tuple[np.ndarray, np.ndarray]] = []
+        #: after :meth:`seal`: the pools sealed and the bytes of their tables
+        self._sealed: tuple[PoolSet, int] | None = None
+
+    def seal(self) -> None:
+        """The bucket is full: no sample enters it any more. Its pools are compacted, and the
+        bytes of their tables are kept (they no longer change, and :attr:`nbytes` is read
+        for every sealed bucket each time a bucket is sealed under a byte budget)."""
+        if self.pools is not None:
+            self.pools.compact()
+            self._sealed = (self.pools, self.pools.table_nbytes)
+
+    def clear_pool_holdout(self, layout: PoolLayout) -> None:
+        """Empty the held-out sums of the pools (a bucket past ``holdout_buckets``)."""
+        self.pools.holdout = HoldoutSums(layout.k, layout.lam)
+        self.pools.holdout_raw = HoldoutSums(layout.k, layout.lam)
 
     @property
     def held(self) -> LossGrid:
@@ -284,8 +299,14 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return (self.grid.nll.nbytes + self._held.nbytes
-                + (self.pools.nbytes if self.pools is not None else 0)
+        ps, sealed = self.pools, self._sealed
+        if ps is None:
+            pools = 0
+        elif sealed is not None and sealed[0] is ps:
+            pools = sealed[1] + ps.holdout_nbytes
+        else:
+            pools = ps.nbytes
+        return (self.grid.nll.nbytes + self._held.nbytes + pools
                 + sum(x.nbytes + y.nbytes for x, y in self._held_chunks)
                 + sum(x.nbytes + y.nbytes for x, y in self._cert_chunks))
 
@@ -443,6 +464,7 @@ class SlidingWindow:
         b.drop_held()  # they went with the pools of the old binning
 
     def _start_bucket(self) -> None:
+        self.open.seal()
         b = Bucket(self.open.index + 1)
         self.buckets.append(b)
         if len(self.buckets) > self.n_buckets:
@@ -451,9 +473,7 @@ class SlidingWindow:
             old = self.buckets[-1 - self.holdout_buckets]
             old.drop_held()
             if old.pools is not None and old.pools.holdout.n:  # a state written with sums
-                lay = self.layout
-                old.pools.holdout = HoldoutSums(lay.k, lay.lam)
-                old.pools.holdout_raw = HoldoutSums(lay.k, lay.lam)
+                old.clear_pool_holdout(self.layout)
         if self.cert_buckets is not None and len(self.buckets) > self.cert_buckets:
             self.buckets[-1 - self.cert_buckets].drop_cert()
         if self.temperature is not None:
@@ -619,6 +639,12 @@ class SlidingWindow:
             return np.zeros((0, k)), np.zeros(0, np.int64)
         return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
+    @property
+    def n_cert(self) -> int:
+        """Certification samples kept in the window (:meth:`cert_samples`' rows)."""
+        self.flush()
+        return sum(b.n_cert for b in self.buckets)
+
     def pools(self, temperature: float | None = None) -> PoolSet | None:
         """Algorithm 2's pools and held-out sums over the window's buckets binned at
         ``temperature`` (default: the current pool temperature); None if there are none."""
@@ -694,6 +720,8 @@ class SlidingWindow:
             out.buckets = [Bucket.from_dict(b, out.layout) for b in d["buckets"]]
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"malformed sliding window ({e})") from None
+        for b in out.buckets[:-1]:
+            b.seal()
         idx = [b.index for b in out.buckets]
         if not idx or idx != sorted(set(idx)) or len(idx) > out.n_buckets:
             raise InputError(f"malformed sliding window (bucket indices {idx})")

@@ -164,3 +164,53 @@ def test_a_window_written_with_held_out_sums_in_its_buckets_still_counts_them():
     got = old.pools()
     assert got.holdout == want.holdout and got.holdout_raw == want.holdout_raw
     assert got.holdout.n > 0
+
+
+def _bucket_bytes(b, k=10):
+    """A bucket's bytes summed from its parts (the pools' full count, no kept value)."""
+    held = sum(a.nbytes for a in b.held_samples(k)) if b.n_held else 0
+    cert = sum(a.nbytes for a in b.cert_samples(k)) if b.n_cert else 0
+    pools = b.pools.nbytes if b.pools is not None else 0
+    return b.grid.nll.nbytes + b.held.nbytes + pools + held + cert
+
+
+def test_a_sealed_bucket_counts_the_bytes_it_holds():
+    """Sealed buckets keep their tables' bytes (:meth:`Bucket.seal`): what they count stays
+    what they hold while their held-out samples, certification samples and a restored
+    state's held-out sums are dropped as newer buckets arrive, and after a restore."""
+    from lpcal.binmap import scale_temperature
+    from lpcal.holdout import HoldoutSums
+
+    n = 9000
+    f, y = tempered(n)
+    u = index_uniforms(0, n)
+    w = SlidingWindow(LAYOUT, bucket_size=500, n_buckets=8, holdout_buckets=3,
+                      cert_share=0.5, cert_buckets=2)
+    w.set_temperature(2.0)
+    w.add(u[:2200], f[:2200], y[:2200])
+    d = w.to_dict()
+    for b in d["buckets"]:           # the previous form: held-out sums in the pools
+        hs = b.pop("held_samples", None)
+        if hs is None:
+            continue
+        x = np.frombuffer(base64.b64decode(hs["x"]), "<f8").reshape(-1, 10)
+        yy = np.frombuffer(base64.b64decode(hs["y"]), "<i8")
+        b["pools"]["holdout"] = HoldoutSums(10, LAYOUT.lam).update(
+            scale_temperature(x, 2.0), yy).to_dict()
+        b["pools"]["holdout_raw"] = HoldoutSums(10, LAYOUT.lam).update(x, yy).to_dict()
+    w = SlidingWindow.from_dict(json.loads(json.dumps(d)))
+    rng = np.random.default_rng(1)
+    a, cleared, dropped = 2200, 0, 0
+    while a < n:
+        b = min(n, a + int(rng.integers(1, 700)))
+        before = {s.index: (s.pools.holdout.n, s.n_held) for s in w.buckets[:-1]}
+        w.add(u[a:b], f[a:b], y[a:b], defer=bool(rng.integers(2)))
+        w.flush()
+        sealed = w.buckets[:-1]
+        was = [(before.get(s.index, (0, 0)), s) for s in sealed]
+        cleared += sum(h > 0 and not s.pools.holdout.n for (h, _), s in was)
+        dropped += sum(m > 0 and not s.n_held for (_, m), s in was)
+        assert all(s.nbytes == _bucket_bytes(s) for s in sealed)
+        a = b
+    assert cleared and dropped   # both kinds of change to a sealed bucket were seen
+    assert all(s.nbytes == _bucket_bytes(s) for s in w.buckets)

@@ -2,8 +2,9 @@
 point, in one pass, and end in the very state of summing every batch at once (to the byte).
 
 The reference is the path without deferral: the window fed with ``defer=False``, and the
-calibrator fed in batches that end at decision points (multiples of ``step``: nothing is
-deferred there)."""
+calibrator whose window never defers (its :meth:`~lpcal.window.SlidingWindow.defer` declines
+every row, so every batch is summed when it arrives, and every decision reads sums that hold
+every row before it), fed in batches that end at decision points."""
 
 import json
 
@@ -92,17 +93,26 @@ def test_rows_never_deferred_past_the_open_bucket():
     assert [b.n for b in w.buckets] == [100, 50] and not w._deferred
 
 
-def _run(k, cfg, f, y, cuts, *, checkpoints=(), drift_at=None):
+def _never_defer(cal: OnlineCalibrator) -> OnlineCalibrator:
+    """``cal`` with a window that declines to defer any row (the reference path)."""
+    cal.window.defer = lambda u, x, y, warmup: False
+    return cal
+
+
+def _run(k, cfg, f, y, cuts, *, checkpoints=(), drift_at=None, defer=True):
     """Feed ``f, y`` in the batches ending at ``cuts``: run fits at once, write a checkpoint
     (and go on from its restore) at the cut positions in ``checkpoints``, notify a drift
-    after the batch ending at ``drift_at``. Returns the trace and the final state."""
-    cal = OnlineCalibrator(k, cfg, fit=run_fit)
+    after the batch ending at ``drift_at``; ``defer=False``: the window never defers rows.
+    Returns the trace and the final state."""
+    own = (lambda c: c) if defer else _never_defer
+    cal = own(OnlineCalibrator(k, cfg, fit=run_fit))
     events, a = [], 0
     for b in cuts:
         events += [(e.n, e.kind, e.version, e.temperature, e.detail)
                    for e in cal.update(f[a:b], y[a:b])]
         if b in checkpoints:
-            cal = OnlineCalibrator.from_dict(json.loads(json.dumps(cal.to_dict())), fit=run_fit)
+            cal = own(OnlineCalibrator.from_dict(json.loads(json.dumps(cal.to_dict())),
+                                                 fit=run_fit))
         if b == drift_at:
             events.append(cal.notify_drift().kind)
         a = b
@@ -111,9 +121,10 @@ def _run(k, cfg, f, y, cuts, *, checkpoints=(), drift_at=None):
 
 @pytest.mark.parametrize("k,n,largest", [(10, 14000, 40), (10, 9000, 700), (100, 5000, 30)])
 def test_calibrator_state_is_the_same_whatever_the_batching(k, n, largest):
-    """Small random batches (deferred) against batches ending at decision points (nothing
-    deferred): the same events and the same checkpoint, byte for byte, through the warm-up,
-    Algorithm 2's fits, checkpoints mid-step and a drift mid-step."""
+    """Small random batches (deferred, also across decision points once the warm-up is over)
+    against the window that never defers: the same events and the same checkpoint, byte for
+    byte, through the warm-up, Algorithm 2's fits, certificates, checkpoints mid-step and a
+    drift mid-step."""
     rng = np.random.default_rng(k + n)
     f, y = tempered(n, k=k, t=2.0)
     cfg = OnlineConfig(pools_from=2000, step=250, bucket_size=500, fit_delay=250)
@@ -121,7 +132,7 @@ def test_calibrator_state_is_the_same_whatever_the_batching(k, n, largest):
     ref_cuts = sorted({*range(250, n, 250), drift, n})
     cuts = sorted({*_cuts(rng, n, largest), drift})
     marks = tuple(int(c) for c in rng.choice(cuts[:-1], 5, replace=False))
-    want, ref = _run(k, cfg, f, y, ref_cuts, drift_at=drift)
+    want, ref = _run(k, cfg, f, y, ref_cuts, drift_at=drift, defer=False)
     got, cal = _run(k, cfg, f, y, cuts, checkpoints=marks, drift_at=drift)
     assert got == want
     assert any(e[1] == "published" for e in want if isinstance(e, tuple))
@@ -205,3 +216,38 @@ def test_the_test_share_mask_is_the_routing_one(cert_share):
     u = u[(u >= 0) & (u < 1)]
     want = ~(lay.route_uniforms(u) < len(lay.names)) & ~w.certifying(u)
     assert np.array_equal(w.testing(u), want) and want.any()
+
+
+def _drifting_defaults():
+    from tests.test_online_calls import _stream
+
+    f, y, drift = _stream(10, 60_000, 3)
+    return f, y, drift, OnlineConfig(), {"published", "shadow", "fit_done"}
+
+
+def _recertifying():
+    # a small eps: the first map's certificate (few certification samples) does not certify
+    from tests.test_online_certificate import tempered_truth
+
+    f, _, y = tempered_truth(10_000, 0)
+    return f, y, None, OnlineConfig(eps=0.025, pools_from=10**9, growth=4.0), {"recertified"}
+
+
+@pytest.mark.parametrize("stream", [_drifting_defaults, _recertifying])
+def test_deferring_across_decision_points_decides_as_summing_every_batch(stream):
+    """The calibrator that defers rows (across decision points once its warm-up is over) and
+    the one whose window never defers, in the same random batches: they publish, certify and
+    recertify the same maps at the same samples, test the same shadows (scored from the test
+    share kept since each fit request), and write the same checkpoint. Two streams: the
+    shipped defaults over a drift (fits, shadows), and a small eps whose first map is
+    certified again later."""
+    f, y, drift, cfg, seen = stream()
+    rng = np.random.default_rng(3)
+    cuts = sorted({*_cuts(rng, f.shape[0], 3000), *([drift] if drift else [])})
+    want, ref = _run(10, cfg, f, y, cuts, drift_at=drift, defer=False)
+    got, cal = _run(10, cfg, f, y, cuts, drift_at=drift)
+    kinds = {e[1] for e in want if isinstance(e, tuple)}
+    kinds |= {e[4] for e in want if isinstance(e, tuple) and e[1] == "published"}
+    assert seen <= kinds
+    assert got == want
+    assert _dump(cal.to_dict()) == _dump(ref.to_dict())
