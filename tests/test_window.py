@@ -143,24 +143,32 @@ def test_malformed_held_out_samples_are_named():
         SlidingWindow.from_dict(d)
 
 
-def test_a_window_written_with_held_out_sums_in_its_buckets_still_counts_them():
+def _written_with_held_out_sums(w: SlidingWindow, t: float) -> SlidingWindow:
+    """``w`` (pools at temperature ``t``) written in the previous form and read back: each
+    bucket's held-out samples as held-out sums in its pools."""
     from lpcal.binmap import scale_temperature
     from lpcal.holdout import HoldoutSums
 
+    d = w.to_dict()
+    for b in d["buckets"]:
+        hs = b.pop("held_samples", None)
+        if hs is None:
+            continue
+        x = np.frombuffer(base64.b64decode(hs["x"]), "<f8").reshape(-1, 10)
+        yy = np.frombuffer(base64.b64decode(hs["y"]), "<i8")
+        b["pools"]["holdout"] = HoldoutSums(10, LAYOUT.lam).update(
+            scale_temperature(x, t), yy).to_dict()
+        b["pools"]["holdout_raw"] = HoldoutSums(10, LAYOUT.lam).update(x, yy).to_dict()
+    return SlidingWindow.from_dict(json.loads(json.dumps(d)))
+
+
+def test_a_window_written_with_held_out_sums_in_its_buckets_still_counts_them():
     f, y = tempered(2500)
     w = SlidingWindow(LAYOUT, bucket_size=1000, n_buckets=4)
     w.set_temperature(2.0)
     w.add(index_uniforms(0, 2500), f, y)
     want = w.pools()
-    d = w.to_dict()
-    for b in d["buckets"]:           # the previous form: sums in the pools, no samples
-        hs = b.pop("held_samples")
-        x = np.frombuffer(base64.b64decode(hs["x"]), "<f8").reshape(-1, 10)
-        yy = np.frombuffer(base64.b64decode(hs["y"]), "<i8")
-        b["pools"]["holdout"] = HoldoutSums(10, LAYOUT.lam).update(
-            scale_temperature(x, 2.0), yy).to_dict()
-        b["pools"]["holdout_raw"] = HoldoutSums(10, LAYOUT.lam).update(x, yy).to_dict()
-    old = SlidingWindow.from_dict(json.loads(json.dumps(d)))
+    old = _written_with_held_out_sums(w, 2.0)
     got = old.pools()
     assert got.holdout == want.holdout and got.holdout_raw == want.holdout_raw
     assert got.holdout.n > 0
@@ -178,9 +186,6 @@ def test_a_sealed_bucket_counts_the_bytes_it_holds():
     """Sealed buckets keep their tables' bytes (:meth:`Bucket.seal`): what they count stays
     what they hold while their held-out samples, certification samples and a restored
     state's held-out sums are dropped as newer buckets arrive, and after a restore."""
-    from lpcal.binmap import scale_temperature
-    from lpcal.holdout import HoldoutSums
-
     n = 9000
     f, y = tempered(n)
     u = index_uniforms(0, n)
@@ -188,17 +193,7 @@ def test_a_sealed_bucket_counts_the_bytes_it_holds():
                       cert_share=0.5, cert_buckets=2)
     w.set_temperature(2.0)
     w.add(u[:2200], f[:2200], y[:2200])
-    d = w.to_dict()
-    for b in d["buckets"]:           # the previous form: held-out sums in the pools
-        hs = b.pop("held_samples", None)
-        if hs is None:
-            continue
-        x = np.frombuffer(base64.b64decode(hs["x"]), "<f8").reshape(-1, 10)
-        yy = np.frombuffer(base64.b64decode(hs["y"]), "<i8")
-        b["pools"]["holdout"] = HoldoutSums(10, LAYOUT.lam).update(
-            scale_temperature(x, 2.0), yy).to_dict()
-        b["pools"]["holdout_raw"] = HoldoutSums(10, LAYOUT.lam).update(x, yy).to_dict()
-    w = SlidingWindow.from_dict(json.loads(json.dumps(d)))
+    w = _written_with_held_out_sums(w, 2.0)
     rng = np.random.default_rng(1)
     a, cleared, dropped = 2200, 0, 0
     while a < n:
