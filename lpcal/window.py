@@ -720,14 +720,14 @@ class SlidingWindow:
             out.buckets = [Bucket.from_dict(b, out.layout) for b in d["buckets"]]
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"malformed sliding window ({e})") from None
-        for b in out.buckets[:-1]:
-            b.seal()
         idx = [b.index for b in out.buckets]
         if not idx or idx != sorted(set(idx)) or len(idx) > out.n_buckets:
             raise InputError(f"malformed sliding window (bucket indices {idx})")
         if any(b.n > out.bucket_size for b in out.buckets) or any(
                 b.n != out.bucket_size for b in out.buckets[:-1]):
             raise InputError("malformed sliding window (a sealed bucket is not full)")
+        for b in out.buckets[:-1]:
+            b.seal()
         return out
 
     def __eq__(self, other: object) -> bool:
