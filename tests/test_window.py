@@ -133,10 +133,7 @@ def test_held_out_sums_built_from_samples_equal_streamed_sums():
 
 
 def test_malformed_held_out_samples_are_named():
-    f, y = tempered(1500)
-    w = SlidingWindow(LAYOUT, bucket_size=1000, n_buckets=4)
-    w.set_temperature(2.0)
-    w.add(index_uniforms(0, 1500), f, y)
+    w, _, _, _ = fill([], n=1500, t=2.0)
     d = w.to_dict()
     d["buckets"][0]["held_samples"]["y"] = d["buckets"][0]["held_samples"]["y"][:-8]
     with pytest.raises(InputError, match="held-out samples"):
@@ -163,10 +160,7 @@ def _written_with_held_out_sums(w: SlidingWindow, t: float) -> SlidingWindow:
 
 
 def test_a_window_written_with_held_out_sums_in_its_buckets_still_counts_them():
-    f, y = tempered(2500)
-    w = SlidingWindow(LAYOUT, bucket_size=1000, n_buckets=4)
-    w.set_temperature(2.0)
-    w.add(index_uniforms(0, 2500), f, y)
+    w, _, _, _ = fill([], n=2500, t=2.0)
     want = w.pools()
     old = _written_with_held_out_sums(w, 2.0)
     got = old.pools()
