@@ -107,7 +107,9 @@ class KafkaClients:
         opts = {"session_timeout_ms": k.session_timeout_ms,
                 "heartbeat_interval_ms": k.heartbeat_interval_ms,
                 "fetch_max_wait_ms": k.fetch_max_wait_ms,
-                "max_partition_fetch_bytes": max(k.max_message_bytes, 1 << 20),
+                "max_partition_fetch_bytes": max(k.max_message_bytes,
+                                                 k.max_partition_fetch_bytes),
+                "fetch_max_bytes": max(k.max_message_bytes, k.fetch_max_bytes),
                 "partition_assignment_strategy": (RangePartitionAssignor,)}
         if k.lean_records and lean_records.install():
             opts["value_deserializer"] = lean_records.LEAN

@@ -223,9 +223,13 @@ async def _raw_read(bootstrap: str, topics: list[str], expected: int) -> Run:
 
     from daemon.kafka.clients import make_consumer
 
+    from daemon.settings import KafkaSettings
+
+    fetch = KafkaSettings()  # the daemon's default fetch sizes
     consumer = make_consumer(
         bootstrap, group_id=f"bench-raw-{uuid.uuid4().hex[:8]}", client_id="bench-raw",
-        auto_offset_reset="earliest", max_partition_fetch_bytes=1 << 20,
+        auto_offset_reset="earliest", max_partition_fetch_bytes=fetch.max_partition_fetch_bytes,
+        fetch_max_bytes=fetch.fetch_max_bytes,
         partition_assignment_strategy=(RangePartitionAssignor,), **FAST_CONSUMER)
     await consumer.start()
     try:

@@ -243,12 +243,32 @@ def test_consumer_settings_reach_the_input_consumer(isolated):
     opts = Daemon(s).clients.consumer_options()
     assert (opts["session_timeout_ms"], opts["heartbeat_interval_ms"],
             opts["fetch_max_wait_ms"]) == (4000, 500, 37)
-    assert opts["max_partition_fetch_bytes"] == 4 << 20
+    # a message of max_message_bytes stays fetchable above the fetch sizes
+    assert opts["max_partition_fetch_bytes"] == 8 << 20 and opts["fetch_max_bytes"] == 16 << 20
     assert opts["partition_assignment_strategy"] == (RangePartitionAssignor,)
     d = Settings().kafka
-    assert Daemon(Settings()).clients.consumer_options()["fetch_max_wait_ms"] == d.fetch_max_wait_ms
+    defaults = Daemon(Settings()).clients.consumer_options()
+    assert defaults["fetch_max_wait_ms"] == d.fetch_max_wait_ms
+    assert (defaults["max_partition_fetch_bytes"], defaults["fetch_max_bytes"]) == (8 << 20,
+                                                                                   16 << 20)
+    big = Settings(kafka={"max_message_bytes": 32 << 20})
+    assert Daemon(big).clients.consumer_options()["max_partition_fetch_bytes"] == 32 << 20
+    small = Settings(kafka={"max_partition_fetch_bytes": 1 << 20, "fetch_max_bytes": 2 << 20})
+    opts = Daemon(small).clients.consumer_options()
+    assert (opts["max_partition_fetch_bytes"], opts["fetch_max_bytes"]) == (1 << 20, 2 << 20)
     assert Daemon(s, consumer_options={"session_timeout_ms": 2000}).clients.consumer_options()[
         "session_timeout_ms"] == 2000
+
+
+def test_a_fetch_smaller_than_one_partitions_fetch_is_refused(isolated):
+    """kafka.fetch_max_bytes bounds a whole fetch: below max_partition_fetch_bytes, one
+    partition's fetch could not be returned whole; the error names both settings."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="fetch_max_bytes .* max_partition_fetch_bytes"):
+        Settings(kafka={"max_partition_fetch_bytes": 8 << 20, "fetch_max_bytes": 4 << 20})
+    with pytest.raises(ValidationError, match="max_partition_fetch_bytes"):
+        Settings(kafka={"max_partition_fetch_bytes": 1024})
 
 
 def test_fit_mode_defaults_follow_the_mode(isolated):
