@@ -91,7 +91,7 @@ import numpy as np
 
 from daemon.drift import ChangeDetector
 from lpcal.errors import InputError
-from lpcal.levels import HashCollision, bin_rows
+from lpcal.levels import HashCollision, bin_rows, run_starts
 from lpcal.metrics import Estimate, binned_sq_error, l2_of_squared
 from lpcal.metrics import lp_norm as _lp_norm
 
@@ -372,9 +372,7 @@ def _segments(r: _Rows, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     order = (np.argsort(r.h, kind="stable") if nseg == 1
              else np.lexsort((r.h, seg)))
     hs, ss = r.h[order], seg[order]
-    new = np.empty(n, dtype=bool)
-    new[:1] = True
-    np.not_equal(hs[1:], hs[:-1], out=new[1:])
+    new = run_starts(hs)
     if nseg > 1:
         new[1:] |= ss[1:] != ss[:-1]
     gid = np.cumsum(new) - 1
@@ -519,10 +517,7 @@ class CellSums:
         # for np.unique and a stable sort of its inverse gave, in one sort)
         order = np.argsort(h, kind="stable")
         hs = h[order]
-        first = np.empty(hs.size, dtype=bool)
-        first[0] = True
-        np.not_equal(hs[1:], hs[:-1], out=first[1:])
-        starts = np.flatnonzero(first)
+        starts = np.flatnonzero(run_starts(hs))
         out.hashes = hs[starts]
         out.counts = np.add.reduceat(np.concatenate([p.counts for p in parts])[order], starts)
         out.s = np.add.reduceat(np.concatenate([p.s for p in parts])[order], starts, axis=0)

@@ -288,6 +288,17 @@ def scan_rows(probs: np.ndarray, lam: int):
     return _combine(hh), hh, rs, rm
 
 
+def run_starts(keys: np.ndarray) -> np.ndarray:
+    """Where each run of equal values of the grouped (e.g. sorted) 1-d ``keys`` starts: a
+    bool mask, True at element 0 and at every element that differs from the one before. Its
+    ``flatnonzero`` gives the runs' first positions (for ``np.add.reduceat``), its cumulative
+    sum minus one each element's run number."""
+    new = np.empty(keys.size, dtype=bool)
+    new[:1] = True
+    np.not_equal(keys[1:], keys[:-1], out=new[1:])
+    return new
+
+
 def group_hashed(h: np.ndarray, pair: np.ndarray):
     """:func:`group_rows` from the hashes of :func:`bin_rows` (no bin rows needed): returns
     ``(unique_hashes, first_index, inverse)``; rows of a group must share both exact hashes

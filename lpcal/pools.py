@@ -47,6 +47,7 @@ from lpcal.levels import (
     encode_keys,
     group_rows,
     row_hash,
+    run_starts,
     scan_rows,
 )
 from lpcal.precalibrate import TemperatureGrid
@@ -332,10 +333,7 @@ def _merge_compacted_tables(tables: list[CountTable]) -> CountTable:
     cnt = np.concatenate([t._pc for t in tables])
     order = np.argsort(pair)
     ps = pair[order]
-    new = np.empty(ps.size, dtype=bool)
-    new[:1] = True
-    np.not_equal(ps[1:], ps[:-1], out=new[1:])
-    starts = np.flatnonzero(new)
+    starts = np.flatnonzero(run_starts(ps))
     up, pc = ps[starts], np.add.reduceat(cnt[order], starts)  # int64 counts, exact
     return CountTable._raw(k, lam, uh, ptr, idx.astype(np.int32, copy=False),
                            val.astype(np.int32, copy=False), up // k, up % k, pc)
@@ -746,9 +744,7 @@ def _unique_first(h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     of int64 ``h`` from one stable sort."""
     order = np.argsort(h, kind="stable")
     hs = h[order]
-    new = np.empty(hs.size, dtype=bool)
-    new[:1] = True
-    np.not_equal(hs[1:], hs[:-1], out=new[1:])
+    new = run_starts(hs)
     gid = np.cumsum(new) - 1
     inv = np.empty_like(gid)
     inv[order] = gid
@@ -845,9 +841,7 @@ def _compact_jointly(tables: list[CountTable], routed) -> None:
     # then sorted too, and numbered in order (what a unique of the pairs would give)
     up, pc = _sorted_counts((tid * nb + inv) * k + y)
     tb, plab = np.divmod(up, k)
-    new = np.empty(tb.size, dtype=bool)
-    new[:1] = True
-    np.not_equal(tb[1:], tb[:-1], out=new[1:])
+    new = run_starts(tb)
     ukey = tb[new]                                                # (table, bin), sorted
     pbin = np.cumsum(new) - 1                                     # its number
     tbl, gbin = np.divmod(ukey, nb)

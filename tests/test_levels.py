@@ -151,3 +151,18 @@ def test_bin_index_against_dict_reference():
     expect = np.array([ref.get(tuple(r), -1) for r in c])
     assert np.array_equal(idx, expect)
     assert round_down(u, lam).max() <= 1.0
+
+
+def test_run_starts_marks_the_first_element_of_each_run():
+    """``run_starts`` of grouped keys: True where a run of equal values begins; its nonzero
+    positions are what ``np.unique(..., return_index=True)`` gives for sorted keys."""
+    from lpcal.levels import run_starts
+
+    assert run_starts(np.zeros(0, dtype=np.int64)).tolist() == []
+    assert run_starts(np.array([7])).tolist() == [True]
+    keys = np.array([3, 3, 5, 5, 5, 9, 12, 12], dtype=np.int64)
+    assert run_starts(keys).tolist() == [True, False, True, False, False, True, True, False]
+    rng = np.random.default_rng(0)
+    sk = np.sort(rng.integers(0, 50, size=1000))
+    _, first = np.unique(sk, return_index=True)
+    assert np.array_equal(np.flatnonzero(run_starts(sk)), first)
