@@ -110,8 +110,8 @@ class KafkaSettings(Strict):
                 problems.append(((name,), f"file {str(path)!r} does not exist"))
         if self.fetch_max_bytes < self.max_partition_fetch_bytes:
             problems.append((("fetch_max_bytes",),
-                             f"fetch_max_bytes ({self.fetch_max_bytes}) must be at least "
-                             f"max_partition_fetch_bytes ({self.max_partition_fetch_bytes})"))
+                             (f"fetch_max_bytes ({self.fetch_max_bytes}) must be at least "
+                              f"max_partition_fetch_bytes ({self.max_partition_fetch_bytes})")))
         if (self.ssl_keyfile is not None) and self.ssl_certfile is None:
             problems.append((("ssl_keyfile",), "needs ssl_certfile"))
         field_errors("KafkaSettings", problems)

@@ -222,7 +222,6 @@ async def _raw_read(bootstrap: str, topics: list[str], expected: int) -> Run:
     from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
     from daemon.kafka.clients import make_consumer
-
     from daemon.settings import KafkaSettings
 
     fetch = KafkaSettings()  # the daemon's default fetch sizes
