@@ -430,7 +430,8 @@ class ModelState:
         self._factory = calibrator_factory
         self._calibrator: Calibrator | None = None
         self.eval_interval = float(eval_interval)
-        self._last_eval: tuple[float, dict[str, WindowStats | None]] | None = None
+        #: (time, calibrated window stats) of the triggers' last evaluation
+        self._last_eval: tuple[float, WindowStats | None] | None = None
         #: share of the events kept (see the module docstring); set from the model settings
         self.sample_rate = 1.0
         #: largest ``ts_limit`` of the batches offered so far (record timestamp + allowed skew):
@@ -841,7 +842,8 @@ class ModelState:
     def check_triggers(self, now: float, *, busy: bool = False,
                        stats: Mapping[str, WindowStats | None] | None = None,
                        lazy: bool = False) -> Firing | None:
-        """Ask the triggers what to do at ``now`` (evaluates the monitor unless ``stats``).
+        """Ask the triggers what to do at ``now`` (evaluates the monitor's calibrated predictor
+        unless ``stats``).
 
         ``pools_full`` is "a sealed epoch is waiting to be fitted". Evaluating the window costs
         O(window bins * k), so it is redone at most every ``eval_interval`` seconds of ``now``
@@ -853,18 +855,20 @@ class ModelState:
         if stats is None and lazy and (self._calibrator is None or sum(
                 bk.n for bk in self.monitor.buckets.values()) < self.triggers.drift.min_samples):
             stats = _NO_STATS
-        if stats is None:
+        if stats is not None:
+            calibrated = stats.get("calibrated")
+        else:  # the triggers read the calibrated predictor only
             last = self._last_eval
             if last is not None and 0.0 <= now - last[0] < self.eval_interval:
-                stats = last[1]
+                calibrated = last[1]
             else:
-                stats = self.evaluate()
-                self._last_eval = (now, stats)
+                calibrated = self.monitor.evaluate_one("calibrated",
+                                                       self.monitor_spec.drift_confidence)
+                self._last_eval = (now, calibrated)
         ready = (not self.online.warming if self.online is not None
                  else bool(self.sealed) or not self.filling.warming)
         return self.triggers.check(now=now, pools_full=bool(self.sealed),
-                                   manual_ready=ready,
-                                   stats=stats.get("calibrated"), busy=busy,
+                                   manual_ready=ready, stats=calibrated, busy=busy,
                                    change=self.change_alarm)
 
     @property

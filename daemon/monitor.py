@@ -1403,12 +1403,19 @@ class WindowMonitor:
         """:class:`WindowStats` of both predictors (None for an empty window).
 
         Cached until the window changes, so repeated calls between updates are free."""
-        out = self._cache.get(z)
-        if out is None:
-            out = {name: window_stats(self.sums(name), self.p, z, self.classwise(name))
-                   for name in PREDICTORS}
-            self._cache[z] = out
-        return dict(out)
+        return {name: self.evaluate_one(name, z) for name in PREDICTORS}
+
+    def evaluate_one(self, predictor: str, z: float = 3.0) -> WindowStats | None:
+        """:class:`WindowStats` of ``predictor`` alone (what :meth:`evaluate` gives for it),
+        cached with it: the drift trigger reads the calibrated predictor only, and the raw
+        one's flush, merge and statistics are about half of an evaluation."""
+        if predictor not in PREDICTORS:
+            raise InputError(f"unknown predictor {predictor!r}")
+        per = self._cache.setdefault(z, {})
+        if predictor not in per:
+            per[predictor] = window_stats(self.sums(predictor), self.p, z,
+                                          self.classwise(predictor))
+        return per[predictor]
 
     # ---------------------------------------------------------------- snapshots
     def _header(self) -> dict[str, Any]:

@@ -222,18 +222,20 @@ def test_check_triggers_pools_full_and_manual():
 
 
 def test_trigger_checks_reuse_the_window_evaluation_within_eval_interval():
+    """The triggers evaluate the calibrated predictor only (the drift condition reads
+    nothing else), at most once per ``eval_interval`` of a clock that moves forward."""
     st = new_state()
     calls = []
-    real = st.monitor.evaluate
+    real = st.monitor.evaluate_one
 
-    def counting(z=3.0):
-        calls.append(z)
-        return real(z)
+    def counting(predictor, z=3.0):
+        calls.append(predictor)
+        return real(predictor, z)
 
-    st.monitor.evaluate = counting
+    st.monitor.evaluate_one = counting
     for t in (0.0, 0.3, 0.9):
         st.check_triggers(t)
-    assert len(calls) == 1
+    assert calls == ["calibrated"]
     st.check_triggers(1.0)
     assert len(calls) == 2
     st.check_triggers(0.5)  # the clock went back: evaluate again rather than trust the cache

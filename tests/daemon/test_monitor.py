@@ -92,6 +92,28 @@ def test_evaluation_is_cached_until_the_window_changes():
     assert m.evaluate()["raw"] is None
 
 
+def test_one_predictor_evaluated_alone_is_what_both_give():
+    """``evaluate_one`` gives what ``evaluate`` gives for that predictor (the same cached
+    object, whichever is called first), without computing the other predictor's statistics;
+    an unknown predictor is an error naming it."""
+    x, y = data(900, seed=9)
+    cal = np.clip(x * 0.9 + 0.025, 0.0, None)
+    cal /= cal.sum(axis=1, keepdims=True)
+    one, both = (WindowMonitor(4, 10, math.inf, window_samples=600, n_buckets=3)
+                 for _ in range(2))
+    for m in (one, both):
+        for a in range(0, 900, 30):  # small updates: their rows wait to be summed
+            m.update(x[a:a + 30], y[a:a + 30], calibrated=cal[a:a + 30])
+    c = one.evaluate_one("calibrated")
+    assert one._cache[3.0].keys() == {"calibrated"}  # the raw predictor left alone
+    full = both.evaluate()
+    assert c == full["calibrated"] and c.n > 0
+    assert one.evaluate()["calibrated"] is c and one.evaluate()["raw"] == full["raw"]
+    assert both.evaluate_one("raw") is full["raw"]
+    with pytest.raises(InputError, match="unknown predictor 'shadow'"):
+        one.evaluate_one("shadow")
+
+
 def test_reset_calibrated_only():
     x, y = data(500, seed=4)
     m = WindowMonitor(4, 10, math.inf)

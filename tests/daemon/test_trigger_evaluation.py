@@ -40,15 +40,17 @@ def offer(s: Settings, st: ModelState, start: int, n: int, power: float = 1.0) -
 
 
 def counting(st: ModelState) -> list[float]:
-    """Count the evaluations of ``st``'s window (on this instance only)."""
+    """Count the trigger checks' evaluations of ``st``'s window (of its calibrated predictor,
+    the one the drift condition reads; on this instance only)."""
     calls: list[float] = []
-    real = st.monitor.evaluate
+    real = st.monitor.evaluate_one
 
-    def evaluate(z=3.0):
+    def evaluate_one(predictor, z=3.0):
+        assert predictor == "calibrated"
         calls.append(z)
-        return real(z)
+        return real(predictor, z)
 
-    st.monitor.evaluate = evaluate
+    st.monitor.evaluate_one = evaluate_one
     return calls
 
 
