@@ -525,7 +525,7 @@ class Ingest:
         monitors of the models changed since their last checkpoint on those partitions, in one
         pass (:func:`daemon.monitor.flush_waiting`: the same sums, to the bit, as each
         snapshot would compute for its own model, at about one model's cost), and likewise the
-        rows their online calibrators deferred to the next decision point
+        rows their online calibrators deferred (until their open buckets fill)
         (:func:`lpcal.window.flush_many`: one pass of the temperature kernels for all models,
         instead of one per model when its checkpoint is encoded)."""
         get = self.registry.get

@@ -986,7 +986,7 @@ class OnlineCalibrator:
         if memo is None:
             def memo(owner, refs, make):  # no cache: encode every time
                 return make()
-        self.window.flush()  # rows deferred to the next decision point enter the sums now
+        self.window.flush()  # rows deferred to the open bucket's end enter the sums now
         window = (self.window.to_dict(packed=packed, memo=memo) if packed
                   else self.window.to_dict())
         cfg = memo(self.config, (), lambda: _config_dict(self.config))

@@ -309,9 +309,9 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
 
     With ``warm_models``, the daemon checkpoints right after the admission, and that first
     checkpoint's wall and CPU time are taken out of the timed part (:attr:`Run.first_checkpoint`);
-    later checkpoints come at their paced times, in the timing. At the end of the timed part, the sums that wait for
-    the next decision point or checkpoint (the monitors' waiting rows, the online
-    calibrators' deferred rows) are summed in the timing too."""
+    later checkpoints come at their paced times, in the timing. At the end of the timed part, the sums still deferred (the
+    monitors' waiting rows, the online calibrators' deferred rows) are summed in the timing
+    too."""
     from daemon.monitor import flush_waiting
     from daemon.service import Daemon
     from lpcal.window import flush_many
@@ -386,7 +386,8 @@ async def daemon_read(bootstrap: str, topics: dict[str, str], expected: int, poo
                 state["out_cpu"] = time.process_time() - c0
 
     def settle():
-        """The sums deferred to the next decision point or checkpoint, summed now."""
+        """The sums still deferred (monitors' waiting rows, calibrators' deferred rows), summed
+        now."""
         states = [slot.state for slot in d.registry.slots.values()]
         flush_waiting(st.monitor for st in states)
         flush_many(st.online.window for st in states if st.online is not None)

@@ -494,8 +494,8 @@ def render(res: dict) -> list[Table]:
                      f"{statistics.median(r.first_checkpoint for r, _, _ in runs[m]):.2f} s"
                      for m in counts)
          + ") until the span ends (or the last message is processed), every staged event is "
-         "in its model's state and the sums deferred to the next decision point or "
-         "checkpoint (monitors' waiting rows, online calibrators' deferred rows) are summed; "
+         "in its model's state and the sums still deferred (monitors' waiting rows, "
+         "online calibrators' deferred rows) are summed; "
          "the later checkpoints come at their paced times (at least "
          "`state.checkpoint_interval_seconds` apart, and at most "
          "`state.checkpoint_max_cpu_share` = 0.1 of the time), inside the timing; where the "
