@@ -243,7 +243,6 @@ def test_consumer_settings_reach_the_input_consumer(isolated):
     opts = Daemon(s).clients.consumer_options()
     assert (opts["session_timeout_ms"], opts["heartbeat_interval_ms"],
             opts["fetch_max_wait_ms"]) == (4000, 500, 37)
-    # a message of max_message_bytes stays fetchable above the fetch sizes
     assert opts["max_partition_fetch_bytes"] == 8 << 20 and opts["fetch_max_bytes"] == 16 << 20
     assert opts["partition_assignment_strategy"] == (RangePartitionAssignor,)
     d = Settings().kafka
@@ -251,6 +250,7 @@ def test_consumer_settings_reach_the_input_consumer(isolated):
     assert defaults["fetch_max_wait_ms"] == d.fetch_max_wait_ms
     assert (defaults["max_partition_fetch_bytes"], defaults["fetch_max_bytes"]) == (8 << 20,
                                                                                    16 << 20)
+    # a message of max_message_bytes stays fetchable above the fetch sizes
     big = Settings(kafka={"max_message_bytes": 32 << 20})
     assert Daemon(big).clients.consumer_options()["max_partition_fetch_bytes"] == 32 << 20
     small = Settings(kafka={"max_partition_fetch_bytes": 1 << 20, "fetch_max_bytes": 2 << 20})
