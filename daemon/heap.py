@@ -8,8 +8,8 @@ threshold has risen (it does after the first large block is freed) they come fro
 heap. Any long-lived object allocated above them pins the heap's top, so the heap ratchets up
 in steps of free but resident memory: resident memory grows for tens of minutes although no
 Python object does. The figures (smaps of the daemon under the load of
-``tests/reliability/test_load_soak.py``, with and without trimming) are in the README, section
-"Reliability".
+``tests/reliability/test_load_soak.py``, with and without trimming) are in docs/reliability.md,
+row "soak, 30 minutes".
 
 ``malloc_trim(0)`` returns the free memory at the top of every arena and, since glibc 2.8,
 ``madvise(MADV_DONTNEED)``\\ s the free pages inside them. It is glibc-only: on other C

@@ -55,7 +55,7 @@ from tests.support.daemon_harness import (
     wait_until,
 )
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MODELS = (("retain-k10", 10), ("retain-k3", 3))
 WARMUP = 40_000     # events (2 messages each)
