@@ -839,10 +839,9 @@ class OnlineCalibrator:
             self._fit_when_pools_ready(0 if snap is None else snap.fit_samples)
             return []
         self.requests_issued += 1
-        open_ = self.window.open
         req = FitRequest(self.requests_issued, self.n_seen, self.n_seen + self.config.fit_delay,
                          self.n_seen, self.version + 1, self.model_id, snap, self.config,
-                         (open_.index, open_.n_held))
+                         self.window.held_mark())
         self.pending, self.result = req, None
         if self.fit is not None:
             self.result = self.fit(req)
@@ -894,20 +893,7 @@ class OnlineCalibrator:
         acc = PairedLoss(self.config.loss)
         if req.held_from is None or self.version + 1 != req.version:
             return acc
-        index, count = req.held_from
-        parts = []
-        self.window.flush()
-        for b in self.window.buckets:
-            if b.index < index or not b.n_held:
-                continue
-            x, y = b.held_samples(self.k)
-            if b.index == index:
-                x, y = x[count:], y[count:]
-            parts.append((x, y))
-        if not parts:
-            return acc
-        x = np.concatenate([p[0] for p in parts])
-        y = np.concatenate([p[1] for p in parts])
+        x, y = self.window.held_since(req.held_from)
         if not y.size:
             return acc
         return PairedLoss.score(bm.apply(x, check=False), self._live_apply(x), y,

@@ -629,6 +629,29 @@ class SlidingWindow:
         self.flush()
         return tree_sum([b.held for b in self.buckets], LossGrid.merge)
 
+    def held_mark(self) -> tuple[int, int]:
+        """Where the held-out samples kept from now on start, for :meth:`held_since`:
+        ``(index of the open bucket, held-out samples it keeps now)``."""
+        self.flush()
+        b = self.open
+        return b.index, b.n_held
+
+    def held_since(self, mark: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """The held-out samples kept after ``mark`` (:meth:`held_mark`), oldest first:
+        ``(probs (m, k), labels (m,))``. Those of buckets dropped since are gone with them."""
+        self.flush()
+        index, count = mark
+        k = self.layout.k
+        parts = []
+        for b in self.buckets:
+            if b.index < index or not b.n_held:
+                continue
+            x, y = b.held_samples(k)
+            parts.append((x[count:], y[count:]) if b.index == index else (x, y))
+        if not parts:
+            return np.zeros((0, k)), np.zeros(0, np.int64)
+        return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+
     def cert_samples(self) -> tuple[np.ndarray, np.ndarray]:
         """The certification share's samples kept in the window (those of the newest
         ``holdout_buckets`` buckets), oldest first: ``(probs (m, k), labels (m,))``."""

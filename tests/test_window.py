@@ -203,3 +203,26 @@ def test_a_sealed_bucket_counts_the_bytes_it_holds():
         a = b
     assert cleared and dropped   # both kinds of change to a sealed bucket were seen
     assert all(s.nbytes == _bucket_bytes(s) for s in w.buckets)
+
+
+def test_held_since_a_mark_returns_the_held_out_samples_kept_after_it():
+    f, y = tempered(6000)
+    u = index_uniforms(0, 6000)
+    hold = LAYOUT.route_uniforms(u) >= len(LAYOUT.names)
+    w = SlidingWindow(LAYOUT, bucket_size=1000, n_buckets=8, holdout_buckets=3)
+    w.set_temperature(2.0)
+    for a, b in ((0, 1700), (1700, 2000), (2000, 3600)):
+        if a == 1700:
+            mark = w.held_mark()
+            assert mark == (1, int(hold[1000:1700].sum()))
+        w.add(u[a:b], f[a:b], y[a:b])
+    x, lab = w.held_since(mark)
+    sel = np.flatnonzero(hold[1700:3600]) + 1700     # bucket 1 from the mark on, 2, 3
+    assert sel.size > 0 and np.array_equal(x, f[sel]) and np.array_equal(lab, y[sel])
+    # buckets 1 and 2 drop their held-out samples once they are not among the newest three
+    w.add(u[3600:6000], f[3600:6000], y[3600:6000])
+    x, lab = w.held_since(mark)
+    sel = np.flatnonzero(hold[3000:6000]) + 3000
+    assert np.array_equal(x, f[sel]) and np.array_equal(lab, y[sel])
+    empty = SlidingWindow(LAYOUT, bucket_size=1000).held_since((5, 0))
+    assert empty[0].shape == (0, LAYOUT.k) and empty[1].shape == (0,)
