@@ -25,7 +25,7 @@ on their own and which tracemalloc counts at the JSON encoder's initial capacity
 * then ``PHASES`` phases of ``PHASE`` events each (100k messages). Between the boundary after
   the warm-up and the last, the traced size may grow by at most ``BYTES_PER_MESSAGE`` (40)
   per message. What stays is noise of up to about a MiB either way (arrays that grow by
-  doubling, the monitor's buckets): -4.9 to +13.8 bytes per message in six runs. A leak of
+  doubling, the monitor's buckets): -9.3 to +14.5 bytes per message in ten runs. A leak of
   one 64-byte object per message, put in on purpose, measured 74 bytes per message (the
   object and its list slot) and failed it, naming its source line first.
 """
