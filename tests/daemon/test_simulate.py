@@ -194,6 +194,7 @@ def test_each_malformed_kind_gets_its_invalid_reason(kind):
         else:
             assert not isinstance(rec, Invalid), (raw, rec)
     assert n_bad == gen.counts["malformed"]
+    assert gen.valid_messages == len(msgs) - n_bad  # what a daemon counts as consumed
     assert abs(n_bad - 0.3 * 398) < 5 * math.sqrt(398 * 0.21)  # first event per model is valid
 
 

@@ -132,7 +132,7 @@ async def test_sustained_rate_bounded_memory_and_lag_no_poll_gap(
                     next_rss += 1.0
                 mx = await _scrape(cs, daemon.url)
                 polls.append((time.time(), time.time() - mx["lpcal_last_poll_timestamp_seconds"]))
-                generated = sum(gen.counts[k] for k in ("prediction", "outcome", "sample"))
+                generated = gen.valid_messages
                 if gen.produced < n_events:  # not the final burst of late outcomes
                     lags.append((t, generated - mx.get("lpcal_events_consumed_total", 0.0),
                                  mx.get("lpcal_consumer_lag_messages", 0.0)))

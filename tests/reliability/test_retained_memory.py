@@ -25,7 +25,7 @@ on their own and which tracemalloc counts at the JSON encoder's initial capacity
 * then ``PHASES`` phases of ``PHASE`` events each (100k messages). Between the boundary after
   the warm-up and the last, the traced size may grow by at most ``BYTES_PER_MESSAGE`` (40)
   per message. What stays is noise of up to about a MiB either way (arrays that grow by
-  doubling, the monitor's buckets): -9.3 to +14.5 bytes per message in ten runs. A leak of
+  doubling, the monitor's buckets): -9.3 to +14.7 bytes per message in eleven runs. A leak of
   one 64-byte object per message, put in on purpose, measured 74 bytes per message (the
   object and its list slot) and failed it, naming its source line first.
 """
@@ -64,10 +64,6 @@ PHASES = 2
 BYTES_PER_MESSAGE = 40.0
 
 
-def _generated(gen: TrafficGenerator) -> int:
-    return sum(gen.counts[k] for k in ("prediction", "outcome", "sample"))
-
-
 async def _consumed(url: str) -> float:
     """``lpcal_events_consumed_total`` summed over its topics."""
     mx = await scrape_metrics(url)
@@ -81,10 +77,10 @@ def _dumps_line(fn) -> tuple[str, int]:
         i for i, line in enumerate(lines) if "orjson.dumps(" in line)
 
 
-#: the encoded parts the checkpoint cache keeps: bounded by its own byte limit
-#: (``CHECKPOINT_CACHE_BYTES`` per model, counted in the state's bytes), and traced at the
-#: encoder's initial capacity, not at their length (3.9 KB of JSON is traced as 260 KB)
-#: and what the test itself holds: its snapshots and its producer's generator
+#: not counted: the encoded parts the checkpoint cache keeps (bounded by its own byte limit,
+#: ``CHECKPOINT_CACHE_BYTES`` per model, counted in the state's bytes; traced at the encoder's
+#: initial capacity, not at their length: 3.9 KB of JSON is traced as 260 KB), and what the
+#: test itself holds (its snapshots, its producer's generator)
 _NOT_COUNTED = [tracemalloc.Filter(False, *_dumps_line(CheckpointCache.__call__)),
                 tracemalloc.Filter(False, tracemalloc.__file__),
                 tracemalloc.Filter(False, str(Path(simulate_pkg.__file__).parent / "*"))]
@@ -123,7 +119,7 @@ async def test_traced_memory_does_not_grow_with_messages(deployment, broker, tmp
             if not boundaries or g.produced < boundaries[0]:
                 return
             boundaries.pop(0)
-            sent = _generated(g)
+            sent = g.valid_messages
 
             async def diag() -> str:
                 return f"consumed {await _consumed(rd.url)}: {rd.describe()}"

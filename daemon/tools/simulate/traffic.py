@@ -311,6 +311,14 @@ class TrafficGenerator:
         """Events generated so far (``<= events``)."""
         return self._next
 
+    @property
+    def valid_messages(self) -> int:
+        """Messages of valid events generated so far: predictions (orphans among them),
+        outcomes and complete samples, not malformed ones; what a daemon that consumed all of
+        them counts in ``lpcal_events_consumed_total``."""
+        c = self.counts
+        return c["prediction"] + c["outcome"] + c["sample"]
+
     def __iter__(self) -> Iterator[tuple[str, bytes, bytes]]:
         for msgs in self.chunks():
             yield from msgs
