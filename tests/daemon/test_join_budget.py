@@ -194,3 +194,26 @@ def test_corrupt_pending_rows_are_an_input_error():
     snap["models"]["m"]["pending_rows"] = "%%%"
     with pytest.raises(Exception, match="malformed snapshot"):
         JoinStore.from_dict(snap)
+
+
+def test_largest_id_size_is_the_largest_getsizeof_of_the_ids():
+    """The budget sizes a batch's ids from the longest one when all are ASCII: the very
+    ``sys.getsizeof`` of the largest (non-ASCII ids are sized one by one), also for the ids
+    the ingest parser makes."""
+    import sys
+
+    from daemon.events import EventParser, ModelPolicy
+    from daemon.join import largest_str_bytes
+
+    rng = np.random.default_rng(3)
+    ascii_ids = ["".join(map(chr, rng.integers(32, 127, int(n))))
+                 for n in rng.integers(0, 90, 500)]
+    # non-ASCII ids take more bytes than ASCII ones as long: the largest may be a shorter one
+    for ids in (ascii_ids, ascii_ids[:1], ["", "a"], ["abcd", "é" * 3], ["ab", "€"],
+                ["😀", "x" * 20], ascii_ids + ["é" * 90], ["\x7f" * 70, "x"]):
+        assert largest_str_bytes(ids) == max(map(sys.getsizeof, ids)), ids[-1]
+    raws = [b'{"model": "m", "id": "%s", "ts": 1.0, "label": 1}' % i.encode()
+            for i in ("ev-1", "ev-" + "x" * 80, "ev-22")]
+    mb = EventParser(lambda model: ModelPolicy(k=3)).parse_batch(raws).by_model["m"]
+    assert largest_str_bytes(mb.ids) == max(map(sys.getsizeof, mb.ids)) == sys.getsizeof(
+        "ev-" + "x" * 80)
