@@ -44,6 +44,13 @@ epochs fill and fits run in the daemon's worker thread all through the ingestion
 (``DaemonMetrics.mark_poll``) is timestamped and the table reports the largest gap between
 consecutive polls that overlaps a running fit (target < 1 s), and the throughput of that run.
 
+**Fetching records** (:func:`fetch_costs`): ``getmany(max_records=5000)`` of the whole stream
+and nothing else, CPU time of the process per message, three ways, alternating: aiokafka's
+default (a ``ConsumerRecord`` per message, one per step of its record generator), the decoded
+records one per generator step (the daemon's consumer before it took batches), and the
+daemon's consumer (:mod:`daemon.kafka.lean_records`: each record batch's decoded records at
+once); medians, as ratios to the default.
+
 **Offline offer cost** (:func:`offer_costs`, no broker, no parsing): CPU time of
 :meth:`daemon.model_state.ModelState.offer` alone (join, routing, pools or online calibrator,
 monitor, change test; online fits run untimed, as in the daemon's worker, and handed back
@@ -251,6 +258,95 @@ async def _raw_read(bootstrap: str, topics: list[str], expected: int) -> Run:
     finally:
         await consumer.stop()
     return Run(n, t1 - t0, proc_cpu=c1 - c0)
+
+
+FETCH_KINDS = {"plain": "aiokafka default: a `ConsumerRecord` per message, one per generator step",
+               "lean-one": "decoded records, one per generator step",
+               "lean": "decoded records, a record batch at a time (the daemon's consumer)"}
+
+
+async def fetch_read(bootstrap: str, topics: list[str], expected: int, kind: str) -> Run:
+    """``getmany(max_records=5000)`` of ``expected`` messages and nothing else, with a fresh
+    group, the ``kind`` of :data:`FETCH_KINDS`; timed (wall and process CPU) from the first
+    records returned."""
+    from aiokafka.consumer import fetcher
+
+    from daemon.kafka import lean_records
+
+    result = fetcher.FetchResult
+    saved = result.getall, result.getone
+    if kind == "lean-one":  # aiokafka's own getall/getone on the decoded records
+        result.getall, result.getone = saved[0].__wrapped__, saved[1].__wrapped__
+    try:
+        return await _fetch_read(bootstrap, topics, expected,
+                                 lean_records.LEAN if kind != "plain" else None)
+    finally:
+        result.getall, result.getone = saved
+
+
+async def _fetch_read(bootstrap: str, topics: list[str], expected: int, deserializer) -> Run:
+    from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+
+    from daemon.kafka.clients import make_consumer
+    from daemon.settings import KafkaSettings
+
+    fetch = KafkaSettings()
+    extra = {} if deserializer is None else {"value_deserializer": deserializer}
+    consumer = make_consumer(
+        bootstrap, group_id=f"bench-fetch-{uuid.uuid4().hex[:8]}", client_id="bench-fetch",
+        auto_offset_reset="earliest", max_partition_fetch_bytes=fetch.max_partition_fetch_bytes,
+        fetch_max_bytes=fetch.fetch_max_bytes,
+        partition_assignment_strategy=(RangePartitionAssignor,), **extra, **FAST_CONSUMER)
+    await consumer.start()
+    try:
+        consumer.subscribe(topics)
+        n, t0, c0 = 0, None, None
+        deadline = time.monotonic() + 600
+        while n < expected:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fetch read only {n}/{expected} messages")
+            batch = await consumer.getmany(timeout_ms=250, max_records=5000)
+            for msgs in batch.values():
+                if msgs and t0 is None:
+                    t0, c0 = time.perf_counter(), time.process_time()
+                n += len(msgs)
+        t1, c1 = time.perf_counter(), time.process_time()
+    finally:
+        await consumer.stop()
+    return Run(n, t1 - t0, proc_cpu=c1 - c0)
+
+
+async def fetch_costs(bootstrap: str, topics: list[str], expected: int, repeats: int
+                      ) -> dict[str, list[Run]] | None:
+    """:func:`fetch_read` of every kind, ``repeats`` times, alternating (None where the
+    daemon's consumer falls back to ``ConsumerRecord``)."""
+    from daemon.kafka import lean_records
+
+    if not lean_records.install():
+        return None
+    runs: dict[str, list[Run]] = {kind: [] for kind in FETCH_KINDS}
+    for _ in range(repeats):
+        for kind in FETCH_KINDS:
+            runs[kind].append(await fetch_read(bootstrap, topics, expected, kind))
+    return runs
+
+
+def _fetch_lines(fetch: dict[str, list[Run]] | None, messages: int) -> list[str]:
+    if not fetch:
+        return []
+    cpu = {k: [r.proc_cpu / r.messages * 1e6 for r in rs] for k, rs in fetch.items()}
+    base = statistics.median(cpu["plain"])
+    lines = ["### Fetching records: `getmany` alone", "",
+             f"The {messages:,} messages above read with `getmany(max_records=5000)` and nothing "
+             f"else; process CPU per message, median of {len(cpu['plain'])} alternating "
+             "repetitions (fresh consumer group each).", "",
+             "| records | CPU us / msg (median) | per repetition | of aiokafka's default |",
+             "|---|---|---|---|"]
+    for kind, what in FETCH_KINDS.items():
+        med = statistics.median(cpu[kind])
+        lines.append(f"| {what} | {med:.2f} | " + ", ".join(f"{c:.2f}" for c in cpu[kind])
+                     + f" | {med / base:.2f} |")
+    return lines + [""]
 
 
 # --------------------------------------------------------------------------- daemon run
@@ -776,14 +872,16 @@ async def measure(events: int, repeats: int, log=print, small_pool: int = SMALL_
                 f"{b.rate:,.0f} msg/s ({b.busy / b.messages * 1e6:.2f} us/msg): own cost "
                 f"{a.busy / b.busy:.1f}x wall, {a.cpu / b.cpu:.1f}x CPU; end to end "
                 f"{b.rate / a.rate:.2f}x")
-        fit_run = None
+        fit_run = fetch = None
         if not sampled_only:
+            fetch = await fetch_costs(broker.bootstrap, pair, total, repeats)
             fit_run = await daemon_read(broker.bootstrap, topics, total, small_pool)
             log(f"[ingest] with fits: {fit_run.rate:,.0f} msg/s, {len(fit_run.fits)} fits, "
                 f"max gap {fit_run.max_gap(True):.3f} s during fits")
     res = {"events": events, "messages": total, "sent": sent, "raw": raws, "lpcal": lps,
            "python": pys, "online": ons, "fit": fit_run, "sampled": sampled, "small_pool": small_pool,
-           "ingest_path": native.describe(), "mixed": mixed, "mixed_messages": mixed_total}
+           "ingest_path": native.describe(), "mixed": mixed, "mixed_messages": mixed_total,
+           "fetch": fetch}
     if not sampled_only:
         res["costs"] = stage_costs(events)
         res["floor"] = floor_cost(events)
@@ -860,7 +958,8 @@ def render(res: dict) -> str:
            "`join.align_inputs` holds back the topic read ahead)."),
         "",
     ]
-    return "\n".join(lines + _malformed_lines(res) + _sampled_lines(res, raw_rate)
+    return "\n".join(lines + _fetch_lines(res.get("fetch"), res["messages"])
+                     + _malformed_lines(res) + _sampled_lines(res, raw_rate)
                      + _bound_lines(res["costs"], raw_rate, lp_rate, res["floor"])
                      + _offer_lines(res.get("offers") or []))
 
