@@ -33,12 +33,13 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 
-from daemon import heap, retry
+from daemon import blas, heap, retry
 from daemon.alignment import Aligner
 from daemon.binmap_view import BinMapView, settings_fit
 from daemon.checkpoint.checkpointer import Checkpointer
@@ -148,6 +149,8 @@ class Daemon:
         self._assign_task: asyncio.Task | None = None
         self.assign_failing_since: float | None = None
         self.assign_unhealthy_after = ASSIGN_UNHEALTHY_SECONDS
+        # puts back the BLAS thread limits found at startup (daemon.blas)
+        self._restore_blas: Callable[[], None] = lambda: None
 
     def status(self) -> DaemonStatus:
         """The read-only view of this daemon that the HTTP API serves."""
@@ -182,6 +185,7 @@ class Daemon:
         # lived ones; measured about +30% ingest throughput, see tests/bench/bench_ingest.py)
         gc.freeze()
         gc.set_threshold(50_000, 50, 1000)
+        self._restore_blas = blas.limit_threads(self.s.blas_threads)
         if self.s.state.release_heap and not heap.available():
             log.info("state.release_heap: this C library has no malloc_trim; freed heap "
                      "memory stays resident until reused")
@@ -315,6 +319,7 @@ class Daemon:
         if self.http is not None:
             await self.http.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self._restore_blas()
         now = time.monotonic()
         if self.stop_requested_at is not None:
             log.info("lpcal daemon stopped in %.1f s (from the stop signal; shutdown %.1f s)",

@@ -72,6 +72,11 @@ class Settings(BaseSettings):
     state: StateSettings = StateSettings()
     signing: SigningSettings = SigningSettings()
     shutdown_grace_seconds: PosFloat = 30.0
+    blas_threads: Annotated[int, Field(ge=0, le=1024)] = 1
+    """Threads of numpy's BLAS library (OpenBLAS or MKL) in the daemon process, applied at
+    startup (:mod:`daemon.blas`). The daemon computes on its event loop and one fit worker;
+    the library's default, one thread per CPU of the host (not of the container's CPU limit),
+    only competes with them. 0: keep the library's default."""
     log_level: Annotated[
         Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], Upper
     ] = "INFO"

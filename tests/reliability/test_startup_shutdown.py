@@ -24,11 +24,13 @@ import signal
 import time
 
 import pytest
+from threadpoolctl import threadpool_limits
 
 from daemon.kafka import clients as kafka_clients
 from daemon.kafka import topics as kafka_topics
 from daemon.service import Daemon
 from daemon.settings import load_settings
+from tests.daemon.test_blas import blas_threads
 from tests.support.daemon_harness import (
     TopicNames,
     create_topics,
@@ -140,6 +142,12 @@ async def test_stop_during_assignment_restore_ends_serve_promptly(broker, topic_
     store = _HangingStore()
     d = Daemon(load_settings(path), store=store,
                consumer_options={"session_timeout_ms": 2000, "heartbeat_interval_ms": 200})
+    with threadpool_limits(limits=2, user_api="blas"):  # BLAS threads before: 2
+        await _stop_during_restore(d, store, figures)
+        assert blas_threads() == [2] * len(blas_threads())  # put back at shutdown
+
+
+async def _stop_during_restore(d: Daemon, store: _HangingStore, figures) -> None:
     task = asyncio.create_task(d.serve(install_signals=False))
     try:
         await asyncio.wait_for(store.entered.wait(), 60)
@@ -148,6 +156,7 @@ async def test_stop_during_assignment_restore_ends_serve_promptly(broker, topic_
         await asyncio.gather(task, return_exceptions=True)
         raise
     assert d.started and not d.restored
+    assert blas_threads() == [1] * len(blas_threads())  # blas_threads = 1 since startup
     t0 = time.monotonic()
     d._on_signal(signal.SIGTERM)
     done, _ = await asyncio.wait({task}, timeout=5.0)
