@@ -260,7 +260,7 @@ class StateSettings(Strict):
     The default fits a Kafka broker's default message limit (1 MiB)."""
     max_state_bytes: Annotated[int, Field(ge=1024, le=1 << 31)] = 128 * MIB
     """Largest state value of one model the daemon decodes on restore, after reassembly and
-    decompression: a compressed value that would inflate beyond it (a zlib bomb) is not
+    decompression: a compressed value that would inflate beyond it (a compression bomb) is not
     inflated further, and it and any larger value are skipped, counted and logged (that model
     starts fresh). Values are decoded one at a time, so restoring needs about this much memory
     beyond the raw records. The default is above what a model within

@@ -34,7 +34,7 @@ last checkpoint come from the model's cache) and the /6 encoder without its cach
 encoded). Decoding (``ModelState.from_checkpoint``, validation included) of the two documents is
 timed the same way. Reported: medians over the repetitions, the median per-repetition ratio
 /6 : baseline, the
-bytes of each document and the bytes the Kafka store writes (its zlib level 1 above 64 KiB,
+bytes of each document and the bytes the Kafka store writes (its zstd level 1 above 64 KiB,
 :func:`daemon.checkpoint.store.encode_value`), and the bytes the cache holds.
 
 Run alone: ``python -m tests.bench.bench_checkpoint [--quick]``.
@@ -214,7 +214,7 @@ def run(quick: bool = False) -> list[Table]:
          "published maps and hold a window of sealed buckets (see the module docstring)."),
     ]
     size.notes += [
-        ("As stored: after the Kafka store's zlib (level 1, values of 64 KiB and more). "
+        ("As stored: after the Kafka store's zstd (level 1, values of 64 KiB and more). "
          "Cache: encoded parts the model keeps for its next checkpoint (at most 1 MiB, or a "
          "quarter of its byte budget), counted in its state bytes (last column: pools, window "
          "sums, online window and the cache; not the join buffer)."),

@@ -1,6 +1,6 @@
-"""Checkpoint values on the state topic: large ones are zlib-compressed by the store (off the
-event loop), small ones and values of earlier versions pass unchanged, corrupt ones are
-reported, not raised. The round trip through the real broker is covered by the integration
+"""Checkpoint values on the state topic: large ones are zstd-compressed by the store (off the
+event loop), small ones and plain values of earlier versions pass unchanged, zlib values of
+earlier versions are read, corrupt ones are reported, not raised. The round trip through the real broker is covered by the integration
 and crash tests (they read the state topic with :func:`decode_value`)."""
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ import zlib
 
 import orjson
 import pytest
+import zstandard
 
 from daemon.checkpoint import store as cs
 from daemon.checkpoint.store import (
     COMPRESS_MIN_BYTES,
     COMPRESSED,
+    ZLIB,
     KafkaCheckpointStore,
     LocalCheckpointStore,
     decode_value,
@@ -43,19 +45,50 @@ def test_small_values_and_earlier_plain_values_pass_unchanged():
     assert decode_value(plain_big) is plain_big
 
 
+def test_zlib_values_of_earlier_versions_are_read():
+    v = _big_checkpoint()
+    assert decode_value(ZLIB + zlib.compress(v, 1)) == v
+
+
 @pytest.mark.parametrize("damage, match", [
     (lambda e: e[:len(COMPRESSED) + 20], "truncated"),
-    (lambda e: COMPRESSED + b"\x00not zlib at all", "corrupt"),
+    (lambda e: e[:-3], "truncated"),
+    (lambda e: COMPRESSED + b"\x00not zstd at all", "corrupt"),
+    # a frame without its content size (encode_value always writes it)
+    (lambda e: COMPRESSED + zstandard.ZstdCompressor(write_content_size=False).compress(
+        decode_value(e)), "does not state its size"),
+    # a frame that states fewer bytes than it inflates to
+    (lambda e: COMPRESSED + _resized(e[len(COMPRESSED):]), "corrupt"),
+    (lambda e: ZLIB + zlib.compress(decode_value(e))[:40], "truncated"),
+    (lambda e: ZLIB + b"\x00not zlib at all", "corrupt"),
 ])
 def test_corrupt_compressed_values_raise_value_error(damage, match):
     with pytest.raises(ValueError, match=match):
         decode_value(damage(encode_value(_big_checkpoint())))
 
 
+def _resized(frame: bytes) -> bytes:
+    """``frame`` with its stated content size halved (single-segment frames state it in the
+    bytes after the header's descriptor)."""
+    params = zstandard.get_frame_parameters(frame)
+    size = params.content_size
+    out = bytearray(frame)
+    descriptor = out[4]
+    fcs_flag, single = descriptor >> 6, (descriptor >> 5) & 1
+    width = [1 if single else 0, 2, 4, 8][fcs_flag]
+    at = 5 + (0 if single else 1)
+    new = size // 2 - (256 if width == 2 else 0)
+    out[at:at + width] = new.to_bytes(width, "little")
+    assert zstandard.frame_content_size(bytes(out)) == size // 2
+    return bytes(out)
+
+
 def test_inflation_is_bounded(monkeypatch):
     monkeypatch.setattr(cs, "MAX_INFLATED_BYTES", 1000)
     with pytest.raises(ValueError, match="inflates beyond 1000 bytes"):
-        decode_value(COMPRESSED + zlib.compress(b"0" * 10_000))
+        decode_value(ZLIB + zlib.compress(b"0" * 10_000))
+    with pytest.raises(ValueError, match="inflates to 10000 bytes, beyond 1000"):
+        decode_value(COMPRESSED + zstandard.ZstdCompressor().compress(b"0" * 10_000))
 
 
 class _RecordingProducer:
@@ -110,11 +143,16 @@ async def test_kafka_store_load_keeps_raw_values_and_their_positions(monkeypatch
         decode_value(out["model/b"])
 
 
-def test_decode_value_is_bounded_by_its_limit():
-    """Decompression bombs: inflation stops at the limit; plain values above it are refused too."""
+@pytest.mark.parametrize("form", ["zstd", "zlib"])
+def test_decode_value_is_bounded_by_its_limit(form):
+    """Decompression bombs: inflation stops at the limit (a zstd frame stating more is refused
+    before any inflation); plain values above it are refused too."""
     import tracemalloc
 
-    bomb = COMPRESSED + zlib.compress(b"0" * (256 << 20), 9)
+    zeros = b"0" * (256 << 20)
+    bomb = (COMPRESSED + zstandard.ZstdCompressor(level=19).compress(zeros) if form == "zstd"
+            else ZLIB + zlib.compress(zeros, 9))
+    del zeros
     tracemalloc.start()
     try:
         with pytest.raises(cs.ValueTooLarge):

@@ -8,7 +8,7 @@ Each test runs real daemons on the embedded broker and writes the state topic di
   that record only, never the partition (it used to pause every partition for good);
 * a rolling update that hands one replica more restored models than ``max_models``;
 * an assignment that fails anyway is retried, and ``/healthz`` fails after a bounded time;
-* a zlib bomb on the state topic: the daemon's peak RSS stays bounded;
+* compression bombs on the state topic: the daemon's peak RSS stays bounded;
 * a changed ``k`` or ``eps`` in the settings on restore.
 """
 
@@ -21,10 +21,11 @@ from pathlib import Path
 
 import orjson
 import pytest
+import zstandard
 from aiokafka.partitioner import murmur2
 
 from daemon.checkpoint.envelope import ENVELOPE_FORMAT
-from daemon.checkpoint.store import COMPRESSED
+from daemon.checkpoint.store import COMPRESSED, ZLIB
 from daemon.model_state import ModelState
 from tests.support.daemon_harness import (
     EventProducer,
@@ -261,17 +262,21 @@ async def test_failing_assignment_is_retried_then_healthz_fails(deployment):
             await asyncio.wait_for(rd.task, 30)
 
 
-async def test_zlib_bomb_on_the_state_topic_keeps_memory_bounded(deployment, broker, tmp_path):
-    """1 MiB records that inflate to 1 GiB each, under a model key and a manifest
-    key; the daemon (a subprocess) becomes ready, counts them, and its peak RSS stays low."""
+async def test_compression_bomb_on_the_state_topic_keeps_memory_bounded(deployment, broker, tmp_path):
+    """Records that inflate to 1 GiB each (1 MiB of zlib, the form of earlier versions, and
+    a zstd frame), under model keys and a manifest key; the daemon (a subprocess) becomes ready, counts them, and its peak RSS stays low."""
     names = await deployment.topics(1)
-    bomb = COMPRESSED + zlib.compress(b"0" * (1 << 30), 9)
+    zeros = b"0" * (1 << 30)
+    bomb = ZLIB + zlib.compress(zeros, 9)  # the form of earlier versions
+    zbomb = COMPRESSED + zstandard.ZstdCompressor(level=19).compress(zeros)
+    del zeros
     assert len(bomb) < 1.1 * (1 << 20)
     async with EventProducer(broker.bootstrap) as prod:
         for key in ("model/bomb1", "model/bomb2", "model/bomb3", "partition/0"):
             await prod.raw(names.state, bomb, key)
+        await prod.raw(names.state, zbomb, "model/bomb4")
         await prod.flush()
-    del bomb
+    del bomb, zbomb
     cfg = deployment.config(defaults={"k": 3})
     d = SubprocessDaemon(cfg, tmp_path).start()
     try:
@@ -280,10 +285,10 @@ async def test_zlib_bomb_on_the_state_topic_keeps_memory_bounded(deployment, bro
         hwm = next(int(line.split()[1]) for line in status.splitlines()
                    if line.startswith("VmHWM:"))
         peak_mib = hwm / 1024
-        print(f"peak RSS with 4 zlib bombs on the state topic: {peak_mib:.0f} MiB")
+        print(f"peak RSS with 5 compression bombs on the state topic: {peak_mib:.0f} MiB")
         assert peak_mib < 400, d.logs()
         samples = await scrape_metrics(d.url)
-        assert metric_value(samples, RESTORES, outcome="too_large") == 4
+        assert metric_value(samples, RESTORES, outcome="too_large") == 5
         rc, _ = d.terminate(30)
         assert rc == 0, d.logs()
     finally:
