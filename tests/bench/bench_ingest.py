@@ -226,6 +226,14 @@ async def raw_read(bootstrap: str, topics: list[str], expected: int) -> Run:
 
 
 async def _raw_read(bootstrap: str, topics: list[str], expected: int) -> Run:
+    return await _consumer_read(bootstrap, topics, expected, "raw", parse=True)
+
+
+async def _consumer_read(bootstrap: str, topics: list[str], expected: int, name: str, *,
+                         parse: bool, **options) -> Run:
+    """A fresh consumer group (the daemon's default fetch sizes, ``options`` on top) reads
+    ``expected`` messages with ``getmany(max_records=5000)``, ``orjson.loads`` of every value
+    if ``parse``; timed (wall and process CPU) from the first records returned."""
     from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
     from daemon.kafka.clients import make_consumer
@@ -233,10 +241,10 @@ async def _raw_read(bootstrap: str, topics: list[str], expected: int) -> Run:
 
     fetch = KafkaSettings()  # the daemon's default fetch sizes
     consumer = make_consumer(
-        bootstrap, group_id=f"bench-raw-{uuid.uuid4().hex[:8]}", client_id="bench-raw",
+        bootstrap, group_id=f"bench-{name}-{uuid.uuid4().hex[:8]}", client_id=f"bench-{name}",
         auto_offset_reset="earliest", max_partition_fetch_bytes=fetch.max_partition_fetch_bytes,
         fetch_max_bytes=fetch.fetch_max_bytes,
-        partition_assignment_strategy=(RangePartitionAssignor,), **FAST_CONSUMER)
+        partition_assignment_strategy=(RangePartitionAssignor,), **options, **FAST_CONSUMER)
     await consumer.start()
     try:
         consumer.subscribe(topics)
@@ -246,13 +254,14 @@ async def _raw_read(bootstrap: str, topics: list[str], expected: int) -> Run:
         deadline = time.monotonic() + 600
         while n < expected:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"raw consumer read only {n}/{expected} messages")
+                raise RuntimeError(f"{name} consumer read only {n}/{expected} messages")
             batch = await consumer.getmany(timeout_ms=250, max_records=5000)
             for msgs in batch.values():
                 if msgs and t0 is None:
                     t0, c0 = time.perf_counter(), time.process_time()
-                for m in msgs:
-                    loads(m.value)
+                if parse:
+                    for m in msgs:
+                        loads(m.value)
                 n += len(msgs)
         t1, c1 = time.perf_counter(), time.process_time()
     finally:
@@ -278,42 +287,11 @@ async def fetch_read(bootstrap: str, topics: list[str], expected: int, kind: str
     if kind == "lean-one":  # aiokafka's own getall/getone on the decoded records
         result.getall, result.getone = saved[0].__wrapped__, saved[1].__wrapped__
     try:
-        return await _fetch_read(bootstrap, topics, expected,
-                                 lean_records.LEAN if kind != "plain" else None)
+        options = {} if kind == "plain" else {"value_deserializer": lean_records.LEAN}
+        return await _consumer_read(bootstrap, topics, expected, "fetch", parse=False,
+                                    **options)
     finally:
         result.getall, result.getone = saved
-
-
-async def _fetch_read(bootstrap: str, topics: list[str], expected: int, deserializer) -> Run:
-    from aiokafka.coordinator.assignors.range import RangePartitionAssignor
-
-    from daemon.kafka.clients import make_consumer
-    from daemon.settings import KafkaSettings
-
-    fetch = KafkaSettings()
-    extra = {} if deserializer is None else {"value_deserializer": deserializer}
-    consumer = make_consumer(
-        bootstrap, group_id=f"bench-fetch-{uuid.uuid4().hex[:8]}", client_id="bench-fetch",
-        auto_offset_reset="earliest", max_partition_fetch_bytes=fetch.max_partition_fetch_bytes,
-        fetch_max_bytes=fetch.fetch_max_bytes,
-        partition_assignment_strategy=(RangePartitionAssignor,), **extra, **FAST_CONSUMER)
-    await consumer.start()
-    try:
-        consumer.subscribe(topics)
-        n, t0, c0 = 0, None, None
-        deadline = time.monotonic() + 600
-        while n < expected:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"fetch read only {n}/{expected} messages")
-            batch = await consumer.getmany(timeout_ms=250, max_records=5000)
-            for msgs in batch.values():
-                if msgs and t0 is None:
-                    t0, c0 = time.perf_counter(), time.process_time()
-                n += len(msgs)
-        t1, c1 = time.perf_counter(), time.process_time()
-    finally:
-        await consumer.stop()
-    return Run(n, t1 - t0, proc_cpu=c1 - c0)
 
 
 async def fetch_costs(bootstrap: str, topics: list[str], expected: int, repeats: int
