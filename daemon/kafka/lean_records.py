@@ -13,13 +13,16 @@ messages of the models benchmark's 1-model stream, ``getmany`` + ``orjson.loads`
 Past the wrapping, aiokafka still hands the records over one at a time: a Python generator
 steps through each record batch (an offset check, the position, a ``yield`` per record) and
 ``getall`` appends what it yields to a list, checking ``max_records`` per record. For a
-:data:`LEAN` consumer, ``getall`` instead takes the decoded records of a whole batch at once
-(``list(batch)``, aiokafka's C iteration) and slices them to ``max_records``
-(:func:`take_records`). The per-batch steps are aiokafka's own (CRC check, transaction
-aborts under ``read_committed``, control batches skipped, records before the fetch offset
-left out, the position after a batch at its ``next_offset``); what changes is that no Python
-code runs per record. Measured on the same stream: ``getmany`` took 1.5 to 1.7 us of CPU per
-message against 1.9 to 2.1 one record at a time (3 interleaved runs of 400,000 messages).
+:data:`LEAN` consumer, ``getall`` instead takes up to ``max_records`` decoded records of a batch
+in one C-level pass (``islice`` over the batch's own iterator, :func:`take_records`), so no
+Python code runs per record and, as with the generator, no record is decoded before it is
+taken. The per-batch steps are aiokafka's own (CRC check, transaction aborts under
+``read_committed``, control batches skipped, records before the fetch offset left out, the
+position after a batch at its ``next_offset``). aiokafka's unused generator is closed: left
+unstarted it forms a reference cycle with the records object and kept each fetch response's
+bytes until a cyclic collection (the memory-bound reliability test's peak RSS rose from about
+300 to 420 MiB until it was closed). The ingest section of docs/benchmarks.md measures
+``getmany`` alone three ways.
 
 A consumer opts in by taking :data:`LEAN` as its ``value_deserializer``: once :func:`install`
 has run, such a consumer gets the decoded records, a batch at a time; every other consumer of
@@ -36,6 +39,7 @@ headers.
 from __future__ import annotations
 
 import logging
+from itertools import islice
 from typing import Any
 
 log = logging.getLogger("lpcal.daemon")
@@ -57,6 +61,7 @@ class _Lean:
 LEAN = _Lean()
 
 _state: dict[str, Any] = {"installed": None}
+_END = object()  # a record iterator's sentinel: never a record
 
 #: what :func:`install` needs of aiokafka's ``PartitionRecords`` and ``FetchResult``
 _RECORDS_NEEDS = ("_consumer_record", "_consume_aborted_up_to", "_contains_abort_marker")
@@ -136,15 +141,16 @@ def install() -> bool:
 
 
 class _Cursor:
-    """Where a :data:`LEAN` consumer's ``PartitionRecords`` is: the current batch, its
-    records still to hand out (decoded, after the fetch offset) and the next one's index."""
+    """Where a :data:`LEAN` consumer's ``PartitionRecords`` is: the current batch and its
+    record iterator (aiokafka's C iterator: records are decoded as they are taken), and
+    whether records before the fetch offset may still come."""
 
-    __slots__ = ("batch", "done", "pos", "records")
+    __slots__ = ("batch", "done", "records", "skipping")
 
     def __init__(self) -> None:
         self.batch: Any = None
-        self.records: list = []
-        self.pos = 0
+        self.records: Any = None
+        self.skipping = False
         self.done = False
 
 
@@ -158,11 +164,19 @@ def take_records(pr: Any, max_records: int | None = None) -> tuple[list, bool]:
     handed out by it is skipped: the batch is fetched again), the aborted transactions under
     ``read_committed``, control batches skipped, records before the fetch offset left out;
     after a batch, the position is its ``next_offset`` (a batch whose last records were
-    compacted away is not fetched again). Then the batch's records are taken at once. As in
+    compacted away is not fetched again). The records are taken from the batch's iterator
+    in one ``islice`` per call and batch (C-level): no record is decoded before it is taken,
+    as with the generator, so a fetch's records are never all decoded at once. As in
     aiokafka's ``getall``, a ``max_records`` below 1 takes one record."""
     cur = getattr(pr, "_lean_cursor", None)
     if cur is None:
         cur = pr._lean_cursor = _Cursor()
+        # aiokafka's record generator, created with pr and never run here: closed, it lets go
+        # of pr (unstarted, its frame and pr form a cycle that only the cyclic collector
+        # frees, with the fetch response's bytes: MBs per fetch)
+        gen = getattr(pr, "_records_iterator", None)
+        if gen is not None:
+            gen.close()
     if cur.done:
         return [], True
     limit = None if max_records is None else max(1, int(max_records))
@@ -170,29 +184,33 @@ def take_records(pr: Any, max_records: int | None = None) -> tuple[list, bool]:
     out: list = []
     try:
         while True:
-            recs, pos = cur.records, cur.pos
-            if pos < len(recs):
-                want = len(recs) - pos
-                if limit is not None:
-                    want = min(want, limit - len(out))
-                part = recs if pos == 0 and want == len(recs) else recs[pos:pos + want]
+            if cur.records is None and not _next_batch(pr, cur):
+                cur.done = True
+                return out, True
+            want = None if limit is None else limit - len(out)
+            part = list(islice(cur.records, want))
+            got = len(part)
+            if cur.skipping and part:  # a batch that began before the fetch offset
+                fetch = pr.next_fetch_offset
+                if part[0].offset < fetch:
+                    part = [r for r in part if r.offset >= fetch]
+                cur.skipping = not part
+            if part:
                 if out:
                     out += part
                 else:
                     out = part
-                cur.pos = pos + want
                 pr.next_fetch_offset = out[-1].offset + 1
-                if limit is not None and len(out) >= limit:
-                    return out, False
-            if cur.batch is not None:  # every record of it handed out
+            if want is None or got < want:  # every record of the batch taken
                 pr.next_fetch_offset = cur.batch.next_offset
-                cur.batch, cur.records, cur.pos = None, [], 0
-            if not _next_batch(pr, cur):
-                cur.done = True
-                return out, True
+                cur.batch = cur.records = None
+                continue
+            if len(out) >= limit:  # type: ignore[operator]
+                return out, False
     except BaseException:
         pr.next_fetch_offset = start
-        cur.batch, cur.records, cur.pos, cur.done = None, [], 0, True
+        cur.batch = cur.records = None
+        cur.done = True
         raise
 
 
@@ -215,10 +233,8 @@ def _next_batch(pr: Any, cur: _Cursor) -> bool:
         if batch.is_control_batch:
             pr.next_fetch_offset = batch.next_offset
             continue
-        recs = list(batch)
-        fetch = pr.next_fetch_offset
-        if recs and recs[0].offset < fetch:  # a batch that began before the fetch offset
-            recs = [r for r in recs if r.offset >= fetch]
-        cur.batch, cur.records, cur.pos = batch, recs, 0
+        # the batch's own __next__ behind a callable iterator: islice asks its argument for
+        # an iterator at every call, and aiokafka's C batch allows __iter__ only once
+        cur.batch, cur.records, cur.skipping = batch, iter(iter(batch).__next__, _END), True
         return True
     return False

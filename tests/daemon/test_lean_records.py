@@ -203,3 +203,27 @@ async def test_a_corrupt_batch_raises_and_the_fetch_restarts_where_the_call_bega
     assert pr.next_fetch_offset == 4
     assert result.getall() == [] and not result.has_more()
     assert assignment.state_value(TP).position == 4
+
+
+async def test_used_up_records_are_freed_without_the_cyclic_collector():
+    """aiokafka creates its record generator with the records object; left unstarted, the two
+    form a cycle that holds the fetch response's bytes until a cyclic collection (the daemon
+    runs them rarely): the lean path closes it."""
+    import gc
+    import weakref
+
+    lean_records.install()
+    assignment = Assignment([TP])
+    assignment.state_value(TP).reset_to(0)
+    pr = fetcher.PartitionRecords(TP, MemoryRecords(_batches(0, False)), [], 0, None, LEAN,
+                                  True, 0)
+    result = fetcher.FetchResult(TP, assignment=assignment, partition_records=pr, backoff=0)
+    gone = weakref.ref(pr)
+    gc.disable()
+    try:
+        del pr
+        assert len(result.getall()) == 110 and not result.has_more()
+        del result
+        assert gone() is None
+    finally:
+        gc.enable()
