@@ -1,5 +1,5 @@
-"""Input records as aiokafka decodes them, without a ``ConsumerRecord`` per record, a batch at a
-time.
+"""Input records as aiokafka decodes them, without a ``ConsumerRecord`` per record, many at
+once.
 
 aiokafka's fetcher decodes each record of a fetched batch (offset, timestamp, key, value,
 headers; in C where it can), then wraps it in a ``ConsumerRecord`` (eleven fields, sizes and a
@@ -25,7 +25,7 @@ bytes until a cyclic collection (the memory-bound reliability test's peak RSS ro
 ``getmany`` alone three ways.
 
 A consumer opts in by taking :data:`LEAN` as its ``value_deserializer``: once :func:`install`
-has run, such a consumer gets the decoded records, a batch at a time; every other consumer of
+has run, such a consumer gets the decoded records, many at once; every other consumer of
 the process (bin-map and state readers, tests, benchmarks' plain reader) gets
 ``ConsumerRecord`` s one at a time as before. This reaches into aiokafka's internals, so it is
 written to degrade, never to break: if the internals it expects are not there (another
@@ -76,7 +76,7 @@ def installed() -> bool:
 
 
 def install() -> bool:
-    """Make aiokafka hand :data:`LEAN` consumers their decoded records, a batch at a time
+    """Make aiokafka hand :data:`LEAN` consumers their decoded records, many at once
     (idempotent). Returns False, leaving aiokafka untouched, where its internals are not the
     expected ones."""
     if _state["installed"] is not None:

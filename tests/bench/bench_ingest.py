@@ -48,8 +48,8 @@ consecutive polls that overlaps a running fit (target < 1 s), and the throughput
 and nothing else, CPU time of the process per message, three ways, alternating: aiokafka's
 default (a ``ConsumerRecord`` per message, one per step of its record generator), the decoded
 records one per generator step (the daemon's consumer before it took batches), and the
-daemon's consumer (:mod:`daemon.kafka.lean_records`: each record batch's decoded records at
-once); medians, as ratios to the default.
+daemon's consumer (:mod:`daemon.kafka.lean_records`: up to ``max_records`` decoded records of
+a record batch in one C-level pass); medians, as ratios to the default.
 
 **Offline offer cost** (:func:`offer_costs`, no broker, no parsing): CPU time of
 :meth:`daemon.model_state.ModelState.offer` alone (join, routing, pools or online calibrator,
@@ -271,7 +271,7 @@ async def _consumer_read(bootstrap: str, topics: list[str], expected: int, name:
 
 FETCH_KINDS = {"plain": "aiokafka default: a `ConsumerRecord` per message, one per generator step",
                "lean-one": "decoded records, one per generator step",
-               "lean": "decoded records, a record batch at a time (the daemon's consumer)"}
+               "lean": "decoded records, many of a record batch in one pass (the daemon's consumer)"}
 
 
 async def fetch_read(bootstrap: str, topics: list[str], expected: int, kind: str) -> Run:
