@@ -114,6 +114,11 @@ _getsizeof = sys.getsizeof
 #: compact ASCII strings: a fixed header and the terminator; tested)
 _ASCII_STR_BYTES = sys.getsizeof("")
 _isascii = str.isascii
+_F64 = np.dtype(np.float64)
+if EVICTION_REASONS != ("ttl", "capacity") or UNMATCHED_KINDS != ("late", "duplicate",
+                                                                 "orphan"):
+    raise ImportError("daemon.join builds the counters of an offer as literals of "
+                      "EVICTION_REASONS and UNMATCHED_KINDS, in this order")
 
 
 def largest_str_bytes(ids: Sequence[str]) -> int:
@@ -123,11 +128,6 @@ def largest_str_bytes(ids: Sequence[str]) -> int:
     if all(map(_isascii, ids)):
         return _ASCII_STR_BYTES + max(map(len, ids))
     return max(map(_getsizeof, ids))
-_F64 = np.dtype(np.float64)
-if EVICTION_REASONS != ("ttl", "capacity") or UNMATCHED_KINDS != ("late", "duplicate",
-                                                                 "orphan"):
-    raise ImportError("daemon.join builds the counters of an offer as literals of "
-                      "EVICTION_REASONS and UNMATCHED_KINDS, in this order")
 
 
 @dataclass

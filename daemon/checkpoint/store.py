@@ -23,8 +23,8 @@ model's checkpoint, zlib level 1 (what earlier versions wrote, behind :data:`ZLI
 of checkpoints) zlib took 5.0 s of CPU per checkpoint and the checkpoint paused consumption
 for 7 to 9 s.
 :func:`decode_value` reads all three forms (values without a prefix pass unchanged: manifests,
-small models and checkpoints of earlier versions). The local backend writes values as they are, one file per
-key with a bounded file name (see :class:`LocalCheckpointStore`).
+small models and checkpoints of earlier versions). The local backend writes values as they
+are, one file per key with a bounded file name (see :class:`LocalCheckpointStore`).
 
 Records fit the broker. The Kafka backend writes no record larger than
 ``max_record_bytes`` (``state.max_record_bytes``, default 1 MiB: a Kafka broker's default

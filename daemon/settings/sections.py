@@ -77,8 +77,8 @@ class KafkaSettings(Strict):
     whose default is 50 MiB): the consumer's buffer is about twice this per broker at most.
     At least ``max_partition_fetch_bytes``."""
     lean_records: bool = True
-    """Read input records as aiokafka decodes them, many of a record batch at once, without building
-    a ``ConsumerRecord`` per message (about a third of a plain aiokafka reader's CPU per
+    """Read input records as aiokafka decodes them, many of a record batch at once, without
+    building a ``ConsumerRecord`` per message (about a third of a plain aiokafka reader's CPU per
     message) or stepping aiokafka's record generator per message (see
     :mod:`daemon.kafka.lean_records`). Falls back to ``ConsumerRecord`` by itself on an
     aiokafka whose internals differ; false: always."""

@@ -269,9 +269,10 @@ async def _consumer_read(bootstrap: str, topics: list[str], expected: int, name:
     return Run(n, t1 - t0, proc_cpu=c1 - c0)
 
 
-FETCH_KINDS = {"plain": "aiokafka default: a `ConsumerRecord` per message, one per generator step",
-               "lean-one": "decoded records, one per generator step",
-               "lean": "decoded records, many of a record batch in one pass (the daemon's consumer)"}
+FETCH_KINDS = {
+    "plain": "aiokafka default: a `ConsumerRecord` per message, one per generator step",
+    "lean-one": "decoded records, one per generator step",
+    "lean": "decoded records, many of a record batch in one pass (the daemon's consumer)"}
 
 
 async def fetch_read(bootstrap: str, topics: list[str], expected: int, kind: str) -> Run:
@@ -315,9 +316,9 @@ def _fetch_lines(fetch: dict[str, list[Run]] | None, messages: int) -> list[str]
     cpu = {k: [r.proc_cpu / r.messages * 1e6 for r in rs] for k, rs in fetch.items()}
     base = statistics.median(cpu["plain"])
     lines = ["### Fetching records: `getmany` alone", "",
-             f"The {messages:,} messages above read with `getmany(max_records=5000)` and nothing "
-             f"else; process CPU per message, median of {len(cpu['plain'])} alternating "
-             "repetitions (fresh consumer group each).", "",
+             (f"The {messages:,} messages above read with `getmany(max_records=5000)` and "
+              f"nothing else; process CPU per message, median of {len(cpu['plain'])} "
+              "alternating repetitions (fresh consumer group each)."), "",
              "| records | CPU us / msg (median) | per repetition | of aiokafka's default |",
              "|---|---|---|---|"]
     for kind, what in FETCH_KINDS.items():

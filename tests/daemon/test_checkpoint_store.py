@@ -1,7 +1,8 @@
 """Checkpoint values on the state topic: large ones are zstd-compressed by the store (off the
 event loop), small ones and plain values of earlier versions pass unchanged, zlib values of
-earlier versions are read, corrupt ones are reported, not raised. The round trip through the real broker is covered by the integration
-and crash tests (they read the state topic with :func:`decode_value`)."""
+earlier versions are read, corrupt ones are reported, not raised. The round trip through the
+real broker is covered by the integration and crash tests (they read the state topic with
+:func:`decode_value`)."""
 
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ from aiokafka import TopicPartition
 from aiokafka.consumer import fetcher
 from aiokafka.consumer.subscription_state import Assignment
 from aiokafka.errors import CorruptRecordException
-from aiokafka.record.util import calc_crc32c
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.record.memory_records import MemoryRecords
+from aiokafka.record.util import calc_crc32c
 from aiokafka.structs import ConsumerRecord
 
 from daemon.kafka import lean_records

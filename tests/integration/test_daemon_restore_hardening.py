@@ -262,9 +262,11 @@ async def test_failing_assignment_is_retried_then_healthz_fails(deployment):
             await asyncio.wait_for(rd.task, 30)
 
 
-async def test_compression_bomb_on_the_state_topic_keeps_memory_bounded(deployment, broker, tmp_path):
+async def test_compression_bomb_on_the_state_topic_keeps_memory_bounded(deployment, broker,
+                                                                        tmp_path):
     """Records that inflate to 1 GiB each (1 MiB of zlib, the form of earlier versions, and
-    a zstd frame), under model keys and a manifest key; the daemon (a subprocess) becomes ready, counts them, and its peak RSS stays low."""
+    a zstd frame), under model keys and a manifest key; the daemon (a subprocess) becomes
+    ready, counts them, and its peak RSS stays low."""
     names = await deployment.topics(1)
     zeros = b"0" * (1 << 30)
     bomb = ZLIB + zlib.compress(zeros, 9)  # the form of earlier versions
