@@ -233,8 +233,15 @@ typedef struct {
     Py_ssize_t len, cap;
 } Groups;
 
-/* Row pos of the output is payload = (block, row) of an earlier batch. Consecutive rows of
- * one block share a group: the caller gathers each group with one fancy index. */
+/* Groups searched for a row's block before a new group is opened: outcomes arrive in about
+ * the order of their predictions, so a batch's rows come from a few recent blocks, and rows of
+ * two blocks alternate where their predictions overlapped in time. */
+#define GROUP_SEARCH 8
+
+/* Row pos of the output is payload = (block, row) of an earlier batch. Rows of one block
+ * share a group (the newest GROUP_SEARCH groups are searched, newest first): the caller
+ * gathers each group with one fancy index. Groups are in the order their blocks first
+ * appear, as the Python reference's. */
 static int
 add_to_group(Groups *gs, PyObject *payload, Py_ssize_t pos)
 {
@@ -243,7 +250,14 @@ add_to_group(Groups *gs, PyObject *payload, Py_ssize_t pos)
         return -1;
     }
     PyObject *blk = PyTuple_GET_ITEM(payload, 0);
-    if (!gs->len || gs->g[gs->len - 1].blk != blk) {
+    Py_ssize_t found = -1;
+    for (Py_ssize_t q = gs->len - 1; q >= 0 && q >= gs->len - GROUP_SEARCH; q--) {
+        if (gs->g[q].blk == blk) {
+            found = q;
+            break;
+        }
+    }
+    if (found < 0) {
         if (gs->len == gs->cap) {
             Py_ssize_t cap = gs->cap ? 2 * gs->cap : 8;
             Group *g = PyMem_Realloc(gs->g, (size_t)cap * sizeof(Group));
@@ -255,9 +269,10 @@ add_to_group(Groups *gs, PyObject *payload, Py_ssize_t pos)
             gs->cap = cap;
         }
         memset(&gs->g[gs->len], 0, sizeof(Group));
-        gs->g[gs->len++].blk = Py_NewRef(blk);
+        gs->g[gs->len].blk = Py_NewRef(blk);
+        found = gs->len++;
     }
-    Group *g = &gs->g[gs->len - 1];
+    Group *g = &gs->g[found];
     if (push_i64(&g->pos, pos) < 0)
         return -1;
     return push_long(&g->row, PyTuple_GET_ITEM(payload, 1));

@@ -283,6 +283,31 @@ one_kind_batches = st.lists(
 
 
 @needs_c
+@pytest.mark.parametrize("blocks", [2, 8, 9, 20])
+def test_outcomes_over_many_earlier_blocks_gather_the_same_rows_in_c_and_python(blocks):
+    """Outcomes whose predictions came in many earlier batches (each batch's pending rows are
+    one block), in an order that cycles over the blocks: the C loop groups rows by block
+    (searching its newest groups) and gathers the same rows, in the same order, as the Python
+    reference, also past the number of groups it searches."""
+    per = 5
+
+    def script(store):
+        out = []
+        for b in range(blocks):
+            offer(store, [(P, f"e{b * per + i}", float(b), -1) for i in range(per)])
+        # outcome j of the cycle: the j-th prediction of every block in turn
+        events = [(O, f"e{b * per + i}", float(blocks), (b + i) % K)
+                  for i in range(per) for b in range(blocks)]
+        r = offer(store, events)
+        out.append((r.ids, r.labels.tolist(), r.probs.tolist(), store.to_dict()))
+        return out
+
+    c, _ = _both((10_000, 100.0), {}, script)
+    want = [row(b * per + i) for i in range(per) for b in range(blocks)]
+    assert script(JoinStore(10_000, 100.0))[0][2] == want
+
+
+@needs_c
 @settings(max_examples=150, deadline=None)
 @given(one_kind_batches, st.integers(1, 6))
 def test_one_kind_batches_join_alike_in_c_and_python(batches, recent):
