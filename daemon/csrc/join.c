@@ -235,7 +235,11 @@ typedef struct {
 
 /* Groups searched for a row's block before a new group is opened: outcomes arrive in about
  * the order of their predictions, so a batch's rows come from a few recent blocks, and rows of
- * two blocks alternate where their predictions overlapped in time. */
+ * two blocks alternate where their predictions overlapped in time. Measured on the ingest
+ * benchmark's stream (batches of 2,500 events, outcomes 5 s after their predictions with
+ * jitter): a new group at every change of block made 78 to 102 groups per batch of outcomes,
+ * searching makes 2; the join's CPU per message, in-process A/B of the two builds over 12
+ * alternating runs, 0.489 -> 0.441 us (median ratio 0.88). */
 #define GROUP_SEARCH 8
 
 /* Row pos of the output is payload = (block, row) of an earlier batch. Rows of one block
