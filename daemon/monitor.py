@@ -91,7 +91,7 @@ import numpy as np
 
 from daemon.drift import ChangeDetector
 from lpcal.errors import InputError
-from lpcal.levels import HashCollision, bin_rows, run_starts
+from lpcal.levels import HashCollision, bin_rows, pairs_agree, run_starts
 from lpcal.metrics import Estimate, binned_sq_error, l2_of_squared
 from lpcal.metrics import lp_norm as _lp_norm
 
@@ -379,7 +379,7 @@ def _segments(r: _Rows, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     inv = np.empty(n, dtype=np.int64)
     inv[order] = gid
     first = order[new]
-    if first.size != n and not np.array_equal(r.pair[first][inv], r.pair):
+    if first.size != n and not pairs_agree(r.pair, first, inv):
         raise HashCollision("two distinct bins share a 64-bit hash")
     starts = np.searchsorted(ss[new], np.arange(nseg + 1))
     return inv, hs[new], starts, seg

@@ -46,6 +46,7 @@ from lpcal.levels import (
     decode_keys,
     encode_keys,
     group_rows,
+    pairs_agree,
     row_hash,
     run_starts,
     scan_rows,
@@ -881,7 +882,7 @@ def tables_from_rows(probs: np.ndarray, labels: np.ndarray, assign: np.ndarray, 
     if sel.size < assign.size:
         h, pair = h[sel], pair[sel]
     uh, first, inv = _unique_first(h)
-    if not np.array_equal(pair[first][inv], pair):
+    if not pairs_agree(pair, first, inv):
         raise HashCollision("two distinct bins share a 64-bit hash")
     m = uh.size
     key = (assign[sel].astype(np.int64) * m + inv) * k + np.asarray(labels)[sel]

@@ -11,15 +11,19 @@ from hypothesis import strategies as st
 from lpcal.errors import InputError
 from lpcal.levels import (
     BinIndex,
+    HashCollision,
     beta_for,
     bin_counts,
+    bin_rows,
     decode_key,
     encode_key,
     encode_keys,
+    group_hashed,
     is_level_set,
     lambda_for,
     level_set_bound,
     level_set_count,
+    pairs_agree,
     rho,
     round_down,
 )
@@ -166,3 +170,27 @@ def test_run_starts_marks_the_first_element_of_each_run():
     sk = np.sort(rng.integers(0, 50, size=1000))
     _, first = np.unique(sk, return_index=True)
     assert np.array_equal(np.flatnonzero(run_starts(sk)), first)
+
+
+def test_pairs_agree_finds_any_row_whose_exact_hashes_differ_from_its_group():
+    """The collision check: every row's two exact hashes against its group's first row's,
+    the answer of ``np.array_equal(pair[first][inv], pair)``; a grouping by the folded hash
+    that puts two distinct bins together raises ``HashCollision``."""
+    rng = np.random.default_rng(5)
+    c = rng.integers(0, 3, size=(300, 6))
+    _, h, pair = bin_rows(c / 10.0, 10)
+    uh, first, inv = group_hashed(h, pair)
+    assert uh.size < h.size and pairs_agree(pair, first, inv)
+    shared = np.flatnonzero(np.bincount(inv)[inv] > 1)   # rows of groups of two or more
+    later = shared[first[inv[shared]] != shared]          # not their group's first row
+    for row in (int(later[0]), int(later[-1]), int(first[inv[later[0]]])):
+        for col in (0, 1):
+            bad = pair.copy()
+            bad[row, col] += 1.0
+            assert not pairs_agree(bad, first, inv)
+            assert not np.array_equal(bad[first][inv], bad)
+    h2 = h.copy()  # two distinct bins forced under one folded hash
+    j = int(np.flatnonzero(~np.all(pair == pair[0], axis=1))[0])
+    h2[j] = h2[0]
+    with pytest.raises(HashCollision):
+        group_hashed(h2, pair)
