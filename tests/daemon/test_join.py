@@ -302,7 +302,7 @@ def test_outcomes_over_many_earlier_blocks_gather_the_same_rows_in_c_and_python(
         out.append((r.ids, r.labels.tolist(), r.probs.tolist(), store.to_dict()))
         return out
 
-    c, _ = _both((10_000, 100.0), {}, script)
+    _both((10_000, 100.0), {}, script)
     want = [row(b * per + i) for i in range(per) for b in range(blocks)]
     assert script(JoinStore(10_000, 100.0))[0][2] == want
 
