@@ -379,7 +379,7 @@ def _segments(r: _Rows, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     inv = np.empty(n, dtype=np.int64)
     inv[order] = gid
     first = order[new]
-    if first.size != n and not pairs_agree(r.pair, first, inv):
+    if not pairs_agree(r.pair, first, inv):
         raise HashCollision("two distinct bins share a 64-bit hash")
     starts = np.searchsorted(ss[new], np.arange(nseg + 1))
     return inv, hs[new], starts, seg

@@ -189,6 +189,8 @@ def test_pairs_agree_finds_any_row_whose_exact_hashes_differ_from_its_group():
             bad[row, col] += 1.0
             assert not pairs_agree(bad, first, inv)
             assert not np.array_equal(bad[first][inv], bad)
+    ones = np.arange(5)  # every row its own group: nothing to compare
+    assert pairs_agree(pair[:5], ones, ones)
     h2 = h.copy()  # two distinct bins forced under one folded hash
     j = int(np.flatnonzero(~np.all(pair == pair[0], axis=1))[0])
     h2[j] = h2[0]
